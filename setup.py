@@ -1,0 +1,11 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="transformer_engine_compile",
+    version="0.1.0",
+    description="Quantized (FP8, MXFP8, FP8-blockwise, NVFP4) training layers for torch.compile",
+    packages=find_packages(include=["transformer_engine_compile", "transformer_engine_compile.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.11"],
+    extras_require={"test": ["pytest", "pytest-xdist"], "gpu": ["triton"]},
+)

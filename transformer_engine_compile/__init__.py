@@ -1,0 +1,32 @@
+"""transformer_engine_compile: quantized training layers that run under
+``torch.compile(fullgraph=True)``.
+
+Public API: recipes (``recipe``), ``autocast`` / ``fp8_autocast``, the
+quantizers and quantized tensors of every format, ``TensorProto``.
+"""
+
+from . import recipe
+from .autocast import (autocast, fp8_autocast, get_autocast_recipe, is_autocast_enabled)
+from .dynamo.opaque import compile_support, is_value_opaque, register_value_opaque_quantizer
+from .dynamo.tensor_proto import TensorProto, to_tensor_proto
+from .quantization import (Float8BlockQuantizer, Float8BlockwiseQTensor,
+                           Float8BlockwiseQTensorStorage, Float8CurrentScalingQuantizer,
+                           Float8Quantizer, Float8Tensor, Float8TensorStorage, MXFP8Quantizer,
+                           MXFP8Tensor, MXFP8TensorStorage, NVFP4Quantizer, NVFP4Tensor,
+                           NVFP4TensorStorage, QuantizedTensor, QuantizedTensorStorage, Quantizer,
+                           update_delayed_scaling)
+from .quantization.factory import quantizer_for
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "recipe", "autocast", "fp8_autocast", "get_autocast_recipe", "is_autocast_enabled",
+    "compile_support", "is_value_opaque", "register_value_opaque_quantizer",
+    "TensorProto", "to_tensor_proto", "quantizer_for",
+    "Quantizer", "QuantizedTensorStorage", "QuantizedTensor",
+    "Float8Quantizer", "Float8CurrentScalingQuantizer", "Float8TensorStorage", "Float8Tensor",
+    "update_delayed_scaling",
+    "MXFP8Quantizer", "MXFP8TensorStorage", "MXFP8Tensor",
+    "Float8BlockQuantizer", "Float8BlockwiseQTensorStorage", "Float8BlockwiseQTensor",
+    "NVFP4Quantizer", "NVFP4TensorStorage", "NVFP4Tensor",
+]

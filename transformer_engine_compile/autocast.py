@@ -1,0 +1,69 @@
+"""Which recipe is active: ``te.autocast`` and its alias ``te.fp8_autocast``.
+
+State lives in class attributes of ``_State``.  Compiled code that reads it
+gets guards (a change of recipe recompiles), and entering the context
+manager inside a compiled function traces without a graph break: Dynamo
+replays the attribute writes as side effects.
+"""
+
+from __future__ import annotations
+
+from .recipe import Float8CurrentScaling, Recipe
+
+
+class _State:
+    enabled = False
+    recipe = None
+    amax_reduction_group = None
+
+
+def default_recipe() -> Recipe:
+    """Recipe used by ``autocast(enabled=True)`` without one (compile-friendly)."""
+    return Float8CurrentScaling()
+
+
+class autocast:  # noqa: N801 - mirrors torch.autocast / te.autocast
+    """Quantize ``te`` layers under ``recipe`` inside the block; nesting restores.
+
+    ``autocast(enabled=False)`` inside an enabled block turns quantization off
+    for the inner block only.
+    """
+
+    def __init__(self, enabled: bool = True, recipe: Recipe | None = None,
+                 amax_reduction_group=None):
+        if recipe is not None and not isinstance(recipe, Recipe):
+            raise TypeError(f"recipe must be a transformer_engine_compile.recipe.Recipe, "
+                            f"got {type(recipe).__name__}")
+        self.enabled = bool(enabled)
+        self.recipe = recipe if recipe is not None else default_recipe()
+        self.amax_reduction_group = amax_reduction_group
+        self._saved = None
+
+    def __enter__(self):
+        self._saved = (_State.enabled, _State.recipe, _State.amax_reduction_group)
+        _State.enabled = self.enabled
+        _State.recipe = self.recipe
+        _State.amax_reduction_group = self.amax_reduction_group
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        _State.enabled, _State.recipe, _State.amax_reduction_group = self._saved
+        return False
+
+
+def fp8_autocast(enabled: bool = True, fp8_recipe: Recipe | None = None, fp8_group=None):
+    """Transformer Engine's older name for :class:`autocast`."""
+    return autocast(enabled=enabled, recipe=fp8_recipe, amax_reduction_group=fp8_group)
+
+
+def is_autocast_enabled() -> bool:
+    return _State.enabled
+
+
+def get_autocast_recipe() -> Recipe | None:
+    """The active recipe, or None when quantization is off."""
+    return _State.recipe if _State.enabled else None
+
+
+def get_amax_reduction_group():
+    return _State.amax_reduction_group if _State.enabled else None

@@ -1,0 +1,74 @@
+"""Every difference between supported torch versions lives here.
+
+Supported: torch 2.11 to 2.13 (``register_opaque_type`` with ``typ="value"``),
+and newer torch where the API is renamed ``register_custom_class`` with
+``typ="constant"``.  On a torch with neither, eager mode keeps working and
+:data:`OPAQUE_UNAVAILABLE_REASON` says why compile support is off.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # torch >= 2.11 (private module in every supported release)
+    from torch._library import opaque_object as _opaque_mod
+except ImportError:  # pragma: no cover - torch without opaque objects
+    _opaque_mod = None
+
+try:
+    from torch._opaque_base import OpaqueBase  # 2.11 requires it for value types
+except ImportError:  # pragma: no cover
+    class OpaqueBase:  # type: ignore[no-redef]
+        """Stand-in base class on a torch without opaque objects."""
+
+
+TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def _find_register():
+    """Return ``(register(cls, members), reason)``; reason is None when usable."""
+    if _opaque_mod is None:
+        return None, f"torch {torch.__version__} has no torch._library.opaque_object"
+    member_type = getattr(_opaque_mod, "MemberType", None)
+    new = getattr(_opaque_mod, "register_custom_class", None)
+    old = getattr(_opaque_mod, "register_opaque_type", None)
+    if member_type is None or (new is None and old is None):
+        return None, (
+            f"torch {torch.__version__} lacks register_opaque_type/register_custom_class "
+            "with MemberType"
+        )
+
+    def register(cls, members):
+        member_map = {m: member_type.USE_REAL for m in members}
+        if new is not None:  # newer torch: renamed, value types are "constant"
+            new(cls, typ="constant", members=member_map)
+        else:
+            old(cls, typ="value", members=member_map)
+
+    return register, None
+
+
+_REGISTER, OPAQUE_UNAVAILABLE_REASON = _find_register()
+
+
+def register_value_type(cls, members) -> bool:
+    """Register ``cls`` as a value-typed opaque class; False when unsupported."""
+    if _REGISTER is None:
+        return False
+    _REGISTER(cls, members)
+    return True
+
+
+def opaque_type_name(cls) -> str:
+    """Schema type name of a registered opaque class (for ``"<name>? q"``)."""
+    if _opaque_mod is None:
+        raise RuntimeError(OPAQUE_UNAVAILABLE_REASON)
+    getter = getattr(_opaque_mod, "get_opaque_type_name", None)
+    if getter is None:  # pragma: no cover - renamed API only
+        getter = getattr(_opaque_mod, "get_custom_class_name")
+    return getter(cls)
+
+
+def is_compiling() -> bool:
+    """True while Dynamo traces (torch.compiler.is_compiling on all versions)."""
+    return torch.compiler.is_compiling()

@@ -1,0 +1,107 @@
+"""TensorProto: a data-free prototype of a plain or quantized tensor.
+
+A proto knows shape, dtype, quantizer (a private copy), requires_grad and
+device.  It names the inner buffers in flatten order, builds the flatten
+metadata, and materialises the tensor in pure Python (``torch.empty`` per
+buffer, then the storage constructor), so it traces under
+``torch.compile(fullgraph=True)`` and works under ``FakeTensorMode``: fake
+impls of custom ops compute on protos.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from ..quantization.base import QuantizedTensorStorage, Quantizer
+
+
+def contiguous_stride(shape) -> tuple:
+    stride, acc = [], 1
+    for size in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+@dataclasses.dataclass
+class TensorProto:
+    shape: tuple
+    dtype: torch.dtype
+    quantizer: Any = None
+    requires_grad: bool = False
+    device: Any = None
+
+    def __post_init__(self):
+        self.shape = tuple(self.shape)
+        if self.quantizer is not None:
+            if not isinstance(self.quantizer, Quantizer):
+                raise TypeError(f"TensorProto.quantizer must be a Quantizer, "
+                                f"got {type(self.quantizer).__name__}")
+            self.quantizer = self.quantizer.copy()  # never mutate the caller's
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.quantizer is not None
+
+    def stride(self) -> tuple:
+        return contiguous_stride(self.shape)
+
+    def update_usage(self, rowwise: bool | None = None, columnwise: bool | None = None):
+        """Change which copies the quantized tensor has (private quantizer only)."""
+        if self.quantizer is None:
+            raise ValueError("update_usage on a non-quantized TensorProto")
+        self.quantizer = self.quantizer.with_usage(rowwise=rowwise, columnwise=columnwise)
+        return self
+
+    def buffer_descs(self) -> dict:
+        """name -> BufferDesc, validated against the storage's declaration."""
+        if self.quantizer is None:
+            raise ValueError("buffer_descs on a non-quantized TensorProto")
+        descs = self.quantizer.describe_buffers(self.shape)
+        storage = self.quantizer.storage_cls
+        declared = [s.name for s in storage._BUFFERS]
+        names = list(descs)
+        if any(n not in declared for n in names) or [n for n in declared if n in names] != names:
+            raise ValueError(
+                f"{type(self.quantizer).__name__} describes buffers {names}, which are not "
+                f"in {storage.__name__}'s declared flatten order {declared}")
+        return descs
+
+    def inner_names(self) -> list:
+        """Inner buffer names in flatten order (``[]`` for a plain tensor)."""
+        return [] if self.quantizer is None else list(self.buffer_descs())
+
+    def create_metadata(self):
+        """Flatten ctx (QuantizedMeta) of the tensor this proto describes."""
+        if self.quantizer is None:
+            raise ValueError("create_metadata on a non-quantized TensorProto")
+        return self.quantizer.create_metadata(self.shape, self.dtype, self.requires_grad)
+
+    def create_tensor(self):
+        """Allocate the tensor (uninitialised buffers); traceable, fake-safe."""
+        if self.quantizer is None:
+            return torch.empty(self.shape, dtype=self.dtype, device=self.device,
+                               requires_grad=self.requires_grad)
+        buffers = {
+            name: torch.empty(desc.shape, dtype=desc.dtype, device=self.device)
+            for name, desc in self.buffer_descs().items()
+        }
+        return self.create_metadata().build(self.shape, buffers)
+
+
+def to_tensor_proto(t) -> TensorProto:
+    """Proto of a plain tensor, a quantized storage or a quantized wrapper."""
+    if isinstance(t, QuantizedTensorStorage):
+        if t._quantizer is None:
+            raise ValueError(f"{type(t).__name__} carries no quantizer; cannot describe it")
+        usages = t.get_usages()
+        q = t._quantizer.with_usage(rowwise=usages["rowwise"], columnwise=usages["columnwise"])
+        q.internal = not isinstance(t, torch.Tensor)
+        requires_grad = isinstance(t, torch.Tensor) and t.requires_grad
+        return TensorProto(tuple(t.shape), t.dtype, q, requires_grad, t.device)
+    if isinstance(t, torch.Tensor):
+        return TensorProto(tuple(t.shape), t.dtype, None, t.requires_grad, t.device)
+    raise TypeError(f"to_tensor_proto: expected a tensor or quantized storage, got {type(t).__name__}")

@@ -1,0 +1,284 @@
+"""Reference numerics of every format in plain torch (CPU and GPU).
+
+This module *defines* what each format computes; any faster kernel must
+return the same buffers.  All functions take an (M, K) view, compute in
+fp32, never synchronise with the host and never branch on data in Python.
+
+Non-finite policy (docs/formats.md): NaN/Inf never turn finite.  Per-tensor
+and FP8-blockwise scales fall back to 1 when their amax is not finite (the
+NaN/Inf elements become NaN, finite ones saturate); MXFP8 and NVFP4 give
+such a block a NaN scale, so the whole block reads back NaN (OCP MX rule).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+FP8_DTYPE = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+FP32_MAX = torch.finfo(torch.float32).max
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+MX_BLOCK = 32
+FP8_BLOCK = 128
+NVFP4_BLOCK = 16
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# random sign vector of the NVFP4 random Hadamard transform (fixed, like the
+# transform itself, so quantization is deterministic and reproducible)
+RHT_SIGNS = (1, -1, -1, 1, -1, 1, 1, 1, -1, -1, 1, -1, 1, 1, -1, -1)
+
+
+# -- scales ----------------------------------------------------------------------
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as a 0-dim fp32 tensor (0 for an empty tensor; NaN propagates)."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    return x.detach().abs().amax().float()
+
+
+def compute_scale(amax_: torch.Tensor, fmt_max: float, margin: int = 0,
+                  pow2: bool = False) -> torch.Tensor:
+    """scale = fmt_max / amax * 2^-margin; 1 where amax is 0 or not finite,
+    fp32 max where the ratio overflows; optionally rounded down to 2^n."""
+    amax_ = amax_.float()
+    scale = (fmt_max / amax_) * (2.0 ** -margin)
+    scale = torch.where(torch.isinf(scale), torch.full_like(scale, FP32_MAX), scale)
+    scale = torch.where((amax_ > 0) & torch.isfinite(amax_), scale, torch.ones_like(scale))
+    if pow2:
+        _, exp = torch.frexp(scale)
+        scale = torch.ldexp(torch.full_like(scale, 0.5), exp)
+    return scale
+
+
+def cast_fp8(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Saturating cast of x * scale; ±Inf inputs become NaN, NaN stays NaN."""
+    fmax = FP8_MAX[fmt]
+    y = (x.float() * scale).clamp(-fmax, fmax)
+    y = torch.where(torch.isinf(x), torch.full_like(y, float("nan")), y)
+    return y.to(FP8_DTYPE[fmt])
+
+
+# -- FP8 per-tensor ----------------------------------------------------------------
+def quantize_fp8_tensorwise(x2d, scale, fmt, rowwise, columnwise) -> dict:
+    """data (M, K) and/or transpose (K, M) with one fp32 scale; scale_inv = 1/scale."""
+    scale = scale.reshape(1).float()
+    out = {}
+    if rowwise:
+        out["data"] = cast_fp8(x2d, scale, fmt)
+    if columnwise:
+        out["transpose"] = cast_fp8(x2d.t(), scale, fmt).contiguous()
+    out["scale_inv"] = torch.reciprocal(scale)
+    return out
+
+
+def dequantize_fp8_tensorwise(data, scale_inv) -> torch.Tensor:
+    return data.float() * scale_inv.float()
+
+
+# -- MXFP8 -----------------------------------------------------------------------------
+def mx_biased_exponent(block_amax: torch.Tensor, fmt: str) -> torch.Tensor:
+    """E8M0 scale (biased exponent, uint8) of each block: the smallest power of
+    two 2^e with amax / 2^e <= fmt max; 0 for an all-zero block, 255 (NaN)
+    for a block with NaN/Inf."""
+    mant, exp = torch.frexp(block_amax.float())
+    max_mant, max_exp = math.frexp(FP8_MAX[fmt])
+    e = exp - max_exp + (mant > max_mant).to(exp.dtype)
+    e = torch.where(block_amax > 0, e, torch.full_like(e, -127)).clamp(-127, 127)
+    biased = e + 127
+    biased = torch.where(torch.isfinite(block_amax), biased, torch.full_like(biased, 255))
+    return biased.to(torch.uint8)
+
+
+def e8m0_to_float(biased: torch.Tensor) -> torch.Tensor:
+    """Decode E8M0: 2^(b - 127), NaN for 255."""
+    b = biased.to(torch.int32)
+    val = torch.ldexp(torch.ones(b.shape, dtype=torch.float32, device=b.device), b - 127)
+    return torch.where(b == 255, torch.full_like(val, float("nan")), val)
+
+
+def _mx_encode(blocks: torch.Tensor, block_amax: torch.Tensor, fmt: str, dim: int):
+    biased = mx_biased_exponent(block_amax, fmt)
+    b = biased.to(torch.int32).clamp(max=254)  # NaN blocks: any scale, read back NaN
+    inv = torch.ldexp(torch.ones(b.shape, dtype=torch.float32, device=b.device), 127 - b)
+    return cast_fp8(blocks, inv.unsqueeze(dim), fmt), biased
+
+
+def quantize_mxfp8(x2d, fmt, rowwise, columnwise) -> dict:
+    """Blocks of 32 along K (rowwise) or along M (columnwise), E8M0 scales."""
+    m, k = x2d.shape
+    xf = x2d.float()
+    out = {}
+    if rowwise:
+        blocks = xf.reshape(m, k // MX_BLOCK, MX_BLOCK)
+        data, biased = _mx_encode(blocks, blocks.abs().amax(-1), fmt, -1)
+        out["rowwise_data"], out["rowwise_scale_inv"] = data.reshape(m, k), biased
+    if columnwise:
+        blocks = xf.reshape(m // MX_BLOCK, MX_BLOCK, k)
+        data, biased = _mx_encode(blocks, blocks.abs().amax(1), fmt, 1)
+        out["columnwise_data"], out["columnwise_scale_inv"] = data.reshape(m, k), biased
+    return out
+
+
+def dequantize_mxfp8(data2d, biased, rowwise: bool) -> torch.Tensor:
+    scale = e8m0_to_float(biased)
+    scale = scale.repeat_interleave(MX_BLOCK, dim=1 if rowwise else 0)
+    return data2d.float() * scale
+
+
+# -- FP8 blockwise -------------------------------------------------------------------
+def _expand_blocks(scale: torch.Tensor, bm: int, bk: int) -> torch.Tensor:
+    return scale.repeat_interleave(bm, dim=0).repeat_interleave(bk, dim=1)
+
+
+def _block_1d(x2d, fmt, pow2, eps):
+    m, k = x2d.shape
+    blocks = x2d.float().reshape(m, k // FP8_BLOCK, FP8_BLOCK)
+    bamax = torch.clamp_min(blocks.abs().amax(-1), eps) if eps > 0 else blocks.abs().amax(-1)
+    scale = compute_scale(bamax, FP8_MAX[fmt], pow2=pow2)
+    data = cast_fp8(blocks, scale.unsqueeze(-1), fmt).reshape(m, k)
+    return data, torch.reciprocal(scale)
+
+
+def quantize_fp8_blockwise(x2d, fmt, block_2d, pow2, eps, rowwise, columnwise) -> dict:
+    """1x128 tiles (activations, gradients) or 128x128 blocks (weights); fp32
+    scale_inv.  The columnwise copy is the transposed data (K, M), quantized
+    along M (1D) or the transposed rowwise copy (2D, same blocks)."""
+    out = {}
+    if block_2d:
+        m, k = x2d.shape
+        blocks = x2d.float().reshape(m // FP8_BLOCK, FP8_BLOCK, k // FP8_BLOCK, FP8_BLOCK)
+        bamax = blocks.abs().amax(dim=(1, 3))
+        if eps > 0:
+            bamax = torch.clamp_min(bamax, eps)
+        scale = compute_scale(bamax, FP8_MAX[fmt], pow2=pow2)
+        data = cast_fp8(x2d, _expand_blocks(scale, FP8_BLOCK, FP8_BLOCK), fmt)
+        scale_inv = torch.reciprocal(scale)
+        if rowwise:
+            out["rowwise_data"], out["rowwise_scale_inv"] = data, scale_inv
+        if columnwise:
+            out["columnwise_data"] = data.t().contiguous()
+            out["columnwise_scale_inv"] = scale_inv.t().contiguous()
+        return out
+    if rowwise:
+        out["rowwise_data"], out["rowwise_scale_inv"] = _block_1d(x2d, fmt, pow2, eps)
+    if columnwise:
+        out["columnwise_data"], out["columnwise_scale_inv"] = _block_1d(x2d.t(), fmt, pow2, eps)
+    return out
+
+
+def dequantize_fp8_blockwise(data2d, scale_inv, block_2d: bool) -> torch.Tensor:
+    """Dequantize one copy in its stored orientation."""
+    bm = FP8_BLOCK if block_2d else 1
+    return data2d.float() * _expand_blocks(scale_inv, bm, FP8_BLOCK)
+
+
+# -- NVFP4 ------------------------------------------------------------------------------
+def _e2m1_grid(device) -> torch.Tensor:
+    return torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=device)
+
+
+def round_to_e2m1(v: torch.Tensor, stochastic: bool = False) -> torch.Tensor:
+    """4-bit E2M1 codes (sign in bit 3) of v, saturating at ±6.  Round to
+    nearest, ties to even; or stochastic rounding between the two neighbours."""
+    a = torch.nan_to_num(v.abs(), nan=0.0).clamp(max=E2M1_MAX)
+    if stochastic:
+        grid = _e2m1_grid(v.device)
+        lo = (torch.searchsorted(grid, a.contiguous(), right=True) - 1).clamp(0, 7)
+        hi = (lo + 1).clamp(max=7)
+        gap = grid[hi] - grid[lo]
+        p = torch.where(gap > 0, (a - grid[lo]) / torch.where(gap > 0, gap, 1.0), 0.0)
+        code = lo + (torch.rand_like(a) < p).to(lo.dtype)
+    else:
+        code = ((a > 0.25).int() + (a >= 0.75).int() + (a > 1.25).int() + (a >= 1.75).int()
+                + (a > 2.5).int() + (a >= 3.5).int() + (a > 5.0).int())
+    code = code + 8 * (v < 0).to(code.dtype)
+    return code.to(torch.uint8)
+
+
+def e2m1_to_float(codes: torch.Tensor) -> torch.Tensor:
+    grid = _e2m1_grid(codes.device)
+    c = codes.long()
+    mag = grid[c & 7]
+    return torch.where((c & 8) != 0, -mag, mag)
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """Two codes per byte along the last dim: even element in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    low, high = packed & 0x0F, packed >> 4
+    return torch.stack((low, high), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def rht_matrix(device=None) -> torch.Tensor:
+    """16x16 orthonormal random Hadamard transform T = H16 · diag(signs) / 4."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < NVFP4_BLOCK:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    signs = torch.tensor(RHT_SIGNS, dtype=torch.float32)
+    return (h * signs / 4.0).to(device)
+
+
+def apply_rht(rows: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Transform each run of 16 consecutive elements of the last dim."""
+    r, c = rows.shape
+    t = rht_matrix(rows.device)
+    chunks = rows.float().reshape(r, c // NVFP4_BLOCK, NVFP4_BLOCK)
+    out = chunks @ (t if inverse else t.t())
+    return out.reshape(r, c)
+
+
+def nvfp4_global_scale(amax_: torch.Tensor) -> torch.Tensor:
+    """Per-tensor encode scale 6*448/amax (same edge cases as compute_scale)."""
+    return compute_scale(amax_, E2M1_MAX * E4M3_MAX)
+
+
+def _nvfp4_rows(x2d, amax_, block_2d: bool, stochastic: bool):
+    """Quantize along the last dim in blocks of 16 (or 16x16 tiles)."""
+    m, k = x2d.shape
+    g = nvfp4_global_scale(amax_)
+    xf = x2d.float()
+    if block_2d:
+        tiles = xf.reshape(m // NVFP4_BLOCK, NVFP4_BLOCK, k // NVFP4_BLOCK, NVFP4_BLOCK)
+        bamax = tiles.abs().amax(dim=(1, 3)).repeat_interleave(NVFP4_BLOCK, dim=0)
+    else:
+        bamax = xf.reshape(m, k // NVFP4_BLOCK, NVFP4_BLOCK).abs().amax(-1)
+    s = bamax / E2M1_MAX * g
+    s = torch.where(torch.isfinite(s), s.clamp(max=E4M3_MAX), torch.full_like(s, float("nan")))
+    s_q = s.to(torch.float8_e4m3fn)
+    s_f = s_q.float()
+    enc = torch.where(s_f > 0, g / torch.where(s_f > 0, s_f, 1.0), torch.zeros_like(s_f))
+    v = xf.reshape(m, k // NVFP4_BLOCK, NVFP4_BLOCK) * enc.unsqueeze(-1)
+    codes = round_to_e2m1(v.reshape(m, k), stochastic)
+    return pack_fp4(codes), s_q
+
+
+def quantize_nvfp4(x2d, block_2d, rht, stochastic, rowwise, columnwise) -> dict:
+    """E2M1 packed data, E4M3 block decode scales, fp32 amax per copy.  The
+    columnwise copy is the transposed tensor (K, M), optionally transformed by
+    the RHT along M (its amax is taken after the transform)."""
+    out = {}
+    if rowwise:
+        a = amax(x2d)
+        out["rowwise_data"], out["rowwise_scale_inv"] = _nvfp4_rows(x2d, a, block_2d, stochastic)
+        out["rowwise_amax"] = a.reshape(1)
+    if columnwise:
+        xt = x2d.t()
+        if rht:
+            xt = apply_rht(xt)
+        a = amax(xt)
+        out["columnwise_data"], out["columnwise_scale_inv"] = _nvfp4_rows(xt, a, block_2d, stochastic)
+        out["columnwise_amax"] = a.reshape(1)
+    return out
+
+
+def dequantize_nvfp4(packed, scale_q, amax_) -> torch.Tensor:
+    """Dequantize one copy in its stored orientation (no inverse RHT)."""
+    vals = e2m1_to_float(unpack_fp4(packed))
+    r, c = vals.shape
+    dec = scale_q.float() / nvfp4_global_scale(amax_.reshape(()))
+    return (vals.reshape(r, c // NVFP4_BLOCK, NVFP4_BLOCK) * dec.unsqueeze(-1)).reshape(r, c)

@@ -1,0 +1,346 @@
+"""Quantizer, storage and wrapper-tensor base classes shared by every format.
+
+A format is three classes:
+
+* a **quantizer** (configuration: format options and which usages to make),
+* a **storage** (plain Python object holding the inner buffers), whose class
+  declares its buffers once in ``_BUFFERS``; allocation, flatten order, fake
+  layouts and the docs all read that declaration,
+* a **wrapper tensor** (``torch.Tensor`` subclass with the storage's buffers)
+  for tensors that live in user code, e.g. FP8 parameters.
+
+Usages: the *rowwise* copy feeds GEMMs that reduce over the last dimension
+(``y = x W^T``), the *columnwise* copy feeds GEMMs that reduce over the
+flattened leading dimensions (wgrad, dgrad's weight).  See docs/formats.md.
+"""
+
+from __future__ import annotations
+
+import copy as _copy
+import dataclasses
+import math
+from typing import Any, ClassVar
+
+import torch
+
+from ..dynamo.compat import OpaqueBase
+
+HIGH_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# storage / wrapper classes by "module.QualName", filled by __init_subclass__
+_STORAGE_REGISTRY: dict[str, type] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferSpec:
+    """One inner buffer of a storage class: name, the usage it serves, meaning."""
+
+    name: str
+    usage: str  # "rowwise", "columnwise" or "both"
+    doc: str
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferDesc:
+    """Shape and dtype of one inner buffer, known without data."""
+
+    shape: tuple
+    dtype: torch.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedMeta:
+    """The non-tensor half of a quantized tensor (its flatten ctx).
+
+    ``quantizer`` is a private copy of the quantizer that made the tensor; in
+    a flatten ctx a stateful quantizer is replaced by None, so no tensor
+    hides in the ctx.  ``extras``
+    holds the storage's non-tensor constructor arguments as name/value pairs.
+    """
+
+    cls_name: str
+    dtype: torch.dtype
+    quantizer: Any
+    extras: tuple
+    requires_grad: bool = False
+
+    def storage_class(self) -> type:
+        return _STORAGE_REGISTRY[self.cls_name]
+
+    def build(self, shape, buffers: dict):
+        """Construct the tensor/storage from its buffers (pure Python, traceable)."""
+        cls = _STORAGE_REGISTRY[self.cls_name]
+        return cls(
+            shape,
+            self.dtype,
+            quantizer=self.quantizer,
+            requires_grad=self.requires_grad,
+            **dict(self.extras),
+            **buffers,
+        )
+
+
+def class_key(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def flat_2d(shape) -> tuple:
+    """(M, K): rows = product of leading dims, K = last dim."""
+    return math.prod(shape[:-1]), shape[-1]
+
+
+def _usage_on(spec_usage: str, rowwise: bool, columnwise: bool) -> bool:
+    if spec_usage == "both":
+        return rowwise or columnwise
+    return rowwise if spec_usage == "rowwise" else columnwise
+
+
+class Quantizer(OpaqueBase):
+    """Base quantizer: usage flags plus the layout hooks every format implements.
+
+    Subclasses set ``format_name``, ``storage_cls``, ``tensor_cls``,
+    ``_CONFIG_FIELDS`` and implement ``_layout``, ``_check_dims`` and
+    ``_quantize_2d``.  No ``@property`` here: opaque classes can't use them.
+    """
+
+    format_name: ClassVar[str] = "abstract"
+    storage_cls: ClassVar[type]
+    tensor_cls: ClassVar[type]
+    _CONFIG_FIELDS: ClassVar[tuple] = ("rowwise_usage", "columnwise_usage", "internal")
+    _COMPILE_MEMBERS: ClassVar[tuple] = (
+        "format_name", "copy", "with_usage", "describe_buffers", "create_metadata",
+        "check_shape", "is_stateful", "_te_value_opaque",
+    )
+    _te_value_opaque: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._te_value_opaque = False  # registration is per concrete class
+
+    def __init__(self, *, rowwise_usage: bool = True, columnwise_usage: bool = True,
+                 internal: bool = False):
+        self.rowwise_usage = bool(rowwise_usage)
+        self.columnwise_usage = bool(columnwise_usage)
+        self.internal = bool(internal)
+
+    # -- configuration -------------------------------------------------------
+    def is_stateful(self) -> bool:
+        """True when the quantizer holds tensors (delayed scaling)."""
+        return False
+
+    def copy(self):
+        return _copy.copy(self)
+
+    def set_usage(self, *, rowwise: bool | None = None, columnwise: bool | None = None):
+        """Change which copies ``quantize`` makes (mutates; eager code only)."""
+        if rowwise is not None:
+            self.rowwise_usage = bool(rowwise)
+        if columnwise is not None:
+            self.columnwise_usage = bool(columnwise)
+
+    def with_usage(self, *, rowwise: bool | None = None, columnwise: bool | None = None):
+        """A copy with changed usage; safe inside compiled code."""
+        q = self.copy()
+        q.set_usage(rowwise=rowwise, columnwise=columnwise)
+        return q
+
+    def __repr__(self):
+        fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in self._CONFIG_FIELDS)
+        return f"{type(self).__name__}({fields})"
+
+    # -- layout ----------------------------------------------------------------
+    def check_shape(self, shape) -> None:
+        """Raise ValueError if this format/usage cannot hold a tensor of ``shape``."""
+        if len(shape) == 0:
+            raise ValueError(f"{self.format_name}: cannot quantize a 0-dim tensor")
+        if not (self.rowwise_usage or self.columnwise_usage):
+            raise ValueError(f"{self.format_name}: quantizer has neither rowwise nor columnwise usage")
+        m, k = flat_2d(shape)
+        self._check_dims(m, k)
+
+    def _check_dims(self, m: int, k: int) -> None:
+        raise NotImplementedError
+
+    def _layout(self, shape, m: int, k: int) -> dict:
+        """All buffers of the format: name -> (shape, dtype), both usages."""
+        raise NotImplementedError
+
+    def describe_buffers(self, shape) -> dict:
+        """Buffers ``quantize`` makes for ``shape``, in the storage's flatten order."""
+        self.check_shape(shape)
+        m, k = flat_2d(shape)
+        layout = self._layout(tuple(shape), m, k)
+        declared = [s.name for s in self.storage_cls._BUFFERS]
+        if sorted(layout) != sorted(declared):
+            raise RuntimeError(
+                f"{type(self).__name__}._layout names {sorted(layout)} but "
+                f"{self.storage_cls.__name__} declares {declared}"
+            )
+        return {
+            s.name: BufferDesc(tuple(layout[s.name][0]), layout[s.name][1])
+            for s in self.storage_cls._BUFFERS
+            if _usage_on(s.usage, self.rowwise_usage, self.columnwise_usage)
+        }
+
+    def alloc_tensors(self, shape, device=None) -> dict:
+        """Uninitialised inner buffers for ``shape`` (no data, any device)."""
+        return {
+            name: torch.empty(desc.shape, dtype=desc.dtype, device=device)
+            for name, desc in self.describe_buffers(shape).items()
+        }
+
+    def _storage_extras(self) -> tuple:
+        """Non-tensor constructor arguments of the storage, as name/value pairs."""
+        return ()
+
+    def create_metadata(self, shape=None, dtype=torch.float32, requires_grad: bool = False):
+        """Everything but the buffers needed to build the quantized tensor."""
+        cls = self.storage_cls if self.internal else self.tensor_cls
+        return QuantizedMeta(class_key(cls), dtype, self.copy(), self._storage_extras(),
+                             bool(requires_grad))
+
+    # -- numerics ----------------------------------------------------------------
+    def _check_input(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor) or isinstance(x, QuantizedTensorStorage):
+            raise TypeError(f"{self.format_name}: expected a high-precision torch.Tensor, "
+                            f"got {type(x).__name__}")
+        if x.dtype not in HIGH_PRECISION_DTYPES:
+            raise TypeError(f"{self.format_name}: input dtype must be one of "
+                            f"{HIGH_PRECISION_DTYPES}, got {x.dtype}")
+        self.check_shape(tuple(x.shape))
+
+    def _quantize_2d(self, x2d: torch.Tensor) -> dict:
+        """Format numerics on the (M, K) view: name -> buffer for enabled usages."""
+        raise NotImplementedError
+
+    def quantize(self, x: torch.Tensor):
+        """Quantize ``x`` (shape ``(..., K)``) into this format's tensor."""
+        self._check_input(x)
+        m, k = flat_2d(x.shape)
+        buffers = self._quantize_2d(x.detach().reshape(m, k))
+        if "data" in buffers or "rowwise_data" in buffers:
+            key = "data" if "data" in buffers else "rowwise_data"
+            buffers[key] = buffers[key].view(*x.shape[:-1], buffers[key].shape[-1])
+        expected = list(self.describe_buffers(tuple(x.shape)))
+        if sorted(buffers) != sorted(expected):
+            raise RuntimeError(f"{type(self).__name__} made buffers {sorted(buffers)}, "
+                               f"its layout declares {expected}")
+        buffers = {name: buffers[name] for name in expected}
+        return self.create_metadata(x.shape, x.dtype).build(x.shape, buffers)
+
+    def __call__(self, x: torch.Tensor):
+        return self.quantize(x)
+
+
+class QuantizedTensorStorage:
+    """Holder of a quantized tensor's inner buffers (no autograd, no dispatch).
+
+    Subclasses declare ``_BUFFERS`` (flatten order) and ``_EXTRAS`` (names of
+    non-tensor constructor arguments) and implement ``_dequantize_2d``.
+    Buffers are stored as ``self._<name>``; absent usages hold None.
+    """
+
+    _BUFFERS: ClassVar[tuple] = ()
+    _EXTRAS: ClassVar[tuple] = ()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _STORAGE_REGISTRY[class_key(cls)] = cls
+
+    def __init__(self, shape, dtype, *, quantizer=None, requires_grad=False, **kwargs):
+        self._te_shape = torch.Size(shape)
+        self._te_dtype = dtype
+        self._quantizer = quantizer
+        for spec in self._BUFFERS:
+            setattr(self, "_" + spec.name, kwargs.pop(spec.name, None))
+        for name in self._EXTRAS:
+            setattr(self, "_" + name, kwargs.pop(name))
+        if kwargs:
+            raise TypeError(f"{type(self).__name__}: unexpected arguments {sorted(kwargs)}")
+        if all(getattr(self, "_" + s.name) is None for s in self._BUFFERS):
+            raise ValueError(f"{type(self).__name__}: no inner buffer given")
+
+    # plain-storage view of the logical tensor (wrappers use torch.Tensor's own)
+    @property
+    def shape(self) -> torch.Size:
+        return self._te_shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._te_dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.buffers().values())).device
+
+    def size(self, dim=None):
+        return self._te_shape if dim is None else self._te_shape[dim]
+
+    # -- buffers -----------------------------------------------------------------
+    def buffers(self) -> dict:
+        """Present inner buffers, in declaration (flatten) order."""
+        out = {}
+        for spec in self._BUFFERS:
+            t = getattr(self, "_" + spec.name)
+            if t is not None:
+                out[spec.name] = t
+        return out
+
+    def extras(self) -> tuple:
+        return tuple((name, getattr(self, "_" + name)) for name in self._EXTRAS)
+
+    def get_usages(self) -> dict:
+        present = {s.usage for s in self._BUFFERS if getattr(self, "_" + s.name) is not None}
+        return {"rowwise": "rowwise" in present, "columnwise": "columnwise" in present}
+
+    def update_usage(self, rowwise_usage: bool | None = None,
+                     columnwise_usage: bool | None = None) -> None:
+        """Drop copies that are no longer needed. Creating a missing copy is not
+        supported: the data it would be made from may already be gone."""
+        usages = self.get_usages()
+        for usage, want in (("rowwise", rowwise_usage), ("columnwise", columnwise_usage)):
+            if want and not usages[usage]:
+                raise RuntimeError(f"{type(self).__name__} has no {usage} copy to keep; "
+                                   "quantize again with that usage")
+        keep_row = usages["rowwise"] if rowwise_usage is None else rowwise_usage
+        keep_col = usages["columnwise"] if columnwise_usage is None else columnwise_usage
+        if not (keep_row or keep_col):
+            raise ValueError("update_usage would drop every copy of the data")
+        for spec in self._BUFFERS:
+            if not _usage_on(spec.usage, keep_row, keep_col):
+                setattr(self, "_" + spec.name, None)
+
+    # -- flatten protocol -------------------------------------------------------
+    def _meta(self) -> QuantizedMeta:
+        requires_grad = isinstance(self, torch.Tensor) and self.requires_grad
+        q = self._quantizer
+        if q is not None and q.is_stateful():
+            q = None  # tensors inside a flatten ctx would escape the graph
+        return QuantizedMeta(class_key(type(self)), self.dtype, q, self.extras(), requires_grad)
+
+    def __tensor_flatten__(self):
+        return list(self.buffers()), self._meta()
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
+        return meta.build(outer_size, inner_tensors)
+
+    # -- numerics ----------------------------------------------------------------
+    def _dequantize_2d(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantize(self, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """High-precision copy of the values, in ``dtype`` (default: logical dtype)."""
+        out = self._dequantize_2d().reshape(self._te_shape)
+        return out.to(dtype or self._te_dtype)
+
+    def __repr__(self):
+        usages = self.get_usages()
+        return (f"{type(self).__name__}(shape={tuple(self._te_shape)}, dtype={self._te_dtype}, "
+                f"rowwise={usages['rowwise']}, columnwise={usages['columnwise']}, "
+                f"extras={dict(self.extras())})")
+
+
+def storage_registry() -> dict:
+    """Read-only view of the class registry used by ``__tensor_unflatten__``."""
+    return dict(_STORAGE_REGISTRY)

@@ -1,0 +1,95 @@
+"""FP8 blockwise: 1x128 tiles (activations, gradients) or 128x128 blocks
+(weights) with fp32 scales, optionally powers of two.
+
+Rowwise data keeps the logical shape; the columnwise copy is the (K, M)
+transpose.  Scale shapes: 1D rowwise (M, K/128), 1D columnwise (K, M/128);
+2D rowwise (M/128, K/128), 2D columnwise its transpose.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import kernels
+from ..dynamo.opaque import register_value_opaque_quantizer
+from ..kernels import reference as ref
+from .base import BufferSpec, Quantizer, QuantizedTensorStorage, flat_2d
+from .float8 import fp8_format_name
+from .wrapper import QuantizedTensor
+
+
+class Float8BlockwiseQTensorStorage(QuantizedTensorStorage):
+    _BUFFERS = (
+        BufferSpec("rowwise_data", "rowwise", "FP8 values in the logical shape (..., K)"),
+        BufferSpec("rowwise_scale_inv", "rowwise", "fp32 (M, K/128) for 1D, (M/128, K/128) for 2D"),
+        BufferSpec("columnwise_data", "columnwise", "FP8 values transposed: (K, M)"),
+        BufferSpec("columnwise_scale_inv", "columnwise", "fp32 (K, M/128) for 1D, (K/128, M/128) for 2D"),
+    )
+    _EXTRAS = ("fp8_format", "block_scaling_dim")
+
+    def _dequantize_2d(self):
+        m, k = flat_2d(self._te_shape)
+        two_d = self._block_scaling_dim == 2
+        if self._rowwise_data is not None:
+            return ref.dequantize_fp8_blockwise(self._rowwise_data.reshape(m, k),
+                                                self._rowwise_scale_inv, two_d)
+        return ref.dequantize_fp8_blockwise(self._columnwise_data, self._columnwise_scale_inv,
+                                            two_d).t()
+
+
+class Float8BlockwiseQTensor(Float8BlockwiseQTensorStorage, QuantizedTensor):
+    """FP8 blockwise wrapper tensor."""
+
+
+@register_value_opaque_quantizer
+class Float8BlockQuantizer(Quantizer):
+    format_name = "FP8 blockwise"
+    storage_cls = Float8BlockwiseQTensorStorage
+    tensor_cls = Float8BlockwiseQTensor
+    _CONFIG_FIELDS = ("fp8_format", "rowwise_usage", "columnwise_usage", "internal",
+                      "block_scaling_dim", "force_pow_2_scales", "amax_epsilon")
+
+    def __init__(self, fp8_format="e4m3", *, rowwise_usage=True, columnwise_usage=True,
+                 internal=False, block_scaling_dim=2, force_pow_2_scales=True, amax_epsilon=0.0):
+        super().__init__(rowwise_usage=rowwise_usage, columnwise_usage=columnwise_usage,
+                         internal=internal)
+        if block_scaling_dim not in (1, 2):
+            raise ValueError(f"block_scaling_dim must be 1 (1x128) or 2 (128x128), "
+                             f"got {block_scaling_dim}")
+        self.fp8_format = fp8_format_name(fp8_format)
+        self.block_scaling_dim = int(block_scaling_dim)
+        self.force_pow_2_scales = bool(force_pow_2_scales)
+        self.amax_epsilon = float(amax_epsilon)
+
+    def _check_dims(self, m, k):
+        b = ref.FP8_BLOCK
+        need_k = self.rowwise_usage or self.block_scaling_dim == 2
+        need_m = self.columnwise_usage or self.block_scaling_dim == 2
+        tile = "128x128" if self.block_scaling_dim == 2 else "1x128"
+        if need_k and k % b:
+            raise ValueError(f"FP8 blockwise ({tile}) needs the last dim divisible by {b}, got {k}")
+        if need_m and m % b:
+            raise ValueError(f"FP8 blockwise ({tile}) needs the flattened leading dims divisible "
+                             f"by {b}, got {m}")
+
+    def _layout(self, shape, m, k):
+        dt = ref.FP8_DTYPE[self.fp8_format]
+        b = ref.FP8_BLOCK
+        if self.block_scaling_dim == 2:
+            row_s, col_s = (m // b, k // b), (k // b, m // b)
+        else:
+            row_s, col_s = (m, k // b), (k, m // b)
+        return {
+            "rowwise_data": (shape, dt),
+            "rowwise_scale_inv": (row_s, torch.float32),
+            "columnwise_data": ((k, m), dt),
+            "columnwise_scale_inv": (col_s, torch.float32),
+        }
+
+    def _storage_extras(self):
+        return (("fp8_format", self.fp8_format), ("block_scaling_dim", self.block_scaling_dim))
+
+    def _quantize_2d(self, x2d):
+        fn = kernels.get("quantize_fp8_blockwise", x2d)
+        return fn(x2d, self.fp8_format, self.block_scaling_dim == 2, self.force_pow_2_scales,
+                  self.amax_epsilon, self.rowwise_usage, self.columnwise_usage)

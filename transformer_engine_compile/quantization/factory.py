@@ -1,0 +1,45 @@
+"""Quantizer for each tensor role of a GEMM layer under a recipe."""
+
+from __future__ import annotations
+
+from .. import recipe as R
+from .blockwise import Float8BlockQuantizer
+from .float8 import Float8CurrentScalingQuantizer
+from .mxfp8 import MXFP8Quantizer
+from .nvfp4 import NVFP4Quantizer
+
+ROLES = ("input", "weight", "output", "grad_output", "grad_input")
+_BACKWARD_ROLES = ("grad_output", "grad_input")
+
+
+def quantizer_for(recipe: R.Recipe, role: str):
+    """A fresh quantizer for ``role`` (one of ROLES) under ``recipe``."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    backward = role in _BACKWARD_ROLES
+    if isinstance(recipe, R.Float8CurrentScaling):
+        fmt = recipe.fp8_format.bwd() if backward else recipe.fp8_format.fwd()
+        return Float8CurrentScalingQuantizer(fmt, force_pow_2_scales=recipe.use_power_2_scales,
+                                             amax_epsilon=recipe.amax_epsilon)
+    if isinstance(recipe, R.Float8BlockScaling):
+        fmt = recipe.fp8_format.bwd() if backward else recipe.fp8_format.fwd()
+        dim = {"input": recipe.x_block_scaling_dim, "weight": recipe.w_block_scaling_dim}.get(
+            role, recipe.x_block_scaling_dim if role == "output" else recipe.grad_block_scaling_dim)
+        return Float8BlockQuantizer(fmt, block_scaling_dim=dim,
+                                    force_pow_2_scales=recipe.use_power_2_scales,
+                                    amax_epsilon=recipe.amax_epsilon)
+    if isinstance(recipe, R.MXFP8BlockScaling):
+        fmt = recipe.fp8_format.bwd() if backward else recipe.fp8_format.fwd()
+        return MXFP8Quantizer(fmt)
+    if isinstance(recipe, R.NVFP4BlockScaling):
+        wgrad_operand = role in ("input", "grad_output")
+        return NVFP4Quantizer(
+            with_rht=wgrad_operand and not recipe.disable_rht,
+            with_2d_quantization=role == "weight" and not recipe.disable_2d_quantization,
+            stochastic_rounding=role == "grad_output" and not recipe.disable_stochastic_rounding,
+        )
+    if isinstance(recipe, R.DelayedScaling):
+        raise NotImplementedError(
+            "DelayedScaling quantizers need per-module scale/amax-history tensors; build a "
+            "Float8Quantizer(scale, amax) from that state")
+    raise TypeError(f"unknown recipe {type(recipe).__name__}")

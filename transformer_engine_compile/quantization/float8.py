@@ -1,0 +1,143 @@
+"""FP8 with one per-tensor scale: delayed scaling and current scaling.
+
+Buffers (``Float8TensorStorage._BUFFERS``): ``data`` is the rowwise copy in
+the logical shape, ``transpose`` the columnwise copy as a (K, M) matrix (the
+K-major operand Hopper's FP8 GEMMs need), ``scale_inv`` the shared fp32
+dequantization scale.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import kernels
+from ..dynamo.opaque import register_value_opaque_quantizer
+from ..kernels import reference as ref
+from .base import BufferSpec, Quantizer, QuantizedTensorStorage, flat_2d
+from .wrapper import QuantizedTensor
+
+_FP8_ALIASES = {
+    "e4m3": "e4m3", "E4M3": "e4m3", torch.float8_e4m3fn: "e4m3",
+    "e5m2": "e5m2", "E5M2": "e5m2", torch.float8_e5m2: "e5m2",
+}
+
+
+def fp8_format_name(fmt) -> str:
+    """Normalise an FP8 format given as "e4m3"/"e5m2" or a torch float8 dtype."""
+    try:
+        return _FP8_ALIASES[fmt]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown FP8 format {fmt!r}; use 'e4m3' or 'e5m2'") from None
+
+
+class Float8TensorStorage(QuantizedTensorStorage):
+    _BUFFERS = (
+        BufferSpec("data", "rowwise", "FP8 values in the logical shape (..., K)"),
+        BufferSpec("transpose", "columnwise", "FP8 values of the (M, K) view, transposed: (K, M)"),
+        BufferSpec("scale_inv", "both", "fp32 (1,): 1 / scale, shared by both copies"),
+    )
+    _EXTRAS = ("fp8_format",)
+
+    def _dequantize_2d(self):
+        m, k = flat_2d(self._te_shape)
+        if self._data is not None:
+            return ref.dequantize_fp8_tensorwise(self._data.reshape(m, k), self._scale_inv)
+        return ref.dequantize_fp8_tensorwise(self._transpose, self._scale_inv).t()
+
+
+class Float8Tensor(Float8TensorStorage, QuantizedTensor):
+    """FP8 per-tensor-scaled wrapper tensor (e.g. an FP8 primary weight)."""
+
+
+class _Float8QuantizerBase(Quantizer):
+    format_name = "FP8"
+    storage_cls = Float8TensorStorage
+    tensor_cls = Float8Tensor
+
+    def _check_dims(self, m, k):
+        pass  # any shape
+
+    def _layout(self, shape, m, k):
+        dt = ref.FP8_DTYPE[self.fp8_format]
+        return {"data": (shape, dt), "transpose": ((k, m), dt), "scale_inv": ((1,), torch.float32)}
+
+    def _storage_extras(self):
+        return (("fp8_format", self.fp8_format),)
+
+    def _scale_for(self, x2d) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _quantize_2d(self, x2d):
+        fn = kernels.get("quantize_fp8_tensorwise", x2d)
+        return fn(x2d, self._scale_for(x2d), self.fp8_format,
+                  self.rowwise_usage, self.columnwise_usage)
+
+
+class Float8Quantizer(_Float8QuantizerBase):
+    """Delayed scaling: uses ``scale`` (from earlier steps' amaxes) and records
+    this tensor's amax into ``amax`` (running max, in place).
+
+    Stateful, so not value-opaque: ``scale`` and ``amax`` are tensors owned by
+    the recipe state (see :func:`update_delayed_scaling`).
+    """
+
+    _CONFIG_FIELDS = ("fp8_format", "rowwise_usage", "columnwise_usage", "internal")
+
+    def __init__(self, scale: torch.Tensor, amax: torch.Tensor, fp8_format="e4m3", *,
+                 rowwise_usage=True, columnwise_usage=True, internal=False):
+        super().__init__(rowwise_usage=rowwise_usage, columnwise_usage=columnwise_usage,
+                         internal=internal)
+        if scale.numel() != 1 or amax.numel() != 1:
+            raise ValueError("Float8Quantizer: scale and amax must hold one element each")
+        self.scale = scale
+        self.amax = amax
+        self.fp8_format = fp8_format_name(fp8_format)
+
+    def is_stateful(self):
+        return True
+
+    def _scale_for(self, x2d):
+        cur = ref.amax(x2d).reshape(self.amax.shape)
+        self.amax.copy_(torch.maximum(self.amax, cur))
+        return self.scale.float()
+
+
+@register_value_opaque_quantizer
+class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
+    """Current scaling: scale = fp8_max / amax of the tensor being quantized."""
+
+    _CONFIG_FIELDS = ("fp8_format", "rowwise_usage", "columnwise_usage", "internal",
+                      "force_pow_2_scales", "amax_epsilon")
+
+    def __init__(self, fp8_format="e4m3", *, rowwise_usage=True, columnwise_usage=True,
+                 internal=False, force_pow_2_scales=False, amax_epsilon=0.0):
+        super().__init__(rowwise_usage=rowwise_usage, columnwise_usage=columnwise_usage,
+                         internal=internal)
+        self.fp8_format = fp8_format_name(fp8_format)
+        self.force_pow_2_scales = bool(force_pow_2_scales)
+        self.amax_epsilon = float(amax_epsilon)
+
+    def _scale_for(self, x2d):
+        a = ref.amax(x2d)
+        if self.amax_epsilon > 0:
+            a = torch.clamp_min(a, self.amax_epsilon)
+        return ref.compute_scale(a, ref.FP8_MAX[self.fp8_format], pow2=self.force_pow_2_scales)
+
+
+def update_delayed_scaling(amax_history: torch.Tensor, scale: torch.Tensor, *,
+                           fp8_format="e4m3", margin: int = 0,
+                           amax_compute_algo: str = "max") -> None:
+    """End-of-step delayed-scaling update, in place, no host sync.
+
+    ``amax_history[0]`` holds the amax recorded this step (the slot a
+    :class:`Float8Quantizer` writes).  The new scale comes from the history
+    (``"max"`` over all rows or ``"most_recent"``); then the history rolls so
+    row 0 is zeroed for the next step.
+    """
+    if amax_compute_algo not in ("max", "most_recent"):
+        raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got {amax_compute_algo!r}")
+    amax = amax_history.amax(dim=0) if amax_compute_algo == "max" else amax_history[0]
+    scale.copy_(ref.compute_scale(amax, ref.FP8_MAX[fp8_format_name(fp8_format)], margin)
+                .reshape(scale.shape))
+    amax_history.copy_(torch.roll(amax_history, 1, dims=0))
+    amax_history[0].zero_()

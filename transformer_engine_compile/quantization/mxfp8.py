@@ -1,0 +1,77 @@
+"""MXFP8 (OCP MX v1.0): blocks of 32 elements share one E8M0 scale.
+
+Rowwise blocks run along K, columnwise blocks along M; both copies keep the
+(M, K) orientation (as Blackwell's MX GEMMs take them), each with its own
+scales: ``rowwise_scale_inv`` (M, K/32) and ``columnwise_scale_inv``
+(M/32, K), uint8 biased exponents (255 = NaN).
+"""
+
+from __future__ import annotations
+
+from .. import kernels
+from ..dynamo.opaque import register_value_opaque_quantizer
+from ..kernels import reference as ref
+from .base import BufferSpec, Quantizer, QuantizedTensorStorage, flat_2d
+from .float8 import fp8_format_name
+from .wrapper import QuantizedTensor
+
+import torch
+
+
+class MXFP8TensorStorage(QuantizedTensorStorage):
+    _BUFFERS = (
+        BufferSpec("rowwise_data", "rowwise", "FP8 values in the logical shape (..., K)"),
+        BufferSpec("rowwise_scale_inv", "rowwise", "uint8 E8M0 (M, K/32): one per 32 along K"),
+        BufferSpec("columnwise_data", "columnwise", "FP8 values of the (M, K) view"),
+        BufferSpec("columnwise_scale_inv", "columnwise", "uint8 E8M0 (M/32, K): one per 32 along M"),
+    )
+    _EXTRAS = ("fp8_format",)
+
+    def _dequantize_2d(self):
+        m, k = flat_2d(self._te_shape)
+        if self._rowwise_data is not None:
+            return ref.dequantize_mxfp8(self._rowwise_data.reshape(m, k), self._rowwise_scale_inv, True)
+        return ref.dequantize_mxfp8(self._columnwise_data, self._columnwise_scale_inv, False)
+
+
+class MXFP8Tensor(MXFP8TensorStorage, QuantizedTensor):
+    """MXFP8 wrapper tensor."""
+
+
+@register_value_opaque_quantizer
+class MXFP8Quantizer(Quantizer):
+    format_name = "MXFP8"
+    storage_cls = MXFP8TensorStorage
+    tensor_cls = MXFP8Tensor
+    _CONFIG_FIELDS = ("fp8_format", "rowwise_usage", "columnwise_usage", "internal")
+
+    def __init__(self, fp8_format="e4m3", *, rowwise_usage=True, columnwise_usage=True,
+                 internal=False):
+        super().__init__(rowwise_usage=rowwise_usage, columnwise_usage=columnwise_usage,
+                         internal=internal)
+        self.fp8_format = fp8_format_name(fp8_format)
+
+    def _check_dims(self, m, k):
+        b = ref.MX_BLOCK
+        if self.rowwise_usage and k % b:
+            raise ValueError(f"MXFP8 rowwise needs the last dim divisible by {b}, got {k}")
+        if self.columnwise_usage and m % b:
+            raise ValueError(f"MXFP8 columnwise needs the flattened leading dims divisible "
+                             f"by {b}, got {m}")
+
+    def _layout(self, shape, m, k):
+        dt = ref.FP8_DTYPE[self.fp8_format]
+        b = ref.MX_BLOCK
+        return {
+            "rowwise_data": (shape, dt),
+            "rowwise_scale_inv": ((m, k // b), torch.uint8),
+            "columnwise_data": ((m, k), dt),
+            "columnwise_scale_inv": ((m // b, k), torch.uint8),
+        }
+
+    def _storage_extras(self):
+        return (("fp8_format", self.fp8_format),)
+
+    def _quantize_2d(self, x2d):
+        fn = kernels.get("quantize_mxfp8", x2d)
+        return fn(x2d, self.fp8_format, self.rowwise_usage, self.columnwise_usage)

@@ -1,0 +1,97 @@
+"""NVFP4: E2M1 values packed two per byte, one E4M3 decode scale per 16
+elements, and a per-tensor fp32 amax that sets the second-level scale.
+
+Rowwise data is (..., K/2) uint8; the columnwise copy is the (K, M)
+transpose packed as (K, M/2).  Decode scales are (rows, cols/16)
+float8_e4m3fn in each copy's orientation; with 2D (16x16) scaling every row
+of a 16-row tile repeats the tile's scale.  With the random Hadamard
+transform (RHT) the columnwise copy holds T·x per 16 elements along M (T
+orthogonal), which leaves the wgrad GEMM dy^T x unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import kernels
+from ..dynamo.opaque import register_value_opaque_quantizer
+from ..kernels import reference as ref
+from .base import BufferSpec, Quantizer, QuantizedTensorStorage, flat_2d
+from .wrapper import QuantizedTensor
+
+
+class NVFP4TensorStorage(QuantizedTensorStorage):
+    _BUFFERS = (
+        BufferSpec("rowwise_data", "rowwise", "uint8 (..., K/2): two E2M1 codes per byte"),
+        BufferSpec("rowwise_scale_inv", "rowwise", "float8_e4m3fn (M, K/16) decode scales"),
+        BufferSpec("rowwise_amax", "rowwise", "fp32 (1,) amax of the tensor"),
+        BufferSpec("columnwise_data", "columnwise", "uint8 (K, M/2): transposed, packed along M"),
+        BufferSpec("columnwise_scale_inv", "columnwise", "float8_e4m3fn (K, M/16) decode scales"),
+        BufferSpec("columnwise_amax", "columnwise", "fp32 (1,) amax of the (transformed) transpose"),
+    )
+    _EXTRAS = ("with_rht",)
+
+    def _dequantize_2d(self):
+        m, k = flat_2d(self._te_shape)
+        if self._rowwise_data is not None:
+            return ref.dequantize_nvfp4(self._rowwise_data.reshape(m, k // 2),
+                                        self._rowwise_scale_inv, self._rowwise_amax)
+        xt = ref.dequantize_nvfp4(self._columnwise_data, self._columnwise_scale_inv,
+                                  self._columnwise_amax)
+        if self._with_rht:
+            xt = ref.apply_rht(xt, inverse=True)
+        return xt.t()
+
+
+class NVFP4Tensor(NVFP4TensorStorage, QuantizedTensor):
+    """NVFP4 wrapper tensor."""
+
+
+@register_value_opaque_quantizer
+class NVFP4Quantizer(Quantizer):
+    format_name = "NVFP4"
+    storage_cls = NVFP4TensorStorage
+    tensor_cls = NVFP4Tensor
+    _CONFIG_FIELDS = ("rowwise_usage", "columnwise_usage", "internal", "with_rht",
+                      "with_2d_quantization", "stochastic_rounding")
+
+    def __init__(self, *, rowwise_usage=True, columnwise_usage=True, internal=False,
+                 with_rht=False, with_2d_quantization=False, stochastic_rounding=False):
+        super().__init__(rowwise_usage=rowwise_usage, columnwise_usage=columnwise_usage,
+                         internal=internal)
+        if with_rht and with_2d_quantization:
+            raise ValueError("NVFP4: with_rht (activations/gradients) and with_2d_quantization "
+                             "(weights) cannot be combined in one quantizer")
+        self.with_rht = bool(with_rht)
+        self.with_2d_quantization = bool(with_2d_quantization)
+        self.stochastic_rounding = bool(stochastic_rounding)
+
+    def _check_dims(self, m, k):
+        b = ref.NVFP4_BLOCK
+        need_k = self.rowwise_usage or self.with_2d_quantization
+        need_m = self.columnwise_usage or self.with_2d_quantization
+        if need_k and k % b:
+            raise ValueError(f"NVFP4 needs the last dim divisible by {b} (blocks of {b}, "
+                             f"two values per byte), got {k}")
+        if need_m and m % b:
+            raise ValueError(f"NVFP4 columnwise/2D needs the flattened leading dims divisible "
+                             f"by {b}, got {m}")
+
+    def _layout(self, shape, m, k):
+        b = ref.NVFP4_BLOCK
+        return {
+            "rowwise_data": ((*shape[:-1], k // 2), torch.uint8),
+            "rowwise_scale_inv": ((m, k // b), torch.float8_e4m3fn),
+            "rowwise_amax": ((1,), torch.float32),
+            "columnwise_data": ((k, m // 2), torch.uint8),
+            "columnwise_scale_inv": ((k, m // b), torch.float8_e4m3fn),
+            "columnwise_amax": ((1,), torch.float32),
+        }
+
+    def _storage_extras(self):
+        return (("with_rht", self.with_rht),)
+
+    def _quantize_2d(self, x2d):
+        fn = kernels.get("quantize_nvfp4", x2d)
+        return fn(x2d, self.with_2d_quantization, self.with_rht, self.stochastic_rounding,
+                  self.rowwise_usage, self.columnwise_usage)

@@ -1,0 +1,122 @@
+"""Quantization recipes, with Transformer Engine's field names where it has them.
+
+A recipe is a frozen dataclass: it says how tensors are quantized, never
+holds state, and compares by value (compiled code guards on it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+
+class Format(enum.Enum):
+    """FP8 formats of forward (activations, weights) and backward (gradients)."""
+
+    E4M3 = ("e4m3", "e4m3")
+    E5M2 = ("e5m2", "e5m2")
+    HYBRID = ("e4m3", "e5m2")
+
+    def fwd(self) -> str:
+        return self.value[0]
+
+    def bwd(self) -> str:
+        return self.value[1]
+
+
+class Recipe:
+    """Base of all recipes; the predicates mirror Transformer Engine's."""
+
+    def delayed(self) -> bool:
+        return isinstance(self, DelayedScaling)
+
+    def float8_current_scaling(self) -> bool:
+        return isinstance(self, Float8CurrentScaling)
+
+    def float8_block_scaling(self) -> bool:
+        return isinstance(self, Float8BlockScaling)
+
+    def mxfp8(self) -> bool:
+        return isinstance(self, MXFP8BlockScaling)
+
+    def nvfp4(self) -> bool:
+        return isinstance(self, NVFP4BlockScaling)
+
+
+def _check_format(fmt):
+    if not isinstance(fmt, Format):
+        raise TypeError(f"fp8_format must be a recipe.Format, got {fmt!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScaling(Recipe):
+    """Per-tensor FP8 whose scale comes from an amax history of past steps."""
+
+    margin: int = 0
+    fp8_format: Format = Format.HYBRID
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    reduce_amax: bool = True
+
+    def __post_init__(self):
+        _check_format(self.fp8_format)
+        if self.amax_compute_algo not in ("max", "most_recent"):
+            raise ValueError("amax_compute_algo must be 'max' or 'most_recent', "
+                             f"got {self.amax_compute_algo!r}")
+        if self.amax_history_len < 1:
+            raise ValueError(f"amax_history_len must be >= 1, got {self.amax_history_len}")
+        if self.margin < 0:
+            raise ValueError(f"margin must be >= 0, got {self.margin}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8CurrentScaling(Recipe):
+    """Per-tensor FP8 scaled by the amax of the tensor being quantized."""
+
+    fp8_format: Format = Format.HYBRID
+    use_power_2_scales: bool = False
+    amax_epsilon: float = 0.0
+
+    def __post_init__(self):
+        _check_format(self.fp8_format)
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8BlockScaling(Recipe):
+    """FP8 with 1x128 (dim 1) or 128x128 (dim 2) blocks and fp32 scales."""
+
+    fp8_format: Format = Format.E4M3
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
+    use_power_2_scales: bool = True
+    amax_epsilon: float = 0.0
+
+    def __post_init__(self):
+        _check_format(self.fp8_format)
+        for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
+            if getattr(self, name) not in (1, 2):
+                raise ValueError(f"{name} must be 1 or 2, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MXFP8BlockScaling(Recipe):
+    """MXFP8: blocks of 32 with E8M0 (power-of-two) scales."""
+
+    fp8_format: Format = Format.E4M3
+
+    def __post_init__(self):
+        _check_format(self.fp8_format)
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4BlockScaling(Recipe):
+    """NVFP4: E2M1 in blocks of 16 with E4M3 scales and a per-tensor scale.
+
+    By default weights use 16x16 (2D) scales, wgrad inputs the random
+    Hadamard transform, gradients stochastic rounding; each can be disabled.
+    """
+
+    disable_rht: bool = False
+    disable_stochastic_rounding: bool = False
+    disable_2d_quantization: bool = False
