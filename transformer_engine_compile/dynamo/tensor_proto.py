@@ -71,8 +71,9 @@ class TensorProto:
         return descs
 
     def inner_names(self) -> list:
-        """Inner buffer names in flatten order (``[]`` for a plain tensor)."""
-        return [] if self.quantizer is None else list(self.buffer_descs())
+        """Inner tensor names exactly as ``__tensor_flatten__`` reports them
+        (``_<buffer>``, flatten order); ``[]`` for a plain tensor."""
+        return [] if self.quantizer is None else ["_" + n for n in self.buffer_descs()]
 
     def create_metadata(self):
         """Flatten ctx (QuantizedMeta) of the tensor this proto describes."""

@@ -17,9 +17,8 @@ flattened leading dimensions (wgrad, dgrad's weight).  See docs/formats.md.
 from __future__ import annotations
 
 import copy as _copy
-import dataclasses
 import math
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -31,8 +30,7 @@ HIGH_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _STORAGE_REGISTRY: dict[str, type] = {}
 
 
-@dataclasses.dataclass(frozen=True)
-class BufferSpec:
+class BufferSpec(NamedTuple):
     """One inner buffer of a storage class: name, the usage it serves, meaning."""
 
     name: str
@@ -40,16 +38,17 @@ class BufferSpec:
     doc: str
 
 
-@dataclasses.dataclass(frozen=True)
-class BufferDesc:
-    """Shape and dtype of one inner buffer, known without data."""
+class BufferDesc(NamedTuple):
+    """Shape and dtype of one inner buffer, known without data.
+
+    A NamedTuple (not a dataclass) so Dynamo can hold it as a constant when a
+    value-opaque quantizer returns it from a ``USE_REAL`` method."""
 
     shape: tuple
     dtype: torch.dtype
 
 
-@dataclasses.dataclass(frozen=True)
-class QuantizedMeta:
+class QuantizedMeta(NamedTuple):
     """The non-tensor half of a quantized tensor (its flatten ctx).
 
     ``quantizer`` is a private copy of the quantizer that made the tensor; in
@@ -319,11 +318,13 @@ class QuantizedTensorStorage:
         return QuantizedMeta(class_key(type(self)), self.dtype, q, self.extras(), requires_grad)
 
     def __tensor_flatten__(self):
-        return list(self.buffers()), self._meta()
+        """Attribute names of the present buffers (``_<name>``, declaration
+        order) and the metadata; torch reads the buffers with ``getattr``."""
+        return ["_" + name for name in self.buffers()], self._meta()
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
-        return meta.build(outer_size, inner_tensors)
+        return meta.build(outer_size, {k[1:]: v for k, v in inner_tensors.items()})
 
     # -- numerics ----------------------------------------------------------------
     def _dequantize_2d(self) -> torch.Tensor:

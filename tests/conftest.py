@@ -1,0 +1,52 @@
+"""Shared fixtures: one factory per quantizer configuration of every format."""
+
+import pytest
+import torch
+
+import transformer_engine_compile as te
+
+
+def _delayed(fmt="e4m3"):
+    return te.Float8Quantizer(torch.full((1,), 4.0), torch.zeros(1), fmt)
+
+
+# name -> factory(rowwise, columnwise); value-opaque (stateless) quantizers only
+STATELESS = {
+    "fp8_current_e4m3": lambda r, c: te.Float8CurrentScalingQuantizer("e4m3", rowwise_usage=r, columnwise_usage=c),
+    "fp8_current_e5m2": lambda r, c: te.Float8CurrentScalingQuantizer("e5m2", rowwise_usage=r, columnwise_usage=c),
+    "fp8_current_pow2": lambda r, c: te.Float8CurrentScalingQuantizer(force_pow_2_scales=True, rowwise_usage=r, columnwise_usage=c),
+    "mxfp8_e4m3": lambda r, c: te.MXFP8Quantizer("e4m3", rowwise_usage=r, columnwise_usage=c),
+    "mxfp8_e5m2": lambda r, c: te.MXFP8Quantizer("e5m2", rowwise_usage=r, columnwise_usage=c),
+    "block_1d": lambda r, c: te.Float8BlockQuantizer(block_scaling_dim=1, rowwise_usage=r, columnwise_usage=c),
+    "block_2d": lambda r, c: te.Float8BlockQuantizer(block_scaling_dim=2, rowwise_usage=r, columnwise_usage=c),
+    "block_1d_nopow2_e5m2": lambda r, c: te.Float8BlockQuantizer("e5m2", block_scaling_dim=1, force_pow_2_scales=False, rowwise_usage=r, columnwise_usage=c),
+    "nvfp4": lambda r, c: te.NVFP4Quantizer(rowwise_usage=r, columnwise_usage=c),
+    "nvfp4_rht": lambda r, c: te.NVFP4Quantizer(with_rht=True, rowwise_usage=r, columnwise_usage=c),
+    "nvfp4_2d": lambda r, c: te.NVFP4Quantizer(with_2d_quantization=True, rowwise_usage=r, columnwise_usage=c),
+}
+ALL = dict(STATELESS)
+ALL["fp8_delayed"] = lambda r, c: te.Float8Quantizer(
+    torch.full((1,), 4.0), torch.zeros(1), "e4m3", rowwise_usage=r, columnwise_usage=c)
+
+USAGES = [(True, False), (False, True), (True, True)]
+USAGE_IDS = ["row", "col", "both"]
+
+
+@pytest.fixture(params=sorted(STATELESS))
+def stateless_name(request):
+    return request.param
+
+
+@pytest.fixture(params=sorted(ALL))
+def any_name(request):
+    return request.param
+
+
+@pytest.fixture(params=USAGES, ids=USAGE_IDS)
+def usage(request):
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(1234)
