@@ -137,8 +137,8 @@ def _block_1d(x2d, fmt, pow2, eps):
     blocks = x2d.float().reshape(m, k // FP8_BLOCK, FP8_BLOCK)
     bamax = torch.clamp_min(blocks.abs().amax(-1), eps) if eps > 0 else blocks.abs().amax(-1)
     scale = compute_scale(bamax, FP8_MAX[fmt], pow2=pow2)
-    data = cast_fp8(blocks, scale.unsqueeze(-1), fmt).reshape(m, k)
-    return data, torch.reciprocal(scale)
+    data = cast_fp8(blocks, scale.unsqueeze(-1), fmt).reshape(m, k).contiguous()
+    return data, torch.reciprocal(scale).contiguous()
 
 
 def quantize_fp8_blockwise(x2d, fmt, block_2d, pow2, eps, rowwise, columnwise) -> dict:
@@ -253,8 +253,8 @@ def _nvfp4_rows(x2d, amax_, block_2d: bool, stochastic: bool):
     s_f = s_q.float()
     enc = torch.where(s_f > 0, g / torch.where(s_f > 0, s_f, 1.0), torch.zeros_like(s_f))
     v = xf.reshape(m, k // NVFP4_BLOCK, NVFP4_BLOCK) * enc.unsqueeze(-1)
-    codes = round_to_e2m1(v.reshape(m, k), stochastic)
-    return pack_fp4(codes), s_q
+    codes = round_to_e2m1(v.reshape(m, k).contiguous(), stochastic)
+    return pack_fp4(codes).contiguous(), s_q.contiguous()
 
 
 def quantize_nvfp4(x2d, block_2d, rht, stochastic, rowwise, columnwise) -> dict:
