@@ -13,9 +13,10 @@ import torch
 import transformer_engine_compile as te
 
 
-def tour_quantizers():
+def tour_quantizers(device):
     return [
-        ("FP8 delayed (E4M3)", lambda: te.Float8Quantizer(torch.ones(1), torch.zeros(1), "e4m3")),
+        ("FP8 delayed (E4M3)", lambda: te.Float8Quantizer(
+            torch.ones(1, device=device), torch.zeros(1, device=device), "e4m3")),
         ("FP8 current (E4M3)", lambda: te.Float8CurrentScalingQuantizer("e4m3")),
         ("FP8 current (E5M2)", lambda: te.Float8CurrentScalingQuantizer("e5m2")),
         ("MXFP8 (E4M3, 1x32)", lambda: te.MXFP8Quantizer("e4m3")),
@@ -49,7 +50,7 @@ def main(argv=None) -> int:
     print(header)
     print("-" * len(header))
     xf = x.float()
-    for name, make in tour_quantizers():
+    for name, make in tour_quantizers(args.device):
         both = make().quantize(x)
         row = make().with_usage(columnwise=False).quantize(x)
         err = both.dequantize(dtype=torch.float32) - xf

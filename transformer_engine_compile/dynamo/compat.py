@@ -38,8 +38,9 @@ def _find_register():
             "with MemberType"
         )
 
-    def register(cls, members):
+    def register(cls, members, inlined=()):
         member_map = {m: member_type.USE_REAL for m in members}
+        member_map.update({m: member_type.INLINED for m in inlined})
         if new is not None:  # newer torch: renamed, value types are "constant"
             new(cls, typ="constant", members=member_map)
         else:
@@ -51,11 +52,16 @@ def _find_register():
 _REGISTER, OPAQUE_UNAVAILABLE_REASON = _find_register()
 
 
-def register_value_type(cls, members) -> bool:
-    """Register ``cls`` as a value-typed opaque class; False when unsupported."""
+def register_value_type(cls, members, inlined=()) -> bool:
+    """Register ``cls`` as a value-typed opaque class; False when unsupported.
+
+    ``members`` are read/called on the real object at trace time and baked
+    in as constants (USE_REAL); ``inlined`` methods are traced (INLINED), for
+    methods that compute on tensors.  torch 2.11 refuses any unlisted member.
+    """
     if _REGISTER is None:
         return False
-    _REGISTER(cls, members)
+    _REGISTER(cls, members, inlined)
     return True
 
 

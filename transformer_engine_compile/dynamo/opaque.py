@@ -69,8 +69,9 @@ def register_value_opaque_quantizer(cls):
     """Class decorator: give ``cls`` value semantics and register it as opaque.
 
     ``cls`` declares ``_CONFIG_FIELDS`` (constructor keyword names stored as
-    attributes of the same name) and ``_COMPILE_MEMBERS`` (extra attributes
-    and methods compiled code may use).  Each concrete class must be
+    attributes of the same name), ``_COMPILE_MEMBERS`` (other attributes and
+    methods compiled code may read; evaluated on the real object) and
+    ``_INLINED_MEMBERS`` (methods that compute on tensors; traced).  Each concrete class must be
     registered itself: torch 2.11 matches the exact class.
     """
     if not hasattr(cls, "_CONFIG_FIELDS"):
@@ -86,8 +87,11 @@ def register_value_opaque_quantizer(cls):
     cls.__eq__ = _value_eq
     cls.__hash__ = _value_hash
     cls.__fx_repr__ = _fx_repr
-    members = tuple(dict.fromkeys(tuple(cls._CONFIG_FIELDS) + tuple(cls._COMPILE_MEMBERS)))
-    registered = compat.register_value_type(cls, members)
+    # torch refuses members the class lacks (e.g. _scale_for on non-FP8 formats)
+    inlined = tuple(m for m in getattr(cls, "_INLINED_MEMBERS", ()) if hasattr(cls, m))
+    members = tuple(m for m in dict.fromkeys(tuple(cls._CONFIG_FIELDS) + tuple(cls._COMPILE_MEMBERS))
+                    if m not in inlined)
+    registered = compat.register_value_type(cls, members, inlined)
     cls._te_value_opaque = registered
     if not registered:
         _report_unavailable_once()

@@ -106,9 +106,14 @@ class Quantizer(OpaqueBase):
     storage_cls: ClassVar[type]
     tensor_cls: ClassVar[type]
     _CONFIG_FIELDS: ClassVar[tuple] = ("rowwise_usage", "columnwise_usage", "internal")
+    # read by compiled code: evaluated on the real object (USE_REAL)
     _COMPILE_MEMBERS: ClassVar[tuple] = (
-        "format_name", "copy", "with_usage", "describe_buffers", "create_metadata",
-        "check_shape", "is_stateful", "_te_value_opaque",
+        "format_name", "storage_cls", "tensor_cls", "copy", "with_usage", "describe_buffers",
+        "create_metadata", "check_shape", "is_stateful", "_te_value_opaque",
+    )
+    # compute on tensors: traced by Dynamo (INLINED)
+    _INLINED_MEMBERS: ClassVar[tuple] = (
+        "quantize", "__call__", "_check_input", "_quantize_2d", "_scale_for",
     )
     _te_value_opaque: ClassVar[bool] = False
 
