@@ -1,9 +1,10 @@
 """Which recipe is active: ``te.autocast`` and its alias ``te.fp8_autocast``.
 
-State lives in class attributes of ``_State``.  Compiled code that reads it
-gets guards (a change of recipe recompiles), and entering the context
+State lives in the module-level dict ``_STATE``.  Compiled code that reads
+it gets guards (a change of recipe recompiles), and entering the context
 manager inside a compiled function traces without a graph break: Dynamo
-replays the attribute writes as side effects.
+replays the dict writes as side effects.  (A dict, not class attributes:
+torch 2.11's Dynamo cannot trace ``setattr`` on a class.)
 """
 
 from __future__ import annotations
@@ -11,10 +12,7 @@ from __future__ import annotations
 from .recipe import Float8CurrentScaling, Recipe
 
 
-class _State:
-    enabled = False
-    recipe = None
-    amax_reduction_group = None
+_STATE = {"enabled": False, "recipe": None, "amax_reduction_group": None}
 
 
 def default_recipe() -> Recipe:
@@ -40,14 +38,14 @@ class autocast:  # noqa: N801 - mirrors torch.autocast / te.autocast
         self._saved = None
 
     def __enter__(self):
-        self._saved = (_State.enabled, _State.recipe, _State.amax_reduction_group)
-        _State.enabled = self.enabled
-        _State.recipe = self.recipe
-        _State.amax_reduction_group = self.amax_reduction_group
+        self._saved = (_STATE["enabled"], _STATE["recipe"], _STATE["amax_reduction_group"])
+        _STATE["enabled"] = self.enabled
+        _STATE["recipe"] = self.recipe
+        _STATE["amax_reduction_group"] = self.amax_reduction_group
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        _State.enabled, _State.recipe, _State.amax_reduction_group = self._saved
+        _STATE["enabled"], _STATE["recipe"], _STATE["amax_reduction_group"] = self._saved
         return False
 
 
@@ -57,13 +55,13 @@ def fp8_autocast(enabled: bool = True, fp8_recipe: Recipe | None = None, fp8_gro
 
 
 def is_autocast_enabled() -> bool:
-    return _State.enabled
+    return _STATE["enabled"]
 
 
 def get_autocast_recipe() -> Recipe | None:
     """The active recipe, or None when quantization is off."""
-    return _State.recipe if _State.enabled else None
+    return _STATE["recipe"] if _STATE["enabled"] else None
 
 
 def get_amax_reduction_group():
-    return _State.amax_reduction_group if _State.enabled else None
+    return _STATE["amax_reduction_group"] if _STATE["enabled"] else None

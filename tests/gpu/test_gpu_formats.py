@@ -36,7 +36,11 @@ def test_cuda_quantize_equals_cpu_reference(stateless_name, usage):
 
 
 @pytest.mark.parametrize("name", sorted(STATELESS))
-def test_cuda_inductor_quantize_equals_eager(name):
+def test_cuda_inductor_quantize_matches_eager(name):
+    """Inductor on CUDA lowers fp32 division to Triton's approximate divide,
+    so a scale may differ from eager by an ulp and a value sitting on an FP8
+    rounding boundary may round the other way.  The ops of te.Linear run the
+    eager kernels inside opaque custom ops, where this does not arise."""
     torch._dynamo.reset()
     counters.clear()
     q = STATELESS[name](True, True)
@@ -46,12 +50,13 @@ def test_cuda_inductor_quantize_equals_eager(name):
         return q.quantize(x)
 
     got, want = torch.compile(f, fullgraph=True)(x, q), f(x, q)
-    gb, wb = _bits(got), _bits(want)
-    assert list(gb) == list(wb)
-    for k in gb:
-        if "rht" in name and k.startswith("columnwise"):
-            continue  # inductor may reorder the RHT matmul's sums
-        assert torch.equal(gb[k], wb[k]), k
+    assert type(got) is type(want) and list(got.buffers()) == list(want.buffers())
+    for k, g in got.buffers().items():
+        w = want.buffers()[k]
+        assert g.shape == w.shape and g.dtype == w.dtype and g.stride() == w.stride(), k
+    d_got, d_want = got.dequantize(dtype=torch.float32), want.dequantize(dtype=torch.float32)
+    assert (d_got - d_want).norm() / d_want.norm() < 1e-3
+    assert (d_got != d_want).float().mean() < 1e-3
     assert not counters["graph_break"]
 
 

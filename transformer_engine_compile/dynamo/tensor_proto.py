@@ -56,24 +56,17 @@ class TensorProto:
         self.quantizer = self.quantizer.with_usage(rowwise=rowwise, columnwise=columnwise)
         return self
 
-    def buffer_descs(self) -> dict:
-        """name -> BufferDesc, validated against the storage's declaration."""
+    def buffer_layout(self) -> tuple:
+        """``((name, shape, dtype), ...)`` in flatten order, validated against
+        the storage's declaration (raises ValueError if they disagree)."""
         if self.quantizer is None:
-            raise ValueError("buffer_descs on a non-quantized TensorProto")
-        descs = self.quantizer.describe_buffers(self.shape)
-        storage = self.quantizer.storage_cls
-        declared = [s.name for s in storage._BUFFERS]
-        names = list(descs)
-        if any(n not in declared for n in names) or [n for n in declared if n in names] != names:
-            raise ValueError(
-                f"{type(self.quantizer).__name__} describes buffers {names}, which are not "
-                f"in {storage.__name__}'s declared flatten order {declared}")
-        return descs
+            raise ValueError("buffer_layout on a non-quantized TensorProto")
+        return self.quantizer.flatten_layout(self.shape)
 
     def inner_names(self) -> list:
         """Inner tensor names exactly as ``__tensor_flatten__`` reports them
         (``_<buffer>``, flatten order); ``[]`` for a plain tensor."""
-        return [] if self.quantizer is None else ["_" + n for n in self.buffer_descs()]
+        return [] if self.quantizer is None else ["_" + n for n, _, _ in self.buffer_layout()]
 
     def create_metadata(self):
         """Flatten ctx (QuantizedMeta) of the tensor this proto describes."""
@@ -87,8 +80,8 @@ class TensorProto:
             return torch.empty(self.shape, dtype=self.dtype, device=self.device,
                                requires_grad=self.requires_grad)
         buffers = {
-            name: torch.empty(desc.shape, dtype=desc.dtype, device=self.device)
-            for name, desc in self.buffer_descs().items()
+            name: torch.empty(shape, dtype=dtype, device=self.device)
+            for name, shape, dtype in self.buffer_layout()
         }
         return self.create_metadata().build(self.shape, buffers)
 

@@ -109,7 +109,7 @@ class Quantizer(OpaqueBase):
     # read by compiled code: evaluated on the real object (USE_REAL)
     _COMPILE_MEMBERS: ClassVar[tuple] = (
         "format_name", "storage_cls", "tensor_cls", "copy", "with_usage", "describe_buffers",
-        "create_metadata", "check_shape", "is_stateful", "_te_value_opaque",
+        "flatten_layout", "create_metadata", "check_shape", "is_stateful", "_te_value_opaque",
     )
     # compute on tensors: traced by Dynamo (INLINED)
     _INLINED_MEMBERS: ClassVar[tuple] = (
@@ -185,6 +185,20 @@ class Quantizer(OpaqueBase):
             for s in self.storage_cls._BUFFERS
             if _usage_on(s.usage, self.rowwise_usage, self.columnwise_usage)
         }
+
+    def flatten_layout(self, shape) -> tuple:
+        """``((name, shape, dtype), ...)`` of ``describe_buffers``, checked
+        against the storage's declared flatten order.  Runs on the real
+        object under compile (USE_REAL): torch 2.11 cannot iterate the
+        declaration inside a trace."""
+        descs = self.describe_buffers(shape)
+        declared = [s.name for s in self.storage_cls._BUFFERS]
+        names = list(descs)
+        if any(n not in declared for n in names) or [n for n in declared if n in names] != names:
+            raise ValueError(
+                f"{type(self).__name__} describes buffers {names}, which are not in "
+                f"{self.storage_cls.__name__}'s declared flatten order {declared}")
+        return tuple((n, tuple(d.shape), d.dtype) for n, d in descs.items())
 
     def alloc_tensors(self, shape, device=None) -> dict:
         """Uninitialised inner buffers for ``shape`` (no data, any device)."""
