@@ -11,4 +11,4 @@ print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, "
       f"device {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'}")
 sys.exit(0 if torch.cuda.is_available() else "qa/L0_gpu needs a CUDA device")
 PY
-python -m pytest -n "${PYTEST_WORKERS:-8}" -q -p no:cacheprovider -rs tests "$@"
+python -m pytest -n "${PYTEST_WORKERS:-8}" -q -p no:cacheprovider -rfEs tests "$@"
