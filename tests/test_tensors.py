@@ -144,3 +144,10 @@ def test_repr_names_format_and_usage():
     t = te.MXFP8Quantizer(columnwise_usage=False).quantize(torch.randn(32, 32))
     r = repr(t)
     assert "MXFP8Tensor" in r and "rowwise=True" in r and "columnwise=False" in r
+
+
+def test_docs_buffer_table_is_generated_from_the_declarations():
+    import pathlib
+    from transformer_engine_compile.quantization.layout_doc import buffer_table
+    doc = (pathlib.Path(__file__).parents[1] / "docs" / "formats.md").read_text()
+    assert buffer_table() in doc
