@@ -154,3 +154,34 @@ def test_missing_opaque_api_keeps_eager_and_reports_once(monkeypatch):
     assert not te.is_value_opaque(q) and q == Q1()  # value semantics still there
     assert q.quantize(torch.randn(32, 32)).shape == (32, 32)  # eager works
     assert te.compile_support() == (False, "torch 0.0 has no opaque API")
+
+
+def test_renamed_api_of_newer_torch_is_used_when_present(monkeypatch):
+    """torch >= 2.14 renames register_opaque_type -> register_custom_class
+    (typ "constant"); the old name stays as a deprecated wrapper."""
+    import enum
+    import types
+    calls = []
+
+    class MemberType(enum.Enum):
+        USE_REAL = "use_real"
+        INLINED = "inlined"
+
+    fake = types.SimpleNamespace(
+        MemberType=MemberType,
+        register_custom_class=lambda cls, **kw: calls.append(("new", cls, kw)),
+        register_opaque_type=lambda cls, **kw: calls.append(("old", cls, kw)))
+    monkeypatch.setattr(compat, "_opaque_mod", fake)
+    register, reason = compat._find_register()
+    assert reason is None
+    register(int, ["a"], ["b"])
+    assert calls == [("new", int, {"typ": "constant", "members": {
+        "a": MemberType.USE_REAL, "b": MemberType.INLINED}})]
+    del fake.register_custom_class  # released 2.11 - 2.13: only the old name
+    calls.clear()
+    register, _ = compat._find_register()
+    register(int, ["a"])
+    assert calls == [("old", int, {"typ": "value", "members": {"a": MemberType.USE_REAL}})]
+    monkeypatch.setattr(compat, "_opaque_mod", types.SimpleNamespace())
+    register, reason = compat._find_register()
+    assert register is None and "lacks register_opaque_type" in reason
