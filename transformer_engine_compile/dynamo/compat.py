@@ -22,9 +22,6 @@ except ImportError:  # pragma: no cover
         """Stand-in base class on a torch without opaque objects."""
 
 
-TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-
-
 def _find_register():
     """Return ``(register(cls, members), reason)``; reason is None when usable."""
     if _opaque_mod is None:
@@ -74,7 +71,3 @@ def opaque_type_name(cls) -> str:
         getter = getattr(_opaque_mod, "get_custom_class_name")
     return getter(cls)
 
-
-def is_compiling() -> bool:
-    """True while Dynamo traces (torch.compiler.is_compiling on all versions)."""
-    return torch.compiler.is_compiling()

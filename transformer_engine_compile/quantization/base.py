@@ -202,10 +202,8 @@ class Quantizer(OpaqueBase):
 
     def alloc_tensors(self, shape, device=None) -> dict:
         """Uninitialised inner buffers for ``shape`` (no data, any device)."""
-        return {
-            name: torch.empty(desc.shape, dtype=desc.dtype, device=device)
-            for name, desc in self.describe_buffers(shape).items()
-        }
+        return {name: torch.empty(size, dtype=dtype, device=device)
+                for name, size, dtype in self.flatten_layout(shape)}
 
     def _storage_extras(self) -> tuple:
         """Non-tensor constructor arguments of the storage, as name/value pairs."""
@@ -236,14 +234,12 @@ class Quantizer(OpaqueBase):
         self._check_input(x)
         m, k = flat_2d(x.shape)
         buffers = self._quantize_2d(x.detach().reshape(m, k))
-        if "data" in buffers or "rowwise_data" in buffers:
-            key = "data" if "data" in buffers else "rowwise_data"
-            buffers[key] = buffers[key].view(*x.shape[:-1], buffers[key].shape[-1])
-        expected = list(self.describe_buffers(tuple(x.shape)))
+        expected = self.describe_buffers(tuple(x.shape))
         if sorted(buffers) != sorted(expected):
             raise RuntimeError(f"{type(self).__name__} made buffers {sorted(buffers)}, "
-                               f"its layout declares {expected}")
-        buffers = {name: buffers[name] for name in expected}
+                               f"its layout declares {list(expected)}")
+        # kernels work on the (M, K) view; give each buffer its declared shape
+        buffers = {name: buffers[name].view(desc.shape) for name, desc in expected.items()}
         return self.create_metadata(x.shape, x.dtype).build(x.shape, buffers)
 
     def __call__(self, x: torch.Tensor):
