@@ -2,7 +2,8 @@
 ``torch.compile(fullgraph=True)``.
 
 Public API: recipes (``recipe``), ``autocast`` / ``fp8_autocast``, the
-quantizers and quantized tensors of every format, ``TensorProto``.
+quantizers and quantized tensors of every format, ``TensorProto``, and the
+layers (``Linear``).
 """
 
 from . import recipe
@@ -16,10 +17,13 @@ from .quantization import (Float8BlockQuantizer, Float8BlockwiseQTensor,
                            NVFP4TensorStorage, QuantizedTensor, QuantizedTensorStorage, Quantizer,
                            update_delayed_scaling)
 from .quantization.factory import quantizer_for
+from .module import Linear, LinearBwdArgs, LinearFwdArgs
+from .dynamo.fallback import fallback_report
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Linear", "LinearFwdArgs", "LinearBwdArgs", "fallback_report",
     "recipe", "autocast", "fp8_autocast", "get_autocast_recipe", "is_autocast_enabled",
     "compile_support", "is_value_opaque", "register_value_opaque_quantizer",
     "TensorProto", "to_tensor_proto", "quantizer_for",

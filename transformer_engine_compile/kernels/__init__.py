@@ -19,6 +19,7 @@ OPS = (
     "quantize_mxfp8",
     "quantize_fp8_blockwise",
     "quantize_nvfp4",
+    "gemm",
 )
 
 _FAST: dict[tuple[str, str], Callable] = {}
@@ -43,4 +44,7 @@ def get(name: str, x: torch.Tensor) -> Callable:
         fn = _FAST.get((name, x.device.type))
         if fn is not None:
             return fn
+    if name == "gemm":  # lives in gemm.py, which imports quantization (import cycle)
+        from .gemm import gemm_reference
+        return gemm_reference
     return getattr(reference, name)

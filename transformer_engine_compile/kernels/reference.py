@@ -158,8 +158,10 @@ def quantize_fp8_blockwise(x2d, fmt, block_2d, pow2, eps, rowwise, columnwise) -
         if rowwise:
             out["rowwise_data"], out["rowwise_scale_inv"] = data, scale_inv
         if columnwise:
-            out["columnwise_data"] = data.t().contiguous()
-            out["columnwise_scale_inv"] = scale_inv.t().contiguous()
+            # clone: .contiguous() of a transpose with a size-1 dim returns a view,
+            # and a kernel's buffers must never alias each other
+            out["columnwise_data"] = data.t().clone(memory_format=torch.contiguous_format)
+            out["columnwise_scale_inv"] = scale_inv.t().clone(memory_format=torch.contiguous_format)
         return out
     if rowwise:
         out["rowwise_data"], out["rowwise_scale_inv"] = _block_1d(x2d, fmt, pow2, eps)

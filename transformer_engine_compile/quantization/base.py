@@ -342,8 +342,30 @@ class QuantizedTensorStorage:
         return meta.build(outer_size, {k[1:]: v for k, v in inner_tensors.items()})
 
     # -- numerics ----------------------------------------------------------------
-    def _dequantize_2d(self) -> torch.Tensor:
+    def _rowwise_2d(self) -> torch.Tensor:
+        """fp32 values of the rowwise copy as the (M, K) matrix."""
         raise NotImplementedError
+
+    def _columnwise_2d(self) -> torch.Tensor:
+        """fp32 values of the columnwise copy as the (K, M) matrix, in the
+        copy's own basis (formats may transform it, see NVFP4's RHT)."""
+        raise NotImplementedError
+
+    def _columnwise_to_values(self, xt: torch.Tensor) -> torch.Tensor:
+        return xt
+
+    def gemm_operand(self, usage: str) -> torch.Tensor:
+        """fp32 2-D GEMM operand reduced along its last dim: the rowwise copy
+        as (M, K) or the columnwise copy as (K, M).  Raises if that copy is absent."""
+        if not self.get_usages()[usage]:
+            raise RuntimeError(f"{type(self).__name__} has no {usage} copy; the quantizer "
+                               f"that made it did not enable {usage} usage")
+        return self._rowwise_2d() if usage == "rowwise" else self._columnwise_2d()
+
+    def _dequantize_2d(self) -> torch.Tensor:
+        if self.get_usages()["rowwise"]:
+            return self._rowwise_2d()
+        return self._columnwise_to_values(self._columnwise_2d()).t()
 
     def dequantize(self, *, dtype: torch.dtype | None = None) -> torch.Tensor:
         """High-precision copy of the values, in ``dtype`` (default: logical dtype)."""

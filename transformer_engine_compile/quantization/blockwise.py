@@ -27,14 +27,14 @@ class Float8BlockwiseQTensorStorage(QuantizedTensorStorage):
     )
     _EXTRAS = ("fp8_format", "block_scaling_dim")
 
-    def _dequantize_2d(self):
+    def _rowwise_2d(self):
         m, k = flat_2d(self._te_shape)
-        two_d = self._block_scaling_dim == 2
-        if self._rowwise_data is not None:
-            return ref.dequantize_fp8_blockwise(self._rowwise_data.reshape(m, k),
-                                                self._rowwise_scale_inv, two_d)
+        return ref.dequantize_fp8_blockwise(self._rowwise_data.reshape(m, k),
+                                            self._rowwise_scale_inv, self._block_scaling_dim == 2)
+
+    def _columnwise_2d(self):
         return ref.dequantize_fp8_blockwise(self._columnwise_data, self._columnwise_scale_inv,
-                                            two_d).t()
+                                            self._block_scaling_dim == 2)
 
 
 class Float8BlockwiseQTensor(Float8BlockwiseQTensorStorage, QuantizedTensor):

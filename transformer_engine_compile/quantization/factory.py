@@ -12,31 +12,35 @@ ROLES = ("input", "weight", "output", "grad_output", "grad_input")
 _BACKWARD_ROLES = ("grad_output", "grad_input")
 
 
-def quantizer_for(recipe: R.Recipe, role: str):
-    """A fresh quantizer for ``role`` (one of ROLES) under ``recipe``."""
+def quantizer_for(recipe: R.Recipe, role: str, *, internal: bool = False):
+    """A fresh quantizer for ``role`` (one of ROLES) under ``recipe``.
+
+    ``internal=True`` makes it produce plain storages (tensors that live only
+    inside a layer) instead of wrapper tensors."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     backward = role in _BACKWARD_ROLES
     if isinstance(recipe, R.Float8CurrentScaling):
         fmt = recipe.fp8_format.bwd() if backward else recipe.fp8_format.fwd()
         return Float8CurrentScalingQuantizer(fmt, force_pow_2_scales=recipe.use_power_2_scales,
-                                             amax_epsilon=recipe.amax_epsilon)
+                                             amax_epsilon=recipe.amax_epsilon, internal=internal)
     if isinstance(recipe, R.Float8BlockScaling):
         fmt = recipe.fp8_format.bwd() if backward else recipe.fp8_format.fwd()
         dim = {"input": recipe.x_block_scaling_dim, "weight": recipe.w_block_scaling_dim}.get(
             role, recipe.x_block_scaling_dim if role == "output" else recipe.grad_block_scaling_dim)
         return Float8BlockQuantizer(fmt, block_scaling_dim=dim,
                                     force_pow_2_scales=recipe.use_power_2_scales,
-                                    amax_epsilon=recipe.amax_epsilon)
+                                    amax_epsilon=recipe.amax_epsilon, internal=internal)
     if isinstance(recipe, R.MXFP8BlockScaling):
         fmt = recipe.fp8_format.bwd() if backward else recipe.fp8_format.fwd()
-        return MXFP8Quantizer(fmt)
+        return MXFP8Quantizer(fmt, internal=internal)
     if isinstance(recipe, R.NVFP4BlockScaling):
         wgrad_operand = role in ("input", "grad_output")
         return NVFP4Quantizer(
             with_rht=wgrad_operand and not recipe.disable_rht,
             with_2d_quantization=role == "weight" and not recipe.disable_2d_quantization,
             stochastic_rounding=role == "grad_output" and not recipe.disable_stochastic_rounding,
+            internal=internal,
         )
     if isinstance(recipe, R.DelayedScaling):
         raise NotImplementedError(

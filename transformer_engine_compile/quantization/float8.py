@@ -38,11 +38,12 @@ class Float8TensorStorage(QuantizedTensorStorage):
     )
     _EXTRAS = ("fp8_format",)
 
-    def _dequantize_2d(self):
+    def _rowwise_2d(self):
         m, k = flat_2d(self._te_shape)
-        if self._data is not None:
-            return ref.dequantize_fp8_tensorwise(self._data.reshape(m, k), self._scale_inv)
-        return ref.dequantize_fp8_tensorwise(self._transpose, self._scale_inv).t()
+        return ref.dequantize_fp8_tensorwise(self._data.reshape(m, k), self._scale_inv)
+
+    def _columnwise_2d(self):
+        return ref.dequantize_fp8_tensorwise(self._transpose, self._scale_inv)
 
 
 class Float8Tensor(Float8TensorStorage, QuantizedTensor):

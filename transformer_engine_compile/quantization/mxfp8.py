@@ -27,11 +27,14 @@ class MXFP8TensorStorage(QuantizedTensorStorage):
     )
     _EXTRAS = ("fp8_format",)
 
-    def _dequantize_2d(self):
+    def _rowwise_2d(self):
         m, k = flat_2d(self._te_shape)
-        if self._rowwise_data is not None:
-            return ref.dequantize_mxfp8(self._rowwise_data.reshape(m, k), self._rowwise_scale_inv, True)
-        return ref.dequantize_mxfp8(self._columnwise_data, self._columnwise_scale_inv, False)
+        return ref.dequantize_mxfp8(self._rowwise_data.reshape(m, k), self._rowwise_scale_inv, True)
+
+    def _columnwise_2d(self):
+        m, k = flat_2d(self._te_shape)
+        return ref.dequantize_mxfp8(self._columnwise_data.reshape(m, k),
+                                    self._columnwise_scale_inv, False).t()
 
 
 class MXFP8Tensor(MXFP8TensorStorage, QuantizedTensor):

@@ -31,16 +31,19 @@ class NVFP4TensorStorage(QuantizedTensorStorage):
     )
     _EXTRAS = ("with_rht",)
 
-    def _dequantize_2d(self):
+    def _rowwise_2d(self):
         m, k = flat_2d(self._te_shape)
-        if self._rowwise_data is not None:
-            return ref.dequantize_nvfp4(self._rowwise_data.reshape(m, k // 2),
-                                        self._rowwise_scale_inv, self._rowwise_amax)
-        xt = ref.dequantize_nvfp4(self._columnwise_data, self._columnwise_scale_inv,
-                                  self._columnwise_amax)
-        if self._with_rht:
-            xt = ref.apply_rht(xt, inverse=True)
-        return xt.t()
+        return ref.dequantize_nvfp4(self._rowwise_data.reshape(m, k // 2),
+                                    self._rowwise_scale_inv, self._rowwise_amax)
+
+    def _columnwise_2d(self):
+        # in the RHT basis when with_rht: both wgrad operands share it, so the
+        # GEMM dy^T x is unchanged; dequantize() undoes it
+        return ref.dequantize_nvfp4(self._columnwise_data, self._columnwise_scale_inv,
+                                    self._columnwise_amax)
+
+    def _columnwise_to_values(self, xt):
+        return ref.apply_rht(xt, inverse=True) if self._with_rht else xt
 
 
 class NVFP4Tensor(NVFP4TensorStorage, QuantizedTensor):

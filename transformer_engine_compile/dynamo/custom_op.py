@@ -1,0 +1,451 @@
+"""Generate a forward and a backward custom op from two argument dataclasses.
+
+``register_custom_op`` takes a forward impl + fake, a backward impl + fake,
+the forward/backward argument dataclasses and a setup-context hook, and
+returns a :class:`CustomOpPair`:
+
+* ``pair(args)`` (compiled path) encodes ``args`` into the forward op's
+  arguments, calls the op, and rebuilds the outputs;
+* ``pair.eager(args)`` runs the same impls under a ``torch.autograd.Function``.
+
+Contract of the impls (see docs/custom_ops.md):
+
+* ``forward(args) -> OpResult(outputs, saved)``: two ordered dicts of plain
+  tensors, quantized storages/wrappers or None.  A saved value that *is* a
+  forward argument or an output (identity) is an alias: it is not returned
+  again but resolved by name.  Outputs must not alias arguments.
+* ``forward_fake(args)`` gets the arguments with every tensor field turned
+  into a :class:`TensorProto` and returns the same structure in protos,
+  following the impl's control flow (the layout-parity test checks it).
+* ``setup_context(args) -> dict``: the backward dataclass's non-tensor fields.
+  The backward dataclass gets the saved values by name, those fields, and
+  the output gradients named by ``grad_fields`` (backward field -> output).
+* ``backward(bwd_args) -> dict``: forward-field name -> gradient (or None);
+  ``backward_fake`` returns protos.
+
+The fakes are the single source of truth for the flat layout: the op
+returns ``Tensor[]``, and whoever reads it (the traced caller, the autograd
+formula, the fake kernel) splits it by the fake's structure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, NamedTuple
+
+import torch
+
+from ..quantization.base import QuantizedTensorStorage
+from ..quantization.wrapper import QuantizedTensor
+from . import buckets as B
+from .tensor_proto import TensorProto, to_tensor_proto
+
+NAMESPACE = "te_compile"
+_LIB = None
+_REGISTERED: dict[str, "CustomOpPair"] = {}
+
+
+class OpResult(NamedTuple):
+    """What a forward impl/fake returns: outputs and tensors saved for backward."""
+
+    outputs: dict
+    saved: dict = {}
+
+
+# -- argument plans ------------------------------------------------------------------
+class ArgPlan:
+    """The buckets of one dataclass's fields, computed once at registration."""
+
+    def __init__(self, cls):
+        if not dataclasses.is_dataclass(cls):
+            raise TypeError(f"{cls.__name__} is not a dataclass")
+        hints = B.typing.get_type_hints(cls)
+        self.cls = cls
+        self.fields = tuple((f.name, B.bucket_for(hints[f.name])) for f in dataclasses.fields(cls))
+        self.tensor_fields = tuple(n for n, b in self.fields if b.kind in
+                                   ("tensor", "optional_tensor", "tensor_or_quantized"))
+
+    def schema_args(self) -> str:
+        args = [a for name, b in self.fields for a in b.schema(name)]
+        args.append(f"{B.simple_values_type()} simple_values")
+        names = [a.split()[-1] for a in args]
+        clashes = sorted({n for n in names if names.count(n) > 1})
+        if clashes:
+            raise TypeError(f"{self.cls.__name__}: schema argument names clash: {clashes}")
+        return ", ".join(args)
+
+    def buckets(self) -> dict:
+        return {name: b.kind for name, b in self.fields}
+
+    def encode(self, args) -> list:
+        """Flat op arguments for ``args`` (runs under Dynamo)."""
+        flat, simple = [], []
+        for name, bucket in self.fields:
+            op_args, entry = bucket.encode(getattr(args, name), name)
+            flat.extend(op_args)
+            if entry is not B._NO_SIMPLE:
+                simple.append((name, entry))
+        flat.append(B.SimpleValues(tuple(simple)))
+        return flat
+
+    def _split(self, flat):
+        simple = flat[-1].as_dict()
+        pos = 0
+        for name, bucket in self.fields:
+            yield name, bucket, list(flat[pos:pos + bucket.n_args]), simple.get(name)
+            pos += bucket.n_args
+
+    def decode(self, flat):
+        """Rebuild the dataclass from flat op arguments."""
+        return self.cls(**{name: bucket.decode(op_args, entry)
+                           for name, bucket, op_args, entry in self._split(flat)})
+
+    def unwrap_wrappers(self, flat) -> list:
+        """Flat arguments with each wrapper tensor replaced by its buffers."""
+        out = []
+        for name, bucket, op_args, _ in self._split(flat):
+            out.extend(bucket.unwrap(op_args) if bucket.kind == "tensor_or_quantized" else op_args)
+        out.append(flat[-1])
+        return out
+
+    def grad_template(self, flat) -> tuple:
+        """What ``grads`` needs to know about one call's arguments (no tensors)."""
+        out = []
+        for name, bucket, op_args, entry in self._split(flat):
+            if bucket.kind == "tensor_or_quantized":
+                tensors = op_args[0]
+                gradable = entry[0] == "tensor" or (
+                    len(tensors) == 1 and isinstance(tensors[0], QuantizedTensor))
+                out.append((name, "list", (len(tensors), len(op_args[1])), gradable))
+            else:
+                out.append((name, bucket.kind, bucket.n_args, None))
+        return tuple(out)
+
+    @staticmethod
+    def grads(template, grads_by_field: dict) -> tuple:
+        """Per-op-argument gradients from ``{field: grad}``."""
+        out = []
+        for name, kind, n, gradable in template:
+            grad = grads_by_field.get(name)
+            if kind in ("tensor", "optional_tensor"):
+                out.append(grad)
+            elif kind == "list":  # tensors, shape, quantizer slot
+                out.extend([[grad] if gradable else [None] * n[0], [None] * n[1], None])
+            else:
+                out.extend([None] * n)
+        return tuple(out) + (None,)  # the simple values
+
+    def to_protos(self, args):
+        """``args`` with every tensor field replaced by its TensorProto."""
+        return dataclasses.replace(args, **{
+            n: _proto(getattr(args, n)) for n in self.tensor_fields})
+
+
+def _proto(value):
+    return None if value is None else to_tensor_proto(value)
+
+
+# -- flat layouts --------------------------------------------------------------------
+def _entry_count(value) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, TensorProto):
+        return len(value.inner_names()) if value.is_quantized else 1
+    if isinstance(value, QuantizedTensorStorage):
+        return len(value.buffers())
+    return 1
+
+
+def _alias_names(args, outputs: dict, arg_fields) -> dict:
+    """id(value) -> ``"arg:<field>"`` / ``"out:<name>"`` for alias resolution."""
+    names = {id(getattr(args, f)): f"arg:{f}" for f in arg_fields if getattr(args, f) is not None}
+    for name, value in outputs.items():
+        if value is not None:
+            if id(value) in names:
+                raise RuntimeError(f"output {name!r} aliases argument {names[id(value)]!r}; "
+                                   "a custom op may not return its inputs")
+            names[id(value)] = f"out:{name}"
+    return names
+
+
+def flatten_result(result: OpResult, args, arg_fields) -> list:
+    """The op's ``Tensor[]`` return: outputs, then saved values that are not
+    aliases.  For a proto result (the fake kernel) the protos are materialised."""
+    aliases = _alias_names(args, result.outputs, arg_fields)
+    flat = []
+    for value in list(result.outputs.values()) + [
+            v for v in result.saved.values() if v is not None and id(v) not in aliases]:
+        if isinstance(value, TensorProto):
+            value = value.create_tensor()
+        if isinstance(value, QuantizedTensorStorage):
+            flat.extend(value.buffers().values())
+        elif value is not None:
+            flat.append(value)
+    return flat
+
+
+class _Layout(NamedTuple):
+    """Structure of a fake result: per entry ``(name, kind, proto_or_alias)``."""
+
+    outputs: tuple
+    saved: tuple
+    n_outputs: int  # flat tensors taken by the outputs
+
+
+def layout_of(proto_result: OpResult, proto_args, arg_fields) -> _Layout:
+    aliases = _alias_names(proto_args, proto_result.outputs, arg_fields)
+
+    def entries(d, allow_alias):
+        out = []
+        for name, value in d.items():
+            if value is None:
+                out.append((name, "none", None))
+            elif allow_alias and id(value) in aliases:
+                out.append((name, "alias", aliases[id(value)]))
+            else:
+                out.append((name, "value", value))
+        return tuple(out)
+
+    outs = entries(proto_result.outputs, False)
+    return _Layout(outs, entries(proto_result.saved, True),
+                   sum(_entry_count(p) for _, _, p in outs))
+
+
+def _rebuild(proto: TensorProto, tensors: list):
+    if not proto.is_quantized:
+        return tensors[0]
+    buffers = {name[1:]: t for name, t in zip(proto.inner_names(), tensors)}
+    return proto.create_metadata().build(proto.shape, buffers)
+
+
+def unflatten_result(layout: _Layout, flat, args=None, outputs_only=False):
+    """Inverse of :func:`flatten_result`: ``(outputs, saved)`` dicts."""
+    pos = 0
+    outputs = {}
+    for name, kind, proto in layout.outputs:
+        n = _entry_count(proto)
+        outputs[name] = None if kind == "none" else _rebuild(proto, flat[pos:pos + n])
+        pos += n
+    if outputs_only:
+        return outputs, {}
+    saved = {}
+    for name, kind, ref in layout.saved:
+        if kind == "none":
+            saved[name] = None
+        elif kind == "alias":
+            where, target = ref.split(":", 1)
+            saved[name] = getattr(args, target) if where == "arg" else outputs[target]
+        else:
+            n = _entry_count(ref)
+            saved[name] = _rebuild(ref, flat[pos:pos + n])
+            pos += n
+    return outputs, saved
+
+
+# -- saving for backward ---------------------------------------------------------------
+def pack_saved(saved: dict):
+    """``(tensors, spec)``: what ``ctx.save_for_backward`` can hold, and how to rebuild."""
+    tensors, spec = [], []
+    for name, value in saved.items():
+        if value is None:
+            spec.append((name, None))
+        elif isinstance(value, QuantizedTensorStorage) and not isinstance(value, torch.Tensor):
+            bufs = value.buffers()
+            spec.append((name, (value._meta(), tuple(value.shape), tuple(bufs), len(tensors))))
+            tensors.extend(bufs.values())
+        else:
+            spec.append((name, len(tensors)))
+            tensors.append(value)
+    return tensors, tuple(spec)
+
+
+def unpack_saved(tensors, spec) -> dict:
+    out = {}
+    for name, s in spec:
+        if s is None:
+            out[name] = None
+        elif isinstance(s, int):
+            out[name] = tensors[s]
+        else:
+            meta, shape, names, start = s
+            out[name] = meta.build(shape, dict(zip(names, tensors[start:start + len(names)])))
+    return out
+
+
+# -- the op pair -------------------------------------------------------------------------
+class CustomOpPair:
+    """A generated forward op, backward op and their autograd wiring."""
+
+    def __init__(self, name, fwd_args, bwd_args, forward, forward_fake, backward,
+                 backward_fake, setup_context, grad_fields):
+        self.name = name
+        self.fwd_plan, self.bwd_plan = ArgPlan(fwd_args), ArgPlan(bwd_args)
+        self.forward, self.forward_fake = forward, forward_fake
+        self.backward, self.backward_fake = backward, backward_fake
+        self.setup_context = setup_context
+        self.grad_fields = dict(grad_fields)
+        bwd_names = {n for n, _ in self.bwd_plan.fields}
+        missing = set(self.grad_fields) - bwd_names
+        if missing:
+            raise TypeError(f"grad_fields {sorted(missing)} are not fields of {bwd_args.__name__}")
+        self.available = B.CARRIERS_REGISTERED
+        self.fwd_op = self.bwd_op = None
+        if not self.available:  # eager() still works
+            return
+        self.fwd_schema = f"{name}_fwd({self.fwd_plan.schema_args()}) -> Tensor[]"
+        self.bwd_schema = f"{name}_bwd({self.bwd_plan.schema_args()}) -> Tensor[]"
+        self.fwd_op = _define(f"{name}_fwd", self.fwd_schema, self.fwd_plan,
+                              self._fwd_real, self._fwd_fake)
+        self.bwd_op = _define(f"{name}_bwd", self.bwd_schema, self.bwd_plan,
+                              self._bwd_real, self._bwd_fake)
+        torch.library.register_autograd(self.fwd_op, self._autograd_backward,
+                                        setup_context=self._autograd_setup, lib=_library())
+
+    # -- layouts (run the fakes on protos) --------------------------------------------------
+    def fwd_layout(self, args) -> _Layout:
+        protos = self.fwd_plan.to_protos(args)
+        return layout_of(self.forward_fake(protos), protos, self.fwd_plan.tensor_fields)
+
+    def bwd_layout(self, args) -> _Layout:
+        protos = self.bwd_plan.to_protos(args)
+        grads = self.backward_fake(protos)
+        return layout_of(OpResult(grads), protos, ())
+
+    # -- op kernels ----------------------------------------------------------------
+    def _fwd_real(self, *flat):
+        args = self.fwd_plan.decode(flat)
+        return flatten_result(self.forward(args), args, self.fwd_plan.tensor_fields)
+
+    def _fwd_fake(self, *flat):
+        args = self.fwd_plan.decode(flat)
+        protos = self.fwd_plan.to_protos(args)
+        return flatten_result(self.forward_fake(protos), protos, self.fwd_plan.tensor_fields)
+
+    def _bwd_real(self, *flat):
+        args = self.bwd_plan.decode(flat)
+        return flatten_result(OpResult(self.backward(args)), args, ())
+
+    def _bwd_fake(self, *flat):
+        protos = self.bwd_plan.to_protos(self.bwd_plan.decode(flat))
+        return flatten_result(OpResult(self.backward_fake(protos)), protos, ())
+
+    # -- autograd ----------------------------------------------------------------------
+    def _autograd_setup(self, ctx, inputs, output):
+        args = self.fwd_plan.decode(inputs)
+        layout = self.fwd_layout(args)
+        _, saved = unflatten_result(layout, output, args)
+        tensors, spec = pack_saved(saved)
+        ctx.save_for_backward(*tensors)
+        ctx.te_spec = spec
+        ctx.te_values = self.setup_context(args)
+        ctx.te_template = self.fwd_plan.grad_template(inputs)
+        index, pos = {}, 0
+        for name, kind, proto in layout.outputs:
+            index[name] = pos if kind != "none" else None
+            pos += _entry_count(proto)
+        ctx.te_grad_index = {f: index[o] for f, o in self.grad_fields.items()}
+
+    def _autograd_backward(self, ctx, grads):
+        grads_by_output = {f: (None if i is None else grads[i]) for f, i in ctx.te_grad_index.items()}
+        if any(g is None for g in grads_by_output.values()):
+            return self.fwd_plan.grads(ctx.te_template, {})
+        saved = unpack_saved(ctx.saved_tensors, ctx.te_spec)
+        bwd_args = self.make_bwd_args(saved, ctx.te_values, grads_by_output)
+        return self.fwd_plan.grads(ctx.te_template, self.call_backward(bwd_args))
+
+    # -- entry points -------------------------------------------------------------------
+    def __call__(self, args) -> dict:
+        """Compiled path: run the forward op; returns the outputs dict."""
+        flat = self.fwd_op(*self.fwd_plan.encode(args))
+        outputs, _ = unflatten_result(self.fwd_layout(args), flat, outputs_only=True)
+        return outputs
+
+    def call_backward(self, bwd_args) -> dict:
+        flat = self.bwd_op(*self.bwd_plan.encode(bwd_args))
+        outputs, _ = unflatten_result(self.bwd_layout(bwd_args), flat, outputs_only=True)
+        return outputs
+
+    def eager(self, args) -> dict:
+        """Eager path: the same impls under a ``torch.autograd.Function``."""
+        diff = [getattr(args, f) for f in self.fwd_plan.tensor_fields]
+        diff_fields = [f for f, t in zip(self.fwd_plan.tensor_fields, diff)
+                       if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not (torch.is_grad_enabled() and diff_fields):
+            return self.forward(args).outputs
+        keys = []  # filled by the Function's forward
+        values = _EagerFunction.apply(self, args, diff_fields, keys,
+                                      *[getattr(args, f) for f in diff_fields])
+        return dict(zip(keys, values))
+
+    def make_bwd_args(self, saved: dict, values: dict, grads: dict):
+        return self.bwd_plan.cls(**saved, **values, **grads)
+
+
+class _EagerFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, pair, args, diff_fields, keys, *diff_tensors):
+        result = pair.forward(args)
+        tensors, spec = pack_saved(result.saved)
+        ctx.save_for_backward(*tensors)
+        ctx.te_spec, ctx.te_pair, ctx.te_fields = spec, pair, diff_fields
+        ctx.te_values = pair.setup_context(args)
+        keys.extend(result.outputs)
+        ctx.te_out_grad = {f: keys.index(o) for f, o in pair.grad_fields.items()}
+        return tuple(result.outputs.values())
+
+    @staticmethod
+    def backward(ctx, *grads):
+        pair = ctx.te_pair
+        grads_by_output = {f: grads[i] for f, i in ctx.te_out_grad.items()}
+        if any(g is None for g in grads_by_output.values()):
+            return (None,) * (4 + len(ctx.te_fields))
+        saved = unpack_saved(ctx.saved_tensors, ctx.te_spec)
+        result = pair.backward(pair.make_bwd_args(saved, ctx.te_values, grads_by_output))
+        return (None,) * 4 + tuple(result.get(f) for f in ctx.te_fields)
+
+
+# -- registration -------------------------------------------------------------------------
+def _library():
+    global _LIB
+    if _LIB is None:
+        _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
+    return _LIB
+
+
+def _define(op_name, schema, plan, real, fake):
+    lib = _library()
+    lib.define(schema)
+    qualname = f"{NAMESPACE}::{op_name}"
+    lib.impl(op_name, real, "CompositeExplicitAutograd")
+    torch.library.register_fake(qualname, fake, lib=lib)
+    op = getattr(getattr(torch.ops, NAMESPACE), op_name).default
+
+    def unwrap_rule(mode, func, types, args, kwargs):
+        return func(*plan.unwrap_wrappers(list(args)), **(kwargs or {}))
+
+    for cls in _wrapper_classes():
+        torch.library.register_torch_dispatch(qualname, cls, unwrap_rule, lib=lib)
+    return op
+
+
+def _wrapper_classes():
+    from ..quantization.base import storage_registry
+    return [c for c in storage_registry().values() if issubclass(c, QuantizedTensor)]
+
+
+def register_custom_op(name: str, *, fwd_args: type, bwd_args: type, forward: Callable,
+                       forward_fake: Callable, backward: Callable, backward_fake: Callable,
+                       setup_context: Callable, grad_fields: dict) -> CustomOpPair:
+    """Generate ``te_compile::<name>_fwd`` / ``<name>_bwd`` and their autograd.
+
+    Raises ``RuntimeError`` if ``name`` is taken and ``TypeError`` for a bad
+    declaration; see the module docstring for the impl contract.  On a torch
+    without the opaque-object API no ops are defined (``pair.available`` is
+    False) and only ``pair.eager`` works.
+    """
+    if name in _REGISTERED:
+        raise RuntimeError(f"custom op {name!r} is already registered")
+    pair = CustomOpPair(name, fwd_args, bwd_args, forward, forward_fake, backward,
+                        backward_fake, setup_context, grad_fields)
+    _REGISTERED[name] = pair
+    return pair

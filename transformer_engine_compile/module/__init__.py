@@ -1,0 +1,5 @@
+"""Layers: ``Linear``."""
+
+from .linear import Linear, LinearBwdArgs, LinearFwdArgs
+
+__all__ = ["Linear", "LinearFwdArgs", "LinearBwdArgs"]
