@@ -33,7 +33,8 @@ from typing import Union
 
 import torch
 
-from ..quantization.base import QuantizedMeta, QuantizedTensorStorage, Quantizer
+from ..quantization.base import (QuantizedMeta, QuantizedTensorStorage, Quantizer, class_key,
+                                 storage_parts)
 from ..quantization.wrapper import QuantizedTensor
 from . import compat
 from .opaque import is_value_opaque
@@ -166,14 +167,12 @@ class TensorOrQuantizedBucket(Bucket):
         if value is None:
             return [[], [], None], ("none",)
         if isinstance(value, QuantizedTensorStorage):
-            buffers = value.buffers()
-            q = value._quantizer
+            names, buffers, extras, q = storage_parts(value)
             if q is not None and not is_value_opaque(q):
                 raise TypeError(f"field {name!r}: the quantizer of {type(value).__name__} "
                                 f"({type(q).__name__}) is not value-opaque")
-            tensors = [value] if isinstance(value, torch.Tensor) else list(buffers.values())
-            meta = ("quantized", type(value).__module__ + "." + type(value).__qualname__,
-                    _DTYPE_NAMES[value.dtype], value.extras(), tuple(buffers))
+            tensors = [value] if isinstance(value, torch.Tensor) else buffers
+            meta = ("quantized", class_key(type(value)), _DTYPE_NAMES[value.dtype], extras, names)
             slot = QuantizerSlot(q) if q is not None else None
             return [tensors, list(value.shape), slot], meta
         if isinstance(value, torch.Tensor):
@@ -186,7 +185,7 @@ class TensorOrQuantizedBucket(Bucket):
         if simple[0] == "none":
             return None
         if simple[0] == "tensor" or isinstance(tensors[0], QuantizedTensor):
-            return tensors[0]
+            return tensors[0]  # a wrapper: only above the unwrap rule (autograd setup)
         _, cls_name, dtype_name, extras, names = simple
         meta = QuantizedMeta(cls_name, getattr(torch, dtype_name),
                              None if slot is None else slot.quantizer, extras)

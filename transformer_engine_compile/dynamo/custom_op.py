@@ -116,7 +116,10 @@ class ArgPlan:
                 tensors = op_args[0]
                 gradable = entry[0] == "tensor" or (
                     len(tensors) == 1 and isinstance(tensors[0], QuantizedTensor))
-                out.append((name, "list", (len(tensors), len(op_args[1])), gradable))
+                # torch/_library/autograd.py treats a non-empty list of
+                # non-tensors as a leaf (grad None) and an empty list as a list
+                shape_grad = [] if len(op_args[1]) == 0 else None
+                out.append((name, "list", (len(tensors), shape_grad), gradable))
             else:
                 out.append((name, bucket.kind, bucket.n_args, None))
         return tuple(out)
@@ -130,7 +133,7 @@ class ArgPlan:
             if kind in ("tensor", "optional_tensor"):
                 out.append(grad)
             elif kind == "list":  # tensors, shape, quantizer slot
-                out.extend([[grad] if gradable else [None] * n[0], [None] * n[1], None])
+                out.extend([[grad] if gradable else [None] * n[0], n[1], None])
             else:
                 out.extend([None] * n)
         return tuple(out) + (None,)  # the simple values

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..quantization.base import QuantizedTensorStorage, Quantizer
+from ..quantization.base import QuantizedTensorStorage, Quantizer, storage_parts, usages_of
 
 
 def contiguous_stride(shape) -> tuple:
@@ -89,12 +89,14 @@ class TensorProto:
 def to_tensor_proto(t) -> TensorProto:
     """Proto of a plain tensor, a quantized storage or a quantized wrapper."""
     if isinstance(t, QuantizedTensorStorage):
-        if t._quantizer is None:
+        names, _, _, quantizer = storage_parts(t)  # traceable on wrapper tensors too
+        if quantizer is None:
             raise ValueError(f"{type(t).__name__} carries no quantizer; cannot describe it")
-        usages = t.get_usages()
-        q = t._quantizer.with_usage(rowwise=usages["rowwise"], columnwise=usages["columnwise"])
-        q.internal = not isinstance(t, torch.Tensor)
-        requires_grad = isinstance(t, torch.Tensor) and t.requires_grad
+        usages = usages_of(type(t), names)
+        wrapper = isinstance(t, torch.Tensor)
+        q = quantizer.with_usage(rowwise=usages["rowwise"], columnwise=usages["columnwise"],
+                                 internal=not wrapper)
+        requires_grad = wrapper and t.requires_grad
         return TensorProto(tuple(t.shape), t.dtype, q, requires_grad, t.device)
     if isinstance(t, torch.Tensor):
         return TensorProto(tuple(t.shape), t.dtype, None, t.requires_grad, t.device)

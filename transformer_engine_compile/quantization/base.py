@@ -142,10 +142,13 @@ class Quantizer(OpaqueBase):
         if columnwise is not None:
             self.columnwise_usage = bool(columnwise)
 
-    def with_usage(self, *, rowwise: bool | None = None, columnwise: bool | None = None):
-        """A copy with changed usage; safe inside compiled code."""
+    def with_usage(self, *, rowwise: bool | None = None, columnwise: bool | None = None,
+                   internal: bool | None = None):
+        """A copy with changed usage (and ``internal`` flag); safe inside compiled code."""
         q = self.copy()
         q.set_usage(rowwise=rowwise, columnwise=columnwise)
+        if internal is not None:
+            q.internal = bool(internal)
         return q
 
     def __repr__(self):
@@ -304,8 +307,7 @@ class QuantizedTensorStorage:
         return tuple((name, getattr(self, "_" + name)) for name in self._EXTRAS)
 
     def get_usages(self) -> dict:
-        present = {s.usage for s in self._BUFFERS if getattr(self, "_" + s.name) is not None}
-        return {"rowwise": "rowwise" in present, "columnwise": "columnwise" in present}
+        return usages_of(type(self), tuple(self.buffers()))
 
     def update_usage(self, rowwise_usage: bool | None = None,
                      columnwise_usage: bool | None = None) -> None:
@@ -377,6 +379,23 @@ class QuantizedTensorStorage:
         return (f"{type(self).__name__}(shape={tuple(self._te_shape)}, dtype={self._te_dtype}, "
                 f"rowwise={usages['rowwise']}, columnwise={usages['columnwise']}, "
                 f"extras={dict(self.extras())})")
+
+
+def storage_parts(t) -> tuple:
+    """``(names, buffers, extras, quantizer)`` of a storage or wrapper tensor,
+    from attribute reads only: Dynamo can trace those on a wrapper tensor,
+    but not a call to one of its methods that returns non-tensors."""
+    cls = type(t)
+    names = tuple(s.name for s in cls._BUFFERS if getattr(t, "_" + s.name) is not None)
+    buffers = [getattr(t, "_" + n) for n in names]
+    extras = tuple((n, getattr(t, "_" + n)) for n in cls._EXTRAS)
+    return names, buffers, extras, t._quantizer
+
+
+def usages_of(cls, names) -> dict:
+    """Which copies the buffers ``names`` of storage class ``cls`` make up."""
+    present = {s.usage for s in cls._BUFFERS if s.name in names}
+    return {"rowwise": "rowwise" in present, "columnwise": "columnwise" in present}
 
 
 def storage_registry() -> dict:
