@@ -254,12 +254,12 @@ def test_delayed_scaling_records_amax_and_updates_scale():
 
 
 @pytest.mark.parametrize("name,shape,match", [
-    ("mxfp8_e4m3", (64, 48), "MXFP8 rowwise needs the last dim divisible by 32"),
-    ("mxfp8_e4m3", (40, 64), "MXFP8 columnwise needs the flattened leading dims divisible by 32"),
+    ("mxfp8_e4m3", (64, 48), "MXFP8 needs the last dim divisible by 32"),
+    ("mxfp8_e4m3", (40, 64), "MXFP8 needs the flattened leading dims divisible by 32"),
     ("block_1d", (128, 100), r"FP8 blockwise \(1x128\) needs the last dim divisible by 128"),
     ("block_2d", (64, 128), r"FP8 blockwise \(128x128\) needs the flattened leading dims"),
     ("nvfp4", (32, 24), "NVFP4 needs the last dim divisible by 16"),
-    ("nvfp4", (8, 32), "NVFP4 columnwise/2D needs the flattened leading dims divisible by 16"),
+    ("nvfp4", (8, 32), "NVFP4 needs the flattened leading dims divisible by 16"),
     ("fp8_current_e4m3", (), "cannot quantize a 0-dim tensor"),
 ])
 def test_sizes_a_format_cannot_take(name, shape, match):

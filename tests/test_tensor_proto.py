@@ -105,7 +105,7 @@ def test_internal_quantizer_gives_storage():
 
 
 def test_bad_shape_raises_through_proto():
-    with pytest.raises(ValueError, match="MXFP8 rowwise needs the last dim divisible by 32"):
+    with pytest.raises(ValueError, match="MXFP8 needs the last dim divisible by 32"):
         te.TensorProto((32, 40), torch.float32, te.MXFP8Quantizer()).inner_names()
 
 

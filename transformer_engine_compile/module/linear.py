@@ -350,7 +350,9 @@ class Linear(torch.nn.Module):
         return args
 
     def _check_shapes(self, args: LinearFwdArgs, inp) -> None:
-        """Clear errors for sizes the recipe's formats cannot take, before any kernel."""
+        """Clear errors for sizes the recipe's formats cannot take, before any
+        kernel.  Reads ``divisibility()`` and tests the (maybe symbolic) sizes
+        here: an exception raised inside an opaque member is not catchable."""
         m = inp.numel() // self.in_features
         checks = (
             ("input", args.input_quantizer, (m, self.in_features), _input_usage(args)),
@@ -359,17 +361,17 @@ class Linear(torch.nn.Module):
             ("grad_output", args.grad_output_quantizer, (m, self.out_features),
              {"rowwise": args.input_requires_grad, "columnwise": args.weight_requires_grad}),
         )
-        for role, q, shape, usage in checks:
+        for role, q, (rows, cols), usage in checks:
             if role == "weight" and isinstance(args.weight, QuantizedTensorStorage):
                 continue
-            if role == "grad_output" and not (usage["rowwise"] or usage["columnwise"]):
+            if not (usage["rowwise"] or usage["columnwise"]):
                 continue
-            try:
-                q.with_usage(**usage).check_shape(shape)
-            except ValueError as e:
-                raise ValueError(f"te.Linear({self.in_features} -> {self.out_features}): "
-                                 f"{role} of shape {shape} (as 2-D) does not fit the recipe: "
-                                 f"{e}") from None
+            k_mult, m_mult, label = q.with_usage(**usage).divisibility()
+            if cols % k_mult != 0 or rows % m_mult != 0:
+                raise ValueError(
+                    f"te.Linear({self.in_features} -> {self.out_features}): the {role} as a "
+                    f"{rows} x {cols} matrix does not fit the recipe: {label} needs the rows "
+                    f"divisible by {m_mult} and the columns by {k_mult}")
 
     # -- forward -----------------------------------------------------------------------
     def forward(self, inp, is_first_microbatch: Optional[bool] = None, fp8_output: bool = False):

@@ -109,7 +109,8 @@ class Quantizer(OpaqueBase):
     # read by compiled code: evaluated on the real object (USE_REAL)
     _COMPILE_MEMBERS: ClassVar[tuple] = (
         "format_name", "storage_cls", "tensor_cls", "copy", "with_usage", "describe_buffers",
-        "flatten_layout", "create_metadata", "check_shape", "is_stateful", "_te_value_opaque",
+        "flatten_layout", "create_metadata", "check_shape", "divisibility", "is_stateful",
+        "_te_value_opaque",
     )
     # compute on tensors: traced by Dynamo (INLINED)
     _INLINED_MEMBERS: ClassVar[tuple] = (
@@ -165,8 +166,19 @@ class Quantizer(OpaqueBase):
         m, k = flat_2d(shape)
         self._check_dims(m, k)
 
-    def _check_dims(self, m: int, k: int) -> None:
+    def divisibility(self) -> tuple:
+        """``(last-dim multiple, leading-dims multiple, label)`` the format's
+        blocks need under the current usages (1 = any size).  Takes no
+        shape, so compiled code can read it and test symbolic sizes itself."""
         raise NotImplementedError
+
+    def _check_dims(self, m: int, k: int) -> None:
+        k_mult, m_mult, label = self.divisibility()
+        if k % k_mult:
+            raise ValueError(f"{label} needs the last dim divisible by {k_mult}, got {k}")
+        if m % m_mult:
+            raise ValueError(f"{label} needs the flattened leading dims divisible by "
+                             f"{m_mult}, got {m}")
 
     def _layout(self, shape, m: int, k: int) -> dict:
         """All buffers of the format: name -> (shape, dtype), both usages."""

@@ -61,16 +61,12 @@ class Float8BlockQuantizer(Quantizer):
         self.force_pow_2_scales = bool(force_pow_2_scales)
         self.amax_epsilon = float(amax_epsilon)
 
-    def _check_dims(self, m, k):
+    def divisibility(self):
         b = ref.FP8_BLOCK
-        need_k = self.rowwise_usage or self.block_scaling_dim == 2
-        need_m = self.columnwise_usage or self.block_scaling_dim == 2
-        tile = "128x128" if self.block_scaling_dim == 2 else "1x128"
-        if need_k and k % b:
-            raise ValueError(f"FP8 blockwise ({tile}) needs the last dim divisible by {b}, got {k}")
-        if need_m and m % b:
-            raise ValueError(f"FP8 blockwise ({tile}) needs the flattened leading dims divisible "
-                             f"by {b}, got {m}")
+        two_d = self.block_scaling_dim == 2
+        tile = "128x128" if two_d else "1x128"
+        return (b if self.rowwise_usage or two_d else 1, b if self.columnwise_usage or two_d else 1,
+                f"FP8 blockwise ({tile})")
 
     def _layout(self, shape, m, k):
         dt = ref.FP8_DTYPE[self.fp8_format]

@@ -55,8 +55,8 @@ class _Float8QuantizerBase(Quantizer):
     storage_cls = Float8TensorStorage
     tensor_cls = Float8Tensor
 
-    def _check_dims(self, m, k):
-        pass  # any shape
+    def divisibility(self):
+        return (1, 1, "FP8")  # one scale per tensor: any shape
 
     def _layout(self, shape, m, k):
         dt = ref.FP8_DTYPE[self.fp8_format]

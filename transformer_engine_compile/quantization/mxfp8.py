@@ -54,13 +54,9 @@ class MXFP8Quantizer(Quantizer):
                          internal=internal)
         self.fp8_format = fp8_format_name(fp8_format)
 
-    def _check_dims(self, m, k):
+    def divisibility(self):
         b = ref.MX_BLOCK
-        if self.rowwise_usage and k % b:
-            raise ValueError(f"MXFP8 rowwise needs the last dim divisible by {b}, got {k}")
-        if self.columnwise_usage and m % b:
-            raise ValueError(f"MXFP8 columnwise needs the flattened leading dims divisible "
-                             f"by {b}, got {m}")
+        return (b if self.rowwise_usage else 1, b if self.columnwise_usage else 1, "MXFP8")
 
     def _layout(self, shape, m, k):
         dt = ref.FP8_DTYPE[self.fp8_format]

@@ -69,16 +69,11 @@ class NVFP4Quantizer(Quantizer):
         self.with_2d_quantization = bool(with_2d_quantization)
         self.stochastic_rounding = bool(stochastic_rounding)
 
-    def _check_dims(self, m, k):
+    def divisibility(self):
         b = ref.NVFP4_BLOCK
-        need_k = self.rowwise_usage or self.with_2d_quantization
-        need_m = self.columnwise_usage or self.with_2d_quantization
-        if need_k and k % b:
-            raise ValueError(f"NVFP4 needs the last dim divisible by {b} (blocks of {b}, "
-                             f"two values per byte), got {k}")
-        if need_m and m % b:
-            raise ValueError(f"NVFP4 columnwise/2D needs the flattened leading dims divisible "
-                             f"by {b}, got {m}")
+        two_d = self.with_2d_quantization
+        return (b if self.rowwise_usage or two_d else 1, b if self.columnwise_usage or two_d else 1,
+                "NVFP4 (16x16)" if two_d else "NVFP4")
 
     def _layout(self, shape, m, k):
         b = ref.NVFP4_BLOCK
