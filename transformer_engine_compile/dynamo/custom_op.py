@@ -303,6 +303,7 @@ class CustomOpPair:
                               self._bwd_real, self._bwd_fake)
         torch.library.register_autograd(self.fwd_op, self._autograd_backward,
                                         setup_context=self._autograd_setup, lib=_library())
+        torch.library.register_autograd(self.bwd_op, self._no_double_backward, lib=_library())
 
     # -- layouts (run the fakes on protos) --------------------------------------------------
     def fwd_layout(self, args) -> _Layout:
@@ -355,6 +356,10 @@ class CustomOpPair:
         saved = unpack_saved(ctx.saved_tensors, ctx.te_spec)
         bwd_args = self.make_bwd_args(saved, ctx.te_values, grads_by_output)
         return self.fwd_plan.grads(ctx.te_template, self.call_backward(bwd_args))
+
+    def _no_double_backward(self, ctx, grads):
+        raise NotImplementedError(f"{self.name}: double backward (create_graph=True through "
+                                  "the backward op) is not supported")
 
     # -- entry points -------------------------------------------------------------------
     def __call__(self, args) -> dict:

@@ -1,0 +1,324 @@
+"""te.Linear's generated ops: layout parity of fakes, opcheck, eager fallback."""
+
+import itertools
+import warnings
+
+import pytest
+import torch
+
+import transformer_engine_compile as te
+from transformer_engine_compile.dynamo import compat
+from transformer_engine_compile.dynamo.custom_op import OpResult
+from transformer_engine_compile.dynamo.tensor_proto import TensorProto
+from transformer_engine_compile.module import linear as L
+from transformer_engine_compile.quantization import factory
+
+from test_linear import RECIPES, _make_step, _reset
+
+OPS = L.LINEAR_OPS
+X = torch.randn(128, 128, dtype=torch.bfloat16)
+
+# opcheck's test_schema (SchemaCheckMode compares the inputs of every aten op
+# run inside the impl with allclose) and test_aot_dispatch_dynamic (sums every
+# output for a loss) need float8 kernels that torch does not have on CPU.
+# For ops that handle float8 buffers the same properties are checked by
+# _check_schema_by_bytes and _check_aot_dispatch_dynamic below.
+_FLOAT8_SAFE = ("test_autograd_registration", "test_faketensor")
+
+
+def _tensors(flat):
+    for a in flat:
+        for t in (a if isinstance(a, list) else [a]):
+            if isinstance(t, torch.Tensor):
+                yield t
+
+
+def _bits(t):
+    return t.detach().view(torch.uint8) if t.element_size() == 1 else t.detach()
+
+
+def _check_schema_by_bytes(op, flat):
+    """No input mutated (compared as bytes), no output aliasing an input or another output."""
+    inputs = [b for t in _tensors(flat) for b in (
+        t.buffers().values() if isinstance(t, te.QuantizedTensor) else [t])]
+    before = [t.detach().clone() for t in inputs]
+    outs = op(*flat)
+    for t, b in zip(inputs, before):
+        assert torch.equal(_bits(t), _bits(b)), "input mutated"
+    ptrs = {t.untyped_storage().data_ptr() for t in inputs}
+    out_ptrs = [o.untyped_storage().data_ptr() for o in outs]
+    assert not set(out_ptrs) & ptrs, "an output aliases an input"
+    assert len(set(out_ptrs)) == len(out_ptrs), "outputs alias each other"
+
+
+def _check_aot_dispatch_dynamic(op, flat):
+    """The op under AOTAutograd with dynamic shapes equals eager, outputs and
+    gradients of the floating outputs w.r.t. the inputs that require grad."""
+    _reset()
+    inputs = [t for t in _tensors(flat) if t.requires_grad]
+
+    def run(fn):
+        torch.manual_seed(0)  # NVFP4 stochastic rounding
+        outs = fn(*flat)
+        loss = sum(o.float().sum() for o in outs if o.dtype.is_floating_point and o.requires_grad)
+        grads = torch.autograd.grad(loss, inputs) if inputs else ()
+        return [_bits(o) for o in outs], grads
+
+    eager = run(op)
+    compiled = run(torch.compile(lambda *a: op(*a), backend="aot_eager", dynamic=True,
+                                 fullgraph=True))
+    for a, b in zip(eager[0] + list(eager[1]), compiled[0] + list(compiled[1])):
+        assert torch.equal(a, b)
+
+
+def opcheck(op, flat, quantized):
+    if quantized:
+        torch.library.opcheck(op, tuple(flat), test_utils=_FLOAT8_SAFE)
+        _check_schema_by_bytes(op, flat)
+        _check_aot_dispatch_dynamic(op, flat)
+    else:
+        torch.library.opcheck(op, tuple(flat))
+
+
+def _fwd_args(rec, *, bias=True, input_rg=True, weight_rg=True, save_original_input=False,
+              cache_weight=False, fp8_output=False, fp8_weight=False, workspace=False):
+    torch.manual_seed(0)
+    x = torch.randn(2, 64, 128, dtype=torch.bfloat16)
+    w = torch.randn(128, 128, dtype=torch.bfloat16)
+    q = (lambda role, **kw: te.quantizer_for(rec, role, **kw)) if rec is not None else None
+    args = L.LinearFwdArgs(
+        inp=x, weight=w, bias=torch.randn(128, dtype=torch.bfloat16) if bias else None,
+        input_requires_grad=input_rg, weight_requires_grad=weight_rg, bias_requires_grad=bias,
+        save_original_input=save_original_input, cache_weight=cache_weight and rec is not None)
+    if rec is not None:
+        args.input_quantizer = q("input", internal=True)
+        args.weight_quantizer = q("weight", internal=True)
+        args.grad_output_quantizer = q("grad_output", internal=True)
+        if fp8_output:
+            args.output_quantizer = q("output")
+        if fp8_weight:
+            args.weight = q("weight")(w)
+        elif workspace:
+            args.weight_workspace = q("weight", internal=True)(w)
+    return args
+
+
+def _describe(value):
+    """[(inner name, shape, stride, dtype), ...] of a real value or a proto."""
+    if value is None:
+        return None
+    if isinstance(value, TensorProto):
+        proto, value = value, value.create_tensor()
+        assert type(value).__name__ == proto.create_metadata().cls_name.rsplit(".", 1)[-1] \
+            if proto.is_quantized else True
+    if isinstance(value, te.QuantizedTensorStorage):
+        names, _ = type(value).__tensor_flatten__(value)
+        return [type(value).__name__] + [
+            (n, tuple(getattr(value, n).shape), getattr(value, n).stride(), getattr(value, n).dtype)
+            for n in names]
+    return [("tensor", tuple(value.shape), value.stride(), value.dtype)]
+
+
+def _alias_map(result: OpResult, args, fields):
+    ids = {id(getattr(args, f)): f"arg:{f}" for f in fields if getattr(args, f) is not None}
+    ids.update({id(v): f"out:{k}" for k, v in result.outputs.items() if v is not None})
+    return {k: ids.get(id(v)) for k, v in result.saved.items() if v is not None}
+
+
+def _assert_parity(real: OpResult, fake: OpResult, args, protos, fields):
+    assert list(real.outputs) == list(fake.outputs) and list(real.saved) == list(fake.saved)
+    for kind in ("outputs", "saved"):
+        for name in getattr(real, kind):
+            r, f = getattr(real, kind)[name], getattr(fake, kind)[name]
+            assert _describe(r) == _describe(f), f"{kind}[{name!r}]"
+    assert _alias_map(real, args, fields) == _alias_map(fake, protos, fields)
+
+
+FLAG_COMBOS = [dict(zip(("bias", "input_rg", "weight_rg", "save_original_input", "cache_weight"), c))
+               for c in itertools.product([True, False], repeat=5) if c[1] or c[2]]
+EXTRA_COMBOS = [dict(fp8_output=True, input_rg=False, weight_rg=False),
+                dict(fp8_weight=True), dict(fp8_weight=True, input_rg=False),
+                dict(workspace=True), dict(workspace=True, weight_rg=False)]
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_layout_parity_forward_and_backward(name):
+    """Fake against real for every recipe and flag combination: outputs and
+    saved tensors (count, shapes, strides, dtypes, inner-buffer names, aliases)."""
+    rec = RECIPES[name]
+    combos = FLAG_COMBOS + (EXTRA_COMBOS if rec is not None else [])
+    for flags in combos:
+        args = _fwd_args(rec, **flags)
+        protos = OPS.fwd_plan.to_protos(args)
+        real = L.linear_forward(args)
+        fake = L.linear_forward_fake(protos)
+        try:
+            _assert_parity(real, fake, args, protos, OPS.fwd_plan.tensor_fields)
+            if flags.get("fp8_output"):
+                continue
+            dy = torch.randn(2, 64, 128, dtype=torch.bfloat16)
+            bwd = OPS.make_bwd_args(real.saved, L.linear_setup_context(args), {"grad_output": dy})
+            bwd_real = L.linear_backward(bwd)
+            bwd_fake = L.linear_backward_fake(OPS.bwd_plan.to_protos(bwd))
+            assert list(bwd_real) == list(bwd_fake)
+            for k in bwd_real:
+                assert _describe(bwd_real[k]) == _describe(bwd_fake[k]), k
+        except AssertionError as e:
+            raise AssertionError(f"{name} {flags}: {e}") from e
+
+
+def test_parity_counts_what_the_flags_promise():
+    """The layout the parity test compares is the intended one, not just a
+    self-consistent one: quantized saved input keeps only its columnwise copy."""
+    args = _fwd_args(RECIPES["mxfp8"])
+    saved = L.linear_forward(args).saved
+    assert saved["inputmat"].get_usages() == {"rowwise": False, "columnwise": True}
+    assert saved["weightmat"].get_usages() == {"rowwise": True, "columnwise": True}
+    args = _fwd_args(RECIPES["mxfp8"], save_original_input=True)
+    assert L.linear_forward(args).saved["inputmat"] is args.inp
+    args = _fwd_args(None)
+    result = L.linear_forward(args)
+    assert result.saved["inputmat"] is args.inp and result.saved["weightmat"] is args.weight
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_opcheck_forward_and_backward_ops(name):
+    rec = RECIPES[name]
+    args = _fwd_args(rec)
+    args.inp.requires_grad_()
+    opcheck(OPS.fwd_op, OPS.fwd_plan.encode(args), rec is not None)
+    real = L.linear_forward(args)
+    args.inp.requires_grad_(False)  # the backward op runs with grad mode off
+    dy = torch.randn(2, 64, 128, dtype=torch.bfloat16)
+    bwd = OPS.make_bwd_args(real.saved, L.linear_setup_context(args), {"grad_output": dy})
+    opcheck(OPS.bwd_op, OPS.bwd_plan.encode(bwd), rec is not None)
+
+
+def test_double_backward_is_refused():
+    layer = te.Linear(128, 128, params_dtype=torch.bfloat16)
+    x = torch.randn(64, 128, dtype=torch.bfloat16, requires_grad=True)
+    compiled = torch.compile(_make_step(layer, RECIPES["fp8_current"]), backend="aot_eager")
+    y = compiled(x)
+    (gx,) = torch.autograd.grad(y.float().sum(), x, create_graph=True)
+    with pytest.raises(Exception, match="double backward"):
+        gx.float().sum().backward()
+
+
+def test_opcheck_with_fp8_primary_weight_and_fp8_output():
+    args = _fwd_args(RECIPES["fp8_current"], fp8_weight=True)
+    args.weight.requires_grad_()
+    opcheck(OPS.fwd_op, OPS.fwd_plan.encode(args), True)
+    args = _fwd_args(RECIPES["nvfp4"], fp8_output=True, input_rg=False, weight_rg=False,
+                     bias=False)
+    opcheck(OPS.fwd_op, OPS.fwd_plan.encode(args), True)
+
+
+# -- eager fallback ------------------------------------------------------------------------
+def _compiled_twice(layer, rec, fullgraph=False, **kw):
+    step = torch.compile(_make_step(layer, rec, **kw), fullgraph=fullgraph, backend="aot_eager")
+    x = X.clone().requires_grad_()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs = [step(x) for _ in range(2)]
+    return outs, [str(w.message) for w in caught if "falls back to eager" in str(w.message)]
+
+
+def test_weight_caching_falls_back_and_reuses_the_cached_weight():
+    _reset()
+    layer = te.Linear(128, 128, params_dtype=torch.bfloat16)
+    rec = RECIPES["fp8_current"]
+    x = torch.randn(64, 128, dtype=torch.bfloat16)
+
+    def step(x, first):
+        with te.autocast(recipe=rec):
+            return layer(x, is_first_microbatch=first)
+
+    compiled = torch.compile(step, backend="aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = compiled(x, True)
+        with torch.no_grad():
+            layer.weight.mul_(2)  # a later microbatch must still see the cached weight
+        second = compiled(x, False)
+        third = compiled(x, False)
+    assert torch.equal(first, second) and torch.equal(second, third)
+    assert layer.compile_fallbacks() == ("weight_caching",)
+    assert sum("weight_caching" in str(w.message) for w in caught) == 1
+    assert not torch.equal(compiled(x, None), first)  # no caching: the doubled weight
+
+
+def test_fuse_wgrad_accumulation_falls_back_and_accumulates_main_grad():
+    _reset()
+    torch.manual_seed(0)
+    layer = te.Linear(128, 128, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=True)
+    layer.weight.main_grad = torch.zeros(128, 128, dtype=torch.float32)
+    x = torch.randn(64, 128, dtype=torch.bfloat16)
+    compiled = torch.compile(_make_step(layer, None), backend="aot_eager")
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        for _ in range(2):
+            compiled(x).float().sum().backward()
+    expect = 2 * (torch.ones(64, 128, dtype=torch.bfloat16).t() @ x).float()
+    torch.testing.assert_close(layer.weight.main_grad, expect, rtol=1e-2, atol=1e-2)
+    assert layer.weight.grad is None
+    assert layer.compile_fallbacks() == ("fuse_wgrad_accumulation",)
+
+
+def test_unregistered_quantizer_falls_back(monkeypatch):
+    class UnregisteredQuantizer(te.Float8CurrentScalingQuantizer):
+        pass
+
+    real = factory.quantizer_for
+
+    def patched(recipe, role, **kw):
+        q = real(recipe, role, **kw)
+        return UnregisteredQuantizer(internal=q.internal) if role == "input" else q
+
+    monkeypatch.setattr(factory, "quantizer_for", patched)
+    _reset()
+    layer = te.Linear(128, 128, params_dtype=torch.bfloat16)
+    outs, warned = _compiled_twice(layer, RECIPES["fp8_current"])
+    assert layer.compile_fallbacks() == ("quantizer_not_value_opaque",) and len(warned) == 1
+    with te.autocast(recipe=RECIPES["fp8_current"]):
+        assert torch.equal(outs[0], layer(X))
+
+
+def test_torch_without_opaque_api_falls_back(monkeypatch):
+    monkeypatch.setattr(compat, "OPAQUE_UNAVAILABLE_REASON", "simulated")
+    _reset()
+    layer = te.Linear(128, 128, params_dtype=torch.bfloat16)
+    outs, warned = _compiled_twice(layer, RECIPES["mxfp8"])
+    assert layer.compile_fallbacks() == ("no_opaque_api",) and len(warned) == 1
+    with te.autocast(recipe=RECIPES["mxfp8"]):
+        assert torch.equal(outs[0], layer(X)) and torch.equal(outs[1], outs[0])
+
+
+def test_fallback_under_fullgraph_is_a_graph_break_error():
+    _reset()
+    layer = te.Linear(128, 128, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=True)
+    layer.weight.main_grad = torch.zeros(128, 128)
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        _compiled_twice(layer, None, fullgraph=True)
+
+
+def test_supported_configurations_never_fall_back():
+    _reset()
+    model = torch.nn.Sequential(te.Linear(128, 128, params_dtype=torch.bfloat16),
+                                te.Linear(128, 128, params_dtype=torch.bfloat16))
+    for rec in RECIPES.values():
+        _compiled_twice(model, rec)
+    assert te.fallback_report(model) == {}
+    model[1].fuse_wgrad_accumulation = True
+    model[1].weight.main_grad = torch.zeros(128, 128)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _compiled_twice(model, None)
+    assert te.fallback_report(model) == {"1": ("fuse_wgrad_accumulation",)}
+
+
+def test_every_fallback_reason_is_documented():
+    from transformer_engine_compile.dynamo.fallback import REASONS
+    import pathlib
+    doc = (pathlib.Path(__file__).parents[1] / "docs" / "fallback.md").read_text()
+    for reason in REASONS:
+        assert f"`{reason}`" in doc
