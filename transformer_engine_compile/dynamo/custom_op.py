@@ -165,8 +165,8 @@ def _alias_names(args, outputs: dict, arg_fields) -> dict:
     for name, value in outputs.items():
         if value is not None:
             if id(value) in names:
-                raise RuntimeError(f"output {name!r} aliases argument {names[id(value)]!r}; "
-                                   "a custom op may not return its inputs")
+                raise RuntimeError(f"output {name!r} is the same object as {names[id(value)]!r}; "
+                                   "a custom op may not return an input or one tensor twice")
             names[id(value)] = f"out:{name}"
     return names
 
