@@ -30,7 +30,7 @@ def _run_steps(layer, step_fn, x0, steps, seed=1):
         x = (x0 * (1 + 0.1 * i)).requires_grad_()
         layer.zero_grad(set_to_none=True)
         y = step_fn(x)
-        (y.float() * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
+        (y.float() * torch.linspace(-1, 1, y.shape[-1], device=y.device)).sum().backward()
         grads = [x.grad] + [p.grad for p in layer.parameters()]
         results.append([y.detach()] + [g.clone() for g in grads])
         with torch.no_grad():
@@ -46,16 +46,18 @@ def _make_step(layer, rec, **kw):
     return step
 
 
-def compare_compiled(rec, shape, bias=True, backend="aot_eager", steps=3, dtype=torch.bfloat16):
+def compare_compiled(rec, shape, bias=True, backend="aot_eager", steps=3, dtype=torch.bfloat16,
+                     device="cpu", mode=None):
     _reset()
     torch.manual_seed(0)
-    layer = te.Linear(shape[-1], 128, bias=bias, params_dtype=dtype)
+    layer = te.Linear(shape[-1], 128, bias=bias, params_dtype=dtype, device=device)
     state = {k: v.clone() for k, v in layer.state_dict().items()}
-    x0 = torch.randn(shape, dtype=dtype)
+    x0 = torch.randn(shape, dtype=dtype, device=device)
     step = _make_step(layer, rec)
     eager = _run_steps(layer, step, x0, steps)
     layer.load_state_dict(state)
-    compiled = _run_steps(layer, torch.compile(step, fullgraph=True, backend=backend), x0, steps)
+    compiled = _run_steps(layer, torch.compile(step, fullgraph=True, backend=backend, mode=mode),
+                          x0, steps)
     for i, (e, c) in enumerate(zip(eager, compiled)):
         for name, a, b in zip(("out", "dgrad", "wgrad", "bgrad"), e, c):
             assert a.dtype == b.dtype and a.shape == b.shape, (i, name)

@@ -1,0 +1,66 @@
+"""te.Linear on CUDA: compiled (inductor, default mode) equals eager bit for
+bit for every recipe, with zero graph breaks and one graph.  Skips without
+CUDA; qa/L0_gpu/test.sh runs it on a GPU machine."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import transformer_engine_compile as te
+
+from test_linear import RECIPES, SHAPES, compare_compiled
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("name", RECIPES)
+def test_cuda_compiled_equals_eager_inductor(name, bias, shape):
+    compare_compiled(RECIPES[name], SHAPES[shape], bias, backend="inductor", device="cuda")
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_cuda_eager_matches_cpu_eager(name):
+    """The same layer on CUDA and on CPU: bf16 within matmul rounding, the
+    quantized recipes within their format's error (the GEMM sums in another order)."""
+    results = {}
+    for device in ("cpu", "cuda"):
+        torch.manual_seed(0)
+        layer = te.Linear(128, 128, params_dtype=torch.float32, device=device)
+        x = torch.randn(128, 128, device=device)
+        with torch.no_grad(), te.autocast(enabled=RECIPES[name] is not None, recipe=RECIPES[name]):
+            results[device] = layer(x).cpu()
+    a, b = results["cpu"], results["cuda"]
+    assert ((a - b).norm() / a.norm()).item() < (5e-3 if name != "nvfp4" else 5e-2)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_cuda_fp8_primary_weight_and_fp8_output(backend):
+    torch._dynamo.reset()
+    counters.clear()
+    layer = te.Linear(128, 128, params_dtype=torch.bfloat16, device="cuda")
+    layer.weight = torch.nn.Parameter(te.Float8CurrentScalingQuantizer()(layer.weight.detach()))
+    rec = RECIPES["fp8_current"]
+
+    def train(x):
+        with te.autocast(recipe=rec):
+            return layer(x)
+
+    def infer(x):
+        with torch.no_grad(), te.autocast(recipe=rec):
+            return layer(x, fp8_output=True)
+
+    x0 = torch.randn(256, 128, dtype=torch.bfloat16, device="cuda")
+    res = []
+    for fn in (train, torch.compile(train, fullgraph=True, backend=backend)):
+        layer.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_()
+        y = fn(x)
+        y.float().sum().backward()
+        res.append((y, x.grad, layer.weight.grad, layer.bias.grad))
+    for a, b in zip(*res):
+        assert torch.equal(a, b)
+    q_eager, q_comp = infer(x0), torch.compile(infer, fullgraph=True, backend=backend)(x0)
+    assert type(q_comp) is te.Float8Tensor
+    assert torch.equal(q_eager.dequantize(), q_comp.dequantize())
