@@ -26,9 +26,9 @@ def test_cuda_eager_matches_cpu_eager(name):
     quantized recipes within their format's error (the GEMM sums in another order)."""
     results = {}
     for device in ("cpu", "cuda"):
-        torch.manual_seed(0)
-        layer = te.Linear(128, 128, params_dtype=torch.float32, device=device)
-        x = torch.randn(128, 128, device=device)
+        torch.manual_seed(0)  # same values on both devices: draw on the CPU, then move
+        layer = te.Linear(128, 128, params_dtype=torch.float32).to(device)
+        x = torch.randn(128, 128).to(device)
         with torch.no_grad(), te.autocast(enabled=RECIPES[name] is not None, recipe=RECIPES[name]):
             results[device] = layer(x).cpu()
     a, b = results["cpu"], results["cuda"]
