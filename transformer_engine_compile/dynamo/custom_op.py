@@ -34,6 +34,7 @@ import dataclasses
 from typing import Callable, NamedTuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..quantization.base import QuantizedTensorStorage
 from ..quantization.wrapper import QuantizedTensor
@@ -402,6 +403,7 @@ class _EagerFunction(torch.autograd.Function):
         return tuple(result.outputs.values())
 
     @staticmethod
+    @once_differentiable  # the impls are not differentiable: refuse double backward
     def backward(ctx, *grads):
         pair = ctx.te_pair
         grads_by_output = {f: grads[i] for f, i in ctx.te_out_grad.items()}
