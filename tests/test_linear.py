@@ -264,6 +264,13 @@ def test_bad_inputs_raise_clear_errors(mode):
         call(torch.randn(64, 128, dtype=torch.bfloat16, requires_grad=True), RECIPES["fp8_block"])
 
 
+def test_delayed_scaling_is_refused_clearly():
+    layer = te.Linear(128, 64)
+    with te.autocast(recipe=recipe.DelayedScaling()):
+        with pytest.raises(NotImplementedError, match="DelayedScaling needs per-layer"):
+            layer(torch.randn(4, 128))
+
+
 def test_bad_constructor_arguments():
     with pytest.raises(ValueError, match="in_features"):
         te.Linear(0, 4)

@@ -325,6 +325,10 @@ class Linear(torch.nn.Module):
             raise NotImplementedError(
                 "te.Linear: fp8_output=True is supported without gradients only (inference "
                 "or torch.no_grad()); the backward has no quantized-gradient input")
+        if recipe is not None and recipe.delayed():
+            raise NotImplementedError(
+                "te.Linear: DelayedScaling needs per-layer amax-history state, which is not "
+                "implemented yet; use recipe.Float8CurrentScaling() (same FP8 formats)")
         if recipe is not None:
             args.input_quantizer = quantizer_for(recipe, "input", internal=True)
             args.weight_quantizer = quantizer_for(recipe, "weight", internal=True)
