@@ -188,7 +188,10 @@ def _grad_output_usage(args: LinearBwdArgs) -> dict:
 
 
 def _needs_requantized_input(args: LinearBwdArgs, x) -> bool:
-    quantized_x = isinstance(x, QuantizedTensorStorage) or getattr(x, "is_quantized", False)
+    """True when the saved input is high precision but wgrad is quantized
+    (save_original_input); ``x`` is a tensor/storage (real) or a proto (fake)."""
+    quantized_x = (isinstance(x, QuantizedTensorStorage)
+                   or (isinstance(x, TensorProto) and x.is_quantized))
     return args.input_quantizer is not None and not quantized_x
 
 
