@@ -167,6 +167,20 @@ def test_quantized_grads_close_to_bf16(name, tol):
         assert ((a - b).norm() / a.norm()).item() < tol
 
 
+def assert_compiled_step_equals_eager(layer, step, x0, backend="aot_eager"):
+    """One forward + backward, eager then compiled: (out, dgrad, wgrad, bias grad) equal."""
+    res = []
+    for fn in (step, torch.compile(step, fullgraph=True, backend=backend)):
+        layer.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_()
+        y = fn(x)
+        y.float().sum().backward()
+        res.append((y, x.grad, layer.weight.grad, layer.bias.grad))
+    for a, b in zip(*res):
+        assert a is not None and torch.equal(a, b)
+    return res
+
+
 # -- FP8 primary weight, fp8_output ---------------------------------------------------------
 @pytest.mark.parametrize("qname", ["fp8", "mxfp8"])
 def test_fp8_primary_weight_compiled_equals_eager(qname):
@@ -176,17 +190,8 @@ def test_fp8_primary_weight_compiled_equals_eager(qname):
     q = {"fp8": te.Float8CurrentScalingQuantizer("e4m3"), "mxfp8": te.MXFP8Quantizer()}[qname]
     layer.weight = torch.nn.Parameter(q(layer.weight.detach()))
     rec = RECIPES["fp8_current"] if qname == "fp8" else RECIPES["mxfp8"]
-    step = _make_step(layer, rec)
-    x0 = torch.randn(64, 128, dtype=torch.bfloat16)
-    res = []
-    for fn in (step, torch.compile(step, fullgraph=True, backend="aot_eager")):
-        layer.zero_grad(set_to_none=True)
-        x = x0.clone().requires_grad_()
-        y = fn(x)
-        y.float().sum().backward()
-        res.append((y, x.grad, layer.weight.grad, layer.bias.grad))
-    for a, b in zip(*res):
-        assert a is not None and torch.equal(a, b)
+    res = assert_compiled_step_equals_eager(layer, _make_step(layer, rec),
+                                            torch.randn(64, 128, dtype=torch.bfloat16))
     assert type(res[1][2]) is torch.Tensor and res[1][2].dtype == torch.bfloat16
     assert counters["stats"]["unique_graphs"] == 1
 

@@ -8,7 +8,7 @@ from torch._dynamo.utils import counters
 
 import transformer_engine_compile as te
 
-from test_linear import RECIPES, SHAPES, compare_compiled
+from test_linear import RECIPES, SHAPES, assert_compiled_step_equals_eager, compare_compiled
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -52,15 +52,7 @@ def test_cuda_fp8_primary_weight_and_fp8_output(backend):
             return layer(x, fp8_output=True)
 
     x0 = torch.randn(256, 128, dtype=torch.bfloat16, device="cuda")
-    res = []
-    for fn in (train, torch.compile(train, fullgraph=True, backend=backend)):
-        layer.zero_grad(set_to_none=True)
-        x = x0.clone().requires_grad_()
-        y = fn(x)
-        y.float().sum().backward()
-        res.append((y, x.grad, layer.weight.grad, layer.bias.grad))
-    for a, b in zip(*res):
-        assert torch.equal(a, b)
+    assert_compiled_step_equals_eager(layer, train, x0, backend)
     q_eager, q_comp = infer(x0), torch.compile(infer, fullgraph=True, backend=backend)(x0)
     assert type(q_comp) is te.Float8Tensor
     assert torch.equal(q_eager.dequantize(), q_comp.dequantize())

@@ -193,7 +193,6 @@ class _Layout(NamedTuple):
 
     outputs: tuple
     saved: tuple
-    n_outputs: int  # flat tensors taken by the outputs
 
 
 def layout_of(proto_result: OpResult, proto_args, arg_fields) -> _Layout:
@@ -210,9 +209,7 @@ def layout_of(proto_result: OpResult, proto_args, arg_fields) -> _Layout:
                 out.append((name, "value", value))
         return tuple(out)
 
-    outs = entries(proto_result.outputs, False)
-    return _Layout(outs, entries(proto_result.saved, True),
-                   sum(_entry_count(p) for _, _, p in outs))
+    return _Layout(entries(proto_result.outputs, False), entries(proto_result.saved, True))
 
 
 def _rebuild(proto: TensorProto, tensors: list):

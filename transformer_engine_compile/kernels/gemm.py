@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..quantization.base import QuantizedTensorStorage
+from . import get
 
 
 def operand(t, usage: str) -> torch.Tensor:
@@ -47,7 +48,5 @@ def gemm_reference(a, a_usage: str, b, b_usage: str, out_dtype: torch.dtype,
 def gemm(a, a_usage: str, b, b_usage: str, out_dtype: torch.dtype,
          bias: torch.Tensor | None = None) -> torch.Tensor:
     """Dispatching entry point: a fast ``"gemm"`` kernel for the device, else the reference."""
-    from . import get
-
     probe = a if isinstance(a, torch.Tensor) else next(iter(a.buffers().values()))
     return get("gemm", probe)(a, a_usage, b, b_usage, out_dtype, bias)
