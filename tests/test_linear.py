@@ -27,12 +27,14 @@ def _run_steps(layer, step_fn, x0, steps, seed=1):
     results = []
     torch.manual_seed(seed)  # NVFP4 stochastic rounding draws from the global RNG
     for i in range(steps):
+        torch.compiler.cudagraph_mark_step_begin()  # a no-op unless reduce-overhead
         x = (x0 * (1 + 0.1 * i)).requires_grad_()
         layer.zero_grad(set_to_none=True)
         y = step_fn(x)
         (y.float() * torch.linspace(-1, 1, y.shape[-1], device=y.device)).sum().backward()
         grads = [x.grad] + [p.grad for p in layer.parameters()]
-        results.append([y.detach()] + [g.clone() for g in grads])
+        # clones: a CUDA-graph replay overwrites its outputs
+        results.append([y.detach().clone()] + [g.clone() for g in grads])
         with torch.no_grad():
             for p in layer.parameters():
                 p -= 0.01 * p.grad.to(p.dtype)

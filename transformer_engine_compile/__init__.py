@@ -19,11 +19,12 @@ from .quantization import (Float8BlockQuantizer, Float8BlockwiseQTensor,
 from .quantization.factory import quantizer_for
 from .module import Linear, LinearBwdArgs, LinearFwdArgs
 from .dynamo.fallback import fallback_report
+from .cuda_graphs import prepare_cuda_graphs
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Linear", "LinearFwdArgs", "LinearBwdArgs", "fallback_report",
+    "Linear", "LinearFwdArgs", "LinearBwdArgs", "fallback_report", "prepare_cuda_graphs",
     "recipe", "autocast", "fp8_autocast", "get_autocast_recipe", "is_autocast_enabled",
     "compile_support", "is_value_opaque", "register_value_opaque_quantizer",
     "TensorProto", "to_tensor_proto", "quantizer_for",

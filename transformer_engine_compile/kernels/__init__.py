@@ -3,7 +3,11 @@
 ``get(name, x)`` returns the implementation to run on ``x``: a fast kernel
 registered for ``x``'s device type, or the reference torch implementation in
 ``kernels.reference`` (which runs everywhere and defines the numerics).  Fast
-kernels must return exactly what the reference returns; tests compare them.
+quantization kernels must return exactly the reference's buffers; a fast GEMM
+may differ from the reference GEMM only by its accumulation order (tests
+compare both).  The CUDA kernels (Triton quantization, cuBLAS GEMMs) register
+themselves the first time a CUDA tensor asks, and only when Triton imports:
+CPU installs never import them.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import torch
 from . import reference
 
 OPS = (
+    "amax",
     "quantize_fp8_tensorwise",
+    "quantize_fp8_current",
     "quantize_mxfp8",
     "quantize_fp8_blockwise",
     "quantize_nvfp4",
@@ -24,6 +30,7 @@ OPS = (
 
 _FAST: dict[tuple[str, str], Callable] = {}
 _fast_enabled = True
+_loaded_devices: set[str] = set()
 
 
 def register_fast(name: str, device_type: str, fn: Callable) -> None:
@@ -39,8 +46,27 @@ def set_fast_kernels(enabled: bool) -> None:
     _fast_enabled = bool(enabled)
 
 
+def fast_kernels_available(device_type: str) -> bool:
+    """Whether fast kernels exist for ``device_type`` (e.g. CUDA with Triton)."""
+    _load(device_type)
+    return any(dev == device_type for _, dev in _FAST)
+
+
+def _load(device_type: str) -> None:
+    if device_type in _loaded_devices:
+        return
+    _loaded_devices.add(device_type)
+    if device_type == "cuda":
+        from . import cuda  # registers what this machine supports
+        cuda.register()
+
+
 def get(name: str, x: torch.Tensor) -> Callable:
-    if _fast_enabled:
+    # Code that Dynamo traces (a quantizer called directly in a compiled
+    # region) gets the reference, which inductor fuses itself; the custom
+    # ops run their impls at run time, where the fast kernels apply.
+    if _fast_enabled and not torch.compiler.is_compiling():
+        _load(x.device.type)
         fn = _FAST.get((name, x.device.type))
         if fn is not None:
             return fn

@@ -32,8 +32,9 @@ def operand(t, usage: str) -> torch.Tensor:
 
 
 def gemm_reference(a, a_usage: str, b, b_usage: str, out_dtype: torch.dtype,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``A @ B^T (+ bias)`` in ``out_dtype``; fp32 math when any operand is quantized."""
+                   bias: torch.Tensor | None = None, fast_accum: bool = False) -> torch.Tensor:
+    """``A @ B^T (+ bias)`` in ``out_dtype``; fp32 math when any operand is
+    quantized.  ``fast_accum`` is a hint for fast paths; the reference ignores it."""
     quantized = isinstance(a, QuantizedTensorStorage) or isinstance(b, QuantizedTensorStorage)
     a2, b2 = operand(a, a_usage), operand(b, b_usage)
     if not quantized:
@@ -46,7 +47,8 @@ def gemm_reference(a, a_usage: str, b, b_usage: str, out_dtype: torch.dtype,
 
 
 def gemm(a, a_usage: str, b, b_usage: str, out_dtype: torch.dtype,
-         bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Dispatching entry point: a fast ``"gemm"`` kernel for the device, else the reference."""
+         bias: torch.Tensor | None = None, fast_accum: bool = False) -> torch.Tensor:
+    """Dispatching entry point: a fast ``"gemm"`` kernel for the device, else
+    the reference.  ``fast_accum``: fprop may use reduced-precision accumulation."""
     probe = a if isinstance(a, torch.Tensor) else next(iter(a.buffers().values()))
-    return get("gemm", probe)(a, a_usage, b, b_usage, out_dtype, bias)
+    return get("gemm", probe)(a, a_usage, b, b_usage, out_dtype, bias, fast_accum)

@@ -24,7 +24,7 @@ E4M3_MAX = 448.0
 MX_BLOCK = 32
 FP8_BLOCK = 128
 NVFP4_BLOCK = 16
-_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # documentation; decoded arithmetically
 # random sign vector of the NVFP4 random Hadamard transform (fixed, like the
 # transform itself, so quantization is deterministic and reproducible)
 RHT_SIGNS = (1, -1, -1, 1, -1, 1, 1, 1, -1, -1, 1, -1, 1, 1, -1, -1)
@@ -43,7 +43,9 @@ def compute_scale(amax_: torch.Tensor, fmt_max: float, margin: int = 0,
     """scale = fmt_max / amax * 2^-margin; 1 where amax is 0 or not finite,
     fp32 max where the ratio overflows; optionally rounded down to 2^n."""
     amax_ = amax_.float()
-    scale = (fmt_max / amax_) * (2.0 ** -margin)
+    # reciprocal then multiply: exactly what ``fmt_max / tensor`` computes in
+    # torch (two roundings); fast kernels reproduce it bit for bit
+    scale = (torch.reciprocal(amax_) * fmt_max) * (2.0 ** -margin)
     scale = torch.where(torch.isinf(scale), torch.full_like(scale, FP32_MAX), scale)
     scale = torch.where((amax_ > 0) & torch.isfinite(amax_), scale, torch.ones_like(scale))
     if pow2:
@@ -71,6 +73,15 @@ def quantize_fp8_tensorwise(x2d, scale, fmt, rowwise, columnwise) -> dict:
         out["transpose"] = cast_fp8(x2d.t(), scale, fmt).contiguous()
     out["scale_inv"] = torch.reciprocal(scale)
     return out
+
+
+def quantize_fp8_current(x2d, fmt, pow2, eps, rowwise, columnwise) -> dict:
+    """Current scaling: the scale comes from this tensor's amax (floored at eps)."""
+    a = amax(x2d)
+    if eps > 0:
+        a = torch.clamp_min(a, eps)
+    return quantize_fp8_tensorwise(x2d, compute_scale(a, FP8_MAX[fmt], pow2=pow2), fmt,
+                                   rowwise, columnwise)
 
 
 def dequantize_fp8_tensorwise(data, scale_inv) -> torch.Tensor:
@@ -177,8 +188,18 @@ def dequantize_fp8_blockwise(data2d, scale_inv, block_2d: bool) -> torch.Tensor:
 
 
 # -- NVFP4 ------------------------------------------------------------------------------
+def _e2m1_magnitude(code: torch.Tensor) -> torch.Tensor:
+    """|value| of 3-bit E2M1 magnitude codes, computed on the codes' device
+    (no host-to-device copy, so it can run inside CUDA-graph capture)."""
+    c = code.to(torch.int32)
+    e, m = c >> 1, (c & 1).to(torch.float32)
+    normal = torch.ldexp(1.0 + 0.5 * m, e - 1)
+    return torch.where(e == 0, 0.5 * m, normal)
+
+
 def _e2m1_grid(device) -> torch.Tensor:
-    return torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=device)
+    """The 8 E2M1 magnitudes, ascending (see _E2M1_VALUES)."""
+    return _e2m1_magnitude(torch.arange(8, device=device))
 
 
 def round_to_e2m1(v: torch.Tensor, stochastic: bool = False) -> torch.Tensor:
@@ -200,9 +221,8 @@ def round_to_e2m1(v: torch.Tensor, stochastic: bool = False) -> torch.Tensor:
 
 
 def e2m1_to_float(codes: torch.Tensor) -> torch.Tensor:
-    grid = _e2m1_grid(codes.device)
-    c = codes.long()
-    mag = grid[c & 7]
+    c = codes.to(torch.int32)
+    mag = _e2m1_magnitude(c & 7)
     return torch.where((c & 8) != 0, -mag, mag)
 
 
@@ -218,11 +238,14 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
 
 def rht_matrix(device=None) -> torch.Tensor:
     """16x16 orthonormal random Hadamard transform T = H16 · diag(signs) / 4."""
-    h = torch.ones(1, 1)
-    while h.shape[0] < NVFP4_BLOCK:
-        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-    signs = torch.tensor(RHT_SIGNS, dtype=torch.float32)
-    return (h * signs / 4.0).to(device)
+    # Sylvester Hadamard: H[i, j] = (-1)^popcount(i & j), built on the device
+    # from arange (no host-to-device copy, so it can run in CUDA-graph capture)
+    i = torch.arange(NVFP4_BLOCK, device=device)
+    both = i[:, None] & i[None, :]
+    parity = sum((both >> b) & 1 for b in range(NVFP4_BLOCK.bit_length() - 1)) & 1
+    negative = sum(1 << j for j, s in enumerate(RHT_SIGNS) if s < 0)
+    sign = 1 - 2 * ((negative >> i) & 1)
+    return ((1 - 2 * parity) * sign[None, :]).to(torch.float32) / 4.0
 
 
 def apply_rht(rows: torch.Tensor, inverse: bool = False) -> torch.Tensor:

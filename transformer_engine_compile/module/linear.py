@@ -133,7 +133,8 @@ def linear_forward(args: LinearFwdArgs) -> OpResult:
     if args.input_quantizer is not None:
         xq = args.input_quantizer.with_usage(**_input_usage(args)).quantize(x)
     w, workspace = _weight_for_gemm(args)
-    y = gemm(xq, "rowwise", w, "rowwise", x.dtype, args.bias).view(_out_shape(x.shape, w.shape))
+    y = gemm(xq, "rowwise", w, "rowwise", x.dtype, args.bias,
+             fast_accum=True).view(_out_shape(x.shape, w.shape))
     if args.output_quantizer is not None:
         y = args.output_quantizer.quantize(y)
     saved_x = None

@@ -368,12 +368,16 @@ class QuantizedTensorStorage:
     def _columnwise_to_values(self, xt: torch.Tensor) -> torch.Tensor:
         return xt
 
-    def gemm_operand(self, usage: str) -> torch.Tensor:
-        """fp32 2-D GEMM operand reduced along its last dim: the rowwise copy
-        as (M, K) or the columnwise copy as (K, M).  Raises if that copy is absent."""
+    def gemm_operand_check(self, usage: str) -> None:
+        """Raise unless this tensor holds the ``usage`` copy."""
         if not self.get_usages()[usage]:
             raise RuntimeError(f"{type(self).__name__} has no {usage} copy; the quantizer "
                                f"that made it did not enable {usage} usage")
+
+    def gemm_operand(self, usage: str) -> torch.Tensor:
+        """fp32 2-D GEMM operand reduced along its last dim: the rowwise copy
+        as (M, K) or the columnwise copy as (K, M).  Raises if that copy is absent."""
+        self.gemm_operand_check(usage)
         return self._rowwise_2d() if usage == "rowwise" else self._columnwise_2d()
 
     def _dequantize_2d(self) -> torch.Tensor:

@@ -36,6 +36,15 @@ class Float8BlockwiseQTensorStorage(QuantizedTensorStorage):
         return ref.dequantize_fp8_blockwise(self._columnwise_data, self._columnwise_scale_inv,
                                             self._block_scaling_dim == 2)
 
+    def fp8_operand(self, usage: str):
+        """(FP8 data reduced along its last dim, its fp32 block scale_inv) of one
+        copy, without dequantizing: what a block-scaled GEMM takes."""
+        self.gemm_operand_check(usage)
+        if usage == "rowwise":
+            m, k = flat_2d(self._te_shape)
+            return self._rowwise_data.reshape(m, k), self._rowwise_scale_inv
+        return self._columnwise_data, self._columnwise_scale_inv
+
 
 class Float8BlockwiseQTensor(Float8BlockwiseQTensorStorage, QuantizedTensor):
     """FP8 blockwise wrapper tensor."""

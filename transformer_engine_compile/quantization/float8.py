@@ -45,6 +45,14 @@ class Float8TensorStorage(QuantizedTensorStorage):
     def _columnwise_2d(self):
         return ref.dequantize_fp8_tensorwise(self._transpose, self._scale_inv)
 
+    def fp8_operand(self, usage: str):
+        """(FP8 data reduced along its last dim, fp32 (1,) scale_inv) of one copy,
+        without dequantizing: what a scaled GEMM takes."""
+        self.gemm_operand_check(usage)
+        if usage == "rowwise":
+            return self._data.reshape(flat_2d(self._te_shape)), self._scale_inv
+        return self._transpose, self._scale_inv
+
 
 class Float8Tensor(Float8TensorStorage, QuantizedTensor):
     """FP8 per-tensor-scaled wrapper tensor (e.g. an FP8 primary weight)."""
@@ -98,7 +106,7 @@ class Float8Quantizer(_Float8QuantizerBase):
         return True
 
     def _scale_for(self, x2d):
-        cur = ref.amax(x2d).reshape(self.amax.shape)
+        cur = kernels.get("amax", x2d)(x2d).reshape(self.amax.shape)
         self.amax.copy_(torch.maximum(self.amax, cur))
         return self.scale.float()
 
@@ -118,11 +126,11 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
         self.force_pow_2_scales = bool(force_pow_2_scales)
         self.amax_epsilon = float(amax_epsilon)
 
-    def _scale_for(self, x2d):
-        a = ref.amax(x2d)
-        if self.amax_epsilon > 0:
-            a = torch.clamp_min(a, self.amax_epsilon)
-        return ref.compute_scale(a, ref.FP8_MAX[self.fp8_format], pow2=self.force_pow_2_scales)
+    def _quantize_2d(self, x2d):
+        # amax, scale and cast in one kernel op: the scale never leaves the device
+        fn = kernels.get("quantize_fp8_current", x2d)
+        return fn(x2d, self.fp8_format, self.force_pow_2_scales, self.amax_epsilon,
+                  self.rowwise_usage, self.columnwise_usage)
 
 
 def update_delayed_scaling(amax_history: torch.Tensor, scale: torch.Tensor, *,

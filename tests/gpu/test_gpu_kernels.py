@@ -1,0 +1,204 @@
+"""Fast CUDA paths (Triton quantization, cuBLAS GEMMs) against the reference
+on the same GPU: quantization bit for bit, GEMMs within accumulation
+rounding; and no host synchronisation inside a training step.  Skips
+without CUDA; qa/L0_gpu/test.sh runs it on a GPU machine."""
+
+import contextlib
+
+import pytest
+import torch
+
+import transformer_engine_compile as te
+from transformer_engine_compile import kernels
+from transformer_engine_compile.kernels import reference as ref
+from transformer_engine_compile.kernels.cuda_gemm import gemm_path
+from transformer_engine_compile.kernels.gemm import gemm, gemm_reference
+
+from conftest import STATELESS, USAGES, USAGE_IDS
+from test_linear import RECIPES
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+triton = pytest.importorskip("triton") if torch.cuda.is_available() else None
+
+
+@contextlib.contextmanager
+def reference_kernels():
+    kernels.set_fast_kernels(False)
+    try:
+        yield
+    finally:
+        kernels.set_fast_kernels(True)
+
+
+def _same_bits(a, b):
+    """Equal bytes, NaN matching any NaN (its sign bit is not specified)."""
+    if a.element_size() == 1 and a.dtype != torch.uint8:
+        nan = torch.isnan(a.float()) & torch.isnan(b.float())
+        return torch.equal(a.view(torch.uint8)[~nan], b.view(torch.uint8)[~nan])
+    return torch.equal(a, b) or (a.is_floating_point() and torch.equal(
+        torch.nan_to_num(a, nan=1.5), torch.nan_to_num(b, nan=1.5)))
+
+
+def _special(shape, dtype):
+    x = torch.randn(shape, device="cuda") * 4
+    x[torch.rand(shape, device="cuda") < 0.01] *= 1e4  # outliers
+    x[:, :32] = 0  # all-zero blocks
+    x[1, 40] = float("nan")
+    x[2, 50] = float("inf")
+    x[3, 60] = float("-inf")
+    x[4, 64:96] = 1e-39  # subnormal block (fp32)
+    x[5, 100] = 3e38
+    return x.to(dtype)
+
+
+FAST = ["fp8_current_e4m3", "fp8_current_e5m2", "fp8_current_pow2", "mxfp8_e4m3",
+        "mxfp8_e5m2", "block_1d", "block_2d", "block_1d_nopow2_e5m2"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("data", ["random", "special"])
+@pytest.mark.parametrize("usage", USAGES, ids=USAGE_IDS)
+@pytest.mark.parametrize("name", FAST)
+def test_fast_quantize_equals_reference(name, usage, data, dtype):
+    shape = (384, 640)
+    x = torch.randn(shape, device="cuda", dtype=dtype) * 3 if data == "random" \
+        else _special(shape, dtype)
+    q = STATELESS[name](*usage)
+    fast = q.quantize(x).buffers()
+    with reference_kernels():
+        slow = q.quantize(x).buffers()
+    assert list(fast) == list(slow)
+    for k in fast:
+        assert fast[k].shape == slow[k].shape and fast[k].dtype == slow[k].dtype, k
+        assert _same_bits(fast[k], slow[k]), f"{name} {k} differs"
+
+
+@pytest.mark.parametrize("shape", [(200, 384), (1, 128), (130, 256), (4096, 1024)], ids=str)
+@pytest.mark.parametrize("name", ["fp8_current_e4m3", "block_1d", "mxfp8_e4m3"])
+def test_fast_quantize_rowwise_odd_token_counts(name, shape):
+    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    q = STATELESS[name](True, False)
+    fast = q.quantize(x).buffers()
+    with reference_kernels():
+        slow = q.quantize(x).buffers()
+    for k in fast:
+        assert _same_bits(fast[k], slow[k]), k
+
+
+def test_fast_amax_and_delayed_scaling_equal_reference():
+    x = _special((256, 512), torch.bfloat16)
+    assert torch.isnan(kernels.get("amax", x)(x))
+    y = torch.randn(300, 500, device="cuda") * 7
+    assert torch.equal(kernels.get("amax", y)(y), ref.amax(y))
+    for fmt in ("e4m3", "e5m2"):
+        outs = []
+        for fast in (True, False):
+            kernels.set_fast_kernels(fast)
+            try:
+                amax = torch.zeros(1, device="cuda")
+                q = te.Float8Quantizer(torch.full((1,), 3.0, device="cuda"), amax, fmt)
+                outs.append((q.quantize(y).buffers(), amax.clone()))
+            finally:
+                kernels.set_fast_kernels(True)
+        (f, fa), (s, sa) = outs
+        assert torch.equal(fa, sa)
+        for k in f:
+            assert _same_bits(f[k], s[k]), k
+
+
+def test_fast_quantize_strided_input():
+    x = torch.randn(512, 384, device="cuda", dtype=torch.bfloat16).t()  # non-contiguous (384, 512)
+    q = STATELESS["block_1d"](True, True)
+    fast = q.quantize(x).buffers()
+    with reference_kernels():
+        slow = q.quantize(x).buffers()
+    for k in fast:
+        assert _same_bits(fast[k], slow[k]), k
+
+
+# -- GEMMs --------------------------------------------------------------------------
+def _operands(rec, m=256, k=384, n=512):
+    from transformer_engine_compile.quantization.factory import quantizer_for
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    return (quantizer_for(rec, "input", internal=True).quantize(x),
+            quantizer_for(rec, "weight", internal=True).quantize(w),
+            quantizer_for(rec, "grad_output", internal=True).quantize(dy))
+
+
+EXPECTED_PATH = {"fp8_current": "fp8_tensorwise", "fp8_block": "fp8_blockwise",
+                 "mxfp8": "emulated_bf16", "nvfp4": "reference"}
+
+
+@pytest.mark.parametrize("name", list(EXPECTED_PATH))
+def test_fast_gemm_matches_reference(name):
+    xq, wq, gq = _operands(RECIPES[name])
+    expected = EXPECTED_PATH[name]
+    if expected == "fp8_blockwise" and torch.cuda.get_device_capability() != (9, 0):
+        expected = "reference"
+    assert gemm_path(xq, wq, torch.bfloat16) == expected
+    bias = torch.randn(512, device="cuda", dtype=torch.bfloat16)
+    for a, au, b, bu, bias_, fa in ((xq, "rowwise", wq, "rowwise", bias, True),
+                                    (gq, "rowwise", wq, "columnwise", None, False),
+                                    (gq, "columnwise", xq, "columnwise", None, False)):
+        fast = gemm(a, au, b, bu, torch.bfloat16, bias_, fast_accum=fa)
+        slow = gemm_reference(a, au, b, bu, torch.bfloat16, bias_)
+        assert fast.shape == slow.shape and fast.dtype == slow.dtype
+        rel = ((fast.float() - slow.float()).norm() / slow.float().norm()).item()
+        assert rel < 1e-2, (au, bu, rel)
+
+
+def test_fast_gemm_fp32_output_and_odd_shapes_fall_back_correctly():
+    xq, wq, _ = _operands(RECIPES["fp8_current"], m=100, k=384, n=512)  # M not a multiple of 16
+    out = gemm(xq, "rowwise", wq, "rowwise", torch.float32)
+    ref_out = gemm_reference(xq, "rowwise", wq, "rowwise", torch.float32)
+    assert torch.equal(out, ref_out)  # took the reference path
+    xq, wq, _ = _operands(RECIPES["fp8_current"])
+    out = gemm(xq, "rowwise", wq, "rowwise", torch.float32)
+    assert out.dtype == torch.float32
+    ref_out = gemm_reference(xq, "rowwise", wq, "rowwise", torch.float32)
+    assert ((out - ref_out).norm() / ref_out.norm()).item() < 1e-5
+
+
+def test_bf16_path_is_torch_matmul():
+    x = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(512, 384, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(gemm(x, "rowwise", w, "rowwise", torch.bfloat16), x @ w.t())
+
+
+# -- no host synchronisation -----------------------------------------------------------
+@pytest.mark.parametrize("name", RECIPES)
+def test_training_step_never_syncs_with_host(name):
+    layer = te.Linear(256, 512, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(128, 512, device="cuda", dtype=torch.bfloat16)
+    rec = RECIPES[name]
+    for _ in range(2):  # the first run compiles kernels and creates handles
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with te.autocast(enabled=rec is not None, recipe=rec):
+                y = layer(x)
+            y.backward(dy)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert x.grad is not None and layer.weight.grad is not None
+
+
+def test_prepare_cuda_graphs_then_manual_capture():
+    ops = te.prepare_cuda_graphs()
+    assert "gemm" in ops and "quantize_fp8_current" in ops
+    layer = te.Linear(256, 256, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+    rec = RECIPES["fp8_current"]
+    with torch.no_grad(), te.autocast(recipe=rec):
+        expected = layer(x)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = layer(x)
+        x.mul_(2)
+        g.replay()
+        expected2 = layer(x)
+    assert not torch.equal(expected, expected2)
+    assert torch.equal(out, expected2)

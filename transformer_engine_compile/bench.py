@@ -1,0 +1,242 @@
+"""Side-by-side benchmark: forward + backward of te.Linear per recipe and mode
+against torch.nn.Linear in bf16 (and torchao's Float8Linear when installed),
+in one process, on one GPU.
+
+    python -m transformer_engine_compile.bench                 # every config
+    python -m transformer_engine_compile.bench --configs launch --json out.json
+
+Each row is one (config, candidate, mode).  ``x bf16`` is the time of bf16
+``torch.nn.Linear`` compiled in default mode on the same config divided by
+the row's time (higher is faster); ``x eager`` divides the candidate's own
+eager time by the row's.  ``peak GiB`` is the peak of allocated memory during
+one step (weights and inputs included).  Times are medians of repeated timed
+loops measured with CUDA events.  docs/benchmarks.md has results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import warnings
+
+import torch
+
+from . import recipe as R
+from .kernels import cuda_gemm
+
+CONFIGS = {  # name: (tokens M, in K, out N, layers)
+    "8192^3": (8192, 8192, 8192, 1),
+    "16384x4096x14336": (16384, 4096, 14336, 1),
+    "4096^3": (4096, 4096, 4096, 1),
+    "launch": (256, 1024, 1024, 4),
+}
+TINY = {"tiny": (64, 128, 128, 2)}  # CPU smoke run
+RECIPES = {
+    "fp8_current": R.Float8CurrentScaling(),
+    "fp8_block": R.Float8BlockScaling(),
+    "mxfp8": R.MXFP8BlockScaling(),
+    "nvfp4": R.NVFP4BlockScaling(),
+}
+MODES = ("eager", "default", "reduce-overhead")
+
+
+def _te_model(k, n, layers, device):
+    from .module.linear import Linear
+    return torch.nn.Sequential(*[Linear(k if i == 0 else n, n, bias=False,
+                                        params_dtype=torch.bfloat16, device=device)
+                                 for i in range(layers)])
+
+
+def _torch_model(k, n, layers, device):
+    return torch.nn.Sequential(*[torch.nn.Linear(k if i == 0 else n, n, bias=False,
+                                                 dtype=torch.bfloat16, device=device)
+                                 for i in range(layers)])
+
+
+def _torchao_model(k, n, layers, device):
+    from torchao.float8 import convert_to_float8_training
+    return convert_to_float8_training(_torch_model(k, n, layers, device))
+
+
+def torchao_available() -> bool:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import torchao.float8  # noqa: F401
+        return True
+    except Exception:  # missing, or built for another torch
+        return False
+
+
+def candidates(recipes, with_torchao):
+    """(label, model factory, recipe, GEMM path label)."""
+    out = [("torch bf16", _torch_model, None, "bf16"), ("te bf16", _te_model, None, "bf16")]
+    for name in recipes:
+        out.append((f"te {name}", _te_model, RECIPES[name], None))
+    if with_torchao:
+        out.append(("torchao fp8 tensorwise", _torchao_model, None, "fp8_tensorwise"))
+    return out
+
+
+def _gemm_label(model, rec, device) -> str:
+    """Which GEMM path the layer's fprop takes (native or emulated), for the table."""
+    if rec is None or device.type != "cuda":
+        return "bf16" if rec is None else "reference"
+    from .quantization.factory import quantizer_for
+    x = torch.randn(256, 256, device=device, dtype=torch.bfloat16)
+    xq = quantizer_for(rec, "input", internal=True).quantize(x)
+    wq = quantizer_for(rec, "weight", internal=True).quantize(x)
+    return cuda_gemm.gemm_path(xq, wq, torch.bfloat16)
+
+
+def _make_step(model, rec, mode):
+    from .autocast import autocast
+
+    def fwd(x):
+        with autocast(enabled=rec is not None, recipe=rec):
+            return model(x)
+
+    f = fwd if mode == "eager" else torch.compile(
+        fwd, fullgraph=True, mode=None if mode == "default" else mode)
+    params = list(model.parameters())
+
+    def step(x, dy):
+        if mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        for p in params:
+            p.grad = None
+        x.grad = None
+        f(x).backward(dy)
+
+    return step
+
+
+def _time(step, x, dy, device, iters, repeats):
+    for _ in range(3):
+        step(x, dy)
+    if device.type != "cuda":
+        import time
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            step(x, dy)
+        return (time.perf_counter() - t0) / iters * 1e3
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(iters):
+            step(x, dy)
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) / iters)
+    return statistics.median(samples)
+
+
+def _peak(step, x, dy, device):
+    if device.type != "cuda":
+        return float("nan")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step(x, dy)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() / 2 ** 30
+
+
+def _cleanup():
+    torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run(configs, recipes, modes, device, iters=None, repeats=5, with_torchao=None, log=print):
+    if with_torchao is None:
+        with_torchao = device.type == "cuda" and torchao_available()
+    rows = []
+    for cname, (m, k, n, layers) in configs.items():
+        flops = 6 * m * k * n * layers  # fwd + dgrad + wgrad
+        n_iter = iters or max(3, min(50, int(2e13 / flops)))
+        for label, factory, rec, path in candidates(recipes, with_torchao):
+            for mode in modes:
+                torch.manual_seed(0)
+                model = factory(k, n, layers, device)
+                gen = torch.Generator(device=device).manual_seed(1)
+                x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen)
+                x.requires_grad_()
+                dy = torch.randn(m, n, device=device, dtype=torch.bfloat16, generator=gen)
+                row = {"config": cname, "candidate": label, "mode": mode,
+                       "gemm": path or _gemm_label(model, rec, device)}
+                try:
+                    step = _make_step(model, rec, mode)
+                    row["ms"] = _time(step, x, dy, device, n_iter, repeats)
+                    row["peak_gib"] = _peak(step, x, dy, device)
+                    row["tflops"] = flops / row["ms"] / 1e9
+                except Exception as e:  # one failing candidate must not hide the others
+                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                rows.append(row)
+                log(_format_row(row, rows))
+                del model, x, dy
+                _cleanup()
+    return rows
+
+
+def _ratio(rows, row, **match):
+    for r in rows:
+        if all(r.get(k) == v for k, v in match.items()) and r["config"] == row["config"] \
+                and "ms" in r and "ms" in row:
+            return r["ms"] / row["ms"]
+    return float("nan")
+
+
+def _format_row(row, rows):
+    if "error" in row:
+        return f"{row['config']:>17} {row['candidate']:>23} {row['mode']:>15}  ERROR {row['error']}"
+    vs_bf16 = _ratio(rows, row, candidate="torch bf16", mode="default")
+    vs_eager = _ratio(rows, row, candidate=row["candidate"], mode="eager")
+    return (f"{row['config']:>17} {row['candidate']:>23} {row['mode']:>15} {row['gemm']:>15} "
+            f"{row['ms']:9.3f} {row['tflops']:8.1f} {vs_bf16:7.2f} {vs_eager:7.2f} "
+            f"{row['peak_gib']:8.2f}")
+
+
+HEADER = (f"{'config':>17} {'candidate':>23} {'mode':>15} {'gemm path':>15} "
+          f"{'ms/step':>9} {'TFLOP/s':>8} {'x bf16':>7} {'x eager':>7} {'peak GiB':>8}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m transformer_engine_compile.bench",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", nargs="+", choices=[*CONFIGS, *TINY],
+                   default=None, help="default: all GPU configs (tiny on CPU)")
+    p.add_argument("--recipes", nargs="+", choices=list(RECIPES), default=list(RECIPES))
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--iters", type=int, default=None, help="timed steps per repeat")
+    p.add_argument("--no-torchao", action="store_true")
+    p.add_argument("--json", help="also write the rows to this file")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    names = args.configs or (list(CONFIGS) if device.type == "cuda" else ["tiny"])
+    configs = {c: {**CONFIGS, **TINY}[c] for c in names}
+    modes = [m for m in args.modes if device.type == "cuda" or m != "reduce-overhead"]
+    print(f"torch {torch.__version__}, device "
+          f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}")
+    print(HEADER)
+    rows = run(configs, args.recipes, modes, device, iters=args.iters,
+               with_torchao=False if args.no_torchao else None)
+    print("\n" + HEADER)  # the whole table again, ratios now complete
+    for row in rows:
+        print(_format_row(row, rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"torch": torch.__version__, "device": str(device),
+                       "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                       "rows": rows}, f, indent=1)
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

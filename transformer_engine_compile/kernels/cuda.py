@@ -1,0 +1,35 @@
+"""Registration of the CUDA fast paths (see kernels/__init__.py).
+
+Quantization kernels need Triton; the GEMM needs only torch's cuBLAS
+bindings.  Either is skipped, with the reference used instead, when its
+requirement is missing: ``available()`` reports what was registered.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+_REGISTERED: list[str] = []
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def register() -> None:
+    from . import register_fast
+    from .cuda_gemm import gemm_cuda
+    register_fast("gemm", "cuda", gemm_cuda)
+    _REGISTERED.append("gemm")
+    if not triton_available():
+        return
+    from . import triton_quant as tq
+    for name in ("amax", "quantize_fp8_tensorwise", "quantize_fp8_current",
+                 "quantize_fp8_blockwise", "quantize_mxfp8"):
+        register_fast(name, "cuda", getattr(tq, name))
+        _REGISTERED.append(name)
+
+
+def available() -> tuple:
+    """Names of the kernel ops that have a CUDA fast path on this install."""
+    return tuple(_REGISTERED)

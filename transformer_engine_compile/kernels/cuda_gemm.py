@@ -1,0 +1,135 @@
+"""cuBLAS GEMMs on CUDA: ``out = A @ B^T`` (operand table in kernels/gemm.py).
+
+Which path a product takes (``gemm_path`` names it; docs/linear.md lists them):
+
+* ``"bf16"``: unquantized operands, ``F.linear`` (torch's own matmul).
+* ``"fp8_tensorwise"``: FP8 per-tensor x FP8 per-tensor through
+  ``torch._scaled_mm`` (cuBLASLt, SM 8.9+), both operands K-major ("TN").
+* ``"fp8_blockwise"``: FP8 1x128 x (1x128 | 128x128) through
+  ``F.scaled_mm`` block-scale recipes (cuBLAS, SM 9.0), scales laid out as
+  cuBLAS asks: 1x128 scales outer-dim-major, 128x128 scales transposed.
+* ``"emulated_bf16"``: MXFP8 (Hopper has no MX tensor cores): each operand
+  is dequantized to bf16, which holds every MXFP8 value exactly, then
+  multiplied by the bf16 tensor cores with fp32 accumulation.
+* ``"reference"``: everything else (NVFP4, mixed formats, shapes cuBLAS
+  refuses, fp32 outputs of emulated formats): the fp32 reference GEMM.
+
+The native paths accumulate in another order than the reference, so they
+agree with it to fp32 accumulation rounding, not bit for bit.  ``fast_accum``
+(Hopper's faster, less precise FP8 accumulation) is used for fprop only, as
+Transformer Engine does; gradients accumulate at full precision.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from ..quantization.base import QuantizedTensorStorage
+from ..quantization.blockwise import Float8BlockwiseQTensorStorage
+from ..quantization.float8 import Float8TensorStorage
+from ..quantization.mxfp8 import MXFP8TensorStorage
+from .gemm import gemm_reference, operand
+
+_SCALED_MM_OUT = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple:
+    return torch.cuda.get_device_capability(index)
+
+
+def _has_block_scaled_mm() -> bool:
+    return hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")
+
+
+def _dims_ok(*dims: int) -> bool:
+    return all(d % 16 == 0 and d > 0 for d in dims)
+
+
+def gemm_path(a, b, out_dtype: torch.dtype) -> str:
+    """Name of the path ``gemm_cuda`` takes for these operands (see module doc)."""
+    qa, qb = isinstance(a, QuantizedTensorStorage), isinstance(b, QuantizedTensorStorage)
+    if not qa and not qb:
+        return "bf16"
+    if not (qa and qb and _same_format(a, b)) or out_dtype not in _SCALED_MM_OUT:
+        return "reference"
+    cap = _capability(next(iter(a.buffers().values())).device.index or 0)
+    if isinstance(a, Float8TensorStorage):
+        both_e5m2 = a._fp8_format == "e5m2" and b._fp8_format == "e5m2"
+        return "fp8_tensorwise" if cap >= (8, 9) and not both_e5m2 else "reference"
+    if isinstance(a, Float8BlockwiseQTensorStorage):
+        ok = (cap == (9, 0) and _has_block_scaled_mm() and a._block_scaling_dim == 1
+              and a._fp8_format == "e4m3" and b._fp8_format == "e4m3")
+        return "fp8_blockwise" if ok else "reference"
+    if isinstance(a, MXFP8TensorStorage) and out_dtype != torch.float32:
+        return "emulated_bf16"
+    return "reference"
+
+
+def _same_format(a, b) -> bool:
+    for cls in (Float8TensorStorage, Float8BlockwiseQTensorStorage, MXFP8TensorStorage):
+        if isinstance(a, cls) and isinstance(b, cls):
+            return True
+    return False
+
+
+def _outer_major(scale: torch.Tensor) -> torch.Tensor:
+    """The same (rows, blocks) values with stride (1, rows), as cuBLAS's 1x128 wants."""
+    return scale.t().contiguous().t()
+
+
+def _add_bias(out: torch.Tensor, bias) -> torch.Tensor:
+    return out if bias is None else out.add_(bias.to(out.dtype))
+
+
+def _fp8_tensorwise(a, a_usage, b, b_usage, out_dtype, bias, fast_accum):
+    ad, asc = a.fp8_operand(a_usage)
+    bd, bsc = b.fp8_operand(b_usage)
+    if not _dims_ok(ad.shape[0], ad.shape[1], bd.shape[0]):
+        return None
+    fused_bias = bias is not None and out_dtype != torch.float32 and bias.dtype == out_dtype
+    out = torch._scaled_mm(ad, bd.t(), scale_a=asc, scale_b=bsc,
+                           bias=bias if fused_bias else None, out_dtype=out_dtype,
+                           use_fast_accum=fast_accum)
+    return out if fused_bias else _add_bias(out, bias)
+
+
+def _fp8_blockwise(a, a_usage, b, b_usage, out_dtype, bias):
+    st = F.ScalingType
+    ad, asc = a.fp8_operand(a_usage)
+    bd, bsc = b.fp8_operand(b_usage)
+    if not _dims_ok(ad.shape[0], ad.shape[1], bd.shape[0]):
+        return None
+    if b._block_scaling_dim == 2:
+        b_scale, b_recipe = bsc.t(), st.BlockWise128x128
+    else:
+        b_scale, b_recipe = _outer_major(bsc), st.BlockWise1x128
+    out = F.scaled_mm(ad, bd.t(), _outer_major(asc), st.BlockWise1x128, b_scale, b_recipe,
+                      output_dtype=out_dtype)
+    return _add_bias(out, bias)
+
+
+def _emulated_bf16(a, a_usage, b, b_usage, out_dtype, bias):
+    a2 = operand(a, a_usage).to(torch.bfloat16)
+    b2 = operand(b, b_usage).to(torch.bfloat16)
+    out = torch.nn.functional.linear(a2, b2)
+    return _add_bias(out.to(out_dtype), bias)
+
+
+def gemm_cuda(a, a_usage: str, b, b_usage: str, out_dtype: torch.dtype,
+              bias: torch.Tensor | None = None, fast_accum: bool = False) -> torch.Tensor:
+    """``A @ B^T (+ bias)`` in ``out_dtype`` on the fastest path for the operands."""
+    path = gemm_path(a, b, out_dtype)
+    out = None
+    if path == "fp8_tensorwise":
+        out = _fp8_tensorwise(a, a_usage, b, b_usage, out_dtype, bias, fast_accum)
+    elif path == "fp8_blockwise":
+        out = _fp8_blockwise(a, a_usage, b, b_usage, out_dtype, bias)
+    elif path == "emulated_bf16":
+        out = _emulated_bf16(a, a_usage, b, b_usage, out_dtype, bias)
+    if out is None:  # "bf16", "reference", or a shape the cuBLAS kernels refuse
+        out = gemm_reference(a, a_usage, b, b_usage, out_dtype, bias)
+    return out
