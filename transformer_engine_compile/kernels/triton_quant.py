@@ -31,7 +31,7 @@ import triton.language as tl
 from . import reference as ref
 
 _TL_FP8 = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
-_FP32_MAX = ref.FP32_MAX
+_FP32_MAX = tl.constexpr(ref.FP32_MAX)
 
 
 # -- device helpers ---------------------------------------------------------------
@@ -84,9 +84,15 @@ def _store_rows(ptr, y, rm, rk, mask, K):
 
 
 @triton.jit
-def _store_transposed(ptr, y, rm, rk, mask, M):
-    """Store the (BM, BK) tile ``y`` of an (M, K) matrix into its (K, M) transpose."""
-    tl.store(ptr + rk[:, None].to(tl.int64) * M + rm[None, :], tl.trans(y), mask=tl.trans(mask))
+def _store_transposed(ptr, x, st, rm, rk, M, K, FMT_MAX: tl.constexpr, OUT: tl.constexpr):
+    """Cast the transpose of the (BM, BK) fp32 tile ``x`` (``st``: its scale,
+    shaped for the (BK, BM) transpose) into the (K, M) matrix at ``ptr``.
+    The tile is transposed in fp32 before the cast, and the mask is built in
+    the transposed layout: a transposed 8-bit tile stored wrong rows on sm_90
+    (Triton 3.6)."""
+    mask_t = (rk[:, None] < K) & (rm[None, :] < M)
+    tl.store(ptr + rk[:, None].to(tl.int64) * M + rm[None, :],
+             _cast_fp8(tl.trans(x), st, FMT_MAX, OUT), mask=mask_t)
 
 
 # -- FP8 per-tensor ------------------------------------------------------------------
@@ -107,11 +113,10 @@ def _fp8_tensorwise_kernel(x_ptr, sm, sk, M, K, amax_ptr, scale_ptr, data_ptr, t
     else:
         s = tl.load(scale_ptr).to(tl.float32)
     x, rm, rk, mask = _tile(x_ptr, sm, sk, M, K, pid_m, pid_k, BM, BK)
-    y = _cast_fp8(x, s, FMT_MAX, OUT)
     if ROW:
-        _store_rows(data_ptr, y, rm, rk, mask, K)
+        _store_rows(data_ptr, _cast_fp8(x, s, FMT_MAX, OUT), rm, rk, mask, K)
     if COL:
-        _store_transposed(t_ptr, y, rm, rk, mask, M)
+        _store_transposed(t_ptr, x, s, rm, rk, M, K, FMT_MAX, OUT)
     if (pid_m == 0) & (pid_k == 0):
         tl.store(sinv_ptr, _recip(s))
 
@@ -184,12 +189,11 @@ def _fp8_block_kernel(x_ptr, sm, sk, M, K, rd_ptr, rs_ptr, cd_ptr, cs_ptr,
     if TWO_D:
         a = tl.max(tl.max(bits, axis=1), axis=0).to(tl.float32, bitcast=True)
         s = _scale_from_amax(a, FMT_MAX, EPS, POW2)
-        y = _cast_fp8(x, s, FMT_MAX, OUT)
         if ROW:
-            _store_rows(rd_ptr, y, rm, rk, mask, K)
+            _store_rows(rd_ptr, _cast_fp8(x, s, FMT_MAX, OUT), rm, rk, mask, K)
             tl.store(rs_ptr + pid_m * nkb + pid_k, _recip(s))
         if COL:
-            _store_transposed(cd_ptr, y, rm, rk, mask, M)
+            _store_transposed(cd_ptr, x, s, rm, rk, M, K, FMT_MAX, OUT)
             tl.store(cs_ptr + pid_k * tl.cdiv(M, B) + pid_m, _recip(s))
     else:
         if ROW:  # blocks of 128 along K: one scale per row of the tile
@@ -200,7 +204,7 @@ def _fp8_block_kernel(x_ptr, sm, sk, M, K, rd_ptr, rs_ptr, cd_ptr, cs_ptr,
         if COL:  # blocks of 128 along M: one scale per column of the tile
             s = _scale_from_amax(tl.max(bits, axis=0).to(tl.float32, bitcast=True),
                                  FMT_MAX, EPS, POW2)
-            _store_transposed(cd_ptr, _cast_fp8(x, s[None, :], FMT_MAX, OUT), rm, rk, mask, M)
+            _store_transposed(cd_ptr, x, s[:, None], rm, rk, M, K, FMT_MAX, OUT)
             tl.store(cs_ptr + rk.to(tl.int64) * tl.cdiv(M, B) + pid_m, _recip(s), mask=rk < K)
 
 
