@@ -7,9 +7,10 @@ on random and special values).  What is fused:
 * FP8 per-tensor: one amax pass (atomic max over the bits of ``|x|``), then
   one pass that computes the scale on the device from that amax and writes
   the rowwise copy, the transposed copy and ``scale_inv`` together.
-* FP8 blockwise (1x128 and 128x128) and MXFP8 (1x32 / 32x1): one pass that
-  reads each 128x128 (or 64x64) tile once and writes both copies and their
-  block scales.
+* FP8 blockwise (1x128 and 128x128) and MXFP8 (1x32 / 32x1): one pass over
+  the tiles that writes both copies and their block scales.
+The transposed copy re-reads its tile transposed (from cache) instead of
+transposing in registers; see ``_tile_t``.
 
 Nothing here reads a value back to the host, so the kernels can be captured
 in a CUDA graph.  Block maxima reduce the int32 bits of ``|x|``: for
@@ -84,15 +85,22 @@ def _store_rows(ptr, y, rm, rk, mask, K):
 
 
 @triton.jit
-def _store_transposed(ptr, x, st, rm, rk, M, K, FMT_MAX: tl.constexpr, OUT: tl.constexpr):
-    """Cast the transpose of the (BM, BK) fp32 tile ``x`` (``st``: its scale,
-    shaped for the (BK, BM) transpose) into the (K, M) matrix at ``ptr``.
-    The tile is transposed in fp32 before the cast, and the mask is built in
-    the transposed layout: a transposed 8-bit tile stored wrong rows on sm_90
-    (Triton 3.6)."""
+def _tile_t(x_ptr, sm, sk, M, K, pid_m, pid_k, BM: tl.constexpr, BK: tl.constexpr):
+    """The transpose (BK, BM) of the tile ``_tile`` loads, read from memory
+    again (the bytes are in cache): no in-register transpose.  tl.trans of a
+    tile that is also stored rowwise gave wrong rows on sm_90 (Triton 3.6)."""
+    rm = pid_m * BM + tl.arange(0, BM)
+    rk = pid_k * BK + tl.arange(0, BK)
     mask_t = (rk[:, None] < K) & (rm[None, :] < M)
-    tl.store(ptr + rk[:, None].to(tl.int64) * M + rm[None, :],
-             _cast_fp8(tl.trans(x), st, FMT_MAX, OUT), mask=mask_t)
+    ptrs = x_ptr + rk[:, None].to(tl.int64) * sk + rm[None, :].to(tl.int64) * sm
+    return tl.load(ptrs, mask=mask_t, other=0.0).to(tl.float32), mask_t
+
+
+@triton.jit
+def _store_transposed(ptr, xt, st, rm, rk, mask_t, M, FMT_MAX: tl.constexpr, OUT: tl.constexpr):
+    """Cast the transposed tile ``xt`` (BK, BM) with scale ``st`` into the (K, M) matrix."""
+    tl.store(ptr + rk[:, None].to(tl.int64) * M + rm[None, :], _cast_fp8(xt, st, FMT_MAX, OUT),
+             mask=mask_t)
 
 
 # -- FP8 per-tensor ------------------------------------------------------------------
@@ -116,7 +124,8 @@ def _fp8_tensorwise_kernel(x_ptr, sm, sk, M, K, amax_ptr, scale_ptr, data_ptr, t
     if ROW:
         _store_rows(data_ptr, _cast_fp8(x, s, FMT_MAX, OUT), rm, rk, mask, K)
     if COL:
-        _store_transposed(t_ptr, x, s, rm, rk, M, K, FMT_MAX, OUT)
+        xt, mask_t = _tile_t(x_ptr, sm, sk, M, K, pid_m, pid_k, BM, BK)
+        _store_transposed(t_ptr, xt, s, rm, rk, mask_t, M, FMT_MAX, OUT)
     if (pid_m == 0) & (pid_k == 0):
         tl.store(sinv_ptr, _recip(s))
 
@@ -193,7 +202,8 @@ def _fp8_block_kernel(x_ptr, sm, sk, M, K, rd_ptr, rs_ptr, cd_ptr, cs_ptr,
             _store_rows(rd_ptr, _cast_fp8(x, s, FMT_MAX, OUT), rm, rk, mask, K)
             tl.store(rs_ptr + pid_m * nkb + pid_k, _recip(s))
         if COL:
-            _store_transposed(cd_ptr, x, s, rm, rk, M, K, FMT_MAX, OUT)
+            xt, mask_t = _tile_t(x_ptr, sm, sk, M, K, pid_m, pid_k, B, B)
+            _store_transposed(cd_ptr, xt, s, rm, rk, mask_t, M, FMT_MAX, OUT)
             tl.store(cs_ptr + pid_k * tl.cdiv(M, B) + pid_m, _recip(s))
     else:
         if ROW:  # blocks of 128 along K: one scale per row of the tile
@@ -201,10 +211,11 @@ def _fp8_block_kernel(x_ptr, sm, sk, M, K, rd_ptr, rs_ptr, cd_ptr, cs_ptr,
                                  FMT_MAX, EPS, POW2)
             _store_rows(rd_ptr, _cast_fp8(x, s[:, None], FMT_MAX, OUT), rm, rk, mask, K)
             tl.store(rs_ptr + rm.to(tl.int64) * nkb + pid_k, _recip(s), mask=rm < M)
-        if COL:  # blocks of 128 along M: one scale per column of the tile
-            s = _scale_from_amax(tl.max(bits, axis=0).to(tl.float32, bitcast=True),
+        if COL:  # blocks of 128 along M: one scale per row of the transposed tile
+            xt, mask_t = _tile_t(x_ptr, sm, sk, M, K, pid_m, pid_k, B, B)
+            s = _scale_from_amax(tl.max(_abs_bits(xt), axis=1).to(tl.float32, bitcast=True),
                                  FMT_MAX, EPS, POW2)
-            _store_transposed(cd_ptr, x, s[:, None], rm, rk, M, K, FMT_MAX, OUT)
+            _store_transposed(cd_ptr, xt, s[:, None], rm, rk, mask_t, M, FMT_MAX, OUT)
             tl.store(cs_ptr + rk.to(tl.int64) * tl.cdiv(M, B) + pid_m, _recip(s), mask=rk < K)
 
 
