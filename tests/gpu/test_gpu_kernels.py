@@ -128,7 +128,7 @@ def _operands(rec, m=256, k=384, n=512):
 
 
 EXPECTED_PATH = {"fp8_current": "fp8_tensorwise", "fp8_block": "fp8_blockwise",
-                 "mxfp8": "emulated_bf16", "nvfp4": "reference"}
+                 "mxfp8": "emulated_bf16", "nvfp4": "emulated_fp32"}
 
 
 @pytest.mark.parametrize("name", list(EXPECTED_PATH))

@@ -11,8 +11,11 @@ Which path a product takes (``gemm_path`` names it; docs/linear.md lists them):
 * ``"emulated_bf16"``: MXFP8 (Hopper has no MX tensor cores): each operand
   is dequantized to bf16, which holds every MXFP8 value exactly, then
   multiplied by the bf16 tensor cores with fp32 accumulation.
-* ``"reference"``: everything else (NVFP4, mixed formats, shapes cuBLAS
-  refuses, fp32 outputs of emulated formats): the fp32 reference GEMM.
+* ``"emulated_fp32"``: NVFP4 (no Hopper FP4 tensor cores; its dequantized
+  values need more than bf16's exponent-scaled 8 bits once the per-tensor
+  scale is applied): the fp32 reference GEMM of the dequantized operands.
+* ``"reference"``: everything else (mixed formats, shapes cuBLAS refuses,
+  fp32 outputs of MXFP8): the fp32 reference GEMM.
 
 The native paths accumulate in another order than the reference, so they
 agree with it to fp32 accumulation rounding, not bit for bit.  ``fast_accum``
@@ -31,6 +34,7 @@ from ..quantization.base import QuantizedTensorStorage
 from ..quantization.blockwise import Float8BlockwiseQTensorStorage
 from ..quantization.float8 import Float8TensorStorage
 from ..quantization.mxfp8 import MXFP8TensorStorage
+from ..quantization.nvfp4 import NVFP4TensorStorage
 from .gemm import gemm_reference, operand
 
 _SCALED_MM_OUT = (torch.bfloat16, torch.float16, torch.float32)
@@ -66,11 +70,14 @@ def gemm_path(a, b, out_dtype: torch.dtype) -> str:
         return "fp8_blockwise" if ok else "reference"
     if isinstance(a, MXFP8TensorStorage) and out_dtype != torch.float32:
         return "emulated_bf16"
+    if isinstance(a, NVFP4TensorStorage):
+        return "emulated_fp32"
     return "reference"
 
 
 def _same_format(a, b) -> bool:
-    for cls in (Float8TensorStorage, Float8BlockwiseQTensorStorage, MXFP8TensorStorage):
+    for cls in (Float8TensorStorage, Float8BlockwiseQTensorStorage, MXFP8TensorStorage,
+                NVFP4TensorStorage):
         if isinstance(a, cls) and isinstance(b, cls):
             return True
     return False
@@ -141,6 +148,6 @@ def gemm_cuda(a, a_usage: str, b, b_usage: str, out_dtype: torch.dtype,
         out = _fp8_blockwise(a, a_usage, b, b_usage, out_dtype, bias)
     elif path == "emulated_bf16":
         out = _emulated_bf16(a, a_usage, b, b_usage, out_dtype, bias)
-    if out is None:  # "bf16", "reference", or a shape the cuBLAS kernels refuse
+    if out is None:  # "bf16", "emulated_fp32", "reference", or a shape cuBLAS refuses
         out = gemm_reference(a, a_usage, b, b_usage, out_dtype, bias)
     return out
