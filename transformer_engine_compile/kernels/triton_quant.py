@@ -103,6 +103,23 @@ def _store_transposed(ptr, xt, st, rm, rk, mask_t, M, FMT_MAX: tl.constexpr, OUT
              mask=mask_t)
 
 
+_COPY_BUFFERS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
+
+
+def _alloc_copies(device, rowwise, columnwise, row_data, row_scale, col_data, col_scale) -> dict:
+    """Output buffers of a two-copy format; each spec is (shape, dtype)."""
+    specs = zip(_COPY_BUFFERS, (row_data, row_scale, col_data, col_scale))
+    return {name: torch.empty(shape, dtype=dt, device=device) for name, (shape, dt) in specs
+            if (rowwise if name.startswith("row") else columnwise)}
+
+
+def _copy_args(out: dict) -> tuple:
+    """The four buffer arguments of a two-copy kernel.  An absent copy's slot
+    gets some present buffer: ROW / COL are constexpr, so it is never touched."""
+    first = next(iter(out.values()))
+    return tuple(out.get(name, first) for name in _COPY_BUFFERS)
+
+
 # -- FP8 per-tensor ------------------------------------------------------------------
 @triton.jit
 def _amax_kernel(x_ptr, sm, sk, M, K, out_ptr, BM: tl.constexpr, BK: tl.constexpr):
@@ -225,22 +242,12 @@ def quantize_fp8_blockwise(x2d, fmt, block_2d, pow2, eps, rowwise, columnwise) -
     m, k = x2d.shape
     b = ref.FP8_BLOCK
     dt = ref.FP8_DTYPE[fmt]
-    dev = x2d.device
-    f32 = torch.float32
     row_s, col_s = ((m // b, k // b), (k // b, m // b)) if block_2d else ((m, k // b), (k, m // b))
-    out = {}
-    if rowwise:
-        out["rowwise_data"] = torch.empty((m, k), dtype=dt, device=dev)
-        out["rowwise_scale_inv"] = torch.empty(row_s, dtype=f32, device=dev)
-    if columnwise:
-        out["columnwise_data"] = torch.empty((k, m), dtype=dt, device=dev)
-        out["columnwise_scale_inv"] = torch.empty(col_s, dtype=f32, device=dev)
-    first = next(iter(out.values()))
+    out = _alloc_copies(x2d.device, rowwise, columnwise, ((m, k), dt), (row_s, torch.float32),
+                        ((k, m), dt), (col_s, torch.float32))
     grid = (triton.cdiv(m, b), triton.cdiv(k, b))
     _fp8_block_kernel[grid](
-        x2d, x2d.stride(0), x2d.stride(1), m, k,
-        out.get("rowwise_data", first), out.get("rowwise_scale_inv", first),
-        out.get("columnwise_data", first), out.get("columnwise_scale_inv", first),
+        x2d, x2d.stride(0), x2d.stride(1), m, k, *_copy_args(out),
         FMT_MAX=ref.FP8_MAX[fmt], EPS=float(eps), POW2=bool(pow2), TWO_D=bool(block_2d),
         ROW=bool(rowwise), COL=bool(columnwise), OUT=_TL_FP8[fmt], B=b, num_warps=8)
     return out
@@ -305,21 +312,12 @@ def quantize_mxfp8(x2d, fmt, rowwise, columnwise) -> dict:
     m, k = x2d.shape
     b = ref.MX_BLOCK
     dt = ref.FP8_DTYPE[fmt]
-    dev = x2d.device
-    out = {}
-    if rowwise:
-        out["rowwise_data"] = torch.empty((m, k), dtype=dt, device=dev)
-        out["rowwise_scale_inv"] = torch.empty((m, k // b), dtype=torch.uint8, device=dev)
-    if columnwise:
-        out["columnwise_data"] = torch.empty((m, k), dtype=dt, device=dev)
-        out["columnwise_scale_inv"] = torch.empty((m // b, k), dtype=torch.uint8, device=dev)
+    out = _alloc_copies(x2d.device, rowwise, columnwise, ((m, k), dt), ((m, k // b), torch.uint8),
+                        ((m, k), dt), ((m // b, k), torch.uint8))
     max_frac, max_exp = math.frexp(ref.FP8_MAX[fmt])
-    first = next(iter(out.values()))
     grid = (triton.cdiv(m, _MX_BM), triton.cdiv(k, _MX_BK))
     _mxfp8_kernel[grid](
-        x2d, x2d.stride(0), x2d.stride(1), m, k,
-        out.get("rowwise_data", first), out.get("rowwise_scale_inv", first),
-        out.get("columnwise_data", first), out.get("columnwise_scale_inv", first),
+        x2d, x2d.stride(0), x2d.stride(1), m, k, *_copy_args(out),
         FMT_MAX=ref.FP8_MAX[fmt], FRAC_MAX=int((max_frac - 0.5) * 2 ** 24), EXP_MAX=max_exp,
         ROW=bool(rowwise), COL=bool(columnwise), OUT=_TL_FP8[fmt],
         BM=_MX_BM, BK=_MX_BK, MX=b, num_warps=8)
