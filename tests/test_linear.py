@@ -283,7 +283,11 @@ def test_bad_constructor_arguments():
         te.Linear(0, 4)
     with pytest.raises(ValueError, match="parallel_mode"):
         te.Linear(4, 4, parallel_mode="diagonal")
-    with pytest.raises(NotImplementedError, match="parallelism"):
+    with pytest.raises(ValueError, match="needs tp_group"):
         te.Linear(4, 4, parallel_mode="column", tp_size=2)
+    with pytest.raises(ValueError, match="sequence_parallel=True needs parallel_mode"):
+        te.Linear(4, 4, sequence_parallel=True)
+    with pytest.raises(ValueError, match="tp_size must be a positive int"):
+        te.Linear(4, 4, parallel_mode="row", tp_size=0)
     with pytest.raises(TypeError, match="params_dtype"):
         te.Linear(4, 4, params_dtype=torch.int8)

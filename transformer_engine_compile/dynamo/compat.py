@@ -71,3 +71,24 @@ def opaque_type_name(cls) -> str:
         getter = getattr(_opaque_mod, "get_custom_class_name")
     return getter(cls)
 
+
+
+# -- torch.distributed ----------------------------------------------------------------
+def all_gather_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """Gather ``x`` from every rank into ``out`` along dim 0 (rank order).
+
+    torch 2.13 renames ``all_gather_into_tensor`` to ``all_gather_single``
+    (the old name warns); 2.11 has only the old one."""
+    import torch.distributed as dist
+
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, x, group=group)
+
+
+def reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """Sum ``x`` over ranks and keep this rank's dim-0 chunk in ``out``
+    (``reduce_scatter_tensor`` before torch 2.13)."""
+    import torch.distributed as dist
+
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, x, group=group)

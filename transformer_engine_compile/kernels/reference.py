@@ -75,12 +75,17 @@ def quantize_fp8_tensorwise(x2d, scale, fmt, rowwise, columnwise) -> dict:
     return out
 
 
+def current_scale(amax_: torch.Tensor, fmt: str, pow2: bool, eps: float) -> torch.Tensor:
+    """Current-scaling scale of an amax (floored at eps).  Shared with the
+    tensor-parallel path, which reduces the amax across ranks first."""
+    if eps > 0:
+        amax_ = torch.clamp_min(amax_, eps)
+    return compute_scale(amax_, FP8_MAX[fmt], pow2=pow2)
+
+
 def quantize_fp8_current(x2d, fmt, pow2, eps, rowwise, columnwise) -> dict:
     """Current scaling: the scale comes from this tensor's amax (floored at eps)."""
-    a = amax(x2d)
-    if eps > 0:
-        a = torch.clamp_min(a, eps)
-    return quantize_fp8_tensorwise(x2d, compute_scale(a, FP8_MAX[fmt], pow2=pow2), fmt,
+    return quantize_fp8_tensorwise(x2d, current_scale(amax(x2d), fmt, pow2, eps), fmt,
                                    rowwise, columnwise)
 
 

@@ -10,6 +10,11 @@ real impl has a fake next to it that follows the same control flow on
 GEMM operands and copies (usages), see ``kernels/gemm.py``:
 fprop uses x rowwise and W rowwise, dgrad dy rowwise and W columnwise,
 wgrad dy columnwise and x columnwise.
+
+Tensor / sequence parallelism (``parallel_mode``, ``sequence_parallel``):
+the collectives run inside the same ops, see ``distributed.py``; the fakes
+scale the leading dim (an all-gather multiplies it by ``tp_size``, a
+reduce-scatter divides it).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from .. import distributed as D
 from ..dynamo import compat
 from ..dynamo.buckets import TensorOrQuantized
 from ..dynamo.custom_op import OpResult, register_custom_op
@@ -51,6 +57,9 @@ class LinearFwdArgs:
     save_original_input: bool = False      # save x, re-quantize it in backward
     cache_weight: bool = False             # return the quantized weight as a workspace
     main_grad: Optional[torch.Tensor] = None  # fuse_wgrad_accumulation target (fp32)
+    parallel_mode: Optional[str] = None    # None, "column" or "row"
+    sequence_parallel: bool = False
+    tp_size: int = 1
     tp_group: Optional[ProcessGroup] = None
 
     def quantizers(self) -> tuple:
@@ -90,10 +99,22 @@ class LinearBwdArgs:
     weight_dtype: torch.dtype = torch.float32
     bias_dtype: Optional[torch.dtype] = None
     main_grad: Optional[torch.Tensor] = None
+    parallel_mode: Optional[str] = None
+    sequence_parallel: bool = False
+    tp_size: int = 1
+    tp_group: Optional[ProcessGroup] = None
 
 
 def _out_shape(x_shape, weight_shape) -> tuple:
     return (*x_shape[:-1], weight_shape[0])
+
+
+def _tp(args) -> tuple:
+    """(parallel mode, sequence parallel) when the layer is split over more
+    than one rank, else (None, False): a group of one needs no collective."""
+    if args.parallel_mode is None or args.tp_size == 1:
+        return None, False
+    return args.parallel_mode, args.sequence_parallel
 
 
 # -- forward ------------------------------------------------------------------------
@@ -127,20 +148,34 @@ def _input_usage(args: LinearFwdArgs) -> dict:
             "columnwise": args.weight_requires_grad and not args.save_original_input}
 
 
+def _input_quantizer(args: LinearFwdArgs):
+    q = args.input_quantizer
+    return None if q is None else q.with_usage(**_input_usage(args))
+
+
 def linear_forward(args: LinearFwdArgs) -> OpResult:
     x = args.inp
-    xq = x
-    if args.input_quantizer is not None:
-        xq = args.input_quantizer.with_usage(**_input_usage(args)).quantize(x)
+    mode, sp = _tp(args)
+    q = _input_quantizer(args)
+    if mode == "column" and sp:  # x_total is None when only FP8 bytes were gathered
+        x_total, xq = D.gather_and_quantize(x, q, args.tp_group, args.tp_size,
+                                            quantized_gather=not args.save_original_input)
+    else:
+        x_total, xq = x, (x if q is None else q.quantize(x))
     w, workspace = _weight_for_gemm(args)
-    y = gemm(xq, "rowwise", w, "rowwise", x.dtype, args.bias,
-             fast_accum=True).view(_out_shape(x.shape, w.shape))
+    y = gemm(xq, "rowwise", w, "rowwise", x.dtype, None if mode == "row" else args.bias,
+             fast_accum=True).view(_out_shape(xq.shape, w.shape))
+    if mode == "row":  # partial sums over in_features: reduce, then add the bias once
+        y = (D.reduce_scatter_first_dim(y, args.tp_group, args.tp_size) if sp
+             else D.all_reduce_sum(y, args.tp_group))
+        if args.bias is not None:
+            y = y + args.bias
     if args.output_quantizer is not None:
         y = args.output_quantizer.quantize(y)
     saved_x = None
     if args.weight_requires_grad:
-        saved_x = x
-        if xq is not x and not args.save_original_input:
+        saved_x = x_total
+        if xq is not x_total and not args.save_original_input:
             xq.update_usage(rowwise_usage=False)  # wgrad reads the columnwise copy only
             saved_x = xq
     saved_w = w if args.input_requires_grad else None
@@ -150,18 +185,26 @@ def linear_forward(args: LinearFwdArgs) -> OpResult:
 
 def linear_forward_fake(args: LinearFwdArgs) -> OpResult:
     x = args.inp
-    xq = x
-    if args.input_quantizer is not None:
-        xq = TensorProto(x.shape, x.dtype, args.input_quantizer.with_usage(**_input_usage(args)),
-                         device=x.device)
+    mode, sp = _tp(args)
+    q = _input_quantizer(args)
+    x_total = x
+    if mode == "column" and sp:
+        x_total = TensorProto(D.gathered_shape(x.shape, args.tp_size), x.dtype, device=x.device)
+    xq = x_total if q is None else TensorProto(x_total.shape, x.dtype, q, device=x.device)
+    if mode == "column" and sp and q is not None and D.gathers_quantized(
+            q, not args.save_original_input):
+        x_total = None
     w, workspace = _weight_for_gemm_fake(args)
-    y = TensorProto(_out_shape(x.shape, w.shape), x.dtype, device=x.device)
+    y_shape = _out_shape(xq.shape, w.shape)
+    if mode == "row" and sp:
+        y_shape = D.scattered_shape(y_shape, args.tp_size)
+    y = TensorProto(y_shape, x.dtype, device=x.device)
     if args.output_quantizer is not None:
         y = TensorProto(y.shape, y.dtype, args.output_quantizer, device=x.device)
     saved_x = None
     if args.weight_requires_grad:
-        saved_x = x
-        if xq is not x and not args.save_original_input:
+        saved_x = x_total
+        if xq is not x_total and not args.save_original_input:
             xq.update_usage(rowwise=False)
             saved_x = xq
     saved_w = w if args.input_requires_grad else None
@@ -180,6 +223,10 @@ def linear_setup_context(args: LinearFwdArgs) -> dict:
         "weight_dtype": args.weight.dtype,
         "bias_dtype": None if args.bias is None else args.bias.dtype,
         "main_grad": args.main_grad,
+        "parallel_mode": args.parallel_mode,
+        "sequence_parallel": args.sequence_parallel,
+        "tp_size": args.tp_size,
+        "tp_group": args.tp_group,
     }
 
 
@@ -198,15 +245,23 @@ def _needs_requantized_input(args: LinearBwdArgs, x) -> bool:
 
 def linear_backward(args: LinearBwdArgs) -> dict:
     dy = args.grad_output
-    dyq = dy
+    mode, sp = _tp(args)
+    q = None
     if args.grad_output_quantizer is not None and (args.input_requires_grad
                                                    or args.weight_requires_grad):
-        dyq = args.grad_output_quantizer.with_usage(**_grad_output_usage(args)).quantize(dy)
+        q = args.grad_output_quantizer.with_usage(**_grad_output_usage(args))
+    if mode == "row" and sp:  # dy_total is None when only FP8 bytes were gathered
+        dy_total, dyq = D.gather_and_quantize(dy, q, args.tp_group, args.tp_size)
+    else:
+        dy_total, dyq = dy, (dy if q is None else q.quantize(dy))
     dgrad = wgrad = dbias = None
     if args.input_requires_grad:
         w = args.weightmat
         dgrad = gemm(dyq, "rowwise", w, "columnwise", dy.dtype).view(
-            *dy.shape[:-1], w.shape[-1])
+            *dyq.shape[:-1], w.shape[-1])
+        if mode == "column":  # partial sums over out_features
+            dgrad = (D.reduce_scatter_first_dim(dgrad, args.tp_group, args.tp_size) if sp
+                     else D.all_reduce_sum(dgrad, args.tp_group))
     if args.weight_requires_grad:
         x = args.inputmat
         if _needs_requantized_input(args, x):
@@ -216,15 +271,26 @@ def linear_backward(args: LinearBwdArgs) -> dict:
             args.main_grad.add_(wgrad)  # fuse_wgrad_accumulation (eager only)
             wgrad = None
     if args.bias_requires_grad:
-        dbias = dy.reshape(-1, dy.shape[-1]).sum(0).to(args.bias_dtype)
+        if dy_total is not None:
+            dbias = dy_total.reshape(-1, dy.shape[-1]).sum(0).to(args.bias_dtype)
+        else:  # row + SP with FP8 gather: sum the shards' partial sums
+            partial = dy.reshape(-1, dy.shape[-1]).float().sum(0)
+            dbias = D.all_reduce_sum(partial, args.tp_group).to(args.bias_dtype)
     return {"inp": dgrad, "weight": wgrad, "bias": dbias}
 
 
 def linear_backward_fake(args: LinearBwdArgs) -> dict:
     dy = args.grad_output
+    mode, sp = _tp(args)
+    rows = dy.shape[:-1]
+    if mode == "row" and sp:
+        rows = D.gathered_shape(rows, args.tp_size)
     dgrad = wgrad = dbias = None
     if args.input_requires_grad:
-        dgrad = TensorProto((*dy.shape[:-1], args.weightmat.shape[-1]), dy.dtype, device=dy.device)
+        dgrad_shape = (*rows, args.weightmat.shape[-1])
+        if mode == "column" and sp:
+            dgrad_shape = D.scattered_shape(dgrad_shape, args.tp_size)
+        dgrad = TensorProto(dgrad_shape, dy.dtype, device=dy.device)
     if args.weight_requires_grad:
         if args.main_grad is None:
             wgrad = TensorProto((dy.shape[-1], args.inputmat.shape[-1]), args.weight_dtype,
@@ -245,6 +311,31 @@ LINEAR_OPS = register_custom_op(
 
 
 # -- the module ----------------------------------------------------------------------
+def _parallel_config(parallel_mode, tp_group, tp_size, sequence_parallel) -> tuple:
+    """Validated ``(parallel_mode, tp_group, tp_size)``: the group's size wins
+    over ``tp_size``; more than one rank needs a group."""
+    if parallel_mode not in D.PARALLEL_MODES:
+        raise ValueError(f"te.Linear: parallel_mode must be None, 'column' or 'row', "
+                         f"got {parallel_mode!r}")
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+        raise ValueError(f"te.Linear: tp_size must be a positive int, got {tp_size!r}")
+    if sequence_parallel and parallel_mode is None:
+        raise ValueError("te.Linear: sequence_parallel=True needs parallel_mode "
+                         "'column' or 'row'")
+    if tp_group is not None:
+        group_size = torch.distributed.get_world_size(tp_group)
+        if tp_size not in (1, group_size):
+            raise ValueError(f"te.Linear: tp_size={tp_size} but tp_group has "
+                             f"{group_size} ranks")
+        tp_size = group_size
+    elif tp_size > 1:
+        raise ValueError(f"te.Linear: tp_size={tp_size} needs tp_group (the process group "
+                         "the layer is split over)")
+    if parallel_mode is None:
+        return None, tp_group, 1  # not split: no collectives
+    return parallel_mode, tp_group, tp_size
+
+
 class Linear(torch.nn.Module):
     """Linear layer with Transformer Engine's argument names.
 
@@ -264,25 +355,31 @@ class Linear(torch.nn.Module):
         for arg, value in (("in_features", in_features), ("out_features", out_features)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"te.Linear: {arg} must be a positive int, got {value!r}")
-        if parallel_mode not in (None, "column", "row"):
-            raise ValueError(f"te.Linear: parallel_mode must be None, 'column' or 'row', "
-                             f"got {parallel_mode!r}")
-        if parallel_mode is not None or tp_size != 1 or sequence_parallel or tp_group is not None:
-            raise NotImplementedError("te.Linear: tensor/sequence parallelism is not "
-                                      "implemented yet (parallel_mode, tp_group, tp_size, "
-                                      "sequence_parallel)")
+        self.parallel_mode, self.tp_group, self.tp_size = _parallel_config(
+            parallel_mode, tp_group, tp_size, sequence_parallel)
+        self.sequence_parallel = bool(sequence_parallel)
+        split = {"column": ("out_features", out_features),
+                 "row": ("in_features", in_features)}.get(parallel_mode)
+        if split is not None and split[1] % self.tp_size != 0:
+            raise ValueError(f"te.Linear: parallel_mode={parallel_mode!r} splits {split[0]} "
+                             f"({split[1]}) over tp_size {self.tp_size}, which must divide it")
         params_dtype = torch.get_default_dtype() if params_dtype is None else params_dtype
         if not params_dtype.is_floating_point or params_dtype.itemsize < 2:
             raise TypeError(f"te.Linear: params_dtype must be float32, bfloat16 or float16, "
                             f"got {params_dtype}")
         self.in_features, self.out_features = in_features, out_features
+        # this rank's shard of the weight: (local_out, local_in)
+        self.local_out_features = out_features // (self.tp_size if parallel_mode == "column" else 1)
+        self.local_in_features = in_features // (self.tp_size if parallel_mode == "row" else 1)
         self.return_bias = return_bias
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.save_original_input = save_original_input
         self.name = name
-        self.weight = torch.nn.Parameter(
-            torch.empty(out_features, in_features, dtype=params_dtype, device=device))
-        self.bias = (torch.nn.Parameter(torch.zeros(out_features, dtype=params_dtype, device=device))
+        self.weight = torch.nn.Parameter(torch.empty(
+            self.local_out_features, self.local_in_features, dtype=params_dtype, device=device))
+        bias_features = self.local_out_features if parallel_mode == "column" else out_features
+        self.bias = (torch.nn.Parameter(torch.zeros(bias_features, dtype=params_dtype,
+                                                    device=device))
                      if bias else None)
         if init_method is not None:
             init_method(self.weight)
@@ -291,8 +388,28 @@ class Linear(torch.nn.Module):
         self._weight_workspace = None
 
     def extra_repr(self) -> str:
+        tp = (f", parallel_mode={self.parallel_mode!r}, tp_size={self.tp_size}, "
+              f"sequence_parallel={self.sequence_parallel}" if self.parallel_mode else "")
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, dtype={self.weight.dtype}")
+                f"bias={self.bias is not None}, dtype={self.weight.dtype}{tp}")
+
+    @torch.no_grad()
+    def load_full_weight_(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
+        """Copy this rank's shard of a full ``(out, in)`` weight (and ``(out,)``
+        bias) into the layer: a TP layer then equals the single-device layer
+        built from the same full parameters."""
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"te.Linear.load_full_weight_: expected a weight of shape "
+                             f"{(self.out_features, self.in_features)}, got {tuple(weight.shape)}")
+        rank = 0 if self.tp_group is None else torch.distributed.get_rank(self.tp_group)
+        self.weight.copy_(D.shard_parameter(weight, self.parallel_mode, rank, self.tp_size))
+        if bias is not None:
+            if self.bias is None or tuple(bias.shape) != (self.out_features,):
+                raise ValueError(f"te.Linear.load_full_weight_: bias must be of shape "
+                                 f"({self.out_features},) on a layer with a bias")
+            self.bias.copy_(D.shard_parameter(bias, self.parallel_mode, rank, self.tp_size,
+                                              is_bias=True))
+        return self
 
     # -- argument building (runs in eager and in traced code) -----------------------------
     def _check_input(self, inp) -> None:
@@ -301,9 +418,24 @@ class Linear(torch.nn.Module):
                             f"got {type(inp).__name__}")
         if inp.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise TypeError(f"te.Linear input must be float32, bfloat16 or float16, got {inp.dtype}")
-        if inp.dim() == 0 or inp.shape[-1] != self.in_features:
+        if inp.dim() == 0 or inp.shape[-1] != self.local_in_features:
+            shard = " (this rank's shard of in_features)" if self.parallel_mode == "row" else ""
             raise ValueError(f"te.Linear({self.in_features} -> {self.out_features}): input of "
-                             f"shape {tuple(inp.shape)} must end in {self.in_features}")
+                             f"shape {tuple(inp.shape)} must end in "
+                             f"{self.local_in_features}{shard}")
+        if self._tp_active() and self.sequence_parallel:
+            if inp.dim() < 2:
+                raise ValueError("te.Linear(sequence_parallel=True): the input needs a "
+                                 "sequence dimension first, got shape "
+                                 f"{tuple(inp.shape)}")
+            if self.parallel_mode == "row" and inp.shape[0] % self.tp_size != 0:
+                raise ValueError(
+                    f"te.Linear(parallel_mode='row', sequence_parallel=True): the sequence "
+                    f"length {inp.shape[0]} (dim 0 of the input) must be divisible by "
+                    f"tp_size {self.tp_size} to reduce-scatter the output")
+
+    def _tp_active(self) -> bool:
+        return self.parallel_mode is not None and self.tp_size > 1
 
     def _make_args(self, inp, is_first_microbatch, fp8_output) -> LinearFwdArgs:
         from ..autocast import get_autocast_recipe
@@ -320,6 +452,8 @@ class Linear(torch.nn.Module):
             bias_requires_grad=grad and bias is not None and bias.requires_grad
             and not self.return_bias,
             save_original_input=self.save_original_input,
+            parallel_mode=self.parallel_mode, sequence_parallel=self.sequence_parallel,
+            tp_size=self.tp_size, tp_group=self.tp_group,
         )
         if fp8_output and recipe is None:
             raise ValueError("te.Linear: fp8_output=True needs an active quantization recipe "
@@ -361,12 +495,15 @@ class Linear(torch.nn.Module):
         """Clear errors for sizes the recipe's formats cannot take, before any
         kernel.  Reads ``divisibility()`` and tests the (maybe symbolic) sizes
         here: an exception raised inside an opaque member is not catchable."""
-        m = inp.numel() // self.in_features
+        m = inp.numel() // self.local_in_features  # rows the GEMMs see (gathered under SP)
+        if self._tp_active() and self.sequence_parallel and self.parallel_mode == "column":
+            m = m * self.tp_size
+        n = self.local_out_features
         checks = (
-            ("input", args.input_quantizer, (m, self.in_features), _input_usage(args)),
-            ("weight", args.weight_quantizer, (self.out_features, self.in_features),
+            ("input", args.input_quantizer, (m, self.local_in_features), _input_usage(args)),
+            ("weight", args.weight_quantizer, (n, self.local_in_features),
              {"rowwise": True, "columnwise": args.input_requires_grad}),
-            ("grad_output", args.grad_output_quantizer, (m, self.out_features),
+            ("grad_output", args.grad_output_quantizer, (m, n),
              {"rowwise": args.input_requires_grad, "columnwise": args.weight_requires_grad}),
         )
         for role, q, (rows, cols), usage in checks:

@@ -110,13 +110,16 @@ class Quantizer(OpaqueBase):
     _COMPILE_MEMBERS: ClassVar[tuple] = (
         "format_name", "storage_cls", "tensor_cls", "copy", "with_usage", "describe_buffers",
         "flatten_layout", "create_metadata", "check_shape", "divisibility", "is_stateful",
-        "_te_value_opaque",
+        "_te_value_opaque", "gathers_quantized",
     )
     # compute on tensors: traced by Dynamo (INLINED)
     _INLINED_MEMBERS: ClassVar[tuple] = (
-        "quantize", "__call__", "_check_input", "_quantize_2d", "_scale_for",
+        "quantize", "__call__", "_check_input", "_quantize_2d", "_scale_for", "_build",
     )
     _te_value_opaque: ClassVar[bool] = False
+    # tensor parallelism may quantize shards and gather the quantized bytes
+    # (needs one scale per tensor and quantize_with_amax; see distributed.py)
+    gathers_quantized: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -248,14 +251,17 @@ class Quantizer(OpaqueBase):
         """Quantize ``x`` (shape ``(..., K)``) into this format's tensor."""
         self._check_input(x)
         m, k = flat_2d(x.shape)
-        buffers = self._quantize_2d(x.detach().reshape(m, k))
-        expected = self.describe_buffers(tuple(x.shape))
+        return self._build(x.shape, x.dtype, self._quantize_2d(x.detach().reshape(m, k)))
+
+    def _build(self, shape, dtype, buffers: dict):
+        """The quantized tensor from kernel buffers made on the (M, K) view."""
+        expected = self.describe_buffers(tuple(shape))
         if sorted(buffers) != sorted(expected):
             raise RuntimeError(f"{type(self).__name__} made buffers {sorted(buffers)}, "
                                f"its layout declares {list(expected)}")
         # kernels work on the (M, K) view; give each buffer its declared shape
         buffers = {name: buffers[name].view(desc.shape) for name, desc in expected.items()}
-        return self.create_metadata(x.shape, x.dtype).build(x.shape, buffers)
+        return self.create_metadata(shape, dtype).build(shape, buffers)
 
     def __call__(self, x: torch.Tensor):
         return self.quantize(x)

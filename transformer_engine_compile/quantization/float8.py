@@ -115,6 +115,8 @@ class Float8Quantizer(_Float8QuantizerBase):
 class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
     """Current scaling: scale = fp8_max / amax of the tensor being quantized."""
 
+    gathers_quantized = True
+
     _CONFIG_FIELDS = ("fp8_format", "rowwise_usage", "columnwise_usage", "internal",
                       "force_pow_2_scales", "amax_epsilon")
 
@@ -131,6 +133,20 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
         fn = kernels.get("quantize_fp8_current", x2d)
         return fn(x2d, self.fp8_format, self.force_pow_2_scales, self.amax_epsilon,
                   self.rowwise_usage, self.columnwise_usage)
+
+    def quantize_with_amax(self, x: torch.Tensor, amax: torch.Tensor):
+        """Quantize ``x`` with the scale of a given amax instead of its own.
+
+        Tensor parallelism passes the amax all-reduced over the group, so every
+        rank's shard gets the scale of the whole tensor; the result equals
+        ``quantize`` of the whole tensor, restricted to this shard."""
+        self._check_input(x)
+        x2d = x.detach().reshape(flat_2d(x.shape))
+        scale = ref.current_scale(amax.reshape(()).float(), self.fp8_format,
+                                  self.force_pow_2_scales, self.amax_epsilon)
+        fn = kernels.get("quantize_fp8_tensorwise", x2d)
+        return self._build(x.shape, x.dtype, fn(x2d, scale, self.fp8_format,
+                                                 self.rowwise_usage, self.columnwise_usage))
 
 
 def update_delayed_scaling(amax_history: torch.Tensor, scale: torch.Tensor, *,

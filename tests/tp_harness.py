@@ -1,0 +1,296 @@
+"""Tensor/sequence-parallel te.Linear cases, shared by the CPU tests (gloo,
+2 processes spawned by tests/test_tp.py) and the GPU run (NCCL, torchrun,
+qa/L1_distributed/test.sh).
+
+Each case builds the single-device layer and the TP layer from the same full
+parameters, runs ``steps`` training steps eager and compiled (fullgraph) on
+the TP layer, and checks:
+
+* compiled == eager TP, bit for bit, every step (outputs and all gradients);
+* one graph, zero graph breaks;
+* step 0 against the single-device reference: bf16 exactly (integer-valued
+  data, so every summation order is exact), quantized recipes within
+  ``REL_TOL`` (relative Frobenius error, docs/parallel.md);
+* with the recording backend (CPU): the collectives are inside the ops, the
+  graphs hold no collective of their own.
+
+Run under torchrun: ``python -m torch.distributed.run --nproc_per_node 2
+tests/tp_harness.py --device cuda --modes default reduce-overhead``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch._dynamo.utils import counters
+
+import transformer_engine_compile as te
+from transformer_engine_compile import recipe
+
+RECIPES = {
+    "bf16": None,
+    "fp8_current": recipe.Float8CurrentScaling(),
+    "mxfp8": recipe.MXFP8BlockScaling(),
+    "fp8_block": recipe.Float8BlockScaling(),
+    "nvfp4": recipe.NVFP4BlockScaling(),
+}
+PARALLEL_CASES = [(m, sp) for m in ("column", "row") for sp in (False, True)]
+# TP against single device, step 0, relative Frobenius error (documented in
+# docs/parallel.md); measured values are a fraction of these
+# (gradients: E5M2 for fp8_current, E4M3 for MXFP8 and blockwise, NVFP4 with
+# stochastic rounding, so the two layouts draw different roundings)
+REL_TOL = {"fp8_current": 0.10, "mxfp8": 0.01, "fp8_block": 0.01, "nvfp4": 0.30}
+SEQ, BATCH, IN, OUT = 128, 2, 256, 256
+
+
+# -- data -------------------------------------------------------------------------
+def full_tensors(rec, device):
+    """x (SEQ, BATCH, IN), W (OUT, IN), b (OUT,), dy (SEQ, BATCH, OUT), identical on
+    every rank.  bf16: values in {-1, 0, 1}, so sums stay exact integers (< 256)."""
+    g = torch.Generator().manual_seed(0)
+    shapes = ((SEQ, BATCH, IN), (OUT, IN), (OUT,), (SEQ, BATCH, OUT))
+    if rec is None:
+        out = [torch.randint(-1, 2, s, generator=g).to(torch.bfloat16) for s in shapes]
+    else:
+        out = [torch.randn(s, generator=g).to(torch.bfloat16) for s in shapes]
+        out[1] = out[1] * 0.05
+    return [t.to(device) for t in out]
+
+
+def _part(t, dim, rank, tp):
+    return t.chunk(tp, dim)[rank]
+
+
+class Slicer:
+    """Which part of each full tensor a rank holds, per parallel mode."""
+
+    def __init__(self, parallel_mode, sp, rank, tp):
+        self.mode, self.sp, self.rank, self.tp = parallel_mode, sp, rank, tp
+
+    def p(self, t, dim):
+        return _part(t, dim, self.rank, self.tp)
+
+    def inp(self, x):  # also the layout of dx
+        if self.mode == "column":
+            return self.p(x, 0) if self.sp else x
+        return self.p(x, -1)
+
+    def out(self, y):  # also the layout of dy
+        if self.mode == "column":
+            return self.p(y, -1)
+        return self.p(y, 0) if self.sp else y
+
+    def weight(self, w):
+        return self.p(w, 0 if self.mode == "column" else 1)
+
+    def bias(self, b):
+        return self.p(b, 0) if self.mode == "column" else b
+
+
+# -- steps --------------------------------------------------------------------------
+def _make_step(layer, rec):
+    def step(x):
+        with te.autocast(enabled=rec is not None, recipe=rec):
+            return layer(x)
+    return step
+
+
+def run_steps(layer, step_fn, x0, dy0, steps):
+    """Forward, backward with a fixed dy, SGD; [out, dx, dW, db] per step."""
+    results = []
+    torch.manual_seed(1)  # NVFP4 stochastic rounding draws from the global RNG
+    for i in range(steps):
+        torch.compiler.cudagraph_mark_step_begin()  # no-op unless reduce-overhead
+        x = (x0 * (1 + 0.125 * i)).requires_grad_()
+        layer.zero_grad(set_to_none=True)
+        y = step_fn(x)
+        y.backward(dy0)
+        # clones: a CUDA-graph replay overwrites its outputs
+        results.append([y.detach().clone(), x.grad.clone(), layer.weight.grad.clone(),
+                        layer.bias.grad.clone()])
+        with torch.no_grad():
+            for p in layer.parameters():
+                p -= 0.01 * p.grad.to(p.dtype)
+    return results
+
+
+# -- graph recording backend -----------------------------------------------------------
+class RecordingBackend:
+    """aot_eager that keeps the op targets of the Dynamo, forward and backward graphs."""
+
+    def __init__(self):
+        self.targets = {"dynamo": [], "forward": [], "backward": []}
+
+    def _keep(self, kind, gm):
+        self.targets[kind] += [str(n.target) for n in gm.graph.nodes
+                               if n.op == "call_function"]
+
+    def __call__(self, gm, example_inputs):
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        self._keep("dynamo", gm)
+
+        def compiler(kind):
+            def fn(g, _):
+                self._keep(kind, g)
+                return make_boxed_func(g.forward)
+            return fn
+        return aot_autograd(fw_compiler=compiler("forward"),
+                            bw_compiler=compiler("backward"))(gm, example_inputs)
+
+    def check(self):
+        everything = sum(self.targets.values(), [])
+        collectives = [t for t in everything if "c10d" in t or "distributed" in t]
+        assert not collectives, f"collectives outside the ops: {collectives}"
+        assert any("te_compile.linear_fwd" in t for t in self.targets["forward"]), self.targets
+        assert any("te_compile.linear_bwd" in t for t in self.targets["backward"]), self.targets
+
+
+def _compile(step, compile_mode):
+    if compile_mode == "record":
+        backend = RecordingBackend()
+        return torch.compile(step, fullgraph=True, backend=backend), backend
+    if compile_mode == "default":
+        return torch.compile(step, fullgraph=True), None
+    return torch.compile(step, fullgraph=True, mode=compile_mode), None
+
+
+def rel_err(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+# -- one case ----------------------------------------------------------------------------
+def run_case(group, device, parallel_mode, sp, name, compile_mode, steps=3) -> dict:
+    """Run and check one configuration on this rank; returns the step-0
+    relative errors against the single-device layer."""
+    rank, tp = dist.get_rank(group), dist.get_world_size(group)
+    rec = RECIPES[name]
+    label = f"{parallel_mode}{'+SP' if sp else ''} {name} {compile_mode} rank {rank}"
+    x_full, w_full, b_full, dy_full = full_tensors(rec, device)
+    sl = Slicer(parallel_mode, sp, rank, tp)
+
+    ref = te.Linear(IN, OUT, params_dtype=torch.bfloat16, device=device)
+    ref.load_full_weight_(w_full, b_full)
+    expected = run_steps(ref, _make_step(ref, rec), x_full, dy_full, 1)[0]
+    if rec is None:  # integers below 256: exact in bf16 whatever the summation order
+        assert all(t.abs().max() <= 256 for t in expected), "test data left the exact range"
+
+    layer = te.Linear(IN, OUT, params_dtype=torch.bfloat16, device=device,
+                      parallel_mode=parallel_mode, sequence_parallel=sp, tp_group=group)
+    layer.load_full_weight_(w_full, b_full)
+    assert torch.equal(layer.weight, sl.weight(w_full))
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    x0, dy0 = sl.inp(x_full), sl.out(dy_full)
+    step = _make_step(layer, rec)
+    eager = run_steps(layer, step, x0, dy0, steps)
+
+    torch._dynamo.reset()
+    counters.clear()
+    layer.load_state_dict(state)
+    compiled_step, backend = _compile(step, compile_mode)
+    compiled = run_steps(layer, compiled_step, x0, dy0, steps)
+
+    names = ("out", "dgrad", "wgrad", "bgrad")
+    for i, (e, c) in enumerate(zip(eager, compiled)):
+        for n, a, b in zip(names, e, c):
+            assert a.shape == b.shape and a.dtype == b.dtype, f"{label} step {i} {n}"
+            assert torch.equal(a, b), f"{label}: compiled != eager at step {i}, {n}"
+    assert counters["stats"]["unique_graphs"] == 1, f"{label}: {dict(counters['stats'])}"
+    assert sum(counters["graph_break"].values()) == 0, f"{label}: {dict(counters['graph_break'])}"
+    if backend is not None:
+        backend.check()
+
+    want = [sl.out(expected[0]), sl.inp(expected[1]), sl.weight(expected[2]),
+            sl.bias(expected[3])]
+    errors = {}
+    for n, got, ref_t in zip(names, eager[0], want):
+        assert got.shape == ref_t.shape, f"{label} {n}: {tuple(got.shape)} vs {tuple(ref_t.shape)}"
+        if rec is None:
+            assert torch.equal(got, ref_t), f"{label}: {n} differs from the single-device layer"
+            errors[n] = 0.0
+        else:
+            errors[n] = rel_err(got, ref_t)
+            assert errors[n] <= REL_TOL[name], f"{label}: {n} rel. error {errors[n]:.4f}"
+    return errors
+
+
+def run_cases(group, device, cases, compile_mode, steps=3) -> list:
+    out = []
+    for parallel_mode, sp, name in cases:
+        errs = run_case(group, device, parallel_mode, sp, name, compile_mode, steps)
+        out.append(((parallel_mode, sp, name, compile_mode), errs))
+    return out
+
+
+# -- entry points ------------------------------------------------------------------------
+def spawn_main(rank, world_size, store_path, fn, args):
+    """``torch.multiprocessing.spawn`` target for the CPU tests (gloo): runs
+    ``fn(group, *args)`` on every rank."""
+    torch.set_num_threads(1)  # two ranks share the CI machine's cores
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
+                            world_size=world_size)
+    try:
+        group = dist.new_group(list(range(world_size)))
+        fn(group, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, *args, world_size=2):
+    """Run ``fn(group, *args)`` on ``world_size`` CPU processes; re-raises
+    the first rank's exception."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(spawn_main, args=(world_size, os.path.join(d, "store"), fn, args),
+                 nprocs=world_size, join=True)
+
+
+def cases_worker(group, cases, compile_mode):
+    run_cases(group, torch.device("cpu"), cases, compile_mode)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--modes", nargs="+", default=["default", "reduce-overhead"])
+    parser.add_argument("--recipes", nargs="+", default=list(RECIPES))
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args(argv)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if args.device == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    group = dist.new_group(list(range(dist.get_world_size())))
+    cases = [(m, sp, r) for m, sp in PARALLEL_CASES for r in args.recipes]
+    failures = 0
+    for mode in args.modes:
+        for case in cases:
+            try:
+                (_, errs), = run_cases(group, device, [case], mode, args.steps)
+                status = "ok   " + " ".join(f"{k}={v:.4f}" for k, v in errs.items())
+            except AssertionError as e:
+                failures += 1
+                status = f"FAIL {e}"
+            if dist.get_rank() == 0 or status.startswith("FAIL"):
+                m, sp, r = case
+                print(f"rank {dist.get_rank()} {mode:16s} {m:6s} sp={int(sp)} {r:12s} {status}",
+                      flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    if failures:
+        sys.exit(f"{failures} failing case(s)")
+
+
+if __name__ == "__main__":
+    main()
