@@ -21,6 +21,7 @@ tests/tp_harness.py --device cuda --modes default reduce-overhead``.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 
@@ -257,11 +258,18 @@ def cases_worker(group, cases, compile_mode):
     run_cases(group, torch.device("cpu"), cases, compile_mode)
 
 
+def _log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--modes", nargs="+", default=["default", "reduce-overhead"])
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES))
+    parser.add_argument("--parallel", nargs="+", default=[f"{m}:{int(sp)}" for m, sp in
+                                                           PARALLEL_CASES],
+                        help="parallel_mode:sequence_parallel pairs, e.g. row:1")
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args(argv)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -272,7 +280,8 @@ def main(argv=None):
         device = torch.device("cpu")
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     group = dist.new_group(list(range(dist.get_world_size())))
-    cases = [(m, sp, r) for m, sp in PARALLEL_CASES for r in args.recipes]
+    parallel = [(p.split(":")[0], bool(int(p.split(":")[1]))) for p in args.parallel]
+    cases = [(m, sp, r) for m, sp in parallel for r in args.recipes]
     failures = 0
     for mode in args.modes:
         for case in cases:
@@ -286,8 +295,17 @@ def main(argv=None):
                 m, sp, r = case
                 print(f"rank {dist.get_rank()} {mode:16s} {m:6s} sp={int(sp)} {r:12s} {status}",
                       flush=True)
+    _log(f"rank {dist.get_rank()}: cases done")
+    # drop the compiled functions and their CUDA graphs (which hold captured
+    # NCCL kernels) before tearing the communicators down
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     dist.barrier()
+    _log(f"rank {dist.get_rank()}: barrier passed")
     dist.destroy_process_group()
+    _log("process group destroyed")
     if failures:
         sys.exit(f"{failures} failing case(s)")
 

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# 2-GPU tensor/sequence-parallel run (NCCL).  Every column/row x SP case of
+# tests/tp_harness.py, bf16 and every recipe, compiled fullgraph in default
+# and reduce-overhead mode: compiled == eager TP bit for bit, one graph, no
+# graph break, and TP == the single-device layer (bf16 exactly, quantized
+# within the documented tolerance).  Then the docs' torchrun example.
+# Fails without 2 CUDA devices.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+NPROC="${NPROC:-2}"
+export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"  # never NVLink multicast on shared hosts
+python - "$NPROC" <<'PY'
+import sys, torch
+n = torch.cuda.device_count()
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {n} x "
+      f"{torch.cuda.get_device_name(0) if n else 'no GPU'}")
+sys.exit(0 if n >= int(sys.argv[1]) else f"qa/L1_distributed needs {sys.argv[1]} CUDA devices")
+PY
+run() { python -m torch.distributed.run --standalone --nproc_per_node "$NPROC" "$@"; }
+# MODES / extra harness arguments (e.g. --parallel row:1 --recipes bf16) pick a
+# subset; the whole run took 66 s on 2 H200s with a warm inductor cache
+run tests/tp_harness.py --device cuda --modes ${MODES:-default reduce-overhead} "$@"
+for recipe in bf16 fp8_current; do
+  run -m transformer_engine_compile.parallel_demo --recipe "$recipe" --steps 5
+done
+echo "qa/L1_distributed: passed"
