@@ -118,3 +118,13 @@ def test_quantizer_for_roles():
         te.quantizer_for(recipe.DelayedScaling(), "input")
     with pytest.raises(ValueError, match="role"):
         te.quantizer_for(nv, "bias")
+
+
+def test_recipe_by_name():
+    from transformer_engine_compile import recipe as R
+
+    assert R.by_name("bf16") is None
+    assert isinstance(R.by_name("fp8_block"), R.Float8BlockScaling)
+    assert R.by_name("nvfp4") == R.NVFP4BlockScaling()
+    with pytest.raises(ValueError, match="unknown recipe name 'fp16'"):
+        R.by_name("fp16")

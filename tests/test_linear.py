@@ -7,13 +7,7 @@ from torch._dynamo.utils import counters
 import transformer_engine_compile as te
 from transformer_engine_compile import recipe
 
-RECIPES = {
-    "bf16": None,
-    "fp8_current": recipe.Float8CurrentScaling(),
-    "mxfp8": recipe.MXFP8BlockScaling(),
-    "fp8_block": recipe.Float8BlockScaling(),
-    "nvfp4": recipe.NVFP4BlockScaling(),
-}
+RECIPES = {name: recipe.by_name(name) for name in recipe.RECIPE_NAMES}
 SHAPES = {"2d": (128, 128), "3d": (2, 64, 128)}
 
 

@@ -32,13 +32,7 @@ from torch._dynamo.utils import counters
 import transformer_engine_compile as te
 from transformer_engine_compile import recipe
 
-RECIPES = {
-    "bf16": None,
-    "fp8_current": recipe.Float8CurrentScaling(),
-    "mxfp8": recipe.MXFP8BlockScaling(),
-    "fp8_block": recipe.Float8BlockScaling(),
-    "nvfp4": recipe.NVFP4BlockScaling(),
-}
+RECIPES = {name: recipe.by_name(name) for name in recipe.RECIPE_NAMES}
 PARALLEL_CASES = [(m, sp) for m in ("column", "row") for sp in (False, True)]
 # TP against single device, step 0, relative Frobenius error (documented in
 # docs/parallel.md); measured values are a fraction of these

@@ -20,13 +20,6 @@ from torch._dynamo.utils import counters
 import transformer_engine_compile as te
 from transformer_engine_compile import recipe as R
 
-RECIPES = {
-    "bf16": None,
-    "fp8_current": R.Float8CurrentScaling,
-    "mxfp8": R.MXFP8BlockScaling,
-    "fp8_block": R.Float8BlockScaling,
-    "nvfp4": R.NVFP4BlockScaling,
-}
 
 
 def build_model(layers: int, hidden: int, device, seed: int = 0) -> torch.nn.Module:
@@ -83,7 +76,7 @@ def train(model, data, rec, step_fn_wrapper, label, lr=0.02):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--recipe", choices=RECIPES, default="fp8_current")
+    p.add_argument("--recipe", choices=R.RECIPE_NAMES, default="fp8_current")
     p.add_argument("--mode", default="default",
                    choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"])
     p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"])
@@ -94,7 +87,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=256)
     a = p.parse_args(argv)
     device = torch.device(a.device)
-    rec = RECIPES[a.recipe]() if RECIPES[a.recipe] is not None else None
+    rec = R.by_name(a.recipe)
     print(f"te.Linear x{a.layers} (hidden {a.hidden}, {a.tokens} tokens), recipe "
           f"{type(rec).__name__ if rec else 'none (bf16)'}, device {device}, torch "
           f"{torch.__version__}, backend {a.backend}, mode {a.mode}")

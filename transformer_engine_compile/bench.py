@@ -34,12 +34,7 @@ CONFIGS = {  # name: (tokens M, in K, out N, layers)
     "launch": (256, 1024, 1024, 4),
 }
 TINY = {"tiny": (64, 128, 128, 2)}  # CPU smoke run
-RECIPES = {
-    "fp8_current": R.Float8CurrentScaling(),
-    "fp8_block": R.Float8BlockScaling(),
-    "mxfp8": R.MXFP8BlockScaling(),
-    "nvfp4": R.NVFP4BlockScaling(),
-}
+RECIPES = {name: R.by_name(name) for name in ("fp8_current", "fp8_block", "mxfp8", "nvfp4")}
 MODES = ("eager", "default", "reduce-overhead")
 
 

@@ -22,13 +22,6 @@ import torch.distributed as dist
 import transformer_engine_compile as te
 from transformer_engine_compile import distributed as D
 
-RECIPES = {
-    "bf16": lambda: None,
-    "fp8_current": te.recipe.Float8CurrentScaling,
-    "mxfp8": te.recipe.MXFP8BlockScaling,
-    "fp8_block": te.recipe.Float8BlockScaling,
-    "nvfp4": te.recipe.NVFP4BlockScaling,
-}
 TOLERANCE = {"bf16": 0.02, "nvfp4": 0.25}  # relative error of the output; others 0.1
 
 
@@ -46,7 +39,7 @@ class MLP(torch.nn.Module):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="TP + SP te.Linear MLP under torch.compile")
-    parser.add_argument("--recipe", default="bf16", choices=list(RECIPES))
+    parser.add_argument("--recipe", default="bf16", choices=te.recipe.RECIPE_NAMES)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=2)
@@ -61,7 +54,7 @@ def main(argv=None) -> int:
     group = dist.group.WORLD
     rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    rec = RECIPES[args.recipe]()
+    rec = te.recipe.by_name(args.recipe)
 
     torch.manual_seed(0)  # the same full weights and data on every rank
     w1 = torch.randn(4 * args.hidden, args.hidden) * args.hidden ** -0.5

@@ -120,3 +120,23 @@ class NVFP4BlockScaling(Recipe):
     disable_rht: bool = False
     disable_stochastic_rounding: bool = False
     disable_2d_quantization: bool = False
+
+
+# short names used by the demos, the benchmark and the tests; "bf16" = no recipe
+_BY_NAME = {
+    "fp8_current": Float8CurrentScaling,
+    "mxfp8": MXFP8BlockScaling,
+    "fp8_block": Float8BlockScaling,
+    "nvfp4": NVFP4BlockScaling,
+}
+RECIPE_NAMES = ("bf16",) + tuple(_BY_NAME)
+
+
+def by_name(name: str):
+    """A default-configured recipe for a short name, None for ``"bf16"``."""
+    if name == "bf16":
+        return None
+    try:
+        return _BY_NAME[name]()
+    except KeyError:
+        raise ValueError(f"unknown recipe name {name!r}; known: {RECIPE_NAMES}") from None
