@@ -128,3 +128,16 @@ def test_recipe_by_name():
     assert R.by_name("nvfp4") == R.NVFP4BlockScaling()
     with pytest.raises(ValueError, match="unknown recipe name 'fp16'"):
         R.by_name("fp16")
+
+
+def test_recipe_numeric_fields_are_validated_and_kept_as_constants():
+    from transformer_engine_compile import recipe as R
+
+    rec = R.Float8BlockScaling(amax_epsilon=1e-3, w_block_scaling_dim=1)
+    assert rec.constant("amax_epsilon") == 1e-3 and type(rec.constant("amax_epsilon")) is float
+    assert rec.constant("w_block_scaling_dim") == 1
+    assert R.Float8CurrentScaling(amax_epsilon=0).amax_epsilon == 0.0
+    with pytest.raises(TypeError, match="amax_epsilon must be float"):
+        R.Float8CurrentScaling(amax_epsilon="0.1")
+    with pytest.raises(TypeError, match="margin must be int"):
+        R.DelayedScaling(margin=1.5)

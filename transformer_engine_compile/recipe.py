@@ -42,6 +42,29 @@ class Recipe:
     def nvfp4(self) -> bool:
         return isinstance(self, NVFP4BlockScaling)
 
+    def constant(self, name: str):
+        """Numeric field ``name`` as a trace-time constant.
+
+        Under ``torch.compile(dynamic=True)`` Dynamo turns float and int
+        attributes into SymFloat / SymInt, which cannot enter a value-opaque
+        quantizer.  The field's exact text (kept at construction) is a
+        string, which Dynamo guards by value; ``float.fromhex`` / ``int`` of
+        it folds to a constant, so a changed value still recompiles."""
+        text = getattr(self, f"_{name}_text")
+        return int(text[2:]) if text.startswith("i:") else float.fromhex(text[2:])
+
+    def _keep_texts(self, **kinds) -> None:
+        """Validate numeric fields (``name=float`` or ``name=int``) and keep their text."""
+        for name, kind in kinds.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float
+                                                         else int):
+                raise TypeError(f"{name} must be {kind.__name__}, got {value!r}")
+            text = f"f:{float(value).hex()}" if kind is float else f"i:{value}"
+            if kind is float:
+                object.__setattr__(self, name, float(value))
+            object.__setattr__(self, f"_{name}_text", text)
+
 
 def _check_format(fmt):
     if not isinstance(fmt, Format):
@@ -60,6 +83,7 @@ class DelayedScaling(Recipe):
 
     def __post_init__(self):
         _check_format(self.fp8_format)
+        self._keep_texts(margin=int, amax_history_len=int)
         if self.amax_compute_algo not in ("max", "most_recent"):
             raise ValueError("amax_compute_algo must be 'max' or 'most_recent', "
                              f"got {self.amax_compute_algo!r}")
@@ -79,6 +103,7 @@ class Float8CurrentScaling(Recipe):
 
     def __post_init__(self):
         _check_format(self.fp8_format)
+        self._keep_texts(amax_epsilon=float)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +119,8 @@ class Float8BlockScaling(Recipe):
 
     def __post_init__(self):
         _check_format(self.fp8_format)
+        self._keep_texts(amax_epsilon=float, x_block_scaling_dim=int, w_block_scaling_dim=int,
+                        grad_block_scaling_dim=int)
         for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
             if getattr(self, name) not in (1, 2):
                 raise ValueError(f"{name} must be 1 or 2, got {getattr(self, name)}")

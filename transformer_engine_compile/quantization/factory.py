@@ -23,14 +23,16 @@ def quantizer_for(recipe: R.Recipe, role: str, *, internal: bool = False):
     if isinstance(recipe, R.Float8CurrentScaling):
         fmt = recipe.fp8_format.bwd() if backward else recipe.fp8_format.fwd()
         return Float8CurrentScalingQuantizer(fmt, force_pow_2_scales=recipe.use_power_2_scales,
-                                             amax_epsilon=recipe.amax_epsilon, internal=internal)
+                                             amax_epsilon=recipe.constant("amax_epsilon"),
+                                    internal=internal)
     if isinstance(recipe, R.Float8BlockScaling):
         fmt = recipe.fp8_format.bwd() if backward else recipe.fp8_format.fwd()
-        dim = {"input": recipe.x_block_scaling_dim, "weight": recipe.w_block_scaling_dim}.get(
-            role, recipe.x_block_scaling_dim if role == "output" else recipe.grad_block_scaling_dim)
+        field = {"input": "x", "weight": "w", "output": "x"}.get(role, "grad")
+        dim = recipe.constant(f"{field}_block_scaling_dim")
         return Float8BlockQuantizer(fmt, block_scaling_dim=dim,
                                     force_pow_2_scales=recipe.use_power_2_scales,
-                                    amax_epsilon=recipe.amax_epsilon, internal=internal)
+                                    amax_epsilon=recipe.constant("amax_epsilon"),
+                                    internal=internal)
     if isinstance(recipe, R.MXFP8BlockScaling):
         fmt = recipe.fp8_format.bwd() if backward else recipe.fp8_format.fwd()
         return MXFP8Quantizer(fmt, internal=internal)
