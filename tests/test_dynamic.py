@@ -89,3 +89,43 @@ def test_changing_amax_epsilon_recompiles_under_dynamic():
         rec = recipe.Float8CurrentScaling(amax_epsilon=eps)
         assert torch.equal(compiled(x, rec), step(x, rec))
     assert counters["stats"]["unique_graphs"] == 2
+
+
+@pytest.mark.parametrize("name", recipe.RECIPE_NAMES)
+def test_train_eval_and_requires_grad_toggling_compile_once_per_mode(name):
+    """train/eval with and without no_grad, and a frozen weight: one graph per
+    distinct mode, each reused when its mode comes back, results == eager."""
+    _reset()
+    rec = recipe.by_name(name)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(te.Linear(256, 256, params_dtype=torch.bfloat16),
+                                te.Linear(256, 128, params_dtype=torch.bfloat16))
+
+    def step(x):
+        with te.autocast(enabled=rec is not None, recipe=rec):
+            return model(x)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    x0 = torch.randn(256, 256, dtype=torch.bfloat16)
+
+    def run(fn, mode):
+        torch.manual_seed(0)
+        model.train(mode != "eval")
+        model[0].weight.requires_grad_(mode != "frozen")
+        x = x0.clone().requires_grad_(mode != "eval")
+        if mode == "eval":
+            with torch.no_grad():
+                return [fn(x)]
+        y = fn(x)
+        y.float().sum().backward()
+        out = [y.detach(), x.grad] + [p.grad for p in model.parameters() if p.grad is not None]
+        model.zero_grad(set_to_none=True)
+        return out
+
+    modes = ["train", "eval", "train", "frozen", "eval", "frozen", "train"]
+    with torch._dynamo.config.patch(recompile_limit=3, fail_on_recompile_limit_hit=True):
+        for mode in modes:
+            want, got = run(step, mode), run(compiled, mode)
+            assert len(want) == len(got) and all(torch.equal(a, b) for a, b in zip(want, got)), mode
+    assert counters["stats"]["unique_graphs"] == 3  # train, eval (no_grad), frozen weight
+    assert sum(counters["graph_break"].values()) == 0
