@@ -195,7 +195,7 @@ def test_parallel_mode_without_a_group_is_a_plain_layer():
 
 def test_torchrun_example_runs():
     """docs/parallel.md's example, as written there, on 2 CPU processes."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # gloo on CPU
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
          "-m", "transformer_engine_compile.parallel_demo", "--steps", "3"],
