@@ -193,12 +193,14 @@ def test_parallel_mode_without_a_group_is_a_plain_layer():
         assert torch.equal(layer(x), plain(x))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="on GPU machines qa/L1_distributed runs the demo with NCCL")
 def test_torchrun_example_runs():
     """docs/parallel.md's example, as written there, on 2 CPU processes."""
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # gloo on CPU
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          "-m", "transformer_engine_compile.parallel_demo", "--steps", "3"],
-        capture_output=True, text=True, timeout=600, env=env)
+        capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "TP == single device: True" in proc.stdout, proc.stdout
