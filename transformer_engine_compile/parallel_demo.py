@@ -50,7 +50,6 @@ def main(argv=None) -> int:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo")
-    print(f"rank {dist.get_rank()}: process group up", file=sys.stderr, flush=True)
     group = dist.group.WORLD
     rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
