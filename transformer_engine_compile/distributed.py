@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from . import kernels
 from .dynamo import compat
@@ -63,16 +64,12 @@ def reduce_scatter_first_dim(x: torch.Tensor, group, tp_size: int) -> torch.Tens
 
 def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     """Sum over ranks, in place on a fresh contiguous tensor."""
-    import torch.distributed as dist
-
     x = x.contiguous()
     dist.all_reduce(x, group=group)
     return x
 
 
 def _all_reduce_max(x: torch.Tensor, group) -> torch.Tensor:
-    import torch.distributed as dist
-
     dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
     return x
 
@@ -126,21 +123,13 @@ def scattered_shape(shape, tp_size: int) -> tuple:
 
 
 # -- user helpers --------------------------------------------------------------------
-def _rank(group) -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank(group)
-
-
 def shard_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """This rank's chunk of ``x`` along dim 0 (the sequence), for SP inputs."""
-    import torch.distributed as dist
-
     tp_size = dist.get_world_size(group)
     if x.shape[0] % tp_size != 0:
         raise ValueError(f"shard_sequence: dim 0 ({x.shape[0]}) is not divisible by the "
                          f"group size {tp_size}")
-    return x.chunk(tp_size, dim=0)[_rank(group)]
+    return x.chunk(tp_size, dim=0)[dist.get_rank(group)]
 
 
 def shard_parameter(full: torch.Tensor, parallel_mode: Optional[str], rank: int, tp_size: int,
