@@ -12,10 +12,10 @@ from .dynamo.opaque import compile_support, is_value_opaque, register_value_opaq
 from .dynamo.tensor_proto import TensorProto, to_tensor_proto
 from .quantization import (Float8BlockQuantizer, Float8BlockwiseQTensor,
                            Float8BlockwiseQTensorStorage, Float8CurrentScalingQuantizer,
-                           Float8Quantizer, Float8Tensor, Float8TensorStorage, MXFP8Quantizer,
+                           Float8DelayedScalingQuantizer, Float8Quantizer, Float8Tensor, Float8TensorStorage, MXFP8Quantizer,
                            MXFP8Tensor, MXFP8TensorStorage, NVFP4Quantizer, NVFP4Tensor,
                            NVFP4TensorStorage, QuantizedTensor, QuantizedTensorStorage, Quantizer,
-                           update_delayed_scaling)
+                           delayed_scaling_step, update_delayed_scaling)
 from .quantization.factory import quantizer_for
 from .module import Linear, LinearBwdArgs, LinearFwdArgs
 from .dynamo.fallback import fallback_report
@@ -29,8 +29,8 @@ __all__ = [
     "compile_support", "is_value_opaque", "register_value_opaque_quantizer",
     "TensorProto", "to_tensor_proto", "quantizer_for",
     "Quantizer", "QuantizedTensorStorage", "QuantizedTensor",
-    "Float8Quantizer", "Float8CurrentScalingQuantizer", "Float8TensorStorage", "Float8Tensor",
-    "update_delayed_scaling",
+    "Float8Quantizer", "Float8CurrentScalingQuantizer", "Float8DelayedScalingQuantizer",
+    "Float8TensorStorage", "Float8Tensor", "update_delayed_scaling", "delayed_scaling_step",
     "MXFP8Quantizer", "MXFP8TensorStorage", "MXFP8Tensor",
     "Float8BlockQuantizer", "Float8BlockwiseQTensorStorage", "Float8BlockwiseQTensor",
     "NVFP4Quantizer", "NVFP4TensorStorage", "NVFP4Tensor",

@@ -72,6 +72,14 @@ def opaque_type_name(cls) -> str:
     return getter(cls)
 
 
+# -- trace-time calls -------------------------------------------------------------------
+def run_at_trace_time(fn):
+    """Make Dynamo call ``fn`` (constant arguments, constant result) while
+    tracing instead of putting it in the graph: ``assume_constant_result``,
+    public as ``torch.compiler.assume_constant_result`` on every supported
+    torch.  Eager calls run it as usual."""
+    return torch.compiler.assume_constant_result(fn)
+
 
 # -- torch.distributed ----------------------------------------------------------------
 def all_gather_single(out: torch.Tensor, x: torch.Tensor, group) -> None:

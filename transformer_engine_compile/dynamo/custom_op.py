@@ -23,6 +23,16 @@ Contract of the impls (see docs/custom_ops.md):
 * ``backward(bwd_args) -> dict``: forward-field name -> gradient (or None);
   ``backward_fake`` returns protos.
 
+State the ops update in place (module buffers, ``weight.main_grad``) is
+never mutated inside an op: ops with an autograd formula must be
+functional, and a mutating op cannot return ``Tensor[]``.  An impl returns
+the new value as an output instead, and ``forward_updates`` /
+``backward_updates`` (output name -> :class:`Update`) name the argument
+field it is written into, by ``copy_`` or ``add_``, right after the op, in
+eager and traced code alike.  The write is then an ordinary mutation of a
+graph input that PyTorch sees (AOTAutograd keeps it; a write in the
+backward is allowed on inputs that do not require grad).
+
 The fakes are the single source of truth for the flat layout: the op
 returns ``Tensor[]``, and whoever reads it (the traced caller, the autograd
 formula, the fake kernel) splits it by the fake's structure.
@@ -36,7 +46,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..quantization.base import QuantizedTensorStorage
+from ..quantization.base import QuantizedTensorStorage, storage_parts
 from ..quantization.wrapper import QuantizedTensor
 from . import buckets as B
 from .tensor_proto import TensorProto, to_tensor_proto
@@ -51,6 +61,50 @@ class OpResult(NamedTuple):
 
     outputs: dict
     saved: dict = {}
+
+
+class Update(NamedTuple):
+    """Write an op output into the argument field ``field``: ``"copy"`` or ``"add"``."""
+
+    field: str
+    how: str = "copy"
+
+
+def _write(dst, new, how: str, where: str) -> None:
+    if isinstance(new, QuantizedTensorStorage):  # buffer by buffer, same names
+        if not isinstance(dst, QuantizedTensorStorage):
+            raise TypeError(f"{where}: a quantized update needs a quantized target")
+        names, bufs, _, _ = storage_parts(dst)
+        new_names, new_bufs, _, _ = storage_parts(new)
+        if names != new_names:
+            raise RuntimeError(f"{where}: target buffers {names} differ from {new_names}")
+        pairs = zip(bufs, new_bufs)
+    else:
+        pairs = [(dst, new)]
+    for d, n in pairs:
+        if tuple(d.shape) != tuple(n.shape):
+            raise RuntimeError(f"{where}: target of shape {tuple(d.shape)}, update of shape "
+                               f"{tuple(n.shape)}")
+        d.add_(n) if how == "add" else d.copy_(n)
+
+
+def apply_updates(updates: dict, args, results: dict) -> dict:
+    """Write the update outputs of ``results`` into ``args``' fields (under
+    no_grad) and return the remaining results."""
+    if not updates:
+        return results
+    results = dict(results)
+    with torch.no_grad():
+        for name, update in updates.items():
+            new = results.pop(name, None)
+            if new is None:
+                continue
+            dst = getattr(args, update.field)
+            if dst is None:
+                raise RuntimeError(f"update {name!r} has no target: field "
+                                   f"{update.field!r} is None")
+            _write(dst, new, update.how, f"update {name!r} -> {update.field!r}")
+    return results
 
 
 # -- argument plans ------------------------------------------------------------------
@@ -278,7 +332,8 @@ class CustomOpPair:
     """A generated forward op, backward op and their autograd wiring."""
 
     def __init__(self, name, fwd_args, bwd_args, forward, forward_fake, backward,
-                 backward_fake, setup_context, grad_fields):
+                 backward_fake, setup_context, grad_fields, forward_updates=None,
+                 backward_updates=None):
         self.name = name
         self.fwd_plan, self.bwd_plan = ArgPlan(fwd_args), ArgPlan(bwd_args)
         self.forward, self.forward_fake = forward, forward_fake
@@ -289,6 +344,8 @@ class CustomOpPair:
         missing = set(self.grad_fields) - bwd_names
         if missing:
             raise TypeError(f"grad_fields {sorted(missing)} are not fields of {bwd_args.__name__}")
+        self.forward_updates = _check_updates(forward_updates, self.fwd_plan, "forward_updates")
+        self.backward_updates = _check_updates(backward_updates, self.bwd_plan, "backward_updates")
         self.available = B.CARRIERS_REGISTERED
         self.fwd_op = self.bwd_op = None
         if not self.available:  # eager() still works
@@ -353,7 +410,8 @@ class CustomOpPair:
             return self.fwd_plan.grads(ctx.te_template, {})
         saved = unpack_saved(ctx.saved_tensors, ctx.te_spec)
         bwd_args = self.make_bwd_args(saved, ctx.te_values, grads_by_output)
-        return self.fwd_plan.grads(ctx.te_template, self.call_backward(bwd_args))
+        grads = apply_updates(self.backward_updates, bwd_args, self.call_backward(bwd_args))
+        return self.fwd_plan.grads(ctx.te_template, grads)
 
     def _no_double_backward(self, ctx, grads):
         raise NotImplementedError(f"{self.name}: double backward (create_graph=True through "
@@ -361,10 +419,11 @@ class CustomOpPair:
 
     # -- entry points -------------------------------------------------------------------
     def __call__(self, args) -> dict:
-        """Compiled path: run the forward op; returns the outputs dict."""
+        """Compiled path: run the forward op, apply the forward updates;
+        returns the other outputs."""
         flat = self.fwd_op(*self.fwd_plan.encode(args))
         outputs, _ = unflatten_result(self.fwd_layout(args), flat, outputs_only=True)
-        return outputs
+        return apply_updates(self.forward_updates, args, outputs)
 
     def call_backward(self, bwd_args) -> dict:
         flat = self.bwd_op(*self.bwd_plan.encode(bwd_args))
@@ -377,11 +436,11 @@ class CustomOpPair:
         diff_fields = [f for f, t in zip(self.fwd_plan.tensor_fields, diff)
                        if isinstance(t, torch.Tensor) and t.requires_grad]
         if not (torch.is_grad_enabled() and diff_fields):
-            return self.forward(args).outputs
+            return apply_updates(self.forward_updates, args, self.forward(args).outputs)
         keys = []  # filled by the Function's forward
         values = _EagerFunction.apply(self, args, diff_fields, keys,
                                       *[getattr(args, f) for f in diff_fields])
-        return dict(zip(keys, values))
+        return apply_updates(self.forward_updates, args, dict(zip(keys, values)))
 
     def make_bwd_args(self, saved: dict, values: dict, grads: dict):
         return self.bwd_plan.cls(**saved, **values, **grads)
@@ -407,7 +466,8 @@ class _EagerFunction(torch.autograd.Function):
         if any(g is None for g in grads_by_output.values()):
             return (None,) * (4 + len(ctx.te_fields))
         saved = unpack_saved(ctx.saved_tensors, ctx.te_spec)
-        result = pair.backward(pair.make_bwd_args(saved, ctx.te_values, grads_by_output))
+        bwd_args = pair.make_bwd_args(saved, ctx.te_values, grads_by_output)
+        result = apply_updates(pair.backward_updates, bwd_args, pair.backward(bwd_args))
         return (None,) * 4 + tuple(result.get(f) for f in ctx.te_fields)
 
 
@@ -440,10 +500,26 @@ def _wrapper_classes():
     return [c for c in storage_registry().values() if issubclass(c, QuantizedTensor)]
 
 
+def _check_updates(updates, plan: ArgPlan, what: str) -> dict:
+    updates = {name: Update(*u) if isinstance(u, tuple) else Update(u)
+               for name, u in (updates or {}).items()}
+    for name, u in updates.items():
+        if u.field not in plan.tensor_fields:
+            raise TypeError(f"{what}[{name!r}]: {u.field!r} is not a tensor field of "
+                            f"{plan.cls.__name__}")
+        if u.how not in ("copy", "add"):
+            raise TypeError(f"{what}[{name!r}]: how must be 'copy' or 'add', got {u.how!r}")
+    return updates
+
+
 def register_custom_op(name: str, *, fwd_args: type, bwd_args: type, forward: Callable,
                        forward_fake: Callable, backward: Callable, backward_fake: Callable,
-                       setup_context: Callable, grad_fields: dict) -> CustomOpPair:
+                       setup_context: Callable, grad_fields: dict, forward_updates=None,
+                       backward_updates=None) -> CustomOpPair:
     """Generate ``te_compile::<name>_fwd`` / ``<name>_bwd`` and their autograd.
+
+    ``forward_updates`` / ``backward_updates``: output name -> field name or
+    :class:`Update`; see the module docstring.
 
     Raises ``RuntimeError`` if ``name`` is taken and ``TypeError`` for a bad
     declaration; see the module docstring for the impl contract.  On a torch
@@ -453,6 +529,7 @@ def register_custom_op(name: str, *, fwd_args: type, bwd_args: type, forward: Ca
     if name in _REGISTERED:
         raise RuntimeError(f"custom op {name!r} is already registered")
     pair = CustomOpPair(name, fwd_args, bwd_args, forward, forward_fake, backward,
-                        backward_fake, setup_context, grad_fields)
+                        backward_fake, setup_context, grad_fields, forward_updates,
+                        backward_updates)
     _REGISTERED[name] = pair
     return pair

@@ -25,10 +25,12 @@ from typing import Optional
 import torch
 
 from .. import distributed as D
+from .. import kernels
 from ..dynamo import compat
 from ..dynamo.buckets import TensorOrQuantized
 from ..dynamo.custom_op import OpResult, register_custom_op
 from ..dynamo.opaque import is_value_opaque
+from ..dynamo.state import ensure_buffers, register_module
 from ..dynamo.tensor_proto import TensorProto
 from ..kernels.gemm import gemm
 from ..quantization.base import QuantizedTensorStorage, Quantizer
@@ -46,7 +48,7 @@ class LinearFwdArgs:
     inp: torch.Tensor                      # (..., in_features), high precision
     weight: TensorOrQuantized              # (out, in): parameter or FP8 primary weight
     bias: Optional[torch.Tensor] = None
-    weight_workspace: TensorOrQuantized = None  # cached quantized weight to reuse
+    weight_workspace: TensorOrQuantized = None  # cached quantized weight (module buffers)
     input_quantizer: Optional[Quantizer] = None
     weight_quantizer: Optional[Quantizer] = None
     output_quantizer: Optional[Quantizer] = None  # fp8_output
@@ -55,8 +57,13 @@ class LinearFwdArgs:
     weight_requires_grad: bool = False
     bias_requires_grad: bool = False
     save_original_input: bool = False      # save x, re-quantize it in backward
-    cache_weight: bool = False             # return the quantized weight as a workspace
+    cache_weight: bool = False             # quantize the weight into weight_workspace
     main_grad: Optional[torch.Tensor] = None  # fuse_wgrad_accumulation target (fp32)
+    # DelayedScaling state (module buffers): columns input, weight / grad_output
+    amax_history_fwd: Optional[torch.Tensor] = None  # (L, 2), updated by the forward
+    scale_fwd: Optional[torch.Tensor] = None         # (2,)
+    amax_history_bwd: Optional[torch.Tensor] = None  # (L, 1), updated by the backward
+    scale_bwd: Optional[torch.Tensor] = None         # (1,)
     parallel_mode: Optional[str] = None    # None, "column" or "row"
     sequence_parallel: bool = False
     tp_size: int = 1
@@ -71,10 +78,6 @@ class LinearFwdArgs:
         (keys of ``dynamo.fallback.REASONS``)."""
         if compat.OPAQUE_UNAVAILABLE_REASON is not None:
             return "no_opaque_api"
-        if self.main_grad is not None:
-            return "fuse_wgrad_accumulation"
-        if self.cache_weight or self.weight_workspace is not None:
-            return "weight_caching"
         quantizers = self.quantizers()
         if isinstance(self.weight, QuantizedTensorStorage):
             quantizers = quantizers + (self.weight._quantizer,)
@@ -98,7 +101,9 @@ class LinearBwdArgs:
     bias_requires_grad: bool = False
     weight_dtype: torch.dtype = torch.float32
     bias_dtype: Optional[torch.dtype] = None
-    main_grad: Optional[torch.Tensor] = None
+    main_grad: Optional[torch.Tensor] = None     # receives wgrad by add_ (backward update)
+    amax_history_bwd: Optional[torch.Tensor] = None
+    scale_bwd: Optional[torch.Tensor] = None
     parallel_mode: Optional[str] = None
     sequence_parallel: bool = False
     tp_size: int = 1
@@ -117,22 +122,54 @@ def _tp(args) -> tuple:
     return args.parallel_mode, args.sequence_parallel
 
 
+# -- delayed scaling ------------------------------------------------------------------
+def _quantize(q, x, scales, slot: int):
+    """``q.quantize(x)``, or with the layer's delayed-scaling scale ``scales[slot]``."""
+    return q.quantize(x) if scales is None else q.quantize_with_scale(x, scales[slot])
+
+
+def _amax(x) -> torch.Tensor:
+    x2d = x.detach().reshape(-1, x.shape[-1])
+    return kernels.get("amax", x2d)(x2d).reshape(()).float()
+
+
+def _delayed_updates(q, history, amaxes: list, prefix: str) -> dict:
+    """Outputs that update the delayed-scaling buffers (see ``*_UPDATES``)."""
+    if history is None:
+        return {}
+    new_history, new_scale = q.step(history, torch.stack(amaxes))
+    return {f"amax_history_{prefix}": new_history, f"scale_{prefix}": new_scale}
+
+
+def _delayed_updates_fake(history, prefix: str) -> dict:
+    if history is None:
+        return {}
+    return {f"amax_history_{prefix}": TensorProto(history.shape, history.dtype,
+                                                  device=history.device),
+            f"scale_{prefix}": TensorProto(history.shape[1:], history.dtype,
+                                           device=history.device)}
+
+
 # -- forward ------------------------------------------------------------------------
+def _reuses_workspace(args) -> bool:
+    return args.weight_workspace is not None and not args.cache_weight
+
+
 def _weight_for_gemm(args: LinearFwdArgs):
-    """(weight operand, new workspace or None)."""
-    if args.weight_workspace is not None:
+    """(weight operand, freshly cached workspace or None)."""
+    if _reuses_workspace(args):
         return args.weight_workspace, None
     w = args.weight
     if isinstance(w, QuantizedTensorStorage) or args.weight_quantizer is None:
         return w, None
     q = args.weight_quantizer.with_usage(
         rowwise=True, columnwise=args.input_requires_grad or args.cache_weight)
-    wq = q.quantize(w)
+    wq = _quantize(q, w, args.scale_fwd, 1)
     return wq, (wq if args.cache_weight else None)
 
 
 def _weight_for_gemm_fake(args: LinearFwdArgs):
-    if args.weight_workspace is not None:
+    if _reuses_workspace(args):
         return args.weight_workspace, None
     w = args.weight
     if w.is_quantized or args.weight_quantizer is None:
@@ -161,7 +198,7 @@ def linear_forward(args: LinearFwdArgs) -> OpResult:
         x_total, xq = D.gather_and_quantize(x, q, args.tp_group, args.tp_size,
                                             quantized_gather=not args.save_original_input)
     else:
-        x_total, xq = x, (x if q is None else q.quantize(x))
+        x_total, xq = x, (x if q is None else _quantize(q, x, args.scale_fwd, 0))
     w, workspace = _weight_for_gemm(args)
     y = gemm(xq, "rowwise", w, "rowwise", x.dtype, None if mode == "row" else args.bias,
              fast_accum=True).view(_out_shape(xq.shape, w.shape))
@@ -179,8 +216,20 @@ def linear_forward(args: LinearFwdArgs) -> OpResult:
             xq.update_usage(rowwise_usage=False)  # wgrad reads the columnwise copy only
             saved_x = xq
     saved_w = w if args.input_requires_grad else None
-    return OpResult({"out": y, "weight_workspace": workspace},
-                    {"inputmat": saved_x, "weightmat": saved_w})
+    state = {}
+    if args.amax_history_fwd is not None:
+        w_amax = (torch.zeros((), device=x.device) if isinstance(args.weight, QuantizedTensorStorage)
+                  else _amax(args.weight))
+        state = _delayed_updates(args.input_quantizer, args.amax_history_fwd,
+                                 [_amax(x), w_amax], "fwd")
+    return OpResult({"out": y, "weight_workspace": workspace, **state},
+                    {"inputmat": saved_x, "weightmat": saved_w, **_saved_for_updates(args)})
+
+
+def _saved_for_updates(args: LinearFwdArgs) -> dict:
+    """Forward arguments the backward writes into (aliases, not copies)."""
+    return {"main_grad": args.main_grad, "amax_history_bwd": args.amax_history_bwd,
+            "scale_bwd": args.scale_bwd}
 
 
 def linear_forward_fake(args: LinearFwdArgs) -> OpResult:
@@ -208,8 +257,9 @@ def linear_forward_fake(args: LinearFwdArgs) -> OpResult:
             xq.update_usage(rowwise=False)
             saved_x = xq
     saved_w = w if args.input_requires_grad else None
-    return OpResult({"out": y, "weight_workspace": workspace},
-                    {"inputmat": saved_x, "weightmat": saved_w})
+    return OpResult({"out": y, "weight_workspace": workspace,
+                     **_delayed_updates_fake(args.amax_history_fwd, "fwd")},
+                    {"inputmat": saved_x, "weightmat": saved_w, **_saved_for_updates(args)})
 
 
 def linear_setup_context(args: LinearFwdArgs) -> dict:
@@ -222,7 +272,6 @@ def linear_setup_context(args: LinearFwdArgs) -> dict:
         "bias_requires_grad": args.bias_requires_grad,
         "weight_dtype": args.weight.dtype,
         "bias_dtype": None if args.bias is None else args.bias.dtype,
-        "main_grad": args.main_grad,
         "parallel_mode": args.parallel_mode,
         "sequence_parallel": args.sequence_parallel,
         "tp_size": args.tp_size,
@@ -253,7 +302,8 @@ def linear_backward(args: LinearBwdArgs) -> dict:
     if mode == "row" and sp:  # dy_total is None when only FP8 bytes were gathered
         dy_total, dyq = D.gather_and_quantize(dy, q, args.tp_group, args.tp_size)
     else:
-        dy_total, dyq = dy, (dy if q is None else q.quantize(dy))
+        dy_total, dyq = dy, (dy if q is None else _quantize(q, dy, args.scale_bwd, 0))
+    state = {} if q is None else _delayed_updates(q, args.amax_history_bwd, [_amax(dy)], "bwd")
     dgrad = wgrad = dbias = None
     if args.input_requires_grad:
         w = args.weightmat
@@ -266,17 +316,17 @@ def linear_backward(args: LinearBwdArgs) -> dict:
         x = args.inputmat
         if _needs_requantized_input(args, x):
             x = args.input_quantizer.with_usage(rowwise=False, columnwise=True).quantize(x)
-        wgrad = gemm(dyq, "columnwise", x, "columnwise", args.weight_dtype)
-        if args.main_grad is not None:
-            args.main_grad.add_(wgrad)  # fuse_wgrad_accumulation (eager only)
-            wgrad = None
+        if args.main_grad is not None:  # accumulated by the "main_grad" update
+            state["main_grad"] = gemm(dyq, "columnwise", x, "columnwise", args.main_grad.dtype)
+        else:
+            wgrad = gemm(dyq, "columnwise", x, "columnwise", args.weight_dtype)
     if args.bias_requires_grad:
         if dy_total is not None:
             dbias = dy_total.reshape(-1, dy.shape[-1]).sum(0).to(args.bias_dtype)
         else:  # row + SP with FP8 gather: sum the shards' partial sums
             partial = dy.reshape(-1, dy.shape[-1]).float().sum(0)
             dbias = D.all_reduce_sum(partial, args.tp_group).to(args.bias_dtype)
-    return {"inp": dgrad, "weight": wgrad, "bias": dbias}
+    return {"inp": dgrad, "weight": wgrad, "bias": dbias, **state}
 
 
 def linear_backward_fake(args: LinearBwdArgs) -> dict:
@@ -291,13 +341,18 @@ def linear_backward_fake(args: LinearBwdArgs) -> dict:
         if mode == "column" and sp:
             dgrad_shape = D.scattered_shape(dgrad_shape, args.tp_size)
         dgrad = TensorProto(dgrad_shape, dy.dtype, device=dy.device)
+    quantized = args.grad_output_quantizer is not None and (args.input_requires_grad
+                                                            or args.weight_requires_grad)
+    state = _delayed_updates_fake(args.amax_history_bwd, "bwd") if quantized else {}
     if args.weight_requires_grad:
+        shape = (dy.shape[-1], args.inputmat.shape[-1])
         if args.main_grad is None:
-            wgrad = TensorProto((dy.shape[-1], args.inputmat.shape[-1]), args.weight_dtype,
-                                device=dy.device)
+            wgrad = TensorProto(shape, args.weight_dtype, device=dy.device)
+        else:
+            state["main_grad"] = TensorProto(shape, args.main_grad.dtype, device=dy.device)
     if args.bias_requires_grad:
         dbias = TensorProto((dy.shape[-1],), args.bias_dtype, device=dy.device)
-    return {"inp": dgrad, "weight": wgrad, "bias": dbias}
+    return {"inp": dgrad, "weight": wgrad, "bias": dbias, **state}
 
 
 LINEAR_OPS = register_custom_op(
@@ -307,6 +362,11 @@ LINEAR_OPS = register_custom_op(
     backward=linear_backward, backward_fake=linear_backward_fake,
     setup_context=linear_setup_context,
     grad_fields={"grad_output": "out"},
+    # state written right after the ops, visible to PyTorch (see custom_op.py)
+    forward_updates={"weight_workspace": "weight_workspace", "amax_history_fwd":
+                     "amax_history_fwd", "scale_fwd": "scale_fwd"},
+    backward_updates={"main_grad": ("main_grad", "add"), "amax_history_bwd": "amax_history_bwd",
+                      "scale_bwd": "scale_bwd"},
 )
 
 
@@ -385,7 +445,7 @@ class Linear(torch.nn.Module):
             init_method(self.weight)
         else:
             torch.nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)  # as torch.nn.Linear
-        self._weight_workspace = None
+        self._state_key = register_module(self)  # names it for trace-time buffer allocation
 
     def extra_repr(self) -> str:
         tp = (f", parallel_mode={self.parallel_mode!r}, tp_size={self.tp_size}, "
@@ -463,10 +523,6 @@ class Linear(torch.nn.Module):
             raise NotImplementedError(
                 "te.Linear: fp8_output=True is supported without gradients only (inference "
                 "or torch.no_grad()); the backward has no quantized-gradient input")
-        if recipe is not None and recipe.delayed():
-            raise NotImplementedError(
-                "te.Linear: DelayedScaling needs per-layer amax-history state, which is not "
-                "implemented yet; use recipe.Float8CurrentScaling() (same FP8 formats)")
         if recipe is not None:
             args.input_quantizer = quantizer_for(recipe, "input", internal=True)
             args.weight_quantizer = quantizer_for(recipe, "weight", internal=True)
@@ -483,13 +539,53 @@ class Linear(torch.nn.Module):
                 raise RuntimeError("te.Linear(fuse_wgrad_accumulation=True) needs "
                                    "weight.main_grad (an fp32 tensor shaped like the weight)")
             args.main_grad = main_grad
-        if is_first_microbatch is not None and args.weight_quantizer is not None \
-                and not isinstance(weight, QuantizedTensorStorage):
-            if is_first_microbatch or self._weight_workspace is None:
-                args.cache_weight = True
-            else:
-                args.weight_workspace = self._weight_workspace
+        delayed = recipe is not None and recipe.delayed()
+        cache = (is_first_microbatch is not None and args.weight_quantizer is not None
+                 and not isinstance(weight, QuantizedTensorStorage))
+        if delayed or cache:
+            self._bind_state(args, recipe if delayed else None,
+                             None if not cache else bool(is_first_microbatch))
         return args
+
+    # -- state kept in module buffers (allocated at trace time, see dynamo/state.py) ------
+    def _bind_state(self, args: LinearFwdArgs, delayed_recipe, first_microbatch) -> None:
+        """Allocate (once) and bind the layer's buffers: the DelayedScaling
+        amax histories and scales, and the FP8 weight cache, which is written
+        on the first microbatch (``cache_weight``) and read on the others."""
+        layout = ()
+        if delayed_recipe is not None:
+            if self._tp_active():
+                raise NotImplementedError(
+                    "te.Linear: DelayedScaling with tensor parallelism is not supported (the "
+                    "amax would need a reduction over the group); use "
+                    "recipe.Float8CurrentScaling()")
+            if self.save_original_input:
+                raise ValueError("te.Linear(save_original_input=True) cannot re-quantize the "
+                                 "input in the backward under DelayedScaling (its scale has "
+                                 "moved on); use recipe.Float8CurrentScaling()")
+            n, f32 = delayed_recipe.constant("amax_history_len"), torch.float32
+            layout = (("fp8_amax_history_fwd", (n, 2), f32, 0.0, None),
+                      ("fp8_scale_fwd", (2,), f32, 1.0, None),
+                      ("fp8_amax_history_bwd", (n, 1), f32, 0.0, None),
+                      ("fp8_scale_bwd", (1,), f32, 1.0, None))
+        if first_microbatch is not None:
+            q = args.weight_quantizer.with_usage(rowwise=True, columnwise=True)
+            shape = tuple(self.weight.shape)
+            weight_layout = q.flatten_layout(shape)
+            missing = None if first_microbatch else (
+                "te.Linear: is_first_microbatch=False reuses the FP8 weight cached by an "
+                "earlier is_first_microbatch=True call under the same recipe, and there is none")
+            layout = layout + tuple((f"fp8_weight_{name}", size, dtype, None, missing)
+                                    for name, size, dtype in weight_layout)
+        ensure_buffers(self._state_key, layout, self.weight.device)
+        if delayed_recipe is not None:
+            args.amax_history_fwd, args.scale_fwd = self.fp8_amax_history_fwd, self.fp8_scale_fwd
+            args.amax_history_bwd, args.scale_bwd = self.fp8_amax_history_bwd, self.fp8_scale_bwd
+        if first_microbatch is not None:
+            buffers = {name: getattr(self, f"fp8_weight_{name}") for name, _, _ in weight_layout}
+            args.weight_workspace = q.create_metadata(shape, self.weight.dtype).build(shape,
+                                                                                       buffers)
+            args.cache_weight = first_microbatch
 
     def _check_shapes(self, args: LinearFwdArgs, inp) -> None:
         """Clear errors for sizes the recipe's formats cannot take, before any
@@ -528,8 +624,6 @@ class Linear(torch.nn.Module):
             outputs = LINEAR_OPS(args)
         else:
             outputs = LINEAR_OPS.eager(args)
-            if args.cache_weight:
-                self._weight_workspace = outputs["weight_workspace"]
         return self._finish(outputs["out"])
 
     def _finish(self, out):

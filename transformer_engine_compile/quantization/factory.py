@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .. import recipe as R
 from .blockwise import Float8BlockQuantizer
-from .float8 import Float8CurrentScalingQuantizer
+from .float8 import Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer
 from .mxfp8 import MXFP8Quantizer
 from .nvfp4 import NVFP4Quantizer
 
@@ -45,7 +45,9 @@ def quantizer_for(recipe: R.Recipe, role: str, *, internal: bool = False):
             internal=internal,
         )
     if isinstance(recipe, R.DelayedScaling):
-        raise NotImplementedError(
-            "DelayedScaling quantizers need per-module scale/amax-history tensors; build a "
-            "Float8Quantizer(scale, amax) from that state")
+        # the configuration only: the scale and amax history are the layer's buffers
+        fmt = recipe.fp8_format.bwd() if backward else recipe.fp8_format.fwd()
+        return Float8DelayedScalingQuantizer(fmt, margin=recipe.constant("margin"),
+                                             amax_compute_algo=recipe.amax_compute_algo,
+                                             internal=internal)
     raise TypeError(f"unknown recipe {type(recipe).__name__}")

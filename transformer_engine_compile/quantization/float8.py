@@ -149,20 +149,79 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
                                                  self.rowwise_usage, self.columnwise_usage))
 
 
+@register_value_opaque_quantizer
+class Float8DelayedScalingQuantizer(_Float8QuantizerBase):
+    """Delayed scaling inside ops: the configuration only (value-opaque).
+
+    The scale and amax history are module buffers that cross the op boundary
+    as tensors; the op quantizes with :meth:`quantize_with_scale` and
+    computes the new history and scale with :func:`delayed_scaling_step`.
+    ``margin`` and ``amax_compute_algo`` come from the recipe."""
+
+    _CONFIG_FIELDS = ("fp8_format", "rowwise_usage", "columnwise_usage", "internal",
+                      "margin", "amax_compute_algo")
+
+    def __init__(self, fp8_format="e4m3", *, rowwise_usage=True, columnwise_usage=True,
+                 internal=False, margin=0, amax_compute_algo="max"):
+        super().__init__(rowwise_usage=rowwise_usage, columnwise_usage=columnwise_usage,
+                         internal=internal)
+        if amax_compute_algo not in ("max", "most_recent"):
+            raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', "
+                             f"got {amax_compute_algo!r}")
+        self.fp8_format = fp8_format_name(fp8_format)
+        self.margin = int(margin)
+        self.amax_compute_algo = amax_compute_algo
+
+    def _quantize_2d(self, x2d):
+        raise RuntimeError("Float8DelayedScalingQuantizer has no scale of its own: call "
+                           "quantize_with_scale(x, scale) with the layer's scale tensor")
+
+    def quantize_with_scale(self, x: torch.Tensor, scale: torch.Tensor):
+        """Quantize ``x`` with a given fp32 scale (one element)."""
+        self._check_input(x)
+        x2d = x.detach().reshape(flat_2d(x.shape))
+        fn = kernels.get("quantize_fp8_tensorwise", x2d)
+        return self._build(x.shape, x.dtype, fn(x2d, scale.reshape(()).float(), self.fp8_format,
+                                                 self.rowwise_usage, self.columnwise_usage))
+
+    def step(self, amax_history: torch.Tensor, amaxes: torch.Tensor) -> tuple:
+        """``(new history, new scale)`` after recording ``amaxes``, see
+        :func:`delayed_scaling_step`."""
+        return delayed_scaling_step(amax_history, amaxes, fp8_format=self.fp8_format,
+                                    margin=self.margin, amax_compute_algo=self.amax_compute_algo)
+
+
+def delayed_scaling_step(amax_history: torch.Tensor, amaxes: torch.Tensor, *,
+                         fp8_format="e4m3", margin: int = 0,
+                         amax_compute_algo: str = "max") -> tuple:
+    """One delayed-scaling update, functional: ``(new history, new scale)``.
+
+    ``amax_history`` is ``(L, n)`` (one column per tensor), ``amaxes`` the
+    ``(n,)`` amaxes of this step, recorded in row 0.  The scale comes from the
+    history (``"max"`` over all rows or ``"most_recent"`` = this step); then
+    the history rolls down one row and row 0 is zeroed for the next step.
+    """
+    if amax_compute_algo not in ("max", "most_recent"):
+        raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', "
+                         f"got {amax_compute_algo!r}")
+    shape = amax_history.shape  # (L,) holds one tensor's history
+    history = amax_history.reshape(shape[0], -1)
+    hist = torch.cat([amaxes.reshape(1, -1).to(history.dtype), history[1:]])
+    amax = hist.amax(dim=0) if amax_compute_algo == "max" else hist[0]
+    scale = ref.compute_scale(amax, ref.FP8_MAX[fp8_format_name(fp8_format)], margin)
+    rolled = torch.cat([torch.zeros_like(hist[:1]), hist[:-1]])
+    return rolled.reshape(shape), scale.reshape(shape[1:])
+
+
 def update_delayed_scaling(amax_history: torch.Tensor, scale: torch.Tensor, *,
                            fp8_format="e4m3", margin: int = 0,
                            amax_compute_algo: str = "max") -> None:
     """End-of-step delayed-scaling update, in place, no host sync.
 
     ``amax_history[0]`` holds the amax recorded this step (the slot a
-    :class:`Float8Quantizer` writes).  The new scale comes from the history
-    (``"max"`` over all rows or ``"most_recent"``); then the history rolls so
-    row 0 is zeroed for the next step.
+    :class:`Float8Quantizer` writes); see :func:`delayed_scaling_step`.
     """
-    if amax_compute_algo not in ("max", "most_recent"):
-        raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got {amax_compute_algo!r}")
-    amax = amax_history.amax(dim=0) if amax_compute_algo == "max" else amax_history[0]
-    scale.copy_(ref.compute_scale(amax, ref.FP8_MAX[fp8_format_name(fp8_format)], margin)
-                .reshape(scale.shape))
-    amax_history.copy_(torch.roll(amax_history, 1, dims=0))
-    amax_history[0].zero_()
+    hist, new_scale = delayed_scaling_step(amax_history, amax_history[0], fp8_format=fp8_format,
+                                           margin=margin, amax_compute_algo=amax_compute_algo)
+    scale.copy_(new_scale.reshape(scale.shape))
+    amax_history.copy_(hist)
