@@ -114,8 +114,10 @@ def test_quantizer_for_roles():
     assert te.quantizer_for(nv, "input").with_rht and not te.quantizer_for(nv, "input").stochastic_rounding
     assert te.quantizer_for(nv, "grad_output").stochastic_rounding
     assert not te.quantizer_for(recipe.NVFP4BlockScaling(disable_rht=True), "input").with_rht
-    with pytest.raises(NotImplementedError, match="DelayedScaling"):
-        te.quantizer_for(recipe.DelayedScaling(), "input")
+    d = te.quantizer_for(recipe.DelayedScaling(margin=2, amax_compute_algo="most_recent"),
+                         "grad_output")
+    assert (type(d).__name__, d.fp8_format, d.margin, d.amax_compute_algo) == (
+        "Float8DelayedScalingQuantizer", "e5m2", 2, "most_recent")
     with pytest.raises(ValueError, match="role"):
         te.quantizer_for(nv, "bias")
 

@@ -265,11 +265,12 @@ def test_bad_inputs_raise_clear_errors(mode):
         call(torch.randn(64, 128, dtype=torch.bfloat16, requires_grad=True), RECIPES["fp8_block"])
 
 
-def test_delayed_scaling_is_refused_clearly():
+def test_delayed_scaling_runs_and_keeps_its_state_in_buffers():
     layer = te.Linear(128, 64)
-    with te.autocast(recipe=recipe.DelayedScaling()):
-        with pytest.raises(NotImplementedError, match="DelayedScaling needs per-layer"):
-            layer(torch.randn(4, 128))
+    with te.autocast(recipe=recipe.DelayedScaling(amax_history_len=16)):
+        layer(torch.randn(4, 128))
+    assert layer.fp8_amax_history_fwd.shape == (16, 2) and layer.fp8_scale_bwd.shape == (1,)
+    assert "fp8_scale_fwd" not in layer.state_dict()  # non-persistent (docs/linear.md)
 
 
 def test_bad_constructor_arguments():

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import transformer_engine_compile as te
+from transformer_engine_compile import recipe
 from transformer_engine_compile.dynamo import compat
 from transformer_engine_compile.dynamo.custom_op import OpResult
 from transformer_engine_compile.dynamo.tensor_proto import TensorProto
@@ -81,7 +82,8 @@ def opcheck(op, flat, quantized):
 
 
 def _fwd_args(rec, *, bias=True, input_rg=True, weight_rg=True, save_original_input=False,
-              cache_weight=False, fp8_output=False, fp8_weight=False, workspace=False):
+              cache_weight=False, fp8_output=False, fp8_weight=False, workspace=False,
+              main_grad=False):
     torch.manual_seed(0)
     x = torch.randn(2, 64, 128, dtype=torch.bfloat16)
     w = torch.randn(128, 128, dtype=torch.bfloat16)
@@ -96,10 +98,20 @@ def _fwd_args(rec, *, bias=True, input_rg=True, weight_rg=True, save_original_in
         args.grad_output_quantizer = q("grad_output", internal=True)
         if fp8_output:
             args.output_quantizer = q("output")
+        def quantized_weight(**kw):
+            wq = q("weight", **kw)
+            return wq.quantize_with_scale(w, torch.ones(1)) if rec.delayed() else wq(w)
+
         if fp8_weight:
-            args.weight = q("weight")(w)
+            args.weight = quantized_weight()
         elif workspace:
-            args.weight_workspace = q("weight", internal=True)(w)
+            args.weight_workspace = quantized_weight(internal=True)
+        if rec.delayed():  # the layer's buffers, with a history and scales in use
+            args.amax_history_fwd = torch.rand(4, 2)
+            args.scale_fwd = torch.tensor([2.0, 4.0])
+            args.amax_history_bwd, args.scale_bwd = torch.rand(4, 1), torch.tensor([0.5])
+    if main_grad:
+        args.main_grad = torch.zeros(128, 128)
     return args
 
 
@@ -138,15 +150,21 @@ FLAG_COMBOS = [dict(zip(("bias", "input_rg", "weight_rg", "save_original_input",
                for c in itertools.product([True, False], repeat=5) if c[1] or c[2]]
 EXTRA_COMBOS = [dict(fp8_output=True, input_rg=False, weight_rg=False),
                 dict(fp8_weight=True), dict(fp8_weight=True, input_rg=False),
-                dict(workspace=True), dict(workspace=True, weight_rg=False)]
+                dict(workspace=True), dict(workspace=True, weight_rg=False),
+                dict(workspace=True, cache_weight=True)]
+STATE_COMBOS = [dict(main_grad=True), dict(main_grad=True, input_rg=False)]
+# DelayedScaling is a recipe of the ops (its state comes from te.Linear's buffers)
+OP_RECIPES = {**RECIPES, "delayed": recipe.DelayedScaling(amax_history_len=4)}
 
 
-@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("name", OP_RECIPES)
 def test_layout_parity_forward_and_backward(name):
     """Fake against real for every recipe and flag combination: outputs and
     saved tensors (count, shapes, strides, dtypes, inner-buffer names, aliases)."""
-    rec = RECIPES[name]
-    combos = FLAG_COMBOS + (EXTRA_COMBOS if rec is not None else [])
+    rec = OP_RECIPES[name]
+    combos = FLAG_COMBOS + STATE_COMBOS + (EXTRA_COMBOS if rec is not None else [])
+    if name == "delayed":  # te.Linear refuses these two with DelayedScaling
+        combos = [c for c in combos if not (c.get("save_original_input") or c.get("fp8_output"))]
     for flags in combos:
         args = _fwd_args(rec, **flags)
         protos = OPS.fwd_plan.to_protos(args)
@@ -181,10 +199,10 @@ def test_parity_counts_what_the_flags_promise():
     assert result.saved["inputmat"] is args.inp and result.saved["weightmat"] is args.weight
 
 
-@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("name", OP_RECIPES)
 def test_opcheck_forward_and_backward_ops(name):
-    rec = RECIPES[name]
-    args = _fwd_args(rec)
+    rec = OP_RECIPES[name]
+    args = _fwd_args(rec, main_grad=name in ("bf16", "delayed"))
     args.inp.requires_grad_()
     opcheck(OPS.fwd_op, OPS.fwd_plan.encode(args), rec is not None)
     real = L.linear_forward(args)
@@ -230,58 +248,22 @@ def _compiled_twice(layer, rec, fullgraph=False, **kw):
     return outs, [str(w.message) for w in caught if "falls back to eager" in str(w.message)]
 
 
-def test_weight_caching_falls_back_and_reuses_the_cached_weight():
-    _reset()
-    layer = te.Linear(128, 128, params_dtype=torch.bfloat16)
-    rec = RECIPES["fp8_current"]
-    x = torch.randn(64, 128, dtype=torch.bfloat16)
-
-    def step(x, first):
-        with te.autocast(recipe=rec):
-            return layer(x, is_first_microbatch=first)
-
-    compiled = torch.compile(step, backend="aot_eager")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        first = compiled(x, True)
-        with torch.no_grad():
-            layer.weight.mul_(2)  # a later microbatch must still see the cached weight
-        second = compiled(x, False)
-        third = compiled(x, False)
-    assert torch.equal(first, second) and torch.equal(second, third)
-    assert layer.compile_fallbacks() == ("weight_caching",)
-    assert sum("weight_caching" in str(w.message) for w in caught) == 1
-    assert not torch.equal(compiled(x, None), first)  # no caching: the doubled weight
+class _UnregisteredQuantizer(te.Float8CurrentScalingQuantizer):
+    pass
 
 
-def test_fuse_wgrad_accumulation_falls_back_and_accumulates_main_grad():
-    _reset()
-    torch.manual_seed(0)
-    layer = te.Linear(128, 128, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=True)
-    layer.weight.main_grad = torch.zeros(128, 128, dtype=torch.float32)
-    x = torch.randn(64, 128, dtype=torch.bfloat16)
-    compiled = torch.compile(_make_step(layer, None), backend="aot_eager")
-    with warnings.catch_warnings(record=True):
-        warnings.simplefilter("always")
-        for _ in range(2):
-            compiled(x).float().sum().backward()
-    expect = 2 * (torch.ones(64, 128, dtype=torch.bfloat16).t() @ x).float()
-    torch.testing.assert_close(layer.weight.main_grad, expect, rtol=1e-2, atol=1e-2)
-    assert layer.weight.grad is None
-    assert layer.compile_fallbacks() == ("fuse_wgrad_accumulation",)
-
-
-def test_unregistered_quantizer_falls_back(monkeypatch):
-    class UnregisteredQuantizer(te.Float8CurrentScalingQuantizer):
-        pass
-
+def _unregistered_input_quantizer(monkeypatch):
     real = factory.quantizer_for
 
     def patched(recipe, role, **kw):
         q = real(recipe, role, **kw)
-        return UnregisteredQuantizer(internal=q.internal) if role == "input" else q
+        return _UnregisteredQuantizer(internal=q.internal) if role == "input" else q
 
     monkeypatch.setattr(factory, "quantizer_for", patched)
+
+
+def test_unregistered_quantizer_falls_back(monkeypatch):
+    _unregistered_input_quantizer(monkeypatch)
     _reset()
     layer = te.Linear(128, 128, params_dtype=torch.bfloat16)
     outs, warned = _compiled_twice(layer, RECIPES["fp8_current"])
@@ -300,27 +282,37 @@ def test_torch_without_opaque_api_falls_back(monkeypatch):
         assert torch.equal(outs[0], layer(X)) and torch.equal(outs[1], outs[0])
 
 
-def test_fallback_under_fullgraph_is_a_graph_break_error():
+def test_fallback_under_fullgraph_is_a_graph_break_error(monkeypatch):
+    _unregistered_input_quantizer(monkeypatch)
     _reset()
-    layer = te.Linear(128, 128, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=True)
-    layer.weight.main_grad = torch.zeros(128, 128)
+    layer = te.Linear(128, 128, params_dtype=torch.bfloat16)
     with pytest.raises(torch._dynamo.exc.Unsupported):
-        _compiled_twice(layer, None, fullgraph=True)
+        _compiled_twice(layer, RECIPES["fp8_current"], fullgraph=True)
 
 
-def test_supported_configurations_never_fall_back():
+class _TwoLayers(torch.nn.Sequential):
+    def forward(self, x, **kw):
+        return self[1](self[0](x, **kw), **kw)
+
+
+def test_supported_configurations_never_fall_back(monkeypatch):
     _reset()
-    model = torch.nn.Sequential(te.Linear(128, 128, params_dtype=torch.bfloat16),
-                                te.Linear(128, 128, params_dtype=torch.bfloat16))
-    for rec in RECIPES.values():
-        _compiled_twice(model, rec)
-    assert te.fallback_report(model) == {}
-    model[1].fuse_wgrad_accumulation = True
+    model = _TwoLayers(te.Linear(128, 128, params_dtype=torch.bfloat16),
+                       te.Linear(128, 128, params_dtype=torch.bfloat16))
+    model[1].fuse_wgrad_accumulation = True  # main_grad, weight caching, delayed: all compiled
     model[1].weight.main_grad = torch.zeros(128, 128)
+    for rec in list(RECIPES.values()) + [recipe.DelayedScaling()]:
+        for first in (None, True, False):
+            _compiled_twice(model, rec, **({} if first is None or rec is None
+                                           else {"is_first_microbatch": first}))
+    assert te.fallback_report(model) == {}
+    _unregistered_input_quantizer(monkeypatch)
+    _reset()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _compiled_twice(model, None)
-    assert te.fallback_report(model) == {"1": ("fuse_wgrad_accumulation",)}
+        _compiled_twice(model, RECIPES["fp8_current"])
+    assert te.fallback_report(model) == {"0": ("quantizer_not_value_opaque",),
+                                         "1": ("quantizer_not_value_opaque",)}
 
 
 def test_every_fallback_reason_is_documented():

@@ -13,9 +13,6 @@ import warnings
 import torch
 
 REASONS = {
-    "weight_caching": "is_first_microbatch (FP8 weight caching) is not modelled by the ops yet",
-    "fuse_wgrad_accumulation": "fuse_wgrad_accumulation=True (in-place weight.main_grad "
-                               "accumulation) is not modelled by the ops yet",
     "quantizer_not_value_opaque": "a quantizer is not value-opaque (holds state or is not "
                                   "registered), so it cannot cross a custom-op boundary",
     "no_opaque_api": "this torch lacks the opaque-object API the custom ops need",

@@ -12,7 +12,7 @@ A quantized operand is a storage plus the usage (copy) to read; a plain
 tensor is used as is.  The reference path dequantizes quantized operands to
 fp32 and multiplies in fp32 (an exact emulation of a GEMM that accumulates
 in fp32); unquantized operands multiply in their own dtype, as ``F.linear``
-does.  Fast GPU GEMMs register under the name ``"gemm"``.
+does, unless ``out_dtype`` is wider (fp32 main_grad): then in fp32 too.  Fast GPU GEMMs register under the name ``"gemm"``.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ def gemm_reference(a, a_usage: str, b, b_usage: str, out_dtype: torch.dtype,
     quantized.  ``fast_accum`` is a hint for fast paths; the reference ignores it."""
     quantized = isinstance(a, QuantizedTensorStorage) or isinstance(b, QuantizedTensorStorage)
     a2, b2 = operand(a, a_usage), operand(b, b_usage)
+    if not quantized and out_dtype.itemsize > a2.dtype.itemsize:
+        quantized = True  # e.g. a bf16 wgrad into an fp32 main_grad: no bf16 rounding
     if not quantized:
         out = torch.nn.functional.linear(a2, b2, bias)
         return out if out.dtype == out_dtype else out.to(out_dtype)

@@ -523,6 +523,10 @@ class Linear(torch.nn.Module):
             raise NotImplementedError(
                 "te.Linear: fp8_output=True is supported without gradients only (inference "
                 "or torch.no_grad()); the backward has no quantized-gradient input")
+        if fp8_output and recipe.delayed():
+            raise NotImplementedError("te.Linear: fp8_output=True under DelayedScaling needs an "
+                                      "output scale the layer does not keep; use "
+                                      "recipe.Float8CurrentScaling()")
         if recipe is not None:
             args.input_quantizer = quantizer_for(recipe, "input", internal=True)
             args.weight_quantizer = quantizer_for(recipe, "weight", internal=True)
