@@ -134,7 +134,7 @@ def _amax(x) -> torch.Tensor:
 
 
 def _delayed_updates(q, history, amaxes: list, prefix: str) -> dict:
-    """Outputs that update the delayed-scaling buffers (see ``*_UPDATES``)."""
+    """Outputs that update the delayed-scaling buffers (LINEAR_OPS's ``*_updates``)."""
     if history is None:
         return {}
     new_history, new_scale = q.step(history, torch.stack(amaxes))
