@@ -81,6 +81,14 @@ class _Float8QuantizerBase(Quantizer):
         return fn(x2d, self._scale_for(x2d), self.fp8_format,
                   self.rowwise_usage, self.columnwise_usage)
 
+    def _quantize_with_given_scale(self, x: torch.Tensor, scale: torch.Tensor):
+        """Quantize ``x`` with an fp32 scale computed elsewhere (one element)."""
+        self._check_input(x)
+        x2d = x.detach().reshape(flat_2d(x.shape))
+        fn = kernels.get("quantize_fp8_tensorwise", x2d)
+        return self._build(x.shape, x.dtype, fn(x2d, scale.reshape(()).float(), self.fp8_format,
+                                                 self.rowwise_usage, self.columnwise_usage))
+
 
 class Float8Quantizer(_Float8QuantizerBase):
     """Delayed scaling: uses ``scale`` (from earlier steps' amaxes) and records
@@ -140,13 +148,9 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
         Tensor parallelism passes the amax all-reduced over the group, so every
         rank's shard gets the scale of the whole tensor; the result equals
         ``quantize`` of the whole tensor, restricted to this shard."""
-        self._check_input(x)
-        x2d = x.detach().reshape(flat_2d(x.shape))
-        scale = ref.current_scale(amax.reshape(()).float(), self.fp8_format,
-                                  self.force_pow_2_scales, self.amax_epsilon)
-        fn = kernels.get("quantize_fp8_tensorwise", x2d)
-        return self._build(x.shape, x.dtype, fn(x2d, scale, self.fp8_format,
-                                                 self.rowwise_usage, self.columnwise_usage))
+        return self._quantize_with_given_scale(x, ref.current_scale(
+            amax.reshape(()).float(), self.fp8_format, self.force_pow_2_scales,
+            self.amax_epsilon))
 
 
 @register_value_opaque_quantizer
@@ -177,12 +181,8 @@ class Float8DelayedScalingQuantizer(_Float8QuantizerBase):
                            "quantize_with_scale(x, scale) with the layer's scale tensor")
 
     def quantize_with_scale(self, x: torch.Tensor, scale: torch.Tensor):
-        """Quantize ``x`` with a given fp32 scale (one element)."""
-        self._check_input(x)
-        x2d = x.detach().reshape(flat_2d(x.shape))
-        fn = kernels.get("quantize_fp8_tensorwise", x2d)
-        return self._build(x.shape, x.dtype, fn(x2d, scale.reshape(()).float(), self.fp8_format,
-                                                 self.rowwise_usage, self.columnwise_usage))
+        """Quantize ``x`` with the layer's fp32 scale (one element)."""
+        return self._quantize_with_given_scale(x, scale)
 
     def step(self, amax_history: torch.Tensor, amaxes: torch.Tensor) -> tuple:
         """``(new history, new scale)`` after recording ``amaxes``, see
