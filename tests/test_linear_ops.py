@@ -83,7 +83,7 @@ def opcheck(op, flat, quantized):
 
 def _fwd_args(rec, *, bias=True, input_rg=True, weight_rg=True, save_original_input=False,
               cache_weight=False, fp8_output=False, fp8_weight=False, workspace=False,
-              main_grad=False):
+              main_grad=False, fp8_grad=False):
     torch.manual_seed(0)
     x = torch.randn(2, 64, 128, dtype=torch.bfloat16)
     w = torch.randn(128, 128, dtype=torch.bfloat16)
@@ -98,6 +98,9 @@ def _fwd_args(rec, *, bias=True, input_rg=True, weight_rg=True, save_original_in
         args.grad_output_quantizer = q("grad_output", internal=True)
         if fp8_output:
             args.output_quantizer = q("output")
+        if fp8_grad and input_rg:
+            args.grad_input_quantizer = q("grad_input")
+
         def quantized_weight(**kw):
             wq = q("weight", **kw)
             return wq.quantize_with_scale(w, torch.ones(1)) if rec.delayed() else wq(w)
@@ -153,6 +156,21 @@ EXTRA_COMBOS = [dict(fp8_output=True, input_rg=False, weight_rg=False),
                 dict(workspace=True), dict(workspace=True, weight_rg=False),
                 dict(workspace=True, cache_weight=True)]
 STATE_COMBOS = [dict(main_grad=True), dict(main_grad=True, input_rg=False)]
+# fp8_grad (quantized dgrad) and quantized incoming dy: the FP8 recipes only
+FP8_GRAD_RECIPES = ("fp8_current", "fp8_block", "mxfp8")
+FP8_GRAD_COMBOS = [dict(fp8_grad=True), dict(fp8_grad=True, weight_rg=False),
+                   dict(fp8_grad=True, bias=False, main_grad=True)]
+
+
+def _grad_outputs(name):
+    """dy plain, and for the FP8 recipes quantized as another layer's
+    fp8_grad makes it (both copies, read as is) and rowwise only (dequantized)."""
+    torch.manual_seed(1)
+    dy = torch.randn(2, 64, 128, dtype=torch.bfloat16)
+    if name not in FP8_GRAD_RECIPES:
+        return [dy]
+    q = factory.quantizer_for(OP_RECIPES[name], "grad_input")
+    return [dy, q(dy), q.with_usage(columnwise=False)(dy)]
 # DelayedScaling is a recipe of the ops (its state comes from te.Linear's buffers)
 OP_RECIPES = {**RECIPES, "delayed": recipe.DelayedScaling(amax_history_len=4)}
 
@@ -163,6 +181,8 @@ def test_layout_parity_forward_and_backward(name):
     saved tensors (count, shapes, strides, dtypes, inner-buffer names, aliases)."""
     rec = OP_RECIPES[name]
     combos = FLAG_COMBOS + STATE_COMBOS + (EXTRA_COMBOS if rec is not None else [])
+    if name in FP8_GRAD_RECIPES:
+        combos = combos + FP8_GRAD_COMBOS
     if name == "delayed":  # te.Linear refuses these two with DelayedScaling
         combos = [c for c in combos if not (c.get("save_original_input") or c.get("fp8_output"))]
     for flags in combos:
@@ -174,13 +194,15 @@ def test_layout_parity_forward_and_backward(name):
             _assert_parity(real, fake, args, protos, OPS.fwd_plan.tensor_fields)
             if flags.get("fp8_output"):
                 continue
-            dy = torch.randn(2, 64, 128, dtype=torch.bfloat16)
-            bwd = OPS.make_bwd_args(real.saved, L.linear_setup_context(args), {"grad_output": dy})
-            bwd_real = L.linear_backward(bwd)
-            bwd_fake = L.linear_backward_fake(OPS.bwd_plan.to_protos(bwd))
-            assert list(bwd_real) == list(bwd_fake)
-            for k in bwd_real:
-                assert _describe(bwd_real[k]) == _describe(bwd_fake[k]), k
+            for dy in _grad_outputs(name):
+                bwd = OPS.make_bwd_args(real.saved, L.linear_setup_context(args),
+                                        {"grad_output": dy})
+                bwd_real = L.linear_backward(bwd)
+                bwd_fake = L.linear_backward_fake(OPS.bwd_plan.to_protos(bwd))
+                assert list(bwd_real) == list(bwd_fake), type(dy).__name__
+                for k in bwd_real:
+                    assert _describe(bwd_real[k]) == _describe(bwd_fake[k]), (
+                        k, type(dy).__name__)
         except AssertionError as e:
             raise AssertionError(f"{name} {flags}: {e}") from e
 
@@ -210,6 +232,19 @@ def test_opcheck_forward_and_backward_ops(name):
     dy = torch.randn(2, 64, 128, dtype=torch.bfloat16)
     bwd = OPS.make_bwd_args(real.saved, L.linear_setup_context(args), {"grad_output": dy})
     opcheck(OPS.bwd_op, OPS.bwd_plan.encode(bwd), rec is not None)
+
+
+@pytest.mark.parametrize("name", FP8_GRAD_RECIPES)
+def test_opcheck_with_fp8_grad_and_quantized_grad_output(name):
+    """fp8_grad's quantized dgrad output, and a quantized dy read as is."""
+    rec = OP_RECIPES[name]
+    args = _fwd_args(rec, fp8_grad=True)
+    real = L.linear_forward(args)
+    dy = _grad_outputs(name)[1]
+    bwd = OPS.make_bwd_args(real.saved, L.linear_setup_context(args), {"grad_output": dy})
+    assert L._uses_quantized_grad(bwd, L._grad_output_quantizer(bwd))
+    assert isinstance(L.linear_backward(bwd)["inp"], te.QuantizedTensor)
+    opcheck(OPS.bwd_op, OPS.bwd_plan.encode(bwd), True)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])

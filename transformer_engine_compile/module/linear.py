@@ -31,7 +31,7 @@ from ..dynamo.buckets import TensorOrQuantized
 from ..dynamo.custom_op import OpResult, register_custom_op
 from ..dynamo.opaque import is_value_opaque
 from ..dynamo.state import ensure_buffers, register_module
-from ..dynamo.tensor_proto import TensorProto
+from ..dynamo.tensor_proto import TensorProto, to_tensor_proto
 from ..kernels.gemm import gemm
 from ..quantization.base import QuantizedTensorStorage, Quantizer
 
@@ -53,6 +53,7 @@ class LinearFwdArgs:
     weight_quantizer: Optional[Quantizer] = None
     output_quantizer: Optional[Quantizer] = None  # fp8_output
     grad_output_quantizer: Optional[Quantizer] = None
+    grad_input_quantizer: Optional[Quantizer] = None  # fp8_grad: quantizes dgrad
     input_requires_grad: bool = False
     weight_requires_grad: bool = False
     bias_requires_grad: bool = False
@@ -71,7 +72,7 @@ class LinearFwdArgs:
 
     def quantizers(self) -> tuple:
         return (self.input_quantizer, self.weight_quantizer, self.output_quantizer,
-                self.grad_output_quantizer)
+                self.grad_output_quantizer, self.grad_input_quantizer)
 
     def compile_unsupported_reason(self) -> Optional[str]:
         """Name of the first configuration the ops do not model, else None
@@ -91,11 +92,12 @@ class LinearFwdArgs:
 
 @dataclasses.dataclass
 class LinearBwdArgs:
-    grad_output: torch.Tensor              # (..., out_features)
+    grad_output: TensorOrQuantized         # (..., out_features); quantized from fp8_grad
     inputmat: TensorOrQuantized = None     # x (columnwise copy if quantized), for wgrad
     weightmat: TensorOrQuantized = None    # W (columnwise copy if quantized), for dgrad
     input_quantizer: Optional[Quantizer] = None  # re-quantizes x if save_original_input
     grad_output_quantizer: Optional[Quantizer] = None
+    grad_input_quantizer: Optional[Quantizer] = None  # dgrad leaves quantized (fp8_grad)
     input_requires_grad: bool = False
     weight_requires_grad: bool = False
     bias_requires_grad: bool = False
@@ -267,6 +269,7 @@ def linear_setup_context(args: LinearFwdArgs) -> dict:
     return {
         "input_quantizer": args.input_quantizer if args.save_original_input else None,
         "grad_output_quantizer": args.grad_output_quantizer,
+        "grad_input_quantizer": args.grad_input_quantizer,
         "input_requires_grad": args.input_requires_grad,
         "weight_requires_grad": args.weight_requires_grad,
         "bias_requires_grad": args.bias_requires_grad,
@@ -284,6 +287,41 @@ def _grad_output_usage(args: LinearBwdArgs) -> dict:
     return {"rowwise": args.input_requires_grad, "columnwise": args.weight_requires_grad}
 
 
+def _grad_output_quantizer(args: LinearBwdArgs):
+    """The quantizer dy needs for the GEMMs that run, else None."""
+    if args.grad_output_quantizer is None or not (args.input_requires_grad
+                                                  or args.weight_requires_grad):
+        return None
+    return args.grad_output_quantizer.with_usage(**_grad_output_usage(args))
+
+
+def _incoming_quantizer(dy):
+    """Quantizer (with the usages present) of a quantized dy, real or proto; else None."""
+    if isinstance(dy, TensorProto):
+        return dy.quantizer
+    if isinstance(dy, QuantizedTensorStorage) and dy._quantizer is not None:
+        return to_tensor_proto(dy).quantizer
+    return None
+
+
+def _uses_quantized_grad(args: LinearBwdArgs, q) -> bool:
+    """True when dy arrived quantized (``fp8_grad`` of the next layer) in
+    exactly the format this layer would make, with the copies it needs: the
+    GEMMs then read it as is, bit for bit what quantizing dy here gives.
+    Otherwise a quantized dy is dequantized first (another recipe, delayed
+    scaling, or row + SP, which gathers high-precision shards)."""
+    incoming = _incoming_quantizer(args.grad_output)
+    if incoming is None or q is None or args.amax_history_bwd is not None:
+        return False
+    if _tp(args) == ("row", True):
+        return False
+    same = dict(rowwise=True, columnwise=True, internal=True)
+    if incoming.with_usage(**same) != q.with_usage(**same):
+        return False
+    return ((incoming.rowwise_usage or not q.rowwise_usage)
+            and (incoming.columnwise_usage or not q.columnwise_usage))
+
+
 def _needs_requantized_input(args: LinearBwdArgs, x) -> bool:
     """True when the saved input is high precision but wgrad is quantized
     (save_original_input); ``x`` is a tensor/storage (real) or a proto (fake)."""
@@ -295,23 +333,31 @@ def _needs_requantized_input(args: LinearBwdArgs, x) -> bool:
 def linear_backward(args: LinearBwdArgs) -> dict:
     dy = args.grad_output
     mode, sp = _tp(args)
-    q = None
-    if args.grad_output_quantizer is not None and (args.input_requires_grad
-                                                   or args.weight_requires_grad):
-        q = args.grad_output_quantizer.with_usage(**_grad_output_usage(args))
-    if mode == "row" and sp:  # dy_total is None when only FP8 bytes were gathered
-        dy_total, dyq = D.gather_and_quantize(dy, q, args.tp_group, args.tp_size)
+    q = _grad_output_quantizer(args)
+    state = {}
+    if _uses_quantized_grad(args, q):
+        dyq = dy
+        dy = dy_total = dy.dequantize() if args.bias_requires_grad else None
     else:
-        dy_total, dyq = dy, (dy if q is None else _quantize(q, dy, args.scale_bwd, 0))
-    state = {} if q is None else _delayed_updates(q, args.amax_history_bwd, [_amax(dy)], "bwd")
+        if isinstance(dy, QuantizedTensorStorage):
+            dy = dy.dequantize()
+        if mode == "row" and sp:  # dy_total is None when only FP8 bytes were gathered
+            dy_total, dyq = D.gather_and_quantize(dy, q, args.tp_group, args.tp_size)
+        else:
+            dy_total, dyq = dy, (dy if q is None else _quantize(q, dy, args.scale_bwd, 0))
+        if q is not None:
+            state = _delayed_updates(q, args.amax_history_bwd, [_amax(dy)], "bwd")
+    dtype, n_out = args.grad_output.dtype, args.grad_output.shape[-1]
     dgrad = wgrad = dbias = None
     if args.input_requires_grad:
         w = args.weightmat
-        dgrad = gemm(dyq, "rowwise", w, "columnwise", dy.dtype).view(
+        dgrad = gemm(dyq, "rowwise", w, "columnwise", dtype).view(
             *dyq.shape[:-1], w.shape[-1])
         if mode == "column":  # partial sums over out_features
             dgrad = (D.reduce_scatter_first_dim(dgrad, args.tp_group, args.tp_size) if sp
                      else D.all_reduce_sum(dgrad, args.tp_group))
+        if args.grad_input_quantizer is not None:  # fp8_grad: the previous layer's dy
+            dgrad = args.grad_input_quantizer.quantize(dgrad)
     if args.weight_requires_grad:
         x = args.inputmat
         if _needs_requantized_input(args, x):
@@ -322,9 +368,9 @@ def linear_backward(args: LinearBwdArgs) -> dict:
             wgrad = gemm(dyq, "columnwise", x, "columnwise", args.weight_dtype)
     if args.bias_requires_grad:
         if dy_total is not None:
-            dbias = dy_total.reshape(-1, dy.shape[-1]).sum(0).to(args.bias_dtype)
+            dbias = dy_total.reshape(-1, n_out).sum(0).to(args.bias_dtype)
         else:  # row + SP with FP8 gather: sum the shards' partial sums
-            partial = dy.reshape(-1, dy.shape[-1]).float().sum(0)
+            partial = dy.reshape(-1, n_out).float().sum(0)
             dbias = D.all_reduce_sum(partial, args.tp_group).to(args.bias_dtype)
     return {"inp": dgrad, "weight": wgrad, "bias": dbias, **state}
 
@@ -332,6 +378,7 @@ def linear_backward(args: LinearBwdArgs) -> dict:
 def linear_backward_fake(args: LinearBwdArgs) -> dict:
     dy = args.grad_output
     mode, sp = _tp(args)
+    q = _grad_output_quantizer(args)
     rows = dy.shape[:-1]
     if mode == "row" and sp:
         rows = D.gathered_shape(rows, args.tp_size)
@@ -340,10 +387,9 @@ def linear_backward_fake(args: LinearBwdArgs) -> dict:
         dgrad_shape = (*rows, args.weightmat.shape[-1])
         if mode == "column" and sp:
             dgrad_shape = D.scattered_shape(dgrad_shape, args.tp_size)
-        dgrad = TensorProto(dgrad_shape, dy.dtype, device=dy.device)
-    quantized = args.grad_output_quantizer is not None and (args.input_requires_grad
-                                                            or args.weight_requires_grad)
-    state = _delayed_updates_fake(args.amax_history_bwd, "bwd") if quantized else {}
+        dgrad = TensorProto(dgrad_shape, dy.dtype, args.grad_input_quantizer, device=dy.device)
+    updates_history = q is not None and not _uses_quantized_grad(args, q)
+    state = _delayed_updates_fake(args.amax_history_bwd, "bwd") if updates_history else {}
     if args.weight_requires_grad:
         shape = (dy.shape[-1], args.inputmat.shape[-1])
         if args.main_grad is None:
@@ -497,7 +543,7 @@ class Linear(torch.nn.Module):
     def _tp_active(self) -> bool:
         return self.parallel_mode is not None and self.tp_size > 1
 
-    def _make_args(self, inp, is_first_microbatch, fp8_output) -> LinearFwdArgs:
+    def _make_args(self, inp, is_first_microbatch, fp8_output, fp8_grad) -> LinearFwdArgs:
         from ..autocast import get_autocast_recipe
         from ..quantization.factory import quantizer_for
 
@@ -522,17 +568,22 @@ class Linear(torch.nn.Module):
                            or args.bias_requires_grad):
             raise NotImplementedError(
                 "te.Linear: fp8_output=True is supported without gradients only (inference "
-                "or torch.no_grad()); the backward has no quantized-gradient input")
+                "or torch.no_grad()): autograd through a quantized output is not modelled")
         if fp8_output and recipe.delayed():
             raise NotImplementedError("te.Linear: fp8_output=True under DelayedScaling needs an "
                                       "output scale the layer does not keep; use "
                                       "recipe.Float8CurrentScaling()")
+        if fp8_grad:
+            self._check_fp8_grad(recipe, inp)
         if recipe is not None:
             args.input_quantizer = quantizer_for(recipe, "input", internal=True)
             args.weight_quantizer = quantizer_for(recipe, "weight", internal=True)
             args.grad_output_quantizer = quantizer_for(recipe, "grad_output", internal=True)
             if fp8_output:
                 args.output_quantizer = quantizer_for(recipe, "output")
+            if fp8_grad and args.input_requires_grad:  # both copies: the consumer's dgrad, wgrad
+                args.grad_input_quantizer = quantizer_for(recipe, "grad_input").with_usage(
+                    rowwise=True, columnwise=True)
             self._check_shapes(args, inp)
         elif not isinstance(weight, QuantizedTensorStorage) and inp.dtype != weight.dtype:
             raise TypeError(f"te.Linear: input dtype {inp.dtype} differs from the weight's "
@@ -550,6 +601,34 @@ class Linear(torch.nn.Module):
             self._bind_state(args, recipe if delayed else None,
                              None if not cache else bool(is_first_microbatch))
         return args
+
+    def _check_fp8_grad(self, recipe, inp) -> None:
+        """``fp8_grad=True`` needs a recipe whose dgrad quantization is what
+        the previous layer would do to its dy itself (FP8 current scaling,
+        FP8 blockwise, MXFP8), so the result is unchanged, bit for bit."""
+        from .. import recipe as R
+
+        if recipe is None:
+            raise ValueError("te.Linear: fp8_grad=True needs an active quantization recipe "
+                             "(te.autocast(enabled=True, recipe=...))")
+        if recipe.delayed():
+            raise NotImplementedError(
+                "te.Linear: fp8_grad=True under DelayedScaling needs a grad-input scale and "
+                "amax history the layer does not keep; use recipe.Float8CurrentScaling()")
+        if isinstance(recipe, R.NVFP4BlockScaling):
+            raise ValueError(
+                "te.Linear: fp8_grad=True has no FP8 gradient format under NVFP4BlockScaling "
+                "(the layer that consumes the gradient quantizes it to NVFP4 itself, with "
+                "stochastic rounding and its own Hadamard transform)")
+        if self._tp_active():
+            raise NotImplementedError("te.Linear: fp8_grad=True with tensor parallelism is not "
+                                      "supported")
+        if torch.compiler.is_compiling() and inp.requires_grad and inp.is_leaf:
+            # a graph input: AOTAutograd cannot return a quantized gradient for it
+            raise ValueError(
+                "te.Linear: fp8_grad=True under torch.compile needs the input produced inside "
+                "the compiled region (by the te.Linear that consumes the gradient); this input "
+                "is a graph input, and its gradient cannot leave the graph quantized")
 
     # -- state kept in module buffers (allocated at trace time, see dynamo/state.py) ------
     def _bind_state(self, args: LinearFwdArgs, delayed_recipe, first_microbatch) -> None:
@@ -605,8 +684,12 @@ class Linear(torch.nn.Module):
              {"rowwise": True, "columnwise": args.input_requires_grad}),
             ("grad_output", args.grad_output_quantizer, (m, n),
              {"rowwise": args.input_requires_grad, "columnwise": args.weight_requires_grad}),
+            ("gradient of the input (fp8_grad)", args.grad_input_quantizer,
+             (m, self.local_in_features), {"rowwise": True, "columnwise": True}),
         )
         for role, q, (rows, cols), usage in checks:
+            if q is None:
+                continue
             if role == "weight" and isinstance(args.weight, QuantizedTensorStorage):
                 continue
             if not (usage["rowwise"] or usage["columnwise"]):
@@ -619,12 +702,22 @@ class Linear(torch.nn.Module):
                     f"divisible by {m_mult} and the columns by {k_mult}")
 
     # -- forward -----------------------------------------------------------------------
-    def forward(self, inp, is_first_microbatch: Optional[bool] = None, fp8_output: bool = False):
-        args = self._make_args(inp, is_first_microbatch, fp8_output)
+    def forward(self, inp, is_first_microbatch: Optional[bool] = None, fp8_output: bool = False,
+                fp8_grad: bool = False):
+        """``y = x W^T + b``.
+
+        ``is_first_microbatch``: True quantizes the weight into the layer's
+        cache, False reuses it, None does neither.  ``fp8_output``: return a
+        quantized wrapper tensor (no gradients).  ``fp8_grad``: the gradient
+        of ``inp`` leaves the backward as a quantized wrapper tensor, which
+        a ``te.Linear`` that produced ``inp`` consumes without quantizing
+        again (docs/linear.md, "Quantized gradients")."""
+        args = self._make_args(inp, is_first_microbatch, fp8_output, fp8_grad)
         if torch.compiler.is_compiling():
             reason = args.compile_unsupported_reason()
             if reason is not None:
-                return self._eager_fallback(reason, inp, is_first_microbatch, fp8_output)
+                return self._eager_fallback(reason, inp, is_first_microbatch, fp8_output,
+                                            fp8_grad)
             outputs = LINEAR_OPS(args)
         else:
             outputs = LINEAR_OPS.eager(args)
@@ -634,12 +727,12 @@ class Linear(torch.nn.Module):
         return (out, self.bias) if self.return_bias else out
 
     @torch.compiler.disable
-    def _eager_fallback(self, reason, inp, is_first_microbatch, fp8_output):
+    def _eager_fallback(self, reason, inp, is_first_microbatch, fp8_output, fp8_grad):
         """Eager run of a configuration the ops do not model (a graph break)."""
         from ..dynamo.fallback import record_fallback
 
         record_fallback(self, reason)
-        return self.forward(inp, is_first_microbatch, fp8_output)
+        return self.forward(inp, is_first_microbatch, fp8_output, fp8_grad)
 
     def compile_fallbacks(self) -> tuple:
         """Reasons this layer fell back to eager under torch.compile (first seen first)."""

@@ -125,4 +125,5 @@ class QuantizedTensor(torch.Tensor):
         names = tree_map(lambda a: type(a).__name__ if isinstance(a, torch.Tensor) else a, args)
         raise NotImplementedError(
             f"{cls.__name__} does not support {func} (args {names}); "
-            "call .dequantize() to get a high-precision tensor first")
+            "call .dequantize() to get a high-precision tensor first (a gradient quantized by "
+            "te.Linear(fp8_grad=True) can flow only into a te.Linear, through views)")
