@@ -23,6 +23,29 @@ def test_bench_cpu_smoke_prints_every_row(tmp_path, capsys):
     assert "x bf16" in table and table.count("te fp8_current") >= 4
 
 
+def test_bench_fp8_grad_rows(tmp_path):
+    out = tmp_path / "rows.json"
+    rc = bench.main(["--recipes", "fp8_current", "nvfp4", "--modes", "default", "--iters", "1",
+                     "--no-torchao", "--fp8-grad", "--json", str(out)])
+    assert rc == 0
+    labels = [r["candidate"] for r in json.loads(out.read_text())["rows"]]
+    assert labels == ["torch bf16", "te bf16", "te fp8_current", "te fp8_current fp8_grad",
+                      "te nvfp4"]
+    # the first layer's output (second layer's input) gets a quantized gradient
+    import transformer_engine_compile as te
+    model = bench._te_fp8_grad_model(128, 128, 2, "cpu")
+    seen = []
+
+    def watch(module, inputs, out):
+        out.register_hook(seen.append)
+
+    model.layers[0].register_forward_hook(watch)
+    x = torch.randn(64, 128, dtype=torch.bfloat16, requires_grad=True)
+    with te.autocast(enabled=True, recipe=bench.RECIPES["fp8_current"]):
+        model(x).float().sum().backward()
+    assert isinstance(seen[0], te.Float8Tensor) and not isinstance(x.grad, te.Float8Tensor)
+
+
 def test_cpu_dispatch_is_the_reference():
     x = torch.randn(4, 8)
     assert kernels.get("quantize_fp8_current", x) is ref.quantize_fp8_current

@@ -4,6 +4,7 @@ in one process, on one GPU.
 
     python -m transformer_engine_compile.bench                 # every config
     python -m transformer_engine_compile.bench --configs launch --json out.json
+    python -m transformer_engine_compile.bench --configs stack --fp8-grad
 
 Each row is one (config, candidate, mode).  ``x bf16`` is the time of bf16
 ``torch.nn.Linear`` compiled in default mode on the same config divided by
@@ -32,17 +33,38 @@ CONFIGS = {  # name: (tokens M, in K, out N, layers)
     "16384x4096x14336": (16384, 4096, 14336, 1),
     "4096^3": (4096, 4096, 4096, 1),
     "launch": (256, 1024, 1024, 4),
+    "stack": (8192, 4096, 4096, 4),  # layers in a row: where fp8_grad applies
 }
 TINY = {"tiny": (64, 128, 128, 2)}  # CPU smoke run
 RECIPES = {name: R.by_name(name) for name in ("fp8_current", "fp8_block", "mxfp8", "nvfp4")}
 MODES = ("eager", "default", "reduce-overhead")
 
 
+class _TeStack(torch.nn.Module):
+    """te.Linear layers in a row; with ``fp8_grad`` every layer but the first
+    (whose input is the graph input) hands its predecessor a quantized dgrad."""
+
+    def __init__(self, k, n, layers, device, fp8_grad=False):
+        from .module.linear import Linear
+
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            Linear(k if i == 0 else n, n, bias=False, params_dtype=torch.bfloat16, device=device)
+            for i in range(layers))
+        self.fp8_grad = fp8_grad
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x, fp8_grad=self.fp8_grad and i > 0)
+        return x
+
+
 def _te_model(k, n, layers, device):
-    from .module.linear import Linear
-    return torch.nn.Sequential(*[Linear(k if i == 0 else n, n, bias=False,
-                                        params_dtype=torch.bfloat16, device=device)
-                                 for i in range(layers)])
+    return _TeStack(k, n, layers, device)
+
+
+def _te_fp8_grad_model(k, n, layers, device):
+    return _TeStack(k, n, layers, device, fp8_grad=True)
 
 
 def _torch_model(k, n, layers, device):
@@ -66,11 +88,16 @@ def torchao_available() -> bool:
         return False
 
 
-def candidates(recipes, with_torchao):
+FP8_GRAD_RECIPES = ("fp8_current", "fp8_block", "mxfp8")  # recipes that take fp8_grad
+
+
+def candidates(recipes, with_torchao, fp8_grad=False):
     """(label, model factory, recipe, GEMM path label)."""
     out = [("torch bf16", _torch_model, None, "bf16"), ("te bf16", _te_model, None, "bf16")]
     for name in recipes:
         out.append((f"te {name}", _te_model, RECIPES[name], None))
+        if fp8_grad and name in FP8_GRAD_RECIPES:
+            out.append((f"te {name} fp8_grad", _te_fp8_grad_model, RECIPES[name], None))
     if with_torchao:
         out.append(("torchao fp8 tensorwise", _torchao_model, None, "fp8_tensorwise"))
     return out
@@ -148,14 +175,15 @@ def _cleanup():
         torch.cuda.empty_cache()
 
 
-def run(configs, recipes, modes, device, iters=None, repeats=5, with_torchao=None, log=print):
+def run(configs, recipes, modes, device, iters=None, repeats=5, with_torchao=None, log=print,
+        fp8_grad=False):
     if with_torchao is None:
         with_torchao = device.type == "cuda" and torchao_available()
     rows = []
     for cname, (m, k, n, layers) in configs.items():
         flops = 6 * m * k * n * layers  # fwd + dgrad + wgrad
         n_iter = iters or max(3, min(50, int(2e13 / flops)))
-        for label, factory, rec, path in candidates(recipes, with_torchao):
+        for label, factory, rec, path in candidates(recipes, with_torchao, fp8_grad):
             for mode in modes:
                 torch.manual_seed(0)
                 model = factory(k, n, layers, device)
@@ -211,6 +239,8 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--iters", type=int, default=None, help="timed steps per repeat")
     p.add_argument("--no-torchao", action="store_true")
+    p.add_argument("--fp8-grad", action="store_true",
+                   help="also run te.Linear stacks with fp8_grad=True (quantized dgrad)")
     p.add_argument("--json", help="also write the rows to this file")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -221,7 +251,7 @@ def main(argv=None):
           f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}")
     print(HEADER)
     rows = run(configs, args.recipes, modes, device, iters=args.iters,
-               with_torchao=False if args.no_torchao else None)
+               with_torchao=False if args.no_torchao else None, fp8_grad=args.fp8_grad)
     print("\n" + HEADER)  # the whole table again, ratios now complete
     for row in rows:
         print(_format_row(row, rows))
