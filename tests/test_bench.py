@@ -25,8 +25,9 @@ def test_bench_cpu_smoke_prints_every_row(tmp_path, capsys):
 
 def test_bench_fp8_grad_rows(tmp_path):
     out = tmp_path / "rows.json"
-    rc = bench.main(["--recipes", "fp8_current", "nvfp4", "--modes", "default", "--iters", "1",
-                     "--no-torchao", "--fp8-grad", "--json", str(out)])
+    rc = bench.main(["--device", "cpu", "--configs", "tiny", "--recipes", "fp8_current",
+                     "nvfp4", "--modes", "default", "--iters", "1", "--no-torchao", "--fp8-grad",
+                     "--json", str(out)])
     assert rc == 0
     labels = [r["candidate"] for r in json.loads(out.read_text())["rows"]]
     assert labels == ["torch bf16", "te bf16", "te fp8_current", "te fp8_current fp8_grad",
