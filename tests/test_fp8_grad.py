@@ -136,38 +136,42 @@ def test_input_gradient_is_the_quantized_dgrad(name):
                            b.view(torch.uint8) if b.element_size() == 1 else b), n
 
 
-def test_consumer_bias_gradient_sums_the_dequantized_dy():
-    model = TwoLayers(fc1_bias=True)
+def _backward_seen_by_fc1(fc1_recipe, fc2_recipe, fc1_bias=False):
+    """Run fc1 and fc2 (``fp8_grad=True``) under their recipes and backward;
+    returns the model, x and the gradient fc1's output received."""
+    model = TwoLayers(fc1_bias=fc1_bias)
     x = torch.randn(128, 128, dtype=torch.bfloat16, requires_grad=True)
-    h = model.fc1(x)
+    with te.autocast(enabled=True, recipe=fc1_recipe):
+        h = model.fc1(x)
     seen = []
     h.register_hook(seen.append)
-    with te.autocast(enabled=True, recipe=FP8_GRAD_RECIPES["fp8_current"]):
+    with te.autocast(enabled=True, recipe=fc2_recipe):
         y = model.fc2(h, fp8_grad=True)
     y.float().sum().backward()
-    assert isinstance(seen[0], te.Float8Tensor)
-    assert torch.equal(model.fc1.bias.grad, seen[0].dequantize().sum(0))
+    return model, x, seen[0]
+
+
+def test_consumer_bias_gradient_sums_the_dequantized_dy(monkeypatch):
+    current = FP8_GRAD_RECIPES["fp8_current"]
+    calls = _count_quantize_calls(monkeypatch)
+    model, _, dy = _backward_seen_by_fc1(current, current, fc1_bias=True)
+    assert isinstance(dy, te.Float8Tensor)
+    # forward: x, fc1's W, h, fc2's W; backward: fc2's dy only (fc1 reads its dy as is)
+    assert calls == [(128, 128), (256, 128), (128, 256), (128, 256), (128, 128)]
+    assert torch.equal(model.fc1.bias.grad, dy.dequantize().sum(0))
 
 
 def test_gradient_in_another_format_is_dequantized_first():
     """fc2 under MXFP8 sends fc1 (FP8 current scaling) an MXFP8 gradient:
     fc1 dequantizes it and quantizes its own dy, as for a plain gradient."""
-    model = TwoLayers()
-    x = torch.randn(128, 128, dtype=torch.bfloat16, requires_grad=True)
     current = FP8_GRAD_RECIPES["fp8_current"]
-    with te.autocast(enabled=True, recipe=current):
-        h = model.fc1(x)
-    seen = []
-    h.register_hook(seen.append)
-    with te.autocast(enabled=True, recipe=FP8_GRAD_RECIPES["mxfp8"]):
-        y = model.fc2(h, fp8_grad=True)
-    y.float().sum().backward()
-    assert isinstance(seen[0], te.MXFP8Tensor)
+    model, x, dy = _backward_seen_by_fc1(current, FP8_GRAD_RECIPES["mxfp8"])
+    assert isinstance(dy, te.MXFP8Tensor)
     got = model.fc1.weight.grad.clone()
     model.zero_grad(set_to_none=True)
     with te.autocast(enabled=True, recipe=current):
         h = model.fc1(x)
-    h.backward(seen[0].dequantize())
+    h.backward(dy.dequantize())
     assert torch.equal(model.fc1.weight.grad, got)
 
 
