@@ -6,8 +6,12 @@ without quantizing again.  Formats whose grad-input and grad-output
 quantization agree (FP8 current, FP8 blockwise, MXFP8) give the consumer's
 GEMMs the bytes it would have made itself, so every result but the
 consumer's bias gradient (summed from the dequantized dy, as in Transformer
-Engine) is bit-identical to ``fp8_grad=False``.  Compiled runs equal eager,
-bit for bit, in one graph.  tests/gpu runs the same under reduce-overhead.
+Engine) is bit-identical to ``fp8_grad=False``.  Under DelayedScaling the
+gradient carries the producer's grad-input scale (its own history column),
+which follows the amaxes the consumer's grad-output column would record:
+bit-identical results again.
+Compiled runs equal eager, bit for bit, state included, in one graph.
+tests/gpu runs the same under reduce-overhead.
 """
 
 import pytest
@@ -21,6 +25,8 @@ from transformer_engine_compile.module import linear as L
 from test_linear import RECIPES, _reset
 
 FP8_GRAD_RECIPES = {n: RECIPES[n] for n in ("fp8_current", "fp8_block", "mxfp8")}
+DELAYED = recipe.DelayedScaling(amax_history_len=4)
+ALL_FP8_GRAD = {**FP8_GRAD_RECIPES, "delayed": DELAYED}
 WRAPPER = {"fp8_current": te.Float8Tensor, "fp8_block": te.Float8BlockwiseQTensor,
            "mxfp8": te.MXFP8Tensor}
 
@@ -40,7 +46,8 @@ class TwoLayers(torch.nn.Module):
 
 
 def run_steps(rec, fp8_grad, *, device="cpu", compile_kw=None, steps=2, fc1_bias=False):
-    """Forward + backward ``steps`` times; returns per step [y, x.grad, grads...]."""
+    """Forward + backward ``steps`` times; returns per step
+    [y, x.grad, grads..., buffers...] (buffers: DelayedScaling state)."""
     model = TwoLayers(device, fc1_bias)
     fn = model if compile_kw is None else torch.compile(model, fullgraph=True, **compile_kw)
     x0 = torch.randn(128, 128, dtype=torch.bfloat16, device=device)
@@ -51,16 +58,18 @@ def run_steps(rec, fp8_grad, *, device="cpu", compile_kw=None, steps=2, fc1_bias
         y = fn(x, rec, fp8_grad)
         (y.float() * torch.linspace(-1, 1, 128, device=device)).sum().backward()
         out.append([y.detach().clone(), x.grad.clone()]
-                   + [p.grad.clone() for p in model.parameters()])
+                   + [p.grad.clone() for p in model.parameters()]
+                   + [b.detach().clone() for b in model.buffers()])
         model.zero_grad(set_to_none=True)  # CUDA graphs: never accumulate into .grad
     return out
 
 
-def assert_steps_equal(want, got, skip=()):
+def assert_steps_equal(want, got):
+    assert len(want) == len(got)
     for i, (a_step, b_step) in enumerate(zip(want, got)):
+        assert len(a_step) == len(b_step)
         for j, (a, b) in enumerate(zip(a_step, b_step)):
-            if j not in skip:
-                assert torch.equal(a, b), f"step {i}: result {j} differs"
+            assert torch.equal(a, b), f"step {i}: result {j} differs"
 
 
 @pytest.mark.parametrize("name", FP8_GRAD_RECIPES)
@@ -69,29 +78,68 @@ def test_consumer_results_equal_without_fp8_grad(name):
     assert_steps_equal(run_steps(rec, False), run_steps(rec, True))
 
 
-@pytest.mark.parametrize("name", FP8_GRAD_RECIPES)
+@pytest.mark.parametrize("name", ALL_FP8_GRAD)
 def test_compiled_equals_eager_in_one_graph(name):
     _reset()
-    rec = FP8_GRAD_RECIPES[name]
+    rec = ALL_FP8_GRAD[name]
+    steps = 22 if name == "delayed" else 2
     with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
-        got = run_steps(rec, True, compile_kw={"backend": "aot_eager"}, fc1_bias=True)
+        got = run_steps(rec, True, compile_kw={"backend": "aot_eager"}, fc1_bias=True,
+                        steps=steps)
     assert counters["stats"]["unique_graphs"] == 1
-    assert_steps_equal(run_steps(rec, True, fc1_bias=True), got)
+    assert_steps_equal(run_steps(rec, True, fc1_bias=True, steps=steps), got)
 
 
-def test_compiled_equals_eager_inductor():
-    _reset()
-    rec = FP8_GRAD_RECIPES["fp8_current"]
-    got = run_steps(rec, True, compile_kw={"backend": "inductor"}, fc1_bias=True)
-    assert_steps_equal(run_steps(rec, True, fc1_bias=True), got)
+def test_delayed_scaling_results_equal_without_fp8_grad():
+    """fc1's GEMMs read dy with fc2's grad-input scale instead of its own
+    grad-output scale; both come from the same tensor's amax history, so
+    outputs and gradients stay bit-identical step after step (the state
+    differs: fc2 keeps the history column fc1 keeps without fp8_grad)."""
+    want, got = run_steps(DELAYED, False, steps=6), run_steps(DELAYED, True, steps=6)
+    n_results = 5  # y, x.grad, fc1.weight, fc2.weight, fc2.bias gradients
+    assert_steps_equal([w[:n_results] for w in want], [g[:n_results] for g in got])
+
+
+def _delayed_two_steps(fp8_grad):
+    """Two steps of TwoLayers under DelayedScaling; returns the model, the
+    gradient fc1's output received in step 2, and fc2's scale_bwd then."""
+    model = TwoLayers()
+    x = torch.randn(128, 128, dtype=torch.bfloat16, requires_grad=True)
+    for _ in range(2):  # in step 2 the scales are no longer 1
+        with te.autocast(enabled=True, recipe=DELAYED):
+            h = model.fc1(x)
+            seen = []
+            h.register_hook(seen.append)
+            y = model.fc2(h, fp8_grad=fp8_grad)
+        scale = model.fc2.fp8_scale_bwd.clone()
+        y.float().sum().backward()
+    return model, seen[0], scale
+
+
+def test_delayed_scaling_producer_state_and_consumer_history():
+    """fc2 quantizes its dgrad with scale_bwd[1] and records the dgrad's
+    amax in history column 1: the amaxes fc1 records for its plain dy
+    without fp8_grad.  fc1 reads the quantized dy as is and records the
+    amax of its values in its own column 0."""
+    plain, _, _ = _delayed_two_steps(False)
+    model, dy, scale = _delayed_two_steps(True)
+    assert isinstance(dy, te.Float8Tensor) and not torch.equal(scale[1], torch.ones(()))
+    assert torch.equal(dy._scale_inv, torch.reciprocal(scale[1]).reshape(dy._scale_inv.shape))
+    hist2, hist1 = model.fc2.fp8_amax_history_bwd, model.fc1.fp8_amax_history_bwd
+    assert torch.equal(hist2[:, 1], plain.fc1.fp8_amax_history_bwd[:, 0])
+    assert torch.equal(hist2[:, 0], plain.fc2.fp8_amax_history_bwd[:, 0])
+    assert torch.equal(hist1[1, 0], dy.dequantize().abs().amax().float())
+    assert torch.equal(hist1[:, 1], torch.zeros(4))  # fc1 made no quantized dgrad
 
 
 def _count_quantize_calls(monkeypatch) -> list:
-    """Record the shape of every tensor ``linear.py`` quantizes through ``_quantize``."""
+    """Record (shape, internal) of every tensor ``linear.py`` quantizes
+    through ``_quantize``: internal for a layer's own operands, a wrapper
+    (not internal) for the fp8_grad output."""
     calls, original = [], L._quantize
 
     def spy(q, x, scales, slot):
-        calls.append(tuple(x.shape))
+        calls.append((tuple(x.shape), q.internal))
         return original(q, x, scales, slot)
 
     monkeypatch.setattr(L, "_quantize", spy)
@@ -100,14 +148,14 @@ def _count_quantize_calls(monkeypatch) -> list:
 
 @pytest.mark.parametrize("fp8_grad", [False, True])
 def test_consumer_does_not_quantize_dy_again(monkeypatch, fp8_grad):
-    """fc1's dy (128 x 256) is quantized by fc2's backward (as its dgrad),
-    never again by fc1's: the one quantization left is fc2's own dy."""
+    """fc1's dy (128 x 256) is quantized once: by fc2's backward as its
+    dgrad (a wrapper) with fp8_grad, else by fc1's backward (internal)."""
     model = TwoLayers()
     x = torch.randn(128, 128, dtype=torch.bfloat16, requires_grad=True)
     y = model(x, FP8_GRAD_RECIPES["fp8_current"], fp8_grad)
     calls = _count_quantize_calls(monkeypatch)
     y.float().sum().backward()
-    assert calls == ([(128, 128)] if fp8_grad else [(128, 128), (128, 256)])
+    assert calls == [((128, 128), True), ((128, 256), not fp8_grad)]
 
 
 @pytest.mark.parametrize("name", FP8_GRAD_RECIPES)
@@ -156,8 +204,11 @@ def test_consumer_bias_gradient_sums_the_dequantized_dy(monkeypatch):
     calls = _count_quantize_calls(monkeypatch)
     model, _, dy = _backward_seen_by_fc1(current, current, fc1_bias=True)
     assert isinstance(dy, te.Float8Tensor)
-    # forward: x, fc1's W, h, fc2's W; backward: fc2's dy only (fc1 reads its dy as is)
-    assert calls == [(128, 128), (256, 128), (128, 256), (128, 256), (128, 128)]
+    # forward: x, fc1's W, h, fc2's W; backward: fc2's dy and its dgrad (fc1's dy,
+    # which fc1 reads as is)
+    assert [shape for shape, _ in calls] == [(128, 128), (256, 128), (128, 256), (128, 256),
+                                             (128, 128), (128, 256)]
+    assert [internal for _, internal in calls[-2:]] == [True, False]
     assert torch.equal(model.fc1.bias.grad, dy.dequantize().sum(0))
 
 
@@ -216,7 +267,6 @@ def test_graph_input_under_compile_is_refused():
 
 @pytest.mark.parametrize("rec, error, match", [
     (None, ValueError, "needs an active quantization recipe"),
-    (recipe.DelayedScaling(), NotImplementedError, "under DelayedScaling"),
     (RECIPES["nvfp4"], ValueError, "no FP8 gradient format under NVFP4"),
 ])
 def test_unsupported_recipes_are_refused(rec, error, match):

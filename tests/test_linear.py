@@ -269,7 +269,7 @@ def test_delayed_scaling_runs_and_keeps_its_state_in_buffers():
     layer = te.Linear(128, 64)
     with te.autocast(recipe=recipe.DelayedScaling(amax_history_len=16)):
         layer(torch.randn(4, 128))
-    assert layer.fp8_amax_history_fwd.shape == (16, 2) and layer.fp8_scale_bwd.shape == (1,)
+    assert layer.fp8_amax_history_fwd.shape == (16, 2) and layer.fp8_scale_bwd.shape == (2,)
     assert "fp8_scale_fwd" not in layer.state_dict()  # non-persistent (docs/linear.md)
 
 

@@ -112,7 +112,7 @@ def _fwd_args(rec, *, bias=True, input_rg=True, weight_rg=True, save_original_in
         if rec.delayed():  # the layer's buffers, with a history and scales in use
             args.amax_history_fwd = torch.rand(4, 2)
             args.scale_fwd = torch.tensor([2.0, 4.0])
-            args.amax_history_bwd, args.scale_bwd = torch.rand(4, 1), torch.tensor([0.5])
+            args.amax_history_bwd, args.scale_bwd = torch.rand(4, 2), torch.tensor([0.5, 0.25])
     if main_grad:
         args.main_grad = torch.zeros(128, 128)
     return args
@@ -157,7 +157,7 @@ EXTRA_COMBOS = [dict(fp8_output=True, input_rg=False, weight_rg=False),
                 dict(workspace=True, cache_weight=True)]
 STATE_COMBOS = [dict(main_grad=True), dict(main_grad=True, input_rg=False)]
 # fp8_grad (quantized dgrad) and quantized incoming dy: the FP8 recipes only
-FP8_GRAD_RECIPES = ("fp8_current", "fp8_block", "mxfp8")
+FP8_GRAD_RECIPES = ("fp8_current", "fp8_block", "mxfp8", "delayed")
 FP8_GRAD_COMBOS = [dict(fp8_grad=True), dict(fp8_grad=True, weight_rg=False),
                    dict(fp8_grad=True, bias=False, main_grad=True)]
 
@@ -170,6 +170,9 @@ def _grad_outputs(name):
     if name not in FP8_GRAD_RECIPES:
         return [dy]
     q = factory.quantizer_for(OP_RECIPES[name], "grad_input")
+    if name == "delayed":  # made with the producer's grad-input scale
+        return [dy] + [q.with_usage(columnwise=c).quantize_with_scale(dy, torch.tensor(0.125))
+                       for c in (True, False)]
     return [dy, q(dy), q.with_usage(columnwise=False)(dy)]
 # DelayedScaling is a recipe of the ops (its state comes from te.Linear's buffers)
 OP_RECIPES = {**RECIPES, "delayed": recipe.DelayedScaling(amax_history_len=4)}

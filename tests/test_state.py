@@ -154,7 +154,7 @@ def test_delayed_scaling_20_steps_compiled_equals_eager(algo):
     assert counters["stats"]["unique_graphs"] == 1
     # the scales moved off their initial 1.0: the state is live
     assert not torch.equal(eager.fp8_scale_fwd, torch.ones(2))
-    assert not torch.equal(eager.fp8_scale_bwd, torch.ones(1))
+    assert not torch.equal(eager.fp8_scale_bwd[0], torch.ones(()))
 
 
 def test_delayed_scaling_update_follows_the_recipe():
@@ -170,9 +170,10 @@ def test_delayed_scaling_update_follows_the_recipe():
     assert torch.equal(layer.fp8_amax_history_fwd[1], amaxes)
     assert torch.equal(layer.fp8_amax_history_fwd[0], torch.zeros(2))
     assert torch.equal(layer.fp8_scale_fwd, ref.compute_scale(amaxes, 448.0, 1))
-    assert torch.equal(layer.fp8_amax_history_bwd[1], dy.abs().amax().float().reshape(1))
-    assert torch.equal(layer.fp8_scale_bwd, ref.compute_scale(dy.abs().amax().float(), 57344.0,
-                                                              1).reshape(1))
+    # columns grad_output, grad_input (zero amax, scale 1: no fp8_grad here)
+    dy_amax = torch.stack([dy.abs().amax().float(), torch.zeros(())])
+    assert torch.equal(layer.fp8_amax_history_bwd[1], dy_amax)
+    assert torch.equal(layer.fp8_scale_bwd, ref.compute_scale(dy_amax, 57344.0, 1))
 
 
 def test_delayed_scaling_first_step_uses_scale_one():

@@ -60,11 +60,12 @@ class LinearFwdArgs:
     save_original_input: bool = False      # save x, re-quantize it in backward
     cache_weight: bool = False             # quantize the weight into weight_workspace
     main_grad: Optional[torch.Tensor] = None  # fuse_wgrad_accumulation target (fp32)
-    # DelayedScaling state (module buffers): columns input, weight / grad_output
+    # DelayedScaling state (module buffers): columns input, weight /
+    # grad_output, grad_input (the fp8_grad output)
     amax_history_fwd: Optional[torch.Tensor] = None  # (L, 2), updated by the forward
     scale_fwd: Optional[torch.Tensor] = None         # (2,)
-    amax_history_bwd: Optional[torch.Tensor] = None  # (L, 1), updated by the backward
-    scale_bwd: Optional[torch.Tensor] = None         # (1,)
+    amax_history_bwd: Optional[torch.Tensor] = None  # (L, 2), updated by the backward
+    scale_bwd: Optional[torch.Tensor] = None         # (2,)
     parallel_mode: Optional[str] = None    # None, "column" or "row"
     sequence_parallel: bool = False
     tp_size: int = 1
@@ -308,10 +309,12 @@ def _uses_quantized_grad(args: LinearBwdArgs, q) -> bool:
     """True when dy arrived quantized (``fp8_grad`` of the next layer) in
     exactly the format this layer would make, with the copies it needs: the
     GEMMs then read it as is, bit for bit what quantizing dy here gives.
-    Otherwise a quantized dy is dequantized first (another recipe, delayed
-    scaling, or row + SP, which gathers high-precision shards)."""
+    Under DelayedScaling dy keeps the scale it was quantized with (the next
+    layer's grad-input scale).  Otherwise a quantized dy is dequantized
+    first (another recipe, a missing copy, or row + SP, which gathers
+    high-precision shards)."""
     incoming = _incoming_quantizer(args.grad_output)
-    if incoming is None or q is None or args.amax_history_bwd is not None:
+    if incoming is None or q is None:
         return False
     if _tp(args) == ("row", True):
         return False
@@ -334,10 +337,10 @@ def linear_backward(args: LinearBwdArgs) -> dict:
     dy = args.grad_output
     mode, sp = _tp(args)
     q = _grad_output_quantizer(args)
-    state = {}
+    delayed = q is not None and args.amax_history_bwd is not None
     if _uses_quantized_grad(args, q):
-        dyq = dy
-        dy = dy_total = dy.dequantize() if args.bias_requires_grad else None
+        dyq = dy  # its amax (delayed scaling) and bias gradient: from its values
+        dy = dy_total = dy.dequantize() if args.bias_requires_grad or delayed else None
     else:
         if isinstance(dy, QuantizedTensorStorage):
             dy = dy.dequantize()
@@ -345,8 +348,7 @@ def linear_backward(args: LinearBwdArgs) -> dict:
             dy_total, dyq = D.gather_and_quantize(dy, q, args.tp_group, args.tp_size)
         else:
             dy_total, dyq = dy, (dy if q is None else _quantize(q, dy, args.scale_bwd, 0))
-        if q is not None:
-            state = _delayed_updates(q, args.amax_history_bwd, [_amax(dy)], "bwd")
+    amaxes = [_amax(dy), torch.zeros((), device=dy.device)] if delayed else None
     dtype, n_out = args.grad_output.dtype, args.grad_output.shape[-1]
     dgrad = wgrad = dbias = None
     if args.input_requires_grad:
@@ -357,7 +359,10 @@ def linear_backward(args: LinearBwdArgs) -> dict:
             dgrad = (D.reduce_scatter_first_dim(dgrad, args.tp_group, args.tp_size) if sp
                      else D.all_reduce_sum(dgrad, args.tp_group))
         if args.grad_input_quantizer is not None:  # fp8_grad: the previous layer's dy
-            dgrad = args.grad_input_quantizer.quantize(dgrad)
+            if delayed:
+                amaxes[1] = _amax(dgrad)
+            dgrad = _quantize(args.grad_input_quantizer, dgrad, args.scale_bwd, 1)
+    state = {} if not delayed else _delayed_updates(q, args.amax_history_bwd, amaxes, "bwd")
     if args.weight_requires_grad:
         x = args.inputmat
         if _needs_requantized_input(args, x):
@@ -388,8 +393,7 @@ def linear_backward_fake(args: LinearBwdArgs) -> dict:
         if mode == "column" and sp:
             dgrad_shape = D.scattered_shape(dgrad_shape, args.tp_size)
         dgrad = TensorProto(dgrad_shape, dy.dtype, args.grad_input_quantizer, device=dy.device)
-    updates_history = q is not None and not _uses_quantized_grad(args, q)
-    state = _delayed_updates_fake(args.amax_history_bwd, "bwd") if updates_history else {}
+    state = _delayed_updates_fake(args.amax_history_bwd, "bwd") if q is not None else {}
     if args.weight_requires_grad:
         shape = (dy.shape[-1], args.inputmat.shape[-1])
         if args.main_grad is None:
@@ -583,7 +587,7 @@ class Linear(torch.nn.Module):
                 args.output_quantizer = quantizer_for(recipe, "output")
             if fp8_grad and args.input_requires_grad:  # both copies: the consumer's dgrad, wgrad
                 args.grad_input_quantizer = quantizer_for(recipe, "grad_input").with_usage(
-                    rowwise=True, columnwise=True)
+                    rowwise=True, columnwise=True)  # (under DelayedScaling: scale_bwd[1])
             self._check_shapes(args, inp)
         elif not isinstance(weight, QuantizedTensorStorage) and inp.dtype != weight.dtype:
             raise TypeError(f"te.Linear: input dtype {inp.dtype} differs from the weight's "
@@ -603,18 +607,15 @@ class Linear(torch.nn.Module):
         return args
 
     def _check_fp8_grad(self, recipe, inp) -> None:
-        """``fp8_grad=True`` needs a recipe whose dgrad quantization is what
-        the previous layer would do to its dy itself (FP8 current scaling,
-        FP8 blockwise, MXFP8), so the result is unchanged, bit for bit."""
+        """``fp8_grad=True`` needs an FP8 recipe whose dgrad quantization the
+        previous layer reads as its own dy: FP8 current scaling, FP8
+        blockwise and MXFP8 (bit for bit what that layer would make), and
+        DelayedScaling (with this layer's grad-input scale)."""
         from .. import recipe as R
 
         if recipe is None:
             raise ValueError("te.Linear: fp8_grad=True needs an active quantization recipe "
                              "(te.autocast(enabled=True, recipe=...))")
-        if recipe.delayed():
-            raise NotImplementedError(
-                "te.Linear: fp8_grad=True under DelayedScaling needs a grad-input scale and "
-                "amax history the layer does not keep; use recipe.Float8CurrentScaling()")
         if isinstance(recipe, R.NVFP4BlockScaling):
             raise ValueError(
                 "te.Linear: fp8_grad=True has no FP8 gradient format under NVFP4BlockScaling "
@@ -649,8 +650,8 @@ class Linear(torch.nn.Module):
             n, f32 = delayed_recipe.constant("amax_history_len"), torch.float32
             layout = (("fp8_amax_history_fwd", (n, 2), f32, 0.0, None),
                       ("fp8_scale_fwd", (2,), f32, 1.0, None),
-                      ("fp8_amax_history_bwd", (n, 1), f32, 0.0, None),
-                      ("fp8_scale_bwd", (1,), f32, 1.0, None))
+                      ("fp8_amax_history_bwd", (n, 2), f32, 0.0, None),
+                      ("fp8_scale_bwd", (2,), f32, 1.0, None))
         if first_microbatch is not None:
             q = args.weight_quantizer.with_usage(rowwise=True, columnwise=True)
             shape = tuple(self.weight.shape)
