@@ -246,20 +246,42 @@ def test_gradient_missing_a_needed_copy_is_dequantized_first():
         assert torch.equal(a, b)
 
 
-def test_graph_input_under_compile_is_refused():
-    """AOTAutograd cannot return a quantized gradient for a graph input."""
-    _reset()
-    layer = te.Linear(128, 128, params_dtype=torch.bfloat16)
-
+def _fp8_grad_step(layer):
     def step(x):
         with te.autocast(enabled=True, recipe=FP8_GRAD_RECIPES["fp8_current"]):
             return layer(x, fp8_grad=True)
+    return step
 
+
+def test_graph_input_under_compile_falls_back():
+    """AOTAutograd cannot return a quantized gradient for a graph input: the
+    layer falls back to eager with a high-precision input gradient (a graph
+    break, so fullgraph=True raises), for a leaf input and for one made by
+    an earlier compiled graph."""
+    _reset()
+    torch.manual_seed(0)
+    first = te.Linear(128, 128, params_dtype=torch.bfloat16)
+    layer = te.Linear(128, 128, params_dtype=torch.bfloat16)
+    step = _fp8_grad_step(layer)
     x = torch.randn(128, 128, dtype=torch.bfloat16, requires_grad=True)
-    with pytest.raises(Exception, match="fp8_grad=True under torch.compile needs the input "
-                                        "produced inside"):
+    with pytest.raises(torch._dynamo.exc.Unsupported):
         torch.compile(step, backend="aot_eager", fullgraph=True)(x)
-    # without a gradient for the input there is nothing to refuse
+    _reset()
+    with pytest.warns(RuntimeWarning, match="fp8_grad_graph_input"):
+        torch.compile(step, backend="aot_eager")(x).float().sum().backward()
+    assert layer.compile_fallbacks() == ("fp8_grad_graph_input",)
+    got = x.grad
+    x.grad = None
+    with te.autocast(enabled=True, recipe=FP8_GRAD_RECIPES["fp8_current"]):
+        layer(x).float().sum().backward()
+    assert type(got) is torch.Tensor and torch.equal(got, x.grad)
+    x.grad = None  # the input comes out of an earlier compiled graph
+    h = torch.compile(first, backend="aot_eager")(x)
+    torch.compile(step, backend="aot_eager")(h).float().sum().backward()
+    assert type(x.grad) is torch.Tensor and x.grad.abs().sum() > 0
+    # without a gradient for the input there is nothing to fall back for
+    _reset()
+    layer.zero_grad(set_to_none=True)
     x.requires_grad_(False)
     torch.compile(step, backend="aot_eager", fullgraph=True)(x).sum().backward()
     assert layer.weight.grad is not None

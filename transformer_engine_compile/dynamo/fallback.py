@@ -16,6 +16,9 @@ REASONS = {
     "quantizer_not_value_opaque": "a quantizer is not value-opaque (holds state or is not "
                                   "registered), so it cannot cross a custom-op boundary",
     "no_opaque_api": "this torch lacks the opaque-object API the custom ops need",
+    "fp8_grad_graph_input": "fp8_grad=True on a graph input: AOTAutograd cannot return a "
+                            "quantized gradient for a plain graph input, so the layer runs "
+                            "eagerly with a high-precision input gradient",
 }
 
 

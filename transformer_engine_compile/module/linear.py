@@ -578,7 +578,7 @@ class Linear(torch.nn.Module):
                                       "output scale the layer does not keep; use "
                                       "recipe.Float8CurrentScaling()")
         if fp8_grad:
-            self._check_fp8_grad(recipe, inp)
+            self._check_fp8_grad(recipe)
         if recipe is not None:
             args.input_quantizer = quantizer_for(recipe, "input", internal=True)
             args.weight_quantizer = quantizer_for(recipe, "weight", internal=True)
@@ -606,7 +606,7 @@ class Linear(torch.nn.Module):
                              None if not cache else bool(is_first_microbatch))
         return args
 
-    def _check_fp8_grad(self, recipe, inp) -> None:
+    def _check_fp8_grad(self, recipe) -> None:
         """``fp8_grad=True`` needs an FP8 recipe whose dgrad quantization the
         previous layer reads as its own dy: FP8 current scaling, FP8
         blockwise and MXFP8 (bit for bit what that layer would make), and
@@ -624,12 +624,6 @@ class Linear(torch.nn.Module):
         if self._tp_active():
             raise NotImplementedError("te.Linear: fp8_grad=True with tensor parallelism is not "
                                       "supported")
-        if torch.compiler.is_compiling() and inp.requires_grad and inp.is_leaf:
-            # a graph input: AOTAutograd cannot return a quantized gradient for it
-            raise ValueError(
-                "te.Linear: fp8_grad=True under torch.compile needs the input produced inside "
-                "the compiled region (by the te.Linear that consumes the gradient); this input "
-                "is a graph input, and its gradient cannot leave the graph quantized")
 
     # -- state kept in module buffers (allocated at trace time, see dynamo/state.py) ------
     def _bind_state(self, args: LinearFwdArgs, delayed_recipe, first_microbatch) -> None:
@@ -716,6 +710,9 @@ class Linear(torch.nn.Module):
         args = self._make_args(inp, is_first_microbatch, fp8_output, fp8_grad)
         if torch.compiler.is_compiling():
             reason = args.compile_unsupported_reason()
+            if reason is None and args.grad_input_quantizer is not None and inp.is_leaf:
+                # a graph input: AOTAutograd cannot return a quantized gradient for it
+                reason = "fp8_grad_graph_input"
             if reason is not None:
                 return self._eager_fallback(reason, inp, is_first_microbatch, fp8_output,
                                             fp8_grad)
@@ -733,6 +730,8 @@ class Linear(torch.nn.Module):
         from ..dynamo.fallback import record_fallback
 
         record_fallback(self, reason)
+        if reason == "fp8_grad_graph_input":  # the gradient leaves in high precision
+            fp8_grad = False
         return self.forward(inp, is_first_microbatch, fp8_output, fp8_grad)
 
     def compile_fallbacks(self) -> tuple:
