@@ -179,6 +179,7 @@ def test_input_gradient_is_the_quantized_dgrad(name):
     assert g.shape == x.shape and g.dtype == x.dtype
     assert g.get_usages() == {"rowwise": True, "columnwise": True}
     expected = te.quantizer_for(rec, "grad_input")(grads[False])
+    assert list(g.buffers()) == list(expected.buffers())
     for (n, a), (_, b) in zip(g.buffers().items(), expected.buffers().items()):
         assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
                            b.view(torch.uint8) if b.element_size() == 1 else b), n
