@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 
 import transformer_engine_compile as te
 from transformer_engine_compile import recipe
-from transformer_engine_compile.module import linear as L
+from transformer_engine_compile.module import linear_ops as L
 
 from test_linear import RECIPES, _reset
 
@@ -133,7 +133,7 @@ def test_delayed_scaling_producer_state_and_consumer_history():
 
 
 def _count_quantize_calls(monkeypatch) -> list:
-    """Record (shape, internal) of every tensor ``linear.py`` quantizes
+    """Record (shape, internal) of every tensor ``linear_ops.py`` quantizes
     through ``_quantize``: internal for a layer's own operands, a wrapper
     (not internal) for the fp8_grad output."""
     calls, original = [], L._quantize

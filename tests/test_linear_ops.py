@@ -11,7 +11,7 @@ from transformer_engine_compile import recipe
 from transformer_engine_compile.dynamo import compat
 from transformer_engine_compile.dynamo.custom_op import OpResult
 from transformer_engine_compile.dynamo.tensor_proto import TensorProto
-from transformer_engine_compile.module import linear as L
+from transformer_engine_compile.module import linear_ops as L
 from transformer_engine_compile.quantization import factory
 
 from test_linear import RECIPES, _make_step, _reset

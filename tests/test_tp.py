@@ -14,7 +14,7 @@ import torch
 
 import transformer_engine_compile as te
 from transformer_engine_compile import distributed as D
-from transformer_engine_compile.module import linear as L
+from transformer_engine_compile.module import linear_ops as L
 
 import tp_harness as H
 

@@ -1,0 +1,420 @@
+"""``te.Linear``'s two custom ops: ``y = x W^T + b`` with quantized GEMMs.
+
+The forward and backward are written once, against :class:`LinearFwdArgs`
+and :class:`LinearBwdArgs`.  Eager mode runs them under a
+``torch.autograd.Function``; under ``torch.compile`` they run inside two
+generated custom ops (``te_compile::linear_fwd`` / ``linear_bwd``).  Each
+real impl has a fake next to it that follows the same control flow on
+:class:`TensorProto`s; the layout-parity test holds them together.  The
+module that builds the arguments is ``linear.py``.
+
+GEMM operands and copies (usages), see ``kernels/gemm.py``:
+fprop uses x rowwise and W rowwise, dgrad dy rowwise and W columnwise,
+wgrad dy columnwise and x columnwise.
+
+Tensor / sequence parallelism (``parallel_mode``, ``sequence_parallel``):
+the collectives run inside the same ops, see ``distributed.py``; the fakes
+scale the leading dim (an all-gather multiplies it by ``tp_size``, a
+reduce-scatter divides it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from .. import distributed as D
+from .. import kernels
+from ..dynamo import compat
+from ..dynamo.buckets import TensorOrQuantized
+from ..dynamo.custom_op import OpResult, register_custom_op
+from ..dynamo.opaque import is_value_opaque
+from ..dynamo.tensor_proto import TensorProto, to_tensor_proto
+from ..kernels.gemm import gemm
+from ..quantization.base import QuantizedTensorStorage, Quantizer
+
+try:
+    from torch.distributed import ProcessGroup
+except ImportError:  # pragma: no cover - torch built without distributed
+    ProcessGroup = None
+
+
+@dataclasses.dataclass
+class LinearFwdArgs:
+    """Everything the forward needs; the contract with the op generator."""
+
+    inp: torch.Tensor                      # (..., in_features), high precision
+    weight: TensorOrQuantized              # (out, in): parameter or FP8 primary weight
+    bias: Optional[torch.Tensor] = None
+    weight_workspace: TensorOrQuantized = None  # cached quantized weight (module buffers)
+    input_quantizer: Optional[Quantizer] = None
+    weight_quantizer: Optional[Quantizer] = None
+    output_quantizer: Optional[Quantizer] = None  # fp8_output
+    grad_output_quantizer: Optional[Quantizer] = None
+    grad_input_quantizer: Optional[Quantizer] = None  # fp8_grad: quantizes dgrad
+    input_requires_grad: bool = False
+    weight_requires_grad: bool = False
+    bias_requires_grad: bool = False
+    save_original_input: bool = False      # save x, re-quantize it in backward
+    cache_weight: bool = False             # quantize the weight into weight_workspace
+    main_grad: Optional[torch.Tensor] = None  # fuse_wgrad_accumulation target (fp32)
+    # DelayedScaling state (module buffers): columns input, weight /
+    # grad_output, grad_input (the fp8_grad output)
+    amax_history_fwd: Optional[torch.Tensor] = None  # (L, 2), updated by the forward
+    scale_fwd: Optional[torch.Tensor] = None         # (2,)
+    amax_history_bwd: Optional[torch.Tensor] = None  # (L, 2), updated by the backward
+    scale_bwd: Optional[torch.Tensor] = None         # (2,)
+    parallel_mode: Optional[str] = None    # None, "column" or "row"
+    sequence_parallel: bool = False
+    tp_size: int = 1
+    tp_group: Optional[ProcessGroup] = None
+
+    def quantizers(self) -> tuple:
+        return (self.input_quantizer, self.weight_quantizer, self.output_quantizer,
+                self.grad_output_quantizer, self.grad_input_quantizer)
+
+    def compile_unsupported_reason(self) -> Optional[str]:
+        """Name of the first configuration the ops do not model, else None
+        (keys of ``dynamo.fallback.REASONS``)."""
+        if compat.OPAQUE_UNAVAILABLE_REASON is not None:
+            return "no_opaque_api"
+        quantizers = self.quantizers()
+        if isinstance(self.weight, QuantizedTensorStorage):
+            quantizers = quantizers + (self.weight._quantizer,)
+            if self.weight._quantizer is None:
+                return "quantizer_not_value_opaque"
+        for q in quantizers:
+            if q is not None and not is_value_opaque(q):
+                return "quantizer_not_value_opaque"
+        return None
+
+
+@dataclasses.dataclass
+class LinearBwdArgs:
+    grad_output: TensorOrQuantized         # (..., out_features); quantized from fp8_grad
+    inputmat: TensorOrQuantized = None     # x (columnwise copy if quantized), for wgrad
+    weightmat: TensorOrQuantized = None    # W (columnwise copy if quantized), for dgrad
+    input_quantizer: Optional[Quantizer] = None  # re-quantizes x if save_original_input
+    grad_output_quantizer: Optional[Quantizer] = None
+    grad_input_quantizer: Optional[Quantizer] = None  # dgrad leaves quantized (fp8_grad)
+    input_requires_grad: bool = False
+    weight_requires_grad: bool = False
+    bias_requires_grad: bool = False
+    weight_dtype: torch.dtype = torch.float32
+    bias_dtype: Optional[torch.dtype] = None
+    main_grad: Optional[torch.Tensor] = None     # receives wgrad by add_ (backward update)
+    amax_history_bwd: Optional[torch.Tensor] = None
+    scale_bwd: Optional[torch.Tensor] = None
+    parallel_mode: Optional[str] = None
+    sequence_parallel: bool = False
+    tp_size: int = 1
+    tp_group: Optional[ProcessGroup] = None
+
+
+def _out_shape(x_shape, weight_shape) -> tuple:
+    return (*x_shape[:-1], weight_shape[0])
+
+
+def _tp(args) -> tuple:
+    """(parallel mode, sequence parallel) when the layer is split over more
+    than one rank, else (None, False): a group of one needs no collective."""
+    if args.parallel_mode is None or args.tp_size == 1:
+        return None, False
+    return args.parallel_mode, args.sequence_parallel
+
+
+# -- delayed scaling ------------------------------------------------------------------
+def _quantize(q, x, scales, slot: int):
+    """``q.quantize(x)``, or with the layer's delayed-scaling scale ``scales[slot]``."""
+    return q.quantize(x) if scales is None else q.quantize_with_scale(x, scales[slot])
+
+
+def _amax(x) -> torch.Tensor:
+    x2d = x.detach().reshape(-1, x.shape[-1])
+    return kernels.get("amax", x2d)(x2d).reshape(()).float()
+
+
+def _delayed_updates(q, history, amaxes: list, prefix: str) -> dict:
+    """Outputs that update the delayed-scaling buffers (LINEAR_OPS's ``*_updates``)."""
+    if history is None:
+        return {}
+    new_history, new_scale = q.step(history, torch.stack(amaxes))
+    return {f"amax_history_{prefix}": new_history, f"scale_{prefix}": new_scale}
+
+
+def _delayed_updates_fake(history, prefix: str) -> dict:
+    if history is None:
+        return {}
+    return {f"amax_history_{prefix}": TensorProto(history.shape, history.dtype,
+                                                  device=history.device),
+            f"scale_{prefix}": TensorProto(history.shape[1:], history.dtype,
+                                           device=history.device)}
+
+
+# -- forward ------------------------------------------------------------------------
+def _reuses_workspace(args) -> bool:
+    return args.weight_workspace is not None and not args.cache_weight
+
+
+def _weight_for_gemm(args: LinearFwdArgs):
+    """(weight operand, freshly cached workspace or None)."""
+    if _reuses_workspace(args):
+        return args.weight_workspace, None
+    w = args.weight
+    if isinstance(w, QuantizedTensorStorage) or args.weight_quantizer is None:
+        return w, None
+    q = args.weight_quantizer.with_usage(
+        rowwise=True, columnwise=args.input_requires_grad or args.cache_weight)
+    wq = _quantize(q, w, args.scale_fwd, 1)
+    return wq, (wq if args.cache_weight else None)
+
+
+def _weight_for_gemm_fake(args: LinearFwdArgs):
+    if _reuses_workspace(args):
+        return args.weight_workspace, None
+    w = args.weight
+    if w.is_quantized or args.weight_quantizer is None:
+        return w, None
+    q = args.weight_quantizer.with_usage(
+        rowwise=True, columnwise=args.input_requires_grad or args.cache_weight)
+    wq = TensorProto(w.shape, w.dtype, q, device=w.device)
+    return wq, (wq if args.cache_weight else None)
+
+
+def _input_usage(args: LinearFwdArgs) -> dict:
+    return {"rowwise": True,
+            "columnwise": args.weight_requires_grad and not args.save_original_input}
+
+
+def _input_quantizer(args: LinearFwdArgs):
+    q = args.input_quantizer
+    return None if q is None else q.with_usage(**_input_usage(args))
+
+
+def linear_forward(args: LinearFwdArgs) -> OpResult:
+    x = args.inp
+    mode, sp = _tp(args)
+    q = _input_quantizer(args)
+    if mode == "column" and sp:  # x_total is None when only FP8 bytes were gathered
+        x_total, xq = D.gather_and_quantize(x, q, args.tp_group, args.tp_size,
+                                            quantized_gather=not args.save_original_input)
+    else:
+        x_total, xq = x, (x if q is None else _quantize(q, x, args.scale_fwd, 0))
+    w, workspace = _weight_for_gemm(args)
+    y = gemm(xq, "rowwise", w, "rowwise", x.dtype, None if mode == "row" else args.bias,
+             fast_accum=True).view(_out_shape(xq.shape, w.shape))
+    if mode == "row":  # partial sums over in_features: reduce, then add the bias once
+        y = (D.reduce_scatter_first_dim(y, args.tp_group, args.tp_size) if sp
+             else D.all_reduce_sum(y, args.tp_group))
+        if args.bias is not None:
+            y = y + args.bias
+    if args.output_quantizer is not None:
+        y = args.output_quantizer.quantize(y)
+    saved_x = None
+    if args.weight_requires_grad:
+        saved_x = x_total
+        if xq is not x_total and not args.save_original_input:
+            xq.update_usage(rowwise_usage=False)  # wgrad reads the columnwise copy only
+            saved_x = xq
+    saved_w = w if args.input_requires_grad else None
+    state = {}
+    if args.amax_history_fwd is not None:
+        w_amax = (torch.zeros((), device=x.device) if isinstance(args.weight, QuantizedTensorStorage)
+                  else _amax(args.weight))
+        state = _delayed_updates(args.input_quantizer, args.amax_history_fwd,
+                                 [_amax(x), w_amax], "fwd")
+    return OpResult({"out": y, "weight_workspace": workspace, **state},
+                    {"inputmat": saved_x, "weightmat": saved_w, **_saved_for_updates(args)})
+
+
+def _saved_for_updates(args: LinearFwdArgs) -> dict:
+    """Forward arguments the backward writes into (aliases, not copies)."""
+    return {"main_grad": args.main_grad, "amax_history_bwd": args.amax_history_bwd,
+            "scale_bwd": args.scale_bwd}
+
+
+def linear_forward_fake(args: LinearFwdArgs) -> OpResult:
+    x = args.inp
+    mode, sp = _tp(args)
+    q = _input_quantizer(args)
+    x_total = x
+    if mode == "column" and sp:
+        x_total = TensorProto(D.gathered_shape(x.shape, args.tp_size), x.dtype, device=x.device)
+    xq = x_total if q is None else TensorProto(x_total.shape, x.dtype, q, device=x.device)
+    if mode == "column" and sp and q is not None and D.gathers_quantized(
+            q, not args.save_original_input):
+        x_total = None
+    w, workspace = _weight_for_gemm_fake(args)
+    y_shape = _out_shape(xq.shape, w.shape)
+    if mode == "row" and sp:
+        y_shape = D.scattered_shape(y_shape, args.tp_size)
+    y = TensorProto(y_shape, x.dtype, device=x.device)
+    if args.output_quantizer is not None:
+        y = TensorProto(y.shape, y.dtype, args.output_quantizer, device=x.device)
+    saved_x = None
+    if args.weight_requires_grad:
+        saved_x = x_total
+        if xq is not x_total and not args.save_original_input:
+            xq.update_usage(rowwise=False)
+            saved_x = xq
+    saved_w = w if args.input_requires_grad else None
+    return OpResult({"out": y, "weight_workspace": workspace,
+                     **_delayed_updates_fake(args.amax_history_fwd, "fwd")},
+                    {"inputmat": saved_x, "weightmat": saved_w, **_saved_for_updates(args)})
+
+
+def linear_setup_context(args: LinearFwdArgs) -> dict:
+    """Non-tensor fields of LinearBwdArgs (tensors come from ``saved``)."""
+    return {
+        "input_quantizer": args.input_quantizer if args.save_original_input else None,
+        "grad_output_quantizer": args.grad_output_quantizer,
+        "grad_input_quantizer": args.grad_input_quantizer,
+        "input_requires_grad": args.input_requires_grad,
+        "weight_requires_grad": args.weight_requires_grad,
+        "bias_requires_grad": args.bias_requires_grad,
+        "weight_dtype": args.weight.dtype,
+        "bias_dtype": None if args.bias is None else args.bias.dtype,
+        "parallel_mode": args.parallel_mode,
+        "sequence_parallel": args.sequence_parallel,
+        "tp_size": args.tp_size,
+        "tp_group": args.tp_group,
+    }
+
+
+# -- backward ------------------------------------------------------------------------
+def _grad_output_usage(args: LinearBwdArgs) -> dict:
+    return {"rowwise": args.input_requires_grad, "columnwise": args.weight_requires_grad}
+
+
+def _grad_output_quantizer(args: LinearBwdArgs):
+    """The quantizer dy needs for the GEMMs that run, else None."""
+    if args.grad_output_quantizer is None or not (args.input_requires_grad
+                                                  or args.weight_requires_grad):
+        return None
+    return args.grad_output_quantizer.with_usage(**_grad_output_usage(args))
+
+
+def _incoming_quantizer(dy):
+    """Quantizer (with the usages present) of a quantized dy, real or proto; else None."""
+    if isinstance(dy, TensorProto):
+        return dy.quantizer
+    if isinstance(dy, QuantizedTensorStorage) and dy._quantizer is not None:
+        return to_tensor_proto(dy).quantizer
+    return None
+
+
+def _uses_quantized_grad(args: LinearBwdArgs, q) -> bool:
+    """True when dy arrived quantized (``fp8_grad`` of the next layer) in
+    exactly the format this layer would make, with the copies it needs: the
+    GEMMs then read it as is, bit for bit what quantizing dy here gives.
+    Under DelayedScaling dy keeps the scale it was quantized with (the next
+    layer's grad-input scale).  Otherwise a quantized dy is dequantized
+    first (another recipe, a missing copy, or row + SP, which gathers
+    high-precision shards)."""
+    incoming = _incoming_quantizer(args.grad_output)
+    if incoming is None or q is None:
+        return False
+    if _tp(args) == ("row", True):
+        return False
+    same = dict(rowwise=True, columnwise=True, internal=True)
+    if incoming.with_usage(**same) != q.with_usage(**same):
+        return False
+    return ((incoming.rowwise_usage or not q.rowwise_usage)
+            and (incoming.columnwise_usage or not q.columnwise_usage))
+
+
+def _needs_requantized_input(args: LinearBwdArgs, x) -> bool:
+    """True when the saved input is high precision but wgrad is quantized
+    (save_original_input); ``x`` is a tensor/storage (real) or a proto (fake)."""
+    quantized_x = (isinstance(x, QuantizedTensorStorage)
+                   or (isinstance(x, TensorProto) and x.is_quantized))
+    return args.input_quantizer is not None and not quantized_x
+
+
+def linear_backward(args: LinearBwdArgs) -> dict:
+    dy = args.grad_output
+    mode, sp = _tp(args)
+    q = _grad_output_quantizer(args)
+    delayed = q is not None and args.amax_history_bwd is not None
+    if _uses_quantized_grad(args, q):
+        dyq = dy  # its amax (delayed scaling) and bias gradient: from its values
+        dy = dy_total = dy.dequantize() if args.bias_requires_grad or delayed else None
+    else:
+        if isinstance(dy, QuantizedTensorStorage):
+            dy = dy.dequantize()
+        if mode == "row" and sp:  # dy_total is None when only FP8 bytes were gathered
+            dy_total, dyq = D.gather_and_quantize(dy, q, args.tp_group, args.tp_size)
+        else:
+            dy_total, dyq = dy, (dy if q is None else _quantize(q, dy, args.scale_bwd, 0))
+    amaxes = [_amax(dy), torch.zeros((), device=dy.device)] if delayed else None
+    dtype, n_out = args.grad_output.dtype, args.grad_output.shape[-1]
+    dgrad = wgrad = dbias = None
+    if args.input_requires_grad:
+        w = args.weightmat
+        dgrad = gemm(dyq, "rowwise", w, "columnwise", dtype).view(
+            *dyq.shape[:-1], w.shape[-1])
+        if mode == "column":  # partial sums over out_features
+            dgrad = (D.reduce_scatter_first_dim(dgrad, args.tp_group, args.tp_size) if sp
+                     else D.all_reduce_sum(dgrad, args.tp_group))
+        if args.grad_input_quantizer is not None:  # fp8_grad: the previous layer's dy
+            if delayed:
+                amaxes[1] = _amax(dgrad)
+            dgrad = _quantize(args.grad_input_quantizer, dgrad, args.scale_bwd, 1)
+    state = {} if not delayed else _delayed_updates(q, args.amax_history_bwd, amaxes, "bwd")
+    if args.weight_requires_grad:
+        x = args.inputmat
+        if _needs_requantized_input(args, x):
+            x = args.input_quantizer.with_usage(rowwise=False, columnwise=True).quantize(x)
+        if args.main_grad is not None:  # accumulated by the "main_grad" update
+            state["main_grad"] = gemm(dyq, "columnwise", x, "columnwise", args.main_grad.dtype)
+        else:
+            wgrad = gemm(dyq, "columnwise", x, "columnwise", args.weight_dtype)
+    if args.bias_requires_grad:
+        if dy_total is not None:
+            dbias = dy_total.reshape(-1, n_out).sum(0).to(args.bias_dtype)
+        else:  # row + SP with FP8 gather: sum the shards' partial sums
+            partial = dy.reshape(-1, n_out).float().sum(0)
+            dbias = D.all_reduce_sum(partial, args.tp_group).to(args.bias_dtype)
+    return {"inp": dgrad, "weight": wgrad, "bias": dbias, **state}
+
+
+def linear_backward_fake(args: LinearBwdArgs) -> dict:
+    dy = args.grad_output
+    mode, sp = _tp(args)
+    q = _grad_output_quantizer(args)
+    rows = dy.shape[:-1]
+    if mode == "row" and sp:
+        rows = D.gathered_shape(rows, args.tp_size)
+    dgrad = wgrad = dbias = None
+    if args.input_requires_grad:
+        dgrad_shape = (*rows, args.weightmat.shape[-1])
+        if mode == "column" and sp:
+            dgrad_shape = D.scattered_shape(dgrad_shape, args.tp_size)
+        dgrad = TensorProto(dgrad_shape, dy.dtype, args.grad_input_quantizer, device=dy.device)
+    state = _delayed_updates_fake(args.amax_history_bwd, "bwd") if q is not None else {}
+    if args.weight_requires_grad:
+        shape = (dy.shape[-1], args.inputmat.shape[-1])
+        if args.main_grad is None:
+            wgrad = TensorProto(shape, args.weight_dtype, device=dy.device)
+        else:
+            state["main_grad"] = TensorProto(shape, args.main_grad.dtype, device=dy.device)
+    if args.bias_requires_grad:
+        dbias = TensorProto((dy.shape[-1],), args.bias_dtype, device=dy.device)
+    return {"inp": dgrad, "weight": wgrad, "bias": dbias, **state}
+
+
+LINEAR_OPS = register_custom_op(
+    "linear",
+    fwd_args=LinearFwdArgs, bwd_args=LinearBwdArgs,
+    forward=linear_forward, forward_fake=linear_forward_fake,
+    backward=linear_backward, backward_fake=linear_backward_fake,
+    setup_context=linear_setup_context,
+    grad_fields={"grad_output": "out"},
+    # state written right after the ops, visible to PyTorch (see custom_op.py)
+    forward_updates={"weight_workspace": "weight_workspace", "amax_history_fwd":
+                     "amax_history_fwd", "scale_fwd": "scale_fwd"},
+    backward_updates={"main_grad": ("main_grad", "add"), "amax_history_bwd": "amax_history_bwd",
+                      "scale_bwd": "scale_bwd"},
+)
