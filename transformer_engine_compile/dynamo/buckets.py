@@ -60,7 +60,11 @@ class SimpleValues(compat.OpaqueBase):
         return type(other) is SimpleValues and self.items == other.items
 
     def __hash__(self):
-        return hash(self.items)
+        # cached: the op impls look their decoder up by this value on every call
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = self.__dict__["_hash"] = hash(self.items)
+        return h
 
     def __fx_repr__(self):
         return f"SimpleValues({self.items!r})", {"SimpleValues": SimpleValues}

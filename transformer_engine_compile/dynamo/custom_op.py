@@ -46,7 +46,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..quantization.base import QuantizedTensorStorage, storage_parts
+from ..quantization.base import QuantizedTensorStorage, storage_parts, storage_registry
 from ..quantization.wrapper import QuantizedTensor
 from . import buckets as B
 from .tensor_proto import TensorProto, to_tensor_proto
@@ -119,6 +119,7 @@ class ArgPlan:
         self.fields = tuple((f.name, B.bucket_for(hints[f.name])) for f in dataclasses.fields(cls))
         self.tensor_fields = tuple(n for n, b in self.fields if b.kind in
                                    ("tensor", "optional_tensor", "tensor_or_quantized"))
+        self._decoders: dict = {}  # SimpleValues -> _Decoder
 
     def schema_args(self) -> str:
         args = [a for name, b in self.fields for a in b.schema(name)]
@@ -151,7 +152,17 @@ class ArgPlan:
             pos += bucket.n_args
 
     def decode(self, flat):
-        """Rebuild the dataclass from flat op arguments."""
+        """Rebuild the dataclass from flat op arguments.  What depends only on
+        the simple values (a trace-time constant of the call site) is worked
+        out once per distinct value, see :class:`_Decoder`."""
+        simple = flat[-1]
+        decoder = self._decoders.get(simple)
+        if decoder is None:
+            decoder = self._decoders[simple] = _Decoder(self, simple)
+        return decoder(flat)
+
+    def decode_slow(self, flat):
+        """Field by field through the buckets (the definition ``decode`` caches)."""
         return self.cls(**{name: bucket.decode(op_args, entry)
                            for name, bucket, op_args, entry in self._split(flat)})
 
@@ -203,6 +214,76 @@ def _proto(value):
     return None if value is None else to_tensor_proto(value)
 
 
+class _Decoder:
+    """Decoding of one call site's flat arguments, for one :class:`SimpleValues`.
+
+    The simple fields, the unsupported ones (None) and the structure of
+    every tensor-or-quantized field are constants of the call site: they
+    are decoded once here.  A call then only places its tensors (and
+    builds storages from buffers) into a dataclass made without running
+    its ``__init__`` (the same fields, all given)."""
+
+    def __init__(self, plan: ArgPlan, simple):
+        entries = simple.as_dict()
+        self.cls = plan.cls
+        self.constants = {}
+        self.readers = []  # (field, position, how, extra)
+        pos = 0
+        for name, bucket in plan.fields:
+            kind = bucket.kind
+            if kind in ("simple", "unsupported"):
+                self.constants[name] = bucket.decode([], entries.get(name))
+            elif kind in ("tensor", "optional_tensor"):
+                self.readers.append((name, pos, "plain", None))
+            elif kind == "quantizer":
+                self.readers.append((name, pos, "quantizer", None))
+            elif kind == "process_group":
+                self.readers.append((name, pos, "group", bucket))
+            elif kind == "tensor_or_quantized":
+                entry = entries[name]
+                if entry[0] == "none":
+                    self.constants[name] = None
+                elif entry[0] == "tensor":
+                    self.readers.append((name, pos, "first", None))
+                else:
+                    _, cls_name, dtype_name, extras, names = entry
+                    storage = storage_registry()[cls_name]
+                    self.readers.append((name, pos, "quantized",
+                                         (storage, getattr(torch, dtype_name), extras, names)))
+            else:  # pragma: no cover - bucket_for returns only the kinds above
+                raise TypeError(f"no decoder for bucket kind {kind!r}")
+            pos += bucket.n_args
+        self.direct = plan.cls.__dict__.get("__post_init__") is None
+
+    def __call__(self, flat):
+        values = dict(self.constants)
+        for name, pos, how, extra in self.readers:
+            if how == "plain":
+                values[name] = flat[pos]
+            elif how == "first":
+                values[name] = flat[pos][0]
+            elif how == "quantizer":
+                slot = flat[pos]
+                values[name] = None if slot is None else slot.quantizer
+            elif how == "group":
+                values[name] = extra.decode([flat[pos]], None)
+            else:
+                tensors = flat[pos]
+                if isinstance(tensors[0], QuantizedTensor):  # above the unwrap rule
+                    values[name] = tensors[0]
+                    continue
+                storage, dtype, extras, names = extra
+                slot = flat[pos + 2]
+                values[name] = storage._assemble(
+                    flat[pos + 1], dtype, None if slot is None else slot.quantizer, extras,
+                    dict(zip(names, tensors)))
+        if not self.direct:
+            return self.cls(**values)
+        args = object.__new__(self.cls)
+        args.__dict__.update(values)
+        return args
+
+
 # -- flat layouts --------------------------------------------------------------------
 def _entry_count(value) -> int:
     if value is None:
@@ -228,18 +309,31 @@ def _alias_names(args, outputs: dict, arg_fields) -> dict:
 
 def flatten_result(result: OpResult, args, arg_fields) -> list:
     """The op's ``Tensor[]`` return: outputs, then saved values that are not
-    aliases.  For a proto result (the fake kernel) the protos are materialised."""
-    aliases = _alias_names(args, result.outputs, arg_fields)
+    aliases (the same object as an argument or an output).  For a proto
+    result (the fake kernel) the protos are materialised."""
+    taken = {id(getattr(args, f)) for f in arg_fields}
     flat = []
-    for value in list(result.outputs.values()) + [
-            v for v in result.saved.values() if v is not None and id(v) not in aliases]:
-        if isinstance(value, TensorProto):
-            value = value.create_tensor()
-        if isinstance(value, QuantizedTensorStorage):
-            flat.extend(value.buffers().values())
-        elif value is not None:
-            flat.append(value)
+    for name, value in result.outputs.items():
+        if value is None:
+            continue
+        if id(value) in taken:
+            _alias_names(args, result.outputs, arg_fields)  # raises, naming the alias
+            raise RuntimeError(f"output {name!r} aliases an argument or another output")
+        taken.add(id(value))
+        _append_flat(flat, value)
+    for value in result.saved.values():
+        if value is not None and id(value) not in taken:
+            _append_flat(flat, value)
     return flat
+
+
+def _append_flat(flat: list, value) -> None:
+    if isinstance(value, TensorProto):
+        value = value.create_tensor()
+    if isinstance(value, QuantizedTensorStorage):
+        flat.extend(value.buffers().values())
+    else:
+        flat.append(value)
 
 
 class _Layout(NamedTuple):
@@ -306,7 +400,8 @@ def pack_saved(saved: dict):
             spec.append((name, None))
         elif isinstance(value, QuantizedTensorStorage) and not isinstance(value, torch.Tensor):
             bufs = value.buffers()
-            spec.append((name, (value._meta(), tuple(value.shape), tuple(bufs), len(tensors))))
+            spec.append((name, (type(value), value._te_shape, value._te_dtype, value._quantizer,
+                                value.extras(), tuple(bufs), len(tensors))))
             tensors.extend(bufs.values())
         else:
             spec.append((name, len(tensors)))
@@ -322,8 +417,9 @@ def unpack_saved(tensors, spec) -> dict:
         elif isinstance(s, int):
             out[name] = tensors[s]
         else:
-            meta, shape, names, start = s
-            out[name] = meta.build(shape, dict(zip(names, tensors[start:start + len(names)])))
+            cls, shape, dtype, quantizer, extras, names, start = s
+            out[name] = cls._assemble(shape, dtype, quantizer, extras,
+                                      dict(zip(names, tensors[start:start + len(names)])))
     return out
 
 

@@ -66,8 +66,10 @@ def get(name: str, x: torch.Tensor) -> Callable:
     # region) gets the reference, which inductor fuses itself; the custom
     # ops run their impls at run time, where the fast kernels apply.
     if _fast_enabled and not torch.compiler.is_compiling():
-        _load(x.device.type)
-        fn = _FAST.get((name, x.device.type))
+        device_type = x.device.type
+        if device_type not in _loaded_devices:
+            _load(device_type)
+        fn = _FAST.get((name, device_type))
         if fn is not None:
             return fn
     if name == "gemm":  # lives in gemm.py, which imports quantization (import cycle)

@@ -12,8 +12,10 @@ from typing import Optional
 import torch
 
 from .. import distributed as D
+from ..autocast import get_autocast_recipe
 from ..dynamo.state import ensure_buffers, register_module
 from ..quantization.base import QuantizedTensorStorage
+from ..quantization import factory
 from .linear_ops import LINEAR_OPS, LinearBwdArgs, LinearFwdArgs, _input_usage
 
 __all__ = ["Linear", "LinearFwdArgs", "LinearBwdArgs", "LINEAR_OPS"]
@@ -147,9 +149,6 @@ class Linear(torch.nn.Module):
         return self.parallel_mode is not None and self.tp_size > 1
 
     def _make_args(self, inp, is_first_microbatch, fp8_output, fp8_grad) -> LinearFwdArgs:
-        from ..autocast import get_autocast_recipe
-        from ..quantization.factory import quantizer_for
-
         self._check_input(inp)
         recipe = get_autocast_recipe()
         weight, bias = self.weight, self.bias
@@ -179,14 +178,17 @@ class Linear(torch.nn.Module):
         if fp8_grad:
             self._check_fp8_grad(recipe)
         if recipe is not None:
-            args.input_quantizer = quantizer_for(recipe, "input", internal=True)
-            args.weight_quantizer = quantizer_for(recipe, "weight", internal=True)
-            args.grad_output_quantizer = quantizer_for(recipe, "grad_output", internal=True)
+            # eager calls share memoized quantizers; traced code builds its own
+            make = (factory.quantizer_for if torch.compiler.is_compiling()
+                    else factory.shared_quantizer_for)
+            args.input_quantizer = make(recipe, "input", internal=True)
+            args.weight_quantizer = make(recipe, "weight", internal=True)
+            args.grad_output_quantizer = make(recipe, "grad_output", internal=True)
             if fp8_output:
-                args.output_quantizer = quantizer_for(recipe, "output")
+                args.output_quantizer = make(recipe, "output")
             if fp8_grad and args.input_requires_grad:  # both copies: the consumer's dgrad, wgrad
-                args.grad_input_quantizer = quantizer_for(recipe, "grad_input").with_usage(
-                    rowwise=True, columnwise=True)  # (under DelayedScaling: scale_bwd[1])
+                args.grad_input_quantizer = make(recipe, "grad_input").usage_variant(
+                    True, True)  # (under DelayedScaling: scale_bwd[1])
             self._check_shapes(args, inp)
         elif not isinstance(weight, QuantizedTensorStorage) and inp.dtype != weight.dtype:
             raise TypeError(f"te.Linear: input dtype {inp.dtype} differs from the weight's "
@@ -288,7 +290,7 @@ class Linear(torch.nn.Module):
                 continue
             if not (usage["rowwise"] or usage["columnwise"]):
                 continue
-            k_mult, m_mult, label = q.with_usage(**usage).divisibility()
+            k_mult, m_mult, label = q.usage_variant(**usage).divisibility()
             if cols % k_mult != 0 or rows % m_mult != 0:
                 raise ValueError(
                     f"te.Linear({self.in_features} -> {self.out_features}): the {role} as a "

@@ -127,8 +127,11 @@ def _tp(args) -> tuple:
 
 # -- delayed scaling ------------------------------------------------------------------
 def _quantize(q, x, scales, slot: int):
-    """``q.quantize(x)``, or with the layer's delayed-scaling scale ``scales[slot]``."""
-    return q.quantize(x) if scales is None else q.quantize_with_scale(x, scales[slot])
+    """``q.quantize(x)``, or with the layer's delayed-scaling scale ``scales[slot]``;
+    unchecked (the lean path): ``Linear`` validated the shapes before the ops."""
+    if scales is None:
+        return q.quantize_unchecked(x)
+    return q.quantize_with_scale(x, scales[slot], checked=False)
 
 
 def _amax(x) -> torch.Tensor:
@@ -165,8 +168,7 @@ def _weight_for_gemm(args: LinearFwdArgs):
     w = args.weight
     if isinstance(w, QuantizedTensorStorage) or args.weight_quantizer is None:
         return w, None
-    q = args.weight_quantizer.with_usage(
-        rowwise=True, columnwise=args.input_requires_grad or args.cache_weight)
+    q = args.weight_quantizer.usage_variant(True, args.input_requires_grad or args.cache_weight)
     wq = _quantize(q, w, args.scale_fwd, 1)
     return wq, (wq if args.cache_weight else None)
 
@@ -177,8 +179,7 @@ def _weight_for_gemm_fake(args: LinearFwdArgs):
     w = args.weight
     if w.is_quantized or args.weight_quantizer is None:
         return w, None
-    q = args.weight_quantizer.with_usage(
-        rowwise=True, columnwise=args.input_requires_grad or args.cache_weight)
+    q = args.weight_quantizer.usage_variant(True, args.input_requires_grad or args.cache_weight)
     wq = TensorProto(w.shape, w.dtype, q, device=w.device)
     return wq, (wq if args.cache_weight else None)
 
@@ -190,7 +191,9 @@ def _input_usage(args: LinearFwdArgs) -> dict:
 
 def _input_quantizer(args: LinearFwdArgs):
     q = args.input_quantizer
-    return None if q is None else q.with_usage(**_input_usage(args))
+    if q is None:
+        return None
+    return q.usage_variant(**_input_usage(args))
 
 
 def linear_forward(args: LinearFwdArgs) -> OpResult:
@@ -284,16 +287,13 @@ def linear_setup_context(args: LinearFwdArgs) -> dict:
 
 
 # -- backward ------------------------------------------------------------------------
-def _grad_output_usage(args: LinearBwdArgs) -> dict:
-    return {"rowwise": args.input_requires_grad, "columnwise": args.weight_requires_grad}
-
-
 def _grad_output_quantizer(args: LinearBwdArgs):
     """The quantizer dy needs for the GEMMs that run, else None."""
     if args.grad_output_quantizer is None or not (args.input_requires_grad
                                                   or args.weight_requires_grad):
         return None
-    return args.grad_output_quantizer.with_usage(**_grad_output_usage(args))
+    return args.grad_output_quantizer.usage_variant(args.input_requires_grad,
+                                                    args.weight_requires_grad)
 
 
 def _incoming_quantizer(dy):
@@ -366,7 +366,7 @@ def linear_backward(args: LinearBwdArgs) -> dict:
     if args.weight_requires_grad:
         x = args.inputmat
         if _needs_requantized_input(args, x):
-            x = args.input_quantizer.with_usage(rowwise=False, columnwise=True).quantize(x)
+            x = args.input_quantizer.usage_variant(False, True).quantize_unchecked(x)
         if args.main_grad is not None:  # accumulated by the "main_grad" update
             state["main_grad"] = gemm(dyq, "columnwise", x, "columnwise", args.main_grad.dtype)
         else:

@@ -110,7 +110,7 @@ class Quantizer(OpaqueBase):
     _COMPILE_MEMBERS: ClassVar[tuple] = (
         "format_name", "storage_cls", "tensor_cls", "copy", "with_usage", "describe_buffers",
         "flatten_layout", "create_metadata", "check_shape", "divisibility", "is_stateful",
-        "_te_value_opaque", "gathers_quantized",
+        "_te_value_opaque", "gathers_quantized", "usage_variant",
     )
     # compute on tensors: traced by Dynamo (INLINED)
     _INLINED_MEMBERS: ClassVar[tuple] = (
@@ -137,14 +137,31 @@ class Quantizer(OpaqueBase):
         return False
 
     def copy(self):
-        return _copy.copy(self)
+        q = _copy.copy(self)
+        q.__dict__.pop("_variants", None)  # the copy memoizes its own
+        return q
 
     def set_usage(self, *, rowwise: bool | None = None, columnwise: bool | None = None):
         """Change which copies ``quantize`` makes (mutates; eager code only)."""
+        self.__dict__.pop("_variants", None)
         if rowwise is not None:
             self.rowwise_usage = bool(rowwise)
         if columnwise is not None:
             self.columnwise_usage = bool(columnwise)
+
+    def usage_variant(self, rowwise: bool, columnwise: bool):
+        """Like ``with_usage(rowwise=..., columnwise=...)``, but memoized on
+        this object: the op impls ask for the same few variants on every
+        call.  The result is shared, so callers must never mutate it."""
+        variants = self.__dict__.get("_variants")
+        if variants is None:
+            variants = self.__dict__["_variants"] = {}
+        key = (bool(rowwise), bool(columnwise))
+        q = variants.get(key)
+        if q is None:
+            q = variants[key] = (self if (self.rowwise_usage, self.columnwise_usage) == key
+                                 else self.with_usage(rowwise=key[0], columnwise=key[1]))
+        return q
 
     def with_usage(self, *, rowwise: bool | None = None, columnwise: bool | None = None,
                    internal: bool | None = None):
@@ -266,6 +283,28 @@ class Quantizer(OpaqueBase):
     def __call__(self, x: torch.Tensor):
         return self.quantize(x)
 
+    # -- lean path of the op impls -------------------------------------------------
+    def quantize_unchecked(self, x: torch.Tensor):
+        """``quantize`` without input validation or layout checks, for the op
+        impls: the layer validated the shapes before the ops, and the
+        layout-parity tests hold kernels to the declared buffers.  Never
+        traced by Dynamo (op impls run at run time)."""
+        if x.requires_grad:
+            x = x.detach()
+        x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        return self._from_buffers(x.shape, x.dtype, self._quantize_2d(x2d))
+
+    def _from_buffers(self, shape, dtype, buffers: dict):
+        """The quantized tensor from kernel buffers made on the (M, K) view,
+        without re-deriving the layout: only the rowwise data buffer carries
+        the leading dims of an N-D ``shape``."""
+        cls = self.storage_cls if self.internal else self.tensor_cls
+        logical = cls._LOGICAL_BUFFER
+        if len(shape) != 2 and logical in buffers:
+            data = buffers[logical]
+            buffers = {**buffers, logical: data.view(*shape[:-1], data.shape[-1])}
+        return cls._assemble(shape, dtype, self, self._storage_extras(), buffers)
+
 
 class QuantizedTensorStorage:
     """Holder of a quantized tensor's inner buffers (no autograd, no dispatch).
@@ -277,10 +316,34 @@ class QuantizedTensorStorage:
 
     _BUFFERS: ClassVar[tuple] = ()
     _EXTRAS: ClassVar[tuple] = ()
+    # the rowwise data buffer, the one buffer in the logical (..., K) shape
+    _LOGICAL_BUFFER: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         _STORAGE_REGISTRY[class_key(cls)] = cls
+        cls._LOGICAL_BUFFER = next((s.name for s in cls._BUFFERS if s.usage == "rowwise"), None)
+        cls._BUFFER_ATTRS = tuple((s.name, "_" + s.name) for s in cls._BUFFERS)
+        cls._EMPTY_ATTRS = {"_" + s.name: None for s in cls._BUFFERS}
+
+    @classmethod
+    def _assemble(cls, shape, dtype, quantizer, extras: tuple, buffers: dict):
+        """Construct from parts without ``__init__``'s argument checks (the
+        op impls' hot path; ``buffers`` holds declared names only).  Wrapper
+        tensors need their constructor."""
+        if issubclass(cls, torch.Tensor):
+            return cls(shape, dtype, quantizer=quantizer, **dict(extras), **buffers)
+        obj = object.__new__(cls)
+        attrs = obj.__dict__
+        attrs["_te_shape"] = shape if type(shape) is torch.Size else torch.Size(shape)
+        attrs["_te_dtype"] = dtype
+        attrs["_quantizer"] = quantizer
+        attrs.update(cls._EMPTY_ATTRS)
+        for name, t in buffers.items():
+            attrs["_" + name] = t
+        for name, value in extras:
+            attrs["_" + name] = value
+        return obj
 
     def __init__(self, shape, dtype, *, quantizer=None, requires_grad=False, **kwargs):
         self._te_shape = torch.Size(shape)
@@ -314,12 +377,8 @@ class QuantizedTensorStorage:
     # -- buffers -----------------------------------------------------------------
     def buffers(self) -> dict:
         """Present inner buffers, in declaration (flatten) order."""
-        out = {}
-        for spec in self._BUFFERS:
-            t = getattr(self, "_" + spec.name)
-            if t is not None:
-                out[spec.name] = t
-        return out
+        attrs = self.__dict__
+        return {name: t for name, attr in self._BUFFER_ATTRS if (t := attrs[attr]) is not None}
 
     def extras(self) -> tuple:
         return tuple((name, getattr(self, "_" + name)) for name in self._EXTRAS)

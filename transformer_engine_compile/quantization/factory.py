@@ -51,3 +51,19 @@ def quantizer_for(recipe: R.Recipe, role: str, *, internal: bool = False):
                                              amax_compute_algo=recipe.amax_compute_algo,
                                              internal=internal)
     raise TypeError(f"unknown recipe {type(recipe).__name__}")
+
+
+_SHARED: dict = {}
+
+
+def shared_quantizer_for(recipe: R.Recipe, role: str, *, internal: bool = False):
+    """:func:`quantizer_for`, memoized by the recipe's value: eager layers ask
+    for the same quantizers on every call.  The result is shared between
+    callers and must never be mutated (``with_usage`` returns copies).
+    Compiled code calls :func:`quantizer_for` instead (Dynamo would trace
+    the memo's writes as side effects)."""
+    key = (quantizer_for, recipe, role, internal)  # (a patched quantizer_for: new entries)
+    q = _SHARED.get(key)
+    if q is None:
+        q = _SHARED[key] = quantizer_for(recipe, role, internal=internal)
+    return q

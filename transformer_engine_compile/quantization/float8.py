@@ -81,13 +81,18 @@ class _Float8QuantizerBase(Quantizer):
         return fn(x2d, self._scale_for(x2d), self.fp8_format,
                   self.rowwise_usage, self.columnwise_usage)
 
-    def _quantize_with_given_scale(self, x: torch.Tensor, scale: torch.Tensor):
-        """Quantize ``x`` with an fp32 scale computed elsewhere (one element)."""
-        self._check_input(x)
+    def _quantize_with_given_scale(self, x: torch.Tensor, scale: torch.Tensor,
+                                   checked: bool = True):
+        """Quantize ``x`` with an fp32 scale computed elsewhere (one element);
+        ``checked=False`` is the op impls' lean path (see ``quantize_unchecked``)."""
+        if checked:
+            self._check_input(x)
         x2d = x.detach().reshape(flat_2d(x.shape))
         fn = kernels.get("quantize_fp8_tensorwise", x2d)
-        return self._build(x.shape, x.dtype, fn(x2d, scale.reshape(()).float(), self.fp8_format,
-                                                 self.rowwise_usage, self.columnwise_usage))
+        buffers = fn(x2d, scale, self.fp8_format, self.rowwise_usage, self.columnwise_usage)
+        if checked:
+            return self._build(x.shape, x.dtype, buffers)
+        return self._from_buffers(x.shape, x.dtype, buffers)
 
 
 class Float8Quantizer(_Float8QuantizerBase):
@@ -180,9 +185,9 @@ class Float8DelayedScalingQuantizer(_Float8QuantizerBase):
         raise RuntimeError("Float8DelayedScalingQuantizer has no scale of its own: call "
                            "quantize_with_scale(x, scale) with the layer's scale tensor")
 
-    def quantize_with_scale(self, x: torch.Tensor, scale: torch.Tensor):
+    def quantize_with_scale(self, x: torch.Tensor, scale: torch.Tensor, checked: bool = True):
         """Quantize ``x`` with the layer's fp32 scale (one element)."""
-        return self._quantize_with_given_scale(x, scale)
+        return self._quantize_with_given_scale(x, scale, checked)
 
     def step(self, amax_history: torch.Tensor, amaxes: torch.Tensor) -> tuple:
         """``(new history, new scale)`` after recording ``amaxes``, see
