@@ -138,9 +138,9 @@ def _count_quantize_calls(monkeypatch) -> list:
     (not internal) for the fp8_grad output."""
     calls, original = [], L._quantize
 
-    def spy(q, x, scales, slot):
+    def spy(q, x, scales, slot, amaxes=None):
         calls.append((tuple(x.shape), q.internal))
-        return original(q, x, scales, slot)
+        return original(q, x, scales, slot, amaxes)
 
     monkeypatch.setattr(L, "_quantize", spy)
     return calls

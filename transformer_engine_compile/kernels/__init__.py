@@ -25,6 +25,8 @@ OPS = (
     "quantize_mxfp8",
     "quantize_fp8_blockwise",
     "quantize_nvfp4",
+    "dequantize_mxfp8",
+    "delayed_scaling_step",
     "gemm",
 )
 

@@ -30,12 +30,13 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ..quantization.base import QuantizedTensorStorage
+from ..quantization.base import QuantizedTensorStorage, flat_2d
 from ..quantization.blockwise import Float8BlockwiseQTensorStorage
 from ..quantization.float8 import Float8TensorStorage
 from ..quantization.mxfp8 import MXFP8TensorStorage
 from ..quantization.nvfp4 import NVFP4TensorStorage
-from .gemm import gemm_reference, operand
+from . import get
+from .gemm import gemm_reference
 
 _SCALED_MM_OUT = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -130,11 +131,21 @@ def _fp8_blockwise(a, a_usage, b, b_usage, out_dtype, bias):
     return _add_bias(out, bias)
 
 
+def _mx_operand_bf16(t, usage: str) -> torch.Tensor:
+    """An MXFP8 copy dequantized to bf16 (exact) in one kernel, as GEMM operand:
+    rowwise (M, K); columnwise (K, M), a transposed view cuBLAS reads as is."""
+    t.gemm_operand_check(usage)
+    m, k = flat_2d(t._te_shape)
+    rowwise = usage == "rowwise"
+    data = (t._rowwise_data if rowwise else t._columnwise_data).reshape(m, k)
+    scale = t._rowwise_scale_inv if rowwise else t._columnwise_scale_inv
+    out = get("dequantize_mxfp8", data)(data, scale, rowwise, torch.bfloat16)
+    return out if rowwise else out.t()
+
+
 def _emulated_bf16(a, a_usage, b, b_usage, out_dtype, bias):
-    a2 = operand(a, a_usage).to(torch.bfloat16)
-    b2 = operand(b, b_usage).to(torch.bfloat16)
-    out = torch.nn.functional.linear(a2, b2)
-    return _add_bias(out.to(out_dtype), bias)
+    out = torch.nn.functional.linear(_mx_operand_bf16(a, a_usage), _mx_operand_bf16(b, b_usage))
+    return _add_bias(out if out.dtype == out_dtype else out.to(out_dtype), bias)
 
 
 def gemm_cuda(a, a_usage: str, b, b_usage: str, out_dtype: torch.dtype,

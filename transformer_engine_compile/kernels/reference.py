@@ -63,9 +63,13 @@ def cast_fp8(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 # -- FP8 per-tensor ----------------------------------------------------------------
-def quantize_fp8_tensorwise(x2d, scale, fmt, rowwise, columnwise) -> dict:
-    """data (M, K) and/or transpose (K, M) with one fp32 scale; scale_inv = 1/scale."""
+def quantize_fp8_tensorwise(x2d, scale, fmt, rowwise, columnwise, amax_out=None) -> dict:
+    """data (M, K) and/or transpose (K, M) with one fp32 scale; scale_inv = 1/scale.
+    ``amax_out`` (one fp32 element, in place): raised to the amax of x2d
+    (delayed scaling records it while quantizing)."""
     scale = scale.reshape(1).float()
+    if amax_out is not None:
+        amax_out.copy_(torch.maximum(amax_out, amax(x2d).reshape(amax_out.shape)))
     out = {}
     if rowwise:
         out["data"] = cast_fp8(x2d, scale, fmt)
@@ -91,6 +95,23 @@ def quantize_fp8_current(x2d, fmt, pow2, eps, rowwise, columnwise) -> dict:
 
 def dequantize_fp8_tensorwise(data, scale_inv) -> torch.Tensor:
     return data.float() * scale_inv.float()
+
+
+def delayed_scaling_step(amax_history, amaxes, fmt: str, margin: int, algo: str) -> tuple:
+    """One delayed-scaling update, functional: ``(new history, new scale)``.
+
+    ``amax_history`` is ``(L, n)`` (one column per tensor) or ``(L,)``,
+    ``amaxes`` the ``(n,)`` amaxes of this step, recorded in row 0.  The
+    scale comes from the history (``"max"`` over all rows or
+    ``"most_recent"`` = this step); then the history rolls down one row and
+    row 0 is zeroed for the next step."""
+    shape = amax_history.shape
+    history = amax_history.reshape(shape[0], -1)
+    hist = torch.cat([amaxes.reshape(1, -1).to(history.dtype), history[1:]])
+    amax_ = hist.amax(dim=0) if algo == "max" else hist[0]
+    scale = compute_scale(amax_, FP8_MAX[fmt], margin)
+    rolled = torch.cat([torch.zeros_like(hist[:1]), hist[:-1]])
+    return rolled.reshape(shape), scale.reshape(shape[1:])
 
 
 # -- MXFP8 -----------------------------------------------------------------------------
@@ -137,10 +158,11 @@ def quantize_mxfp8(x2d, fmt, rowwise, columnwise) -> dict:
     return out
 
 
-def dequantize_mxfp8(data2d, biased, rowwise: bool) -> torch.Tensor:
+def dequantize_mxfp8(data2d, biased, rowwise: bool, out_dtype=torch.float32) -> torch.Tensor:
+    """One copy in its (M, K) orientation times its block scales, in ``out_dtype``."""
     scale = e8m0_to_float(biased)
     scale = scale.repeat_interleave(MX_BLOCK, dim=1 if rowwise else 0)
-    return data2d.float() * scale
+    return (data2d.float() * scale).to(out_dtype)
 
 
 # -- FP8 blockwise -------------------------------------------------------------------

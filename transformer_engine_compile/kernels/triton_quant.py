@@ -4,13 +4,20 @@ Each wrapper has the signature of the same-named function in
 ``kernels.reference`` and returns bit-identical buffers (tests/gpu check this
 on random and special values).  What is fused:
 
-* FP8 per-tensor: one amax pass (atomic max over the bits of ``|x|``), then
-  one pass that computes the scale on the device from that amax and writes
-  the rowwise copy, the transposed copy and ``scale_inv`` together.
+* FP8 per-tensor, current scaling: an amax pass whose programs (at most
+  256) each write the max of their tiles (no zero-filled buffer, so no
+  fill kernel), then one pass that reduces those partial maxima, computes
+  the scale on the device and writes the rowwise copy, the transposed copy
+  and ``scale_inv`` together.  With a given scale (delayed scaling) the
+  cast pass alone, optionally recording the tensor's amax.
 * FP8 blockwise (1x128 and 128x128) and MXFP8 (1x32 / 32x1): one pass over
   the tiles that writes both copies and their block scales.
+* MXFP8 dequantization to bf16 (the emulated GEMM's operands) in one pass,
+  and the delayed-scaling history/scale update in one small kernel.
 The transposed copy re-reads its tile transposed (from cache) instead of
-transposing in registers; see ``_tile_t``.
+transposing in registers; see ``_tile_t``.  Inputs are made contiguous
+(M, K) matrices; kernels launch through :class:`triton_launch.Launcher`,
+whose keys are built here from what Triton specializes on.
 
 Nothing here reads a value back to the host, so the kernels can be captured
 in a CUDA graph.  Block maxima reduce the int32 bits of ``|x|``: for
@@ -30,6 +37,7 @@ import triton
 import triton.language as tl
 
 from . import reference as ref
+from .triton_launch import Launcher, int_key, ptr_key
 
 _TL_FP8 = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
 _FP32_MAX = tl.constexpr(ref.FP32_MAX)
@@ -71,11 +79,12 @@ def _cast_fp8(x, s, FMT_MAX: tl.constexpr, OUT: tl.constexpr):
 
 
 @triton.jit
-def _tile(x_ptr, sm, sk, M, K, pid_m, pid_k, BM: tl.constexpr, BK: tl.constexpr):
+def _tile(x_ptr, M, K, pid_m, pid_k, BM: tl.constexpr, BK: tl.constexpr):
+    """The (BM, BK) tile of the contiguous (M, K) matrix at x_ptr, fp32, zeros outside."""
     rm = pid_m * BM + tl.arange(0, BM)
     rk = pid_k * BK + tl.arange(0, BK)
     mask = (rm[:, None] < M) & (rk[None, :] < K)
-    ptrs = x_ptr + rm[:, None].to(tl.int64) * sm + rk[None, :].to(tl.int64) * sk
+    ptrs = x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :]
     return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32), rm, rk, mask
 
 
@@ -85,14 +94,14 @@ def _store_rows(ptr, y, rm, rk, mask, K):
 
 
 @triton.jit
-def _tile_t(x_ptr, sm, sk, M, K, pid_m, pid_k, BM: tl.constexpr, BK: tl.constexpr):
+def _tile_t(x_ptr, M, K, pid_m, pid_k, BM: tl.constexpr, BK: tl.constexpr):
     """The transpose (BK, BM) of the tile ``_tile`` loads, read from memory
     again (the bytes are in cache): no in-register transpose.  tl.trans of a
     tile that is also stored rowwise gave wrong rows on sm_90 (Triton 3.6)."""
     rm = pid_m * BM + tl.arange(0, BM)
     rk = pid_k * BK + tl.arange(0, BK)
     mask_t = (rk[:, None] < K) & (rm[None, :] < M)
-    ptrs = x_ptr + rk[:, None].to(tl.int64) * sk + rm[None, :].to(tl.int64) * sm
+    ptrs = x_ptr + rk[:, None] + rm[None, :].to(tl.int64) * K
     return tl.load(ptrs, mask=mask_t, other=0.0).to(tl.float32), mask_t
 
 
@@ -101,6 +110,16 @@ def _store_transposed(ptr, xt, st, rm, rk, mask_t, M, FMT_MAX: tl.constexpr, OUT
     """Cast the transposed tile ``xt`` (BK, BM) with scale ``st`` into the (K, M) matrix."""
     tl.store(ptr + rk[:, None].to(tl.int64) * M + rm[None, :], _cast_fp8(xt, st, FMT_MAX, OUT),
              mask=mask_t)
+
+
+def _matrix(x2d: torch.Tensor) -> torch.Tensor:
+    """The kernels read a contiguous (M, K) matrix."""
+    return x2d if x2d.is_contiguous() else x2d.contiguous()
+
+
+def _x_key(x2d: torch.Tensor, m: int, k: int) -> tuple:
+    """Launch-key part of the input matrix (see triton_launch)."""
+    return x2d.dtype, ptr_key(x2d), int_key(m), int_key(k)
 
 
 _COPY_BUFFERS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
@@ -122,26 +141,47 @@ def _copy_args(out: dict) -> tuple:
 
 # -- FP8 per-tensor ------------------------------------------------------------------
 @triton.jit
-def _amax_kernel(x_ptr, sm, sk, M, K, out_ptr, BM: tl.constexpr, BK: tl.constexpr):
-    x, _, _, _ = _tile(x_ptr, sm, sk, M, K, tl.program_id(0), tl.program_id(1), BM, BK)
+def _amax_kernel(x_ptr, M, K, out_ptr, BM: tl.constexpr, BK: tl.constexpr):
+    """Atomic max of |x| into the zeroed int32 slot at out_ptr (one tile a program)."""
+    x, _, _, _ = _tile(x_ptr, M, K, tl.program_id(0), tl.program_id(1), BM, BK)
     tl.atomic_max(out_ptr, tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
 
 
 @triton.jit
-def _fp8_tensorwise_kernel(x_ptr, sm, sk, M, K, amax_ptr, scale_ptr, data_ptr, t_ptr, sinv_ptr,
+def _amax_partials_kernel(x_ptr, M, K, part_ptr, BM: tl.constexpr, BK: tl.constexpr):
+    """Program p writes the max |x| bits of tiles p, p + P, p + 2P, ... to part_ptr[p]."""
+    pid = tl.program_id(0)
+    n_k = tl.cdiv(K, BK)
+    acc = tl.zeros((BM, BK), dtype=tl.int32)
+    for t in range(pid, tl.cdiv(M, BM) * n_k, tl.num_programs(0)):
+        x, _, _, _ = _tile(x_ptr, M, K, t // n_k, t % n_k, BM, BK)
+        acc = tl.maximum(acc, _abs_bits(x))
+    tl.store(part_ptr + pid, tl.max(tl.max(acc, axis=1), axis=0))
+
+
+@triton.jit
+def _fp8_tensorwise_kernel(x_ptr, M, K, amax_ptr, n_parts, scale_ptr, data_ptr, t_ptr, sinv_ptr,
                            FMT_MAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr,
-                           FROM_AMAX: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
-                           OUT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+                           FROM_AMAX: tl.constexpr, RECORD_AMAX: tl.constexpr,
+                           ROW: tl.constexpr, COL: tl.constexpr, OUT: tl.constexpr,
+                           BM: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr):
+    """FROM_AMAX: the scale from the n_parts partial maxima at amax_ptr;
+    else the fp32 scale at scale_ptr, and RECORD_AMAX adds this tensor's
+    max |x| to the zeroed int32 slot at amax_ptr (atomic max)."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     if FROM_AMAX:
-        s = _scale_from_amax(tl.load(amax_ptr).to(tl.float32, bitcast=True), FMT_MAX, EPS, POW2)
+        parts = tl.load(amax_ptr + tl.arange(0, NP), mask=tl.arange(0, NP) < n_parts, other=0)
+        s = _scale_from_amax(tl.max(parts, axis=0).to(tl.float32, bitcast=True), FMT_MAX, EPS,
+                             POW2)
     else:
         s = tl.load(scale_ptr).to(tl.float32)
-    x, rm, rk, mask = _tile(x_ptr, sm, sk, M, K, pid_m, pid_k, BM, BK)
+    x, rm, rk, mask = _tile(x_ptr, M, K, pid_m, pid_k, BM, BK)
+    if RECORD_AMAX:
+        tl.atomic_max(amax_ptr, tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
     if ROW:
         _store_rows(data_ptr, _cast_fp8(x, s, FMT_MAX, OUT), rm, rk, mask, K)
     if COL:
-        xt, mask_t = _tile_t(x_ptr, sm, sk, M, K, pid_m, pid_k, BM, BK)
+        xt, mask_t = _tile_t(x_ptr, M, K, pid_m, pid_k, BM, BK)
         _store_transposed(t_ptr, xt, s, rm, rk, mask_t, M, FMT_MAX, OUT)
     if (pid_m == 0) & (pid_k == 0):
         tl.store(sinv_ptr, _recip(s))
@@ -149,67 +189,129 @@ def _fp8_tensorwise_kernel(x_ptr, sm, sk, M, K, amax_ptr, scale_ptr, data_ptr, t
 
 _TW_BM, _TW_BK = 64, 128
 _AMAX_BM, _AMAX_BK = 64, 256
+_MAX_PARTS = 256  # programs of the amax pass (a power of two: the cast pass loads them all)
+_amax_launch = Launcher(_amax_kernel)
+_amax_partials_launch = Launcher(_amax_partials_kernel)
+_fp8_tensorwise_launch = Launcher(_fp8_tensorwise_kernel)
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
     """max |x| as a 0-dim fp32 tensor, like reference.amax."""
     if x.numel() == 0 or x.dim() == 0:
         return ref.amax(x)
-    return _amax_bits(x.detach().reshape(-1, x.shape[-1])).view(torch.float32).reshape(())
-
-
-def _amax_bits(x2d: torch.Tensor) -> torch.Tensor:
+    x2d = _matrix(x.detach().reshape(-1, x.shape[-1]))
     m, k = x2d.shape
     out = torch.zeros(1, dtype=torch.int32, device=x2d.device)
-    grid = (triton.cdiv(m, _AMAX_BM), triton.cdiv(k, _AMAX_BK))
-    _amax_kernel[grid](x2d, x2d.stride(0), x2d.stride(1), m, k, out,
-                       BM=_AMAX_BM, BK=_AMAX_BK, num_warps=8)
-    return out
+    _amax_launch((triton.cdiv(m, _AMAX_BM), triton.cdiv(k, _AMAX_BK)), _x_key(x2d, m, k),
+                 x2d, m, k, out, _AMAX_BM, _AMAX_BK)
+    return out.view(torch.float32).reshape(())
 
 
-def _fp8_tensorwise(x2d, fmt, rowwise, columnwise, *, amax_bits=None, scale=None,
+def _fp8_tensorwise(x2d, fmt, rowwise, columnwise, *, scale=None, amax_out=None,
                     pow2=False, eps=0.0) -> dict:
+    """Current scaling without ``scale`` (amax pass, then cast), else the cast
+    with ``scale``, recording the amax into ``amax_out`` when given."""
+    x2d = _matrix(x2d)
     m, k = x2d.shape
     dt = ref.FP8_DTYPE[fmt]
     dev = x2d.device
     out = {"scale_inv": torch.empty(1, dtype=torch.float32, device=dev)}
-    data = torch.empty((m, k), dtype=dt, device=dev) if rowwise else None
-    trans = torch.empty((k, m), dtype=dt, device=dev) if columnwise else None
-    grid = (triton.cdiv(m, _TW_BM), triton.cdiv(k, _TW_BK))
-    _fp8_tensorwise_kernel[grid](
-        x2d, x2d.stride(0), x2d.stride(1), m, k, amax_bits, scale,
-        data if rowwise else out["scale_inv"], trans if columnwise else out["scale_inv"],
-        out["scale_inv"], FMT_MAX=ref.FP8_MAX[fmt], EPS=float(eps), POW2=bool(pow2),
-        FROM_AMAX=amax_bits is not None, ROW=bool(rowwise), COL=bool(columnwise),
-        OUT=_TL_FP8[fmt], BM=_TW_BM, BK=_TW_BK, num_warps=8)
     if rowwise:
-        out["data"] = data
+        out["data"] = torch.empty((m, k), dtype=dt, device=dev)
     if columnwise:
-        out["transpose"] = trans
+        out["transpose"] = torch.empty((k, m), dtype=dt, device=dev)
+    xkey = _x_key(x2d, m, k)
+    if scale is None:
+        n_tiles = triton.cdiv(m, _AMAX_BM) * triton.cdiv(k, _AMAX_BK)
+        n_parts = min(n_tiles, _MAX_PARTS)
+        parts = torch.empty(n_parts, dtype=torch.int32, device=dev)
+        _amax_partials_launch((n_parts,), xkey, x2d, m, k, parts, _AMAX_BM, _AMAX_BK)
+        amax_arg, scale_arg = parts, out["scale_inv"]
+        key = (xkey, int_key(n_parts))
+    else:
+        n_parts = 0
+        amax_arg = out["scale_inv"] if amax_out is None else amax_out.view(torch.int32)
+        scale_arg = scale
+        key = (xkey, ptr_key(scale), ptr_key(amax_arg))
+    sinv = out["scale_inv"]
+    grid = (triton.cdiv(m, _TW_BM), triton.cdiv(k, _TW_BK))
+    flags = (fmt, float(eps), bool(pow2), scale is None, amax_out is not None, bool(rowwise),
+             bool(columnwise))
+    _fp8_tensorwise_launch(grid, (key, flags), x2d, m, k, amax_arg, n_parts, scale_arg,
+                           out.get("data", sinv), out.get("transpose", sinv), sinv,
+                           ref.FP8_MAX[fmt], *flags[1:], _TL_FP8[fmt], _TW_BM, _TW_BK,
+                           _MAX_PARTS)
     return out
 
 
-def quantize_fp8_tensorwise(x2d, scale, fmt, rowwise, columnwise) -> dict:
+def quantize_fp8_tensorwise(x2d, scale, fmt, rowwise, columnwise, amax_out=None) -> dict:
     if x2d.numel() == 0:
-        return ref.quantize_fp8_tensorwise(x2d, scale, fmt, rowwise, columnwise)
-    return _fp8_tensorwise(x2d, fmt, rowwise, columnwise, scale=scale.reshape(1).float())
+        return ref.quantize_fp8_tensorwise(x2d, scale, fmt, rowwise, columnwise, amax_out)
+    if scale.dtype != torch.float32:
+        scale = scale.float()
+    return _fp8_tensorwise(x2d, fmt, rowwise, columnwise, scale=scale, amax_out=amax_out)
 
 
 def quantize_fp8_current(x2d, fmt, pow2, eps, rowwise, columnwise) -> dict:
     if x2d.numel() == 0:
         return ref.quantize_fp8_current(x2d, fmt, pow2, eps, rowwise, columnwise)
-    return _fp8_tensorwise(x2d, fmt, rowwise, columnwise, amax_bits=_amax_bits(x2d),
-                           pow2=pow2, eps=eps)
+    return _fp8_tensorwise(x2d, fmt, rowwise, columnwise, pow2=pow2, eps=eps)
+
+
+# -- delayed scaling ---------------------------------------------------------------------
+@triton.jit
+def _delayed_step_kernel(hist_ptr, amax_ptr, new_hist_ptr, new_scale_ptr, L, N,
+                         FMT_MAX: tl.constexpr, MARGIN_FACTOR: tl.constexpr,
+                         MOST_RECENT: tl.constexpr, BL: tl.constexpr):
+    """reference.delayed_scaling_step for column j = program_id(0) of the
+    (L, N) history: row 0 becomes amax[j], the scale comes from the max of
+    the column (or row 0), then the column rolls down and row 0 is zeroed."""
+    j = tl.program_id(0)
+    rows = tl.arange(0, BL)
+    a = tl.load(amax_ptr + j)
+    h = tl.load(hist_ptr + rows * N + j, mask=(rows > 0) & (rows < L), other=0.0)
+    h = tl.where(rows == 0, a, h)
+    if MOST_RECENT:
+        top = a
+    else:  # max over the bits of non-negative floats: NaN wins, as torch.amax
+        top = tl.max(h.to(tl.int32, bitcast=True), axis=0).to(tl.float32, bitcast=True)
+    s = _recip(top) * FMT_MAX * MARGIN_FACTOR
+    s = tl.where(s == float("inf"), _FP32_MAX, s)
+    s = tl.where((top > 0) & (top == top) & (top != float("inf")), s, 1.0)
+    tl.store(new_scale_ptr + j, s)
+    # rolled: new[i] = h[i - 1] for i >= 1, new[0] = 0
+    prev = tl.load(hist_ptr + (rows - 1) * N + j, mask=(rows > 1) & (rows < L), other=0.0)
+    prev = tl.where(rows == 1, a, prev)
+    tl.store(new_hist_ptr + rows * N + j, prev, mask=rows < L)
+
+
+_delayed_step_launch = Launcher(_delayed_step_kernel, num_warps=4)
+
+
+def delayed_scaling_step(amax_history, amaxes, fmt, margin, algo) -> tuple:
+    shape = amax_history.shape
+    hist = amax_history.reshape(shape[0], -1)
+    n_len, n_cols = hist.shape
+    if n_len > 65536 or not hist.is_contiguous():
+        return ref.delayed_scaling_step(amax_history, amaxes, fmt, margin, algo)
+    amaxes = amaxes.reshape(-1).float().contiguous()
+    new_hist = torch.empty_like(hist)
+    new_scale = torch.empty(n_cols, dtype=torch.float32, device=hist.device)
+    block = triton.next_power_of_2(n_len)
+    consts = (ref.FP8_MAX[fmt], 2.0 ** -margin, algo == "most_recent", block)
+    _delayed_step_launch((n_cols,), (ptr_key(amaxes), int_key(n_len), int_key(n_cols), consts),
+                         hist, amaxes, new_hist, new_scale, n_len, n_cols, *consts)
+    return new_hist.reshape(shape), new_scale.reshape(shape[1:])
 
 
 # -- FP8 blockwise ---------------------------------------------------------------------
 @triton.jit
-def _fp8_block_kernel(x_ptr, sm, sk, M, K, rd_ptr, rs_ptr, cd_ptr, cs_ptr,
+def _fp8_block_kernel(x_ptr, M, K, rd_ptr, rs_ptr, cd_ptr, cs_ptr,
                       FMT_MAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr,
                       TWO_D: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
                       OUT: tl.constexpr, B: tl.constexpr):
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
-    x, rm, rk, mask = _tile(x_ptr, sm, sk, M, K, pid_m, pid_k, B, B)
+    x, rm, rk, mask = _tile(x_ptr, M, K, pid_m, pid_k, B, B)
     bits = _abs_bits(x)
     nkb = tl.cdiv(K, B)
     if TWO_D:
@@ -219,7 +321,7 @@ def _fp8_block_kernel(x_ptr, sm, sk, M, K, rd_ptr, rs_ptr, cd_ptr, cs_ptr,
             _store_rows(rd_ptr, _cast_fp8(x, s, FMT_MAX, OUT), rm, rk, mask, K)
             tl.store(rs_ptr + pid_m * nkb + pid_k, _recip(s))
         if COL:
-            xt, mask_t = _tile_t(x_ptr, sm, sk, M, K, pid_m, pid_k, B, B)
+            xt, mask_t = _tile_t(x_ptr, M, K, pid_m, pid_k, B, B)
             _store_transposed(cd_ptr, xt, s, rm, rk, mask_t, M, FMT_MAX, OUT)
             tl.store(cs_ptr + pid_k * tl.cdiv(M, B) + pid_m, _recip(s))
     else:
@@ -229,27 +331,29 @@ def _fp8_block_kernel(x_ptr, sm, sk, M, K, rd_ptr, rs_ptr, cd_ptr, cs_ptr,
             _store_rows(rd_ptr, _cast_fp8(x, s[:, None], FMT_MAX, OUT), rm, rk, mask, K)
             tl.store(rs_ptr + rm.to(tl.int64) * nkb + pid_k, _recip(s), mask=rm < M)
         if COL:  # blocks of 128 along M: one scale per row of the transposed tile
-            xt, mask_t = _tile_t(x_ptr, sm, sk, M, K, pid_m, pid_k, B, B)
+            xt, mask_t = _tile_t(x_ptr, M, K, pid_m, pid_k, B, B)
             s = _scale_from_amax(tl.max(_abs_bits(xt), axis=1).to(tl.float32, bitcast=True),
                                  FMT_MAX, EPS, POW2)
             _store_transposed(cd_ptr, xt, s[:, None], rm, rk, mask_t, M, FMT_MAX, OUT)
             tl.store(cs_ptr + rk.to(tl.int64) * tl.cdiv(M, B) + pid_m, _recip(s), mask=rk < K)
 
 
+_fp8_block_launch = Launcher(_fp8_block_kernel)
+
+
 def quantize_fp8_blockwise(x2d, fmt, block_2d, pow2, eps, rowwise, columnwise) -> dict:
     if x2d.numel() == 0:
         return ref.quantize_fp8_blockwise(x2d, fmt, block_2d, pow2, eps, rowwise, columnwise)
+    x2d = _matrix(x2d)
     m, k = x2d.shape
     b = ref.FP8_BLOCK
     dt = ref.FP8_DTYPE[fmt]
     row_s, col_s = ((m // b, k // b), (k // b, m // b)) if block_2d else ((m, k // b), (k, m // b))
     out = _alloc_copies(x2d.device, rowwise, columnwise, ((m, k), dt), (row_s, torch.float32),
                         ((k, m), dt), (col_s, torch.float32))
-    grid = (triton.cdiv(m, b), triton.cdiv(k, b))
-    _fp8_block_kernel[grid](
-        x2d, x2d.stride(0), x2d.stride(1), m, k, *_copy_args(out),
-        FMT_MAX=ref.FP8_MAX[fmt], EPS=float(eps), POW2=bool(pow2), TWO_D=bool(block_2d),
-        ROW=bool(rowwise), COL=bool(columnwise), OUT=_TL_FP8[fmt], B=b, num_warps=8)
+    flags = (fmt, float(eps), bool(pow2), bool(block_2d), bool(rowwise), bool(columnwise))
+    _fp8_block_launch((triton.cdiv(m, b), triton.cdiv(k, b)), (_x_key(x2d, m, k), flags),
+                      x2d, m, k, *_copy_args(out), ref.FP8_MAX[fmt], *flags[1:], _TL_FP8[fmt], b)
     return out
 
 
@@ -276,12 +380,20 @@ def _mx_inverse_scale(biased):
 
 
 @triton.jit
-def _mxfp8_kernel(x_ptr, sm, sk, M, K, rd_ptr, rs_ptr, cd_ptr, cs_ptr,
+def _e8m0_value(biased):
+    """reference.e8m0_to_float: 2^(b - 127), NaN for 255 (2^-127 is subnormal)."""
+    b = biased.to(tl.int32)
+    v = tl.where(b == 0, tl.zeros_like(b) + 0x00400000, b << 23).to(tl.float32, bitcast=True)
+    return tl.where(b == 255, float("nan"), v)
+
+
+@triton.jit
+def _mxfp8_kernel(x_ptr, M, K, rd_ptr, rs_ptr, cd_ptr, cs_ptr,
                   FMT_MAX: tl.constexpr, FRAC_MAX: tl.constexpr, EXP_MAX: tl.constexpr,
                   ROW: tl.constexpr, COL: tl.constexpr, OUT: tl.constexpr,
                   BM: tl.constexpr, BK: tl.constexpr, MX: tl.constexpr):
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
-    x, rm, rk, mask = _tile(x_ptr, sm, sk, M, K, pid_m, pid_k, BM, BK)
+    x, rm, rk, mask = _tile(x_ptr, M, K, pid_m, pid_k, BM, BK)
     bits = _abs_bits(x)
     if ROW:  # blocks of MX along K
         biased = _mx_biased_exponent(tl.max(tl.reshape(bits, (BM, BK // MX, MX)), axis=2),
@@ -303,22 +415,53 @@ def _mxfp8_kernel(x_ptr, sm, sk, M, K, rd_ptr, rs_ptr, cd_ptr, cs_ptr,
                  biased.to(tl.uint8), mask=(sm_idx[:, None] < M // MX) & (rk[None, :] < K))
 
 
+@triton.jit
+def _mxfp8_dequantize_kernel(d_ptr, s_ptr, out_ptr, M, K, ROWWISE: tl.constexpr,
+                             OUT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                             MX: tl.constexpr):
+    """One MXFP8 copy in its (M, K) orientation times its block scales, in OUT."""
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    d, rm, rk, mask = _tile(d_ptr, M, K, pid_m, pid_k, BM, BK)
+    if ROWWISE:
+        s_ptrs = s_ptr + rm[:, None].to(tl.int64) * (K // MX) + rk[None, :] // MX
+    else:
+        s_ptrs = s_ptr + (rm[:, None] // MX).to(tl.int64) * K + rk[None, :]
+    scale = _e8m0_value(tl.load(s_ptrs, mask=mask, other=127))
+    _store_rows(out_ptr, (d * scale).to(OUT), rm, rk, mask, K)
+
+
 _MX_BM, _MX_BK = 64, 128
+_mxfp8_launch = Launcher(_mxfp8_kernel)
+_mxfp8_dequantize_launch = Launcher(_mxfp8_dequantize_kernel)
+_TL_OUT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def quantize_mxfp8(x2d, fmt, rowwise, columnwise) -> dict:
     if x2d.numel() == 0:
         return ref.quantize_mxfp8(x2d, fmt, rowwise, columnwise)
+    x2d = _matrix(x2d)
     m, k = x2d.shape
     b = ref.MX_BLOCK
     dt = ref.FP8_DTYPE[fmt]
     out = _alloc_copies(x2d.device, rowwise, columnwise, ((m, k), dt), ((m, k // b), torch.uint8),
                         ((m, k), dt), ((m // b, k), torch.uint8))
     max_frac, max_exp = math.frexp(ref.FP8_MAX[fmt])
-    grid = (triton.cdiv(m, _MX_BM), triton.cdiv(k, _MX_BK))
-    _mxfp8_kernel[grid](
-        x2d, x2d.stride(0), x2d.stride(1), m, k, *_copy_args(out),
-        FMT_MAX=ref.FP8_MAX[fmt], FRAC_MAX=int((max_frac - 0.5) * 2 ** 24), EXP_MAX=max_exp,
-        ROW=bool(rowwise), COL=bool(columnwise), OUT=_TL_FP8[fmt],
-        BM=_MX_BM, BK=_MX_BK, MX=b, num_warps=8)
+    flags = (fmt, bool(rowwise), bool(columnwise))
+    _mxfp8_launch((triton.cdiv(m, _MX_BM), triton.cdiv(k, _MX_BK)), (_x_key(x2d, m, k), flags),
+                  x2d, m, k, *_copy_args(out), ref.FP8_MAX[fmt], int((max_frac - 0.5) * 2 ** 24),
+                  max_exp, *flags[1:], _TL_FP8[fmt], _MX_BM, _MX_BK, b)
+    return out
+
+
+def dequantize_mxfp8(data2d, biased, rowwise: bool, out_dtype=torch.float32) -> torch.Tensor:
+    """reference.dequantize_mxfp8 (then ``.to(out_dtype)``) in one pass."""
+    if data2d.numel() == 0 or out_dtype not in _TL_OUT:
+        return ref.dequantize_mxfp8(data2d, biased, rowwise).to(out_dtype)
+    data2d, biased = _matrix(data2d), _matrix(biased)
+    m, k = data2d.shape
+    out = torch.empty((m, k), dtype=out_dtype, device=data2d.device)
+    _mxfp8_dequantize_launch((triton.cdiv(m, _MX_BM), triton.cdiv(k, _MX_BK)),
+                             (_x_key(data2d, m, k), ptr_key(biased), bool(rowwise), out_dtype),
+                             data2d, biased, out, m, k, bool(rowwise), _TL_OUT[out_dtype],
+                             _MX_BM, _MX_BK, ref.MX_BLOCK)
     return out

@@ -126,12 +126,14 @@ def _tp(args) -> tuple:
 
 
 # -- delayed scaling ------------------------------------------------------------------
-def _quantize(q, x, scales, slot: int):
-    """``q.quantize(x)``, or with the layer's delayed-scaling scale ``scales[slot]``;
-    unchecked (the lean path): ``Linear`` validated the shapes before the ops."""
+def _quantize(q, x, scales, slot: int, amaxes=None):
+    """``q.quantize(x)``, or with the layer's delayed-scaling scale
+    ``scales[slot]``, recording ``x``'s amax into ``amaxes[slot]`` on the way.
+    Unchecked (the lean path): ``Linear`` validated the shapes before the ops."""
     if scales is None:
         return q.quantize_unchecked(x)
-    return q.quantize_with_scale(x, scales[slot], checked=False)
+    return q.quantize_with_scale(x, scales[slot], checked=False,
+                                 amax_out=None if amaxes is None else amaxes[slot])
 
 
 def _amax(x) -> torch.Tensor:
@@ -139,11 +141,17 @@ def _amax(x) -> torch.Tensor:
     return kernels.get("amax", x2d)(x2d).reshape(()).float()
 
 
-def _delayed_updates(q, history, amaxes: list, prefix: str) -> dict:
+def _zero_amaxes(history):
+    """This step's amaxes (one per history column, zeroed), or None without state."""
+    return None if history is None else torch.zeros(2, dtype=torch.float32,
+                                                    device=history.device)
+
+
+def _delayed_updates(q, history, amaxes, prefix: str) -> dict:
     """Outputs that update the delayed-scaling buffers (LINEAR_OPS's ``*_updates``)."""
     if history is None:
         return {}
-    new_history, new_scale = q.step(history, torch.stack(amaxes))
+    new_history, new_scale = q.step(history, amaxes)
     return {f"amax_history_{prefix}": new_history, f"scale_{prefix}": new_scale}
 
 
@@ -161,15 +169,18 @@ def _reuses_workspace(args) -> bool:
     return args.weight_workspace is not None and not args.cache_weight
 
 
-def _weight_for_gemm(args: LinearFwdArgs):
-    """(weight operand, freshly cached workspace or None)."""
-    if _reuses_workspace(args):
-        return args.weight_workspace, None
+def _weight_for_gemm(args: LinearFwdArgs, amaxes=None):
+    """(weight operand, freshly cached workspace or None); under delayed
+    scaling the weight's amax goes to ``amaxes[1]`` (zero for an FP8 weight)."""
     w = args.weight
+    if _reuses_workspace(args):
+        if amaxes is not None and not isinstance(w, QuantizedTensorStorage):
+            amaxes[1].copy_(_amax(w))
+        return args.weight_workspace, None
     if isinstance(w, QuantizedTensorStorage) or args.weight_quantizer is None:
         return w, None
     q = args.weight_quantizer.usage_variant(True, args.input_requires_grad or args.cache_weight)
-    wq = _quantize(q, w, args.scale_fwd, 1)
+    wq = _quantize(q, w, args.scale_fwd, 1, amaxes)
     return wq, (wq if args.cache_weight else None)
 
 
@@ -200,12 +211,13 @@ def linear_forward(args: LinearFwdArgs) -> OpResult:
     x = args.inp
     mode, sp = _tp(args)
     q = _input_quantizer(args)
+    amaxes = _zero_amaxes(args.amax_history_fwd)  # delayed scaling: x, W
     if mode == "column" and sp:  # x_total is None when only FP8 bytes were gathered
         x_total, xq = D.gather_and_quantize(x, q, args.tp_group, args.tp_size,
                                             quantized_gather=not args.save_original_input)
     else:
-        x_total, xq = x, (x if q is None else _quantize(q, x, args.scale_fwd, 0))
-    w, workspace = _weight_for_gemm(args)
+        x_total, xq = x, (x if q is None else _quantize(q, x, args.scale_fwd, 0, amaxes))
+    w, workspace = _weight_for_gemm(args, amaxes)
     y = gemm(xq, "rowwise", w, "rowwise", x.dtype, None if mode == "row" else args.bias,
              fast_accum=True).view(_out_shape(xq.shape, w.shape))
     if mode == "row":  # partial sums over in_features: reduce, then add the bias once
@@ -222,12 +234,7 @@ def linear_forward(args: LinearFwdArgs) -> OpResult:
             xq.update_usage(rowwise_usage=False)  # wgrad reads the columnwise copy only
             saved_x = xq
     saved_w = w if args.input_requires_grad else None
-    state = {}
-    if args.amax_history_fwd is not None:
-        w_amax = (torch.zeros((), device=x.device) if isinstance(args.weight, QuantizedTensorStorage)
-                  else _amax(args.weight))
-        state = _delayed_updates(args.input_quantizer, args.amax_history_fwd,
-                                 [_amax(x), w_amax], "fwd")
+    state = _delayed_updates(args.input_quantizer, args.amax_history_fwd, amaxes, "fwd")
     return OpResult({"out": y, "weight_workspace": workspace, **state},
                     {"inputmat": saved_x, "weightmat": saved_w, **_saved_for_updates(args)})
 
@@ -338,17 +345,20 @@ def linear_backward(args: LinearBwdArgs) -> dict:
     mode, sp = _tp(args)
     q = _grad_output_quantizer(args)
     delayed = q is not None and args.amax_history_bwd is not None
+    amaxes = _zero_amaxes(args.amax_history_bwd) if delayed else None  # dy, dgrad (fp8_grad)
     if _uses_quantized_grad(args, q):
         dyq = dy  # its amax (delayed scaling) and bias gradient: from its values
         dy = dy_total = dy.dequantize() if args.bias_requires_grad or delayed else None
+        if delayed:
+            amaxes[0].copy_(_amax(dy))
     else:
         if isinstance(dy, QuantizedTensorStorage):
             dy = dy.dequantize()
         if mode == "row" and sp:  # dy_total is None when only FP8 bytes were gathered
             dy_total, dyq = D.gather_and_quantize(dy, q, args.tp_group, args.tp_size)
         else:
-            dy_total, dyq = dy, (dy if q is None else _quantize(q, dy, args.scale_bwd, 0))
-    amaxes = [_amax(dy), torch.zeros((), device=dy.device)] if delayed else None
+            dy_total, dyq = dy, (dy if q is None else
+                                 _quantize(q, dy, args.scale_bwd, 0, amaxes))
     dtype, n_out = args.grad_output.dtype, args.grad_output.shape[-1]
     dgrad = wgrad = dbias = None
     if args.input_requires_grad:
@@ -359,9 +369,7 @@ def linear_backward(args: LinearBwdArgs) -> dict:
             dgrad = (D.reduce_scatter_first_dim(dgrad, args.tp_group, args.tp_size) if sp
                      else D.all_reduce_sum(dgrad, args.tp_group))
         if args.grad_input_quantizer is not None:  # fp8_grad: the previous layer's dy
-            if delayed:
-                amaxes[1] = _amax(dgrad)
-            dgrad = _quantize(args.grad_input_quantizer, dgrad, args.scale_bwd, 1)
+            dgrad = _quantize(args.grad_input_quantizer, dgrad, args.scale_bwd, 1, amaxes)
     state = {} if not delayed else _delayed_updates(q, args.amax_history_bwd, amaxes, "bwd")
     if args.weight_requires_grad:
         x = args.inputmat

@@ -82,14 +82,16 @@ class _Float8QuantizerBase(Quantizer):
                   self.rowwise_usage, self.columnwise_usage)
 
     def _quantize_with_given_scale(self, x: torch.Tensor, scale: torch.Tensor,
-                                   checked: bool = True):
+                                   checked: bool = True, amax_out=None):
         """Quantize ``x`` with an fp32 scale computed elsewhere (one element);
-        ``checked=False`` is the op impls' lean path (see ``quantize_unchecked``)."""
+        ``checked=False`` is the op impls' lean path (see ``quantize_unchecked``);
+        ``amax_out`` (one zeroed fp32 element) receives the amax of ``x``."""
         if checked:
             self._check_input(x)
         x2d = x.detach().reshape(flat_2d(x.shape))
         fn = kernels.get("quantize_fp8_tensorwise", x2d)
-        buffers = fn(x2d, scale, self.fp8_format, self.rowwise_usage, self.columnwise_usage)
+        buffers = fn(x2d, scale, self.fp8_format, self.rowwise_usage, self.columnwise_usage,
+                     amax_out)
         if checked:
             return self._build(x.shape, x.dtype, buffers)
         return self._from_buffers(x.shape, x.dtype, buffers)
@@ -185,9 +187,11 @@ class Float8DelayedScalingQuantizer(_Float8QuantizerBase):
         raise RuntimeError("Float8DelayedScalingQuantizer has no scale of its own: call "
                            "quantize_with_scale(x, scale) with the layer's scale tensor")
 
-    def quantize_with_scale(self, x: torch.Tensor, scale: torch.Tensor, checked: bool = True):
-        """Quantize ``x`` with the layer's fp32 scale (one element)."""
-        return self._quantize_with_given_scale(x, scale, checked)
+    def quantize_with_scale(self, x: torch.Tensor, scale: torch.Tensor, checked: bool = True,
+                            amax_out=None):
+        """Quantize ``x`` with the layer's fp32 scale (one element); ``amax_out``
+        (one fp32 element, zeroed by the caller) records ``x``'s amax on the way."""
+        return self._quantize_with_given_scale(x, scale, checked, amax_out)
 
     def step(self, amax_history: torch.Tensor, amaxes: torch.Tensor) -> tuple:
         """``(new history, new scale)`` after recording ``amaxes``, see
@@ -205,17 +209,14 @@ def delayed_scaling_step(amax_history: torch.Tensor, amaxes: torch.Tensor, *,
     ``(n,)`` amaxes of this step, recorded in row 0.  The scale comes from the
     history (``"max"`` over all rows or ``"most_recent"`` = this step); then
     the history rolls down one row and row 0 is zeroed for the next step.
+    (``kernels.reference.delayed_scaling_step`` defines it; CUDA runs it as
+    one kernel.)
     """
     if amax_compute_algo not in ("max", "most_recent"):
         raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', "
                          f"got {amax_compute_algo!r}")
-    shape = amax_history.shape  # (L,) holds one tensor's history
-    history = amax_history.reshape(shape[0], -1)
-    hist = torch.cat([amaxes.reshape(1, -1).to(history.dtype), history[1:]])
-    amax = hist.amax(dim=0) if amax_compute_algo == "max" else hist[0]
-    scale = ref.compute_scale(amax, ref.FP8_MAX[fp8_format_name(fp8_format)], margin)
-    rolled = torch.cat([torch.zeros_like(hist[:1]), hist[:-1]])
-    return rolled.reshape(shape), scale.reshape(shape[1:])
+    fn = kernels.get("delayed_scaling_step", amax_history)
+    return fn(amax_history, amaxes, fp8_format_name(fp8_format), int(margin), amax_compute_algo)
 
 
 def update_delayed_scaling(amax_history: torch.Tensor, scale: torch.Tensor, *,

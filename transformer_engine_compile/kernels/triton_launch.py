@@ -1,0 +1,102 @@
+"""Launch Triton kernels through their compiled handle, skipping ``kernel[grid](...)``.
+
+``kernel[grid](*args)`` costs about 18 us of host time per call on the H200
+machine (binding and specializing every argument, reading Triton's knobs,
+building launch metadata).  The op impls launch 2-4 kernels per tensor
+they quantize, so that is most of their host time.
+
+:class:`Launcher` keeps, per *key*, the ``CompiledKernel`` the first call
+compiled, and later calls go straight to its launcher (the C function that
+``kernel[grid]`` ends in).  The key is the caller's: it must determine
+everything Triton specializes on, namely the constexpr values, the dtype of
+each pointer, the 16-byte alignment of pointers that may be unaligned, and
+for each int argument whether it is 1, a multiple of 16, and within int32.
+Callers build it from the few values that vary (the input's dtype and
+alignment, ``M``, ``K``); freshly allocated outputs are always aligned.
+
+A wrong key would launch a kernel specialized for other arguments, so
+``TE_COMPILE_CHECK_LAUNCH=1`` (set by the GPU tests) launches every call
+through ``kernel[grid]`` and raises if Triton picked another compiled kernel
+than the one cached for the key.  Without a usable handle (the interpreter,
+launch hooks installed, another Triton's internals) calls take the normal
+path.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_INT32 = 2 ** 31
+
+
+def int_key(v: int):
+    """What Triton specializes on for an int argument."""
+    return 1 if v == 1 else (16 if v % 16 == 0 else 0) + (0 if -_INT32 <= v < _INT32 else 2)
+
+
+def ptr_key(t: torch.Tensor) -> bool:
+    """What Triton specializes on for a pointer argument (besides its dtype)."""
+    return t.data_ptr() % 16 == 0
+
+
+class _Handle:
+    """The launch entry of one compiled kernel (Triton 3.x ``CompiledKernel``)."""
+
+    __slots__ = ("compiled", "run", "function", "metadata")
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+        self.run = compiled.run  # initialises the module on first access
+        self.function = compiled.function
+        self.metadata = compiled.packed_metadata
+
+
+def _hooks_installed() -> bool:
+    try:
+        from triton import knobs
+        return (knobs.runtime.launch_enter_hook is not None
+                or knobs.runtime.launch_exit_hook is not None)
+    except (ImportError, AttributeError):  # pragma: no cover - other Triton versions
+        return True
+
+
+class Launcher:
+    """A ``@triton.jit`` function with a per-key cache of compiled handles."""
+
+    check = os.environ.get("TE_COMPILE_CHECK_LAUNCH", "0") == "1"
+
+    def __init__(self, fn, num_warps: int = 8):
+        self.fn = fn
+        self.num_warps = num_warps
+        self.handles: dict = {}
+
+    def __call__(self, grid: tuple, key: tuple, *args) -> None:
+        """Launch ``fn[grid](*args)``; ``args`` are every parameter in
+        signature order (constexprs included), ``key`` as the module says."""
+        device = torch.cuda.current_device() if args[0].is_cuda else -1
+        key = (device, key)
+        entry = self.handles.get(key)
+        if entry is None or entry is False or self.check:
+            compiled = self.fn[grid](*args, num_warps=self.num_warps)
+            if entry is None:
+                self.handles[key] = self._handle(compiled)
+            elif entry is not False and entry.compiled is not compiled:
+                raise RuntimeError(f"{self.fn.__name__}: launch key {key} maps to two "
+                                   "compiled kernels; the key misses an argument Triton "
+                                   "specializes on")
+            return
+        entry.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                  torch._C._cuda_getCurrentRawStream(device), entry.function, entry.metadata,
+                  None, None, None, *args)
+
+    @staticmethod
+    def _handle(compiled):
+        """A handle, or False: keep using ``kernel[grid]`` for this key."""
+        if compiled is None or _hooks_installed():  # interpreter / profiling hooks
+            return False
+        try:
+            return _Handle(compiled)
+        except AttributeError:  # pragma: no cover - a Triton without these internals
+            return False
