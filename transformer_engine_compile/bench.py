@@ -5,13 +5,21 @@ in one process, on one GPU.
     python -m transformer_engine_compile.bench                 # every config
     python -m transformer_engine_compile.bench --configs launch --json out.json
     python -m transformer_engine_compile.bench --configs stack --fp8-grad
+    python -m transformer_engine_compile.bench --configs llama-a llama-b   # whole steps
+    python -m transformer_engine_compile.bench --configs host   # host time per op call
 
 Each row is one (config, candidate, mode).  ``x bf16`` is the time of bf16
 ``torch.nn.Linear`` compiled in default mode on the same config divided by
 the row's time (higher is faster); ``x eager`` divides the candidate's own
 eager time by the row's.  ``peak GiB`` is the peak of allocated memory during
 one step (weights and inputs included).  Times are medians of repeated timed
-loops measured with CUDA events.  docs/benchmarks.md has results.
+loops measured with CUDA events; by default every step reads one output
+element back (as a loop reading its loss does), so host time is not hidden
+behind a full GPU queue (``--no-sync`` times back-to-back steps instead).
+
+The ``llama-*`` configs time whole training steps of the Llama-style model
+of ``bench_llama``; ``host`` runs ``bench_host``'s per-call host times.
+docs/benchmarks.md has results.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import warnings
 
 import torch
 
+from . import bench_host, bench_llama
 from . import recipe as R
 from .kernels import cuda_gemm
 
@@ -36,7 +45,10 @@ CONFIGS = {  # name: (tokens M, in K, out N, layers)
     "stack": (8192, 4096, 4096, 4),  # layers in a row: where fp8_grad applies
 }
 TINY = {"tiny": (64, 128, 128, 2)}  # CPU smoke run
-RECIPES = {name: R.by_name(name) for name in ("fp8_current", "fp8_block", "mxfp8", "nvfp4")}
+RECIPES = {"fp8_delayed": R.DelayedScaling(),
+           **{name: R.by_name(name) for name in ("fp8_current", "fp8_block", "mxfp8", "nvfp4")}}
+ALL_CONFIGS = [*CONFIGS, *bench_llama.LLAMA_CONFIGS, "host"]
+CPU_CONFIGS = {**TINY, **bench_llama.TINY_LLAMA}
 MODES = ("eager", "default", "reduce-overhead")
 
 
@@ -131,9 +143,18 @@ def _make_step(model, rec, mode):
         for p in params:
             p.grad = None
         x.grad = None
-        f(x).backward(dy)
+        y = f(x)
+        y.backward(dy)
+        return y
 
     return step
+
+
+def _synced(step):
+    """The step, then one element of its output read back (a loop reading its loss)."""
+    def synced(x, dy):
+        step(x, dy).view(-1)[0].item()
+    return synced
 
 
 def _time(step, x, dy, device, iters, repeats):
@@ -175,10 +196,8 @@ def _cleanup():
         torch.cuda.empty_cache()
 
 
-def run(configs, recipes, modes, device, iters=None, repeats=5, with_torchao=None, log=print,
-        fp8_grad=False):
-    if with_torchao is None:
-        with_torchao = device.type == "cuda" and torchao_available()
+def run(configs, recipes, modes, device, iters=None, repeats=5, with_torchao=False, log=print,
+        fp8_grad=False, sync=True):
     rows = []
     for cname, (m, k, n, layers) in configs.items():
         flops = 6 * m * k * n * layers  # fwd + dgrad + wgrad
@@ -195,11 +214,13 @@ def run(configs, recipes, modes, device, iters=None, repeats=5, with_torchao=Non
                        "gemm": path or _gemm_label(model, rec, device)}
                 try:
                     step = _make_step(model, rec, mode)
+                    if sync:
+                        step = _synced(step)
                     row["ms"] = _time(step, x, dy, device, n_iter, repeats)
                     row["peak_gib"] = _peak(step, x, dy, device)
                     row["tflops"] = flops / row["ms"] / 1e9
                 except Exception as e:  # one failing candidate must not hide the others
-                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                    row["error"] = f"{type(e).__name__}: {e}"
                 rows.append(row)
                 log(_format_row(row, rows))
                 del model, x, dy
@@ -232,8 +253,10 @@ HEADER = (f"{'config':>17} {'candidate':>23} {'mode':>15} {'gemm path':>15} "
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m transformer_engine_compile.bench",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", nargs="+", choices=[*CONFIGS, *TINY],
-                   default=None, help="default: all GPU configs (tiny on CPU)")
+    p.add_argument("--configs", nargs="+", choices=[*ALL_CONFIGS, *CPU_CONFIGS], default=None,
+                   help="single-layer configs, llama-* (whole training steps of a Llama-style "
+                        "model) and host (host time per op call); default: all of them on a "
+                        "GPU, tiny on a CPU")
     p.add_argument("--recipes", nargs="+", choices=list(RECIPES), default=list(RECIPES))
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -241,26 +264,55 @@ def main(argv=None):
     p.add_argument("--no-torchao", action="store_true")
     p.add_argument("--fp8-grad", action="store_true",
                    help="also run te.Linear stacks with fp8_grad=True (quantized dgrad)")
+    p.add_argument("--no-sync", action="store_true",
+                   help="single-layer configs: time back-to-back steps without reading an "
+                        "output back each step (hides host time behind a full GPU queue)")
+    p.add_argument("--candidates", nargs="+", default=None, metavar="LABEL",
+                   help="llama configs: run only these candidates (e.g. 'torch bf16' "
+                        "'te fp8_current')")
+    p.add_argument("--steps", type=int, default=10, help="llama configs: timed steps")
     p.add_argument("--json", help="also write the rows to this file")
     args = p.parse_args(argv)
     device = torch.device(args.device)
-    names = args.configs or (list(CONFIGS) if device.type == "cuda" else ["tiny"])
-    configs = {c: {**CONFIGS, **TINY}[c] for c in names}
+    names = args.configs or (ALL_CONFIGS if device.type == "cuda" else ["tiny"])
     modes = [m for m in args.modes if device.type == "cuda" or m != "reduce-overhead"]
-    print(f"torch {torch.__version__}, device "
-          f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}")
-    print(HEADER)
-    rows = run(configs, args.recipes, modes, device, iters=args.iters,
-               with_torchao=False if args.no_torchao else None, fp8_grad=args.fp8_grad)
-    print("\n" + HEADER)  # the whole table again, ratios now complete
-    for row in rows:
-        print(_format_row(row, rows))
+    with_torchao = False if args.no_torchao else (device.type == "cuda" and torchao_available())
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    print(f"torch {torch.__version__}, device {gpu or 'cpu'}")
+    if device.type != "cuda":
+        print("(on a CPU the times say little about a GPU: this is a smoke run)")
+    result = {"torch": torch.__version__, "device": str(device), "gpu": gpu}
+    layer_cfgs = {c: {**CONFIGS, **TINY}[c] for c in names if c in CONFIGS or c in TINY}
+    llama_cfgs = {c: {**bench_llama.LLAMA_CONFIGS, **bench_llama.TINY_LLAMA}[c] for c in names
+                  if c.startswith("llama")}
+    rows, llama_rows, ok = [], [], True
+    if layer_cfgs:
+        print(HEADER)
+        rows = run(layer_cfgs, args.recipes, modes, device, iters=args.iters,
+                   with_torchao=with_torchao, fp8_grad=args.fp8_grad, sync=not args.no_sync)
+        print("\n" + HEADER)  # the whole table again, ratios now complete
+        for row in rows:
+            print(_format_row(row, rows))
+        result["rows"] = rows
+    if llama_cfgs:
+        print("\n" + bench_llama.HEADER)
+        llama_rows = bench_llama.run(llama_cfgs, {r: RECIPES[r] for r in args.recipes}, modes,
+                                     device, with_torchao, only=args.candidates,
+                                     steps=args.steps)
+        print("\n" + bench_llama.HEADER)
+        for row in llama_rows:
+            print(bench_llama.format_row(row, llama_rows))
+        result["llama"] = llama_rows
+    if "host" in names:
+        print("\nhost time per call (us), 256 x 256 weight, 256 tokens")
+        result["host"] = bench_host.measure(
+            [r for r in bench_host.HOST_RECIPES if r == "bf16" or r in args.recipes], device,
+            n=args.iters or 200)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "device": str(device),
-                       "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                       "rows": rows}, f, indent=1)
-    return 0 if all("error" not in r for r in rows) else 1
+            json.dump(result, f, indent=1)
+    ok = all("error" not in r for r in rows + llama_rows)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

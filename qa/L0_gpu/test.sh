@@ -11,4 +11,6 @@ print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, "
       f"device {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'}")
 sys.exit(0 if torch.cuda.is_available() else "qa/L0_gpu needs a CUDA device")
 PY
+# every cached Triton launch is checked against kernel[grid] (triton_launch.py)
+export TE_COMPILE_CHECK_LAUNCH=1
 python -m pytest -n "${PYTEST_WORKERS:-8}" -q -p no:cacheprovider -rfEs tests "$@"

@@ -148,12 +148,13 @@ def _amax_kernel(x_ptr, M, K, out_ptr, BM: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _amax_partials_kernel(x_ptr, M, K, part_ptr, BM: tl.constexpr, BK: tl.constexpr):
-    """Program p writes the max |x| bits of tiles p, p + P, p + 2P, ... to part_ptr[p]."""
+def _amax_partials_kernel(x_ptr, M, K, part_ptr, P, BM: tl.constexpr, BK: tl.constexpr):
+    """Program p of P writes the max |x| bits of tiles p, p + P, ... to part_ptr[p]."""
     pid = tl.program_id(0)
     n_k = tl.cdiv(K, BK)
     acc = tl.zeros((BM, BK), dtype=tl.int32)
-    for t in range(pid, tl.cdiv(M, BM) * n_k, tl.num_programs(0)):
+    for i in range(0, tl.cdiv(tl.cdiv(M, BM) * n_k, P)):
+        t = pid + i * P  # past the last tile: rows beyond M, a masked (zero) tile
         x, _, _, _ = _tile(x_ptr, M, K, t // n_k, t % n_k, BM, BK)
         acc = tl.maximum(acc, _abs_bits(x))
     tl.store(part_ptr + pid, tl.max(tl.max(acc, axis=1), axis=0))
@@ -225,9 +226,9 @@ def _fp8_tensorwise(x2d, fmt, rowwise, columnwise, *, scale=None, amax_out=None,
         n_tiles = triton.cdiv(m, _AMAX_BM) * triton.cdiv(k, _AMAX_BK)
         n_parts = min(n_tiles, _MAX_PARTS)
         parts = torch.empty(n_parts, dtype=torch.int32, device=dev)
-        _amax_partials_launch((n_parts,), xkey, x2d, m, k, parts, _AMAX_BM, _AMAX_BK)
-        amax_arg, scale_arg = parts, out["scale_inv"]
         key = (xkey, int_key(n_parts))
+        _amax_partials_launch((n_parts,), key, x2d, m, k, parts, n_parts, _AMAX_BM, _AMAX_BK)
+        amax_arg, scale_arg = parts, out["scale_inv"]
     else:
         n_parts = 0
         amax_arg = out["scale_inv"] if amax_out is None else amax_out.view(torch.int32)

@@ -1,0 +1,91 @@
+"""The cached Triton launcher and the kernels added with it (partial-amax
+current scaling, delayed-scaling step, MXFP8 dequantization) against the
+reference on the same GPU.  Skips without CUDA."""
+
+import pytest
+import torch
+
+from transformer_engine_compile import kernels
+from transformer_engine_compile.kernels import reference as ref
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+if torch.cuda.is_available():
+    pytest.importorskip("triton")
+    from transformer_engine_compile.kernels import triton_quant as tq
+    from transformer_engine_compile.kernels.triton_launch import Launcher, _Handle
+
+
+def _bits_equal(a, b):
+    if a.element_size() == 1 and a.dtype != torch.uint8:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    return torch.equal(torch.nan_to_num(a, nan=1.5) if a.is_floating_point() else a,
+                       torch.nan_to_num(b, nan=1.5) if b.is_floating_point() else b)
+
+
+@pytest.mark.parametrize("shape", [(8192, 2048), (33, 4096), (17, 16)], ids=str)
+def test_current_scaling_many_partials_equals_reference(shape):
+    """More tiles than amax programs (grid-stride partials), and fewer."""
+    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 3
+    x[-1, -1] = 1000.0  # the max sits in the last tile
+    fast = tq.quantize_fp8_current(x, "e4m3", False, 0.0, True, True)
+    slow = ref.quantize_fp8_current(x, "e4m3", False, 0.0, True, True)
+    for k in slow:
+        assert _bits_equal(fast[k], slow[k]), k
+
+
+def test_given_scale_records_amax_into_slot():
+    x = torch.randn(300, 512, device="cuda") * 5
+    slot = torch.zeros(1, device="cuda")
+    fast = tq.quantize_fp8_tensorwise(x, torch.tensor([2.0], device="cuda"), "e4m3", True, True,
+                                      amax_out=slot)
+    slow = ref.quantize_fp8_tensorwise(x, torch.tensor([2.0], device="cuda"), "e4m3", True, True)
+    assert torch.equal(slot, x.abs().amax().reshape(1))
+    for k in slow:
+        assert _bits_equal(fast[k], slow[k]), k
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("margin", [0, 2])
+def test_delayed_scaling_step_equals_reference(algo, margin):
+    hist = torch.rand(1024, 3, device="cuda") * 100
+    amaxes = torch.tensor([5.0, 0.0, float("nan")], device="cuda")
+    hist[7, 1] = float("inf")
+    fast = tq.delayed_scaling_step(hist, amaxes, "e4m3", margin, algo)
+    slow = ref.delayed_scaling_step(hist, amaxes, "e4m3", margin, algo)
+    for f, s in zip(fast, slow):
+        assert f.shape == s.shape and _bits_equal(f, s)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("rowwise", [True, False])
+def test_mxfp8_dequantize_equals_reference(rowwise, out_dtype):
+    x = torch.randn(256, 384, device="cuda") * 10
+    x[:32, :32] = 0
+    x[40, 40] = float("nan")
+    q = ref.quantize_mxfp8(x, "e4m3", True, True)
+    key = "rowwise" if rowwise else "columnwise"
+    data, scale = q[f"{key}_data"], q[f"{key}_scale_inv"]
+    fast = tq.dequantize_mxfp8(data, scale, rowwise, out_dtype)
+    slow = ref.dequantize_mxfp8(data, scale, rowwise).to(out_dtype)
+    assert fast.dtype == out_dtype and _bits_equal(fast, slow)
+    assert kernels.get("dequantize_mxfp8", data) is tq.dequantize_mxfp8
+
+
+def test_launcher_caches_a_handle_and_check_mode_catches_a_wrong_key():
+    launch = Launcher(tq._amax_kernel)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    key = tq._x_key(x, 64, 256)
+    outs = []
+    for _ in range(2):  # first call compiles through kernel[grid], second through the handle
+        out = torch.zeros(1, dtype=torch.int32, device="cuda")
+        launch((1, 1), key, x, 64, 256, out, 64, 256)
+        outs.append(out.view(torch.float32))
+    assert all(torch.equal(o, x.abs().amax().float().reshape(1)) for o in outs)
+    handle = launch.handles[(torch.cuda.current_device(), key)]
+    assert isinstance(handle, _Handle) or handle is False  # False: hooks installed
+    checked = Launcher(tq._amax_kernel)
+    checked.check = True
+    out = torch.zeros(1, dtype=torch.int32, device="cuda")
+    checked((1, 1), key, x, 64, 256, out, 64, 256)
+    with pytest.raises(RuntimeError, match="two compiled kernels"):
+        checked((1, 1), key, x.float(), 64, 256, out, 64, 256)  # same key, other dtype

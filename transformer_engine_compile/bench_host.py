@@ -1,0 +1,118 @@
+"""Host time per ``te.Linear`` op call, per recipe (issue 14's first target).
+
+Inputs are tiny (256 x 256 weight, 256 tokens) so the GPU is never the
+bottleneck: N back-to-back calls, then one synchronize, and the wall time
+over N is what the host spends per call.  No profiler runs.  Rows:
+
+* ``fwd op`` / ``bwd op``: the ``te_compile::linear_fwd`` / ``linear_bwd``
+  custom ops called with their flat arguments, as a compiled graph calls
+  them (forward under ``no_grad``).
+* ``eager fwd+bwd``: ``layer(x).backward(dy)`` under ``te.autocast``, the
+  eager user path; compared with the sum of the two ops.
+* baselines: ``torch.mm``, ``torch._scaled_mm`` (CUDA), ``torch.empty``,
+  ``torch.zeros`` and ``torch.nn.Linear`` forward + backward.
+
+    python -m transformer_engine_compile.bench --configs host
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from . import recipe as R
+
+HOST_RECIPES = ("bf16", "fp8_current", "fp8_delayed", "fp8_block", "mxfp8", "nvfp4")
+
+
+def host_recipe(name):
+    return R.DelayedScaling() if name == "fp8_delayed" else R.by_name(name)
+
+
+def _per_call_us(fn, device, n, repeats=5) -> float:
+    """Median over ``repeats`` of the wall time of ``n`` calls, per call."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(5):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        sync()
+        samples.append((time.perf_counter() - t0) / n * 1e6)
+    return statistics.median(samples)
+
+
+def _op_calls(layer, rec, x, dy):
+    """Closures calling the forward and backward ops with flat arguments."""
+    from .autocast import autocast
+    from .module.linear_ops import LINEAR_OPS as ops
+
+    with autocast(enabled=rec is not None, recipe=rec):
+        args = layer._make_args(x, None, False, False)
+    flat = ops.fwd_plan.encode(args)
+    with torch.no_grad():
+        result = ops.forward(args)
+    bwd_args = ops.make_bwd_args(dict(result.saved), ops.setup_context(args),
+                                 {"grad_output": dy})
+    bflat = ops.bwd_plan.encode(bwd_args)
+
+    def fwd():
+        with torch.no_grad():
+            ops.fwd_op(*flat)
+
+    return fwd, lambda: ops.bwd_op(*bflat)
+
+
+def measure(recipes=HOST_RECIPES, device="cuda", n=200, size=256, tokens=256, log=print):
+    """Rows ``{"recipe", "fwd_us", "bwd_us", "eager_us", "eager_ratio"}`` and baselines."""
+    from .autocast import autocast
+    from .module.linear import Linear
+
+    device = torch.device(device)
+    dt = torch.bfloat16
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(tokens, size, device=device, dtype=dt, generator=gen, requires_grad=True)
+    dy = torch.randn(tokens, size, device=device, dtype=dt, generator=gen)
+    base = {}
+    w = torch.randn(size, size, device=device, dtype=dt, generator=gen)
+    base["torch.mm"] = _per_call_us(lambda: torch.mm(x.detach(), w), device, n)
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
+        x8 = x.detach().to(torch.float8_e4m3fn)
+        w8 = w.to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device=device)
+        base["torch._scaled_mm"] = _per_call_us(
+            lambda: torch._scaled_mm(x8, w8, one, one, out_dtype=dt), device, n)
+    base["torch.empty"] = _per_call_us(lambda: torch.empty(size, size, device=device), device, n)
+    base["torch.zeros"] = _per_call_us(lambda: torch.zeros(size, size, device=device), device, n)
+    lin = torch.nn.Linear(size, size, bias=False, device=device, dtype=dt)
+    base["nn.Linear fwd+bwd"] = _per_call_us(lambda: lin(x).backward(dy), device, n)
+    for name, us in base.items():
+        log(f"{'baseline':>12} {name:>22} {us:9.1f} us")
+    rows = []
+    for name in recipes:
+        rec = host_recipe(name)
+        torch.manual_seed(0)
+        layer = Linear(size, size, bias=False, params_dtype=dt, device=device)
+        fwd, bwd = _op_calls(layer, rec, x, dy)
+
+        def eager():
+            with autocast(enabled=rec is not None, recipe=rec):
+                y = layer(x)
+            y.backward(dy)
+
+        row = {"recipe": name, "fwd_us": _per_call_us(fwd, device, n),
+               "bwd_us": _per_call_us(bwd, device, n), "eager_us": _per_call_us(eager, device, n)}
+        row["eager_ratio"] = row["eager_us"] / (row["fwd_us"] + row["bwd_us"])
+        rows.append(row)
+        log(f"{name:>12} fwd op {row['fwd_us']:8.1f} us  bwd op {row['bwd_us']:8.1f} us  "
+            f"eager fwd+bwd {row['eager_us']:8.1f} us ({row['eager_ratio']:.2f}x the ops)")
+    ref = next((r for r in rows if r["recipe"] == "fp8_current"), None)
+    if ref is not None:
+        for r in rows:
+            r["vs_fp8_current"] = max(r["fwd_us"] / ref["fwd_us"], r["bwd_us"] / ref["bwd_us"])
+    return {"baselines": base, "rows": rows}

@@ -1,0 +1,265 @@
+"""A Llama-style decoder for whole-training-step benchmarks (issue 14).
+
+RMSNorm, rotary embeddings, SDPA attention with grouped KV heads and a
+SwiGLU MLP; every projection (q, k, v, o, gate, up, down) comes from a
+``linear`` factory, so the same model runs on ``torch.nn.Linear``,
+``te.Linear`` or torchao's ``Float8Linear``.  The model reads hidden states
+(no embedding or LM head: both run in bf16 whatever the recipe, so they
+would only dilute the comparison) and the loss is the mean squared error
+against a fixed target, computed in fp32.
+
+One training step, as a user's loop runs it: forward under the recipe,
+loss, backward, fused AdamW step, ``loss.item()`` (the loop logs it, so the
+host waits for the GPU every step).  Parameters are bf16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    batch: int
+    seq: int
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+
+LLAMA_CONFIGS = {
+    "llama-a": LlamaConfig(layers=4, hidden=2048, ffn=5632, heads=16, kv_heads=8, batch=4,
+                           seq=1024),
+    "llama-b": LlamaConfig(layers=2, hidden=4096, ffn=14336, heads=32, kv_heads=8, batch=4,
+                           seq=2048),
+}
+TINY_LLAMA = {"llama-tiny": LlamaConfig(layers=2, hidden=256, ffn=256, heads=4, kv_heads=2,
+                                        batch=2, seq=64)}
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, dim, device, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(dim, device=device, dtype=torch.bfloat16))
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.to(x.dtype) * self.weight
+
+
+def _rope(x, cos, sin):
+    """Rotary embedding on (b, heads, s, d), halves rotated (Llama's layout)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
+
+
+class Block(torch.nn.Module):
+    def __init__(self, cfg: LlamaConfig, linear, device):
+        super().__init__()
+        hd = cfg.hidden // cfg.heads
+        self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, hd
+        self.attn_norm = RMSNorm(cfg.hidden, device)
+        self.q = linear(cfg.hidden, cfg.heads * hd, device)
+        self.k = linear(cfg.hidden, cfg.kv_heads * hd, device)
+        self.v = linear(cfg.hidden, cfg.kv_heads * hd, device)
+        self.o = linear(cfg.heads * hd, cfg.hidden, device)
+        self.mlp_norm = RMSNorm(cfg.hidden, device)
+        self.gate = linear(cfg.hidden, cfg.ffn, device)
+        self.up = linear(cfg.hidden, cfg.ffn, device)
+        self.down = linear(cfg.ffn, cfg.hidden, device)
+
+    def forward(self, x, cos, sin):
+        b, s, d = x.shape
+        h = self.attn_norm(x).reshape(b * s, d)
+
+        def heads(t, n):
+            return t.view(b, s, n, self.head_dim).transpose(1, 2)
+
+        q = _rope(heads(self.q(h), self.heads), cos, sin)
+        k = _rope(heads(self.k(h), self.kv_heads), cos, sin)
+        v = heads(self.v(h), self.kv_heads)
+        rep = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b * s, d)).view(b, s, d)
+        h = self.mlp_norm(x).reshape(b * s, d)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h)).view(b, s, d)
+
+
+class Llama(torch.nn.Module):
+    def __init__(self, cfg: LlamaConfig, linear, device):
+        super().__init__()
+        self.cfg = cfg
+        self.blocks = torch.nn.ModuleList(Block(cfg, linear, device) for _ in range(cfg.layers))
+        self.norm = RMSNorm(cfg.hidden, device)
+        hd = cfg.hidden // cfg.heads
+        inv = 1.0 / 10000 ** (torch.arange(0, hd, 2, device=device).float() / hd)
+        ang = torch.outer(torch.arange(cfg.seq, device=device).float(), inv)
+        ang = torch.cat((ang, ang), dim=-1)
+        self.register_buffer("cos", ang.cos().to(torch.bfloat16), persistent=False)
+        self.register_buffer("sin", ang.sin().to(torch.bfloat16), persistent=False)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x, self.cos, self.sin)
+        return self.norm(x)
+
+
+def torch_linear(k, n, device):
+    return torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
+
+
+def te_linear(k, n, device):
+    from .module.linear import Linear
+    return Linear(k, n, bias=False, params_dtype=torch.bfloat16, device=device)
+
+
+def build(cfg, kind, device):
+    """The model for a candidate kind: "torch", "te" or "torchao"."""
+    torch.manual_seed(0)
+    if kind == "te":
+        return Llama(cfg, te_linear, device)
+    model = Llama(cfg, torch_linear, device)
+    if kind == "torchao":
+        from torchao.float8 import convert_to_float8_training
+        convert_to_float8_training(model)
+    return model
+
+
+def make_step(model, rec, mode, lr=1e-4):
+    """``step(x, target) -> loss float``: forward, loss, backward, fused AdamW."""
+    from .autocast import autocast
+
+    def loss_fn(x, target):
+        with autocast(enabled=rec is not None, recipe=rec):
+            y = model(x)
+        return F.mse_loss(y.float(), target)
+
+    f = loss_fn if mode == "eager" else torch.compile(
+        loss_fn, fullgraph=True, mode=None if mode == "default" else mode)
+    fused = next(model.parameters()).is_cuda
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=fused)
+
+    def step(x, target, timings=None):
+        t0 = time.perf_counter()
+        if mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        loss = f(x, target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t1 = time.perf_counter()
+        value = loss.item()
+        if timings is not None:
+            timings.append((t1 - t0, time.perf_counter() - t0))
+        return value
+
+    return step
+
+
+def time_steps(step, x, target, warmup=3, steps=10):
+    """(median ms per step, median host ms per step): the host part ends
+    where ``loss.item()`` starts waiting for the GPU."""
+    for _ in range(warmup):
+        step(x, target)
+    timings = []
+    for _ in range(steps):
+        step(x, target, timings)
+    return (statistics.median(t for _, t in timings) * 1e3,
+            statistics.median(h for h, _ in timings) * 1e3)
+
+
+def inputs(cfg, device):
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(cfg.batch, cfg.seq, cfg.hidden, device=device, dtype=torch.bfloat16,
+                    generator=gen)
+    target = torch.randn(cfg.batch, cfg.seq, cfg.hidden, device=device, generator=gen)
+    return x, target
+
+
+def candidates(recipes, with_torchao):
+    """(label, model kind, recipe) in table order."""
+    out = [("torch bf16", "torch", None)]
+    if with_torchao:
+        out.append(("torchao fp8 tensorwise", "torchao", None))
+    out.append(("te bf16", "te", None))
+    out += [(f"te {name}", "te", rec) for name, rec in recipes.items()]
+    return out
+
+
+def _peak_gib(step, x, target, device):
+    if device.type != "cuda":
+        return float("nan")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step(x, target)
+    return torch.cuda.max_memory_allocated() / 2 ** 30
+
+
+def run(configs, recipes, modes, device, with_torchao, only=None, steps=10, log=print):
+    """One row per (config, candidate, mode); a failing candidate gets an
+    ``error`` entry and the others still run."""
+    import gc
+
+    rows = []
+    for cname, cfg in configs.items():
+        x, target = inputs(cfg, device)
+        for label, kind, rec in candidates(recipes, with_torchao):
+            if only and not any(label == o for o in only):
+                continue
+            for mode in modes:
+                row = {"config": cname, "candidate": label, "mode": mode}
+                try:
+                    model = build(cfg, kind, device)
+                    step = make_step(model, rec, mode)
+                    t0 = time.perf_counter()
+                    step(x, target)
+                    row["first_step_s"] = time.perf_counter() - t0  # compile included
+                    row["ms"], row["host_ms"] = time_steps(step, x, target, steps=steps)
+                    row["tokens_per_s"] = cfg.tokens / row["ms"] * 1e3
+                    row["peak_gib"] = _peak_gib(step, x, target, device)
+                    row["loss"] = step(x, target)
+                except Exception as e:  # one failing candidate must not hide the others
+                    row["error"] = f"{type(e).__name__}: {e}"
+                rows.append(row)
+                log(format_row(row, rows))
+                model = step = None
+                torch._dynamo.reset()
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    return rows
+
+
+def _ratio(rows, row, candidate, mode):
+    for r in rows:
+        if (r["config"], r["candidate"], r["mode"]) == (row["config"], candidate, mode) \
+                and "ms" in r and "ms" in row:
+            return r["ms"] / row["ms"]
+    return float("nan")
+
+
+HEADER = (f"{'config':>10} {'candidate':>23} {'mode':>15} {'ms/step':>9} {'tokens/s':>10} "
+          f"{'x bf16':>7} {'x bf16 eager':>12} {'host ms':>8} {'peak GiB':>8} {'1st step s':>10}")
+
+
+def format_row(row, rows):
+    if "error" in row:
+        return f"{row['config']:>10} {row['candidate']:>23} {row['mode']:>15}  ERROR {row['error']}"
+    return (f"{row['config']:>10} {row['candidate']:>23} {row['mode']:>15} {row['ms']:9.2f} "
+            f"{row['tokens_per_s']:10.0f} {_ratio(rows, row, 'torch bf16', 'default'):7.2f} "
+            f"{_ratio(rows, row, 'torch bf16', 'eager'):12.2f} {row['host_ms']:8.2f} "
+            f"{row['peak_gib']:8.2f} {row['first_step_s']:10.1f}")
