@@ -82,7 +82,7 @@ def test_launcher_caches_a_handle_and_check_mode_catches_a_wrong_key():
         outs.append(out.view(torch.float32))
     assert all(torch.equal(o, x.abs().amax().float().reshape(1)) for o in outs)
     handle = launch.handles[(torch.cuda.current_device(), key)]
-    assert isinstance(handle, _Handle) or handle is False  # False: hooks installed
+    assert isinstance(handle, _Handle)  # no Triton launch hooks in the test run
     checked = Launcher(tq._amax_kernel)
     checked.check = True
     out = torch.zeros(1, dtype=torch.int32, device="cuda")

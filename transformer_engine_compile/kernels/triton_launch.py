@@ -53,11 +53,20 @@ class _Handle:
         self.metadata = compiled.packed_metadata
 
 
+def _hook_set(hook) -> bool:
+    """Triton 3.6 keeps launch hooks in an always-present ``HookChain``
+    (empty unless something added a hook); older versions use None."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def _hooks_installed() -> bool:
+    """Whether Triton-level launch hooks (e.g. proton) want to see launches:
+    then keep ``kernel[grid]``, which calls them.  Checked when a handle is
+    created; torch.profiler does not rely on these hooks."""
     try:
         from triton import knobs
-        return (knobs.runtime.launch_enter_hook is not None
-                or knobs.runtime.launch_exit_hook is not None)
+        return (_hook_set(knobs.runtime.launch_enter_hook)
+                or _hook_set(knobs.runtime.launch_exit_hook))
     except (ImportError, AttributeError):  # pragma: no cover - other Triton versions
         return True
 
@@ -66,6 +75,7 @@ class Launcher:
     """A ``@triton.jit`` function with a per-key cache of compiled handles."""
 
     check = os.environ.get("TE_COMPILE_CHECK_LAUNCH", "0") == "1"
+    enabled = os.environ.get("TE_COMPILE_FAST_LAUNCH", "1") == "1"  # 0: always kernel[grid]
 
     def __init__(self, fn, num_warps: int = 8):
         self.fn = fn
@@ -78,7 +88,7 @@ class Launcher:
         device = torch.cuda.current_device() if args[0].is_cuda else -1
         key = (device, key)
         entry = self.handles.get(key)
-        if entry is None or entry is False or self.check:
+        if entry is None or entry is False or self.check or not self.enabled:
             compiled = self.fn[grid](*args, num_warps=self.num_warps)
             if entry is None:
                 self.handles[key] = self._handle(compiled)
