@@ -29,6 +29,9 @@ def register() -> None:
                  "delayed_scaling_step"):
         register_fast(name, "cuda", getattr(tq, name))
         _REGISTERED.append(name)
+    from .triton_nvfp4 import quantize_nvfp4
+    register_fast("quantize_nvfp4", "cuda", quantize_nvfp4)
+    _REGISTERED.append("quantize_nvfp4")
 
 
 def available() -> tuple:

@@ -275,12 +275,38 @@ def rht_matrix(device=None) -> torch.Tensor:
     return ((1 - 2 * parity) * sign[None, :]).to(torch.float32) / 4.0
 
 
+def _rht_signs(device=None) -> torch.Tensor:
+    """RHT_SIGNS as fp32, built on the device (like rht_matrix)."""
+    negative = sum(1 << j for j, s in enumerate(RHT_SIGNS) if s < 0)
+    i = torch.arange(NVFP4_BLOCK, device=device)
+    return (1 - 2 * ((negative >> i) & 1)).to(torch.float32)
+
+
+def _fwht16(y: torch.Tensor) -> torch.Tensor:
+    """Unnormalised Walsh-Hadamard transform (Sylvester order) of each run of
+    16 along the last dim, as the in-place butterfly: stages of stride
+    h = 1, 2, 4, 8 map each pair (a, b) = (y[i], y[i + h]) to (a + b, a - b).
+    A fixed order of fp32 additions, so a kernel can reproduce it bit for bit
+    (a 16x16 matmul sums in an unspecified order)."""
+    shape = y.shape
+    for h in (1, 2, 4, 8):
+        a, b = y.reshape(*shape[:-1], NVFP4_BLOCK // (2 * h), 2, h).unbind(-2)
+        y = torch.stack((a + b, a - b), dim=-2)
+    return y.reshape(shape)
+
+
 def apply_rht(rows: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Transform each run of 16 consecutive elements of the last dim."""
+    """Transform each run of 16 consecutive elements of the last dim by
+    T = rht_matrix() (inverse: by T^-1 = T^T), through the butterfly
+    (equal to ``chunks @ T.t()`` up to fp32 rounding).  With H symmetric,
+    T x = H (signs * x) / 4 and T^T y = signs * (H y) / 4; /4 is exact."""
     r, c = rows.shape
-    t = rht_matrix(rows.device)
+    signs = _rht_signs(rows.device)
     chunks = rows.float().reshape(r, c // NVFP4_BLOCK, NVFP4_BLOCK)
-    out = chunks @ (t if inverse else t.t())
+    if inverse:
+        out = _fwht16(chunks) * 0.25 * signs
+    else:
+        out = _fwht16(chunks * signs) * 0.25
     return out.reshape(r, c)
 
 
@@ -299,7 +325,10 @@ def _nvfp4_rows(x2d, amax_, block_2d: bool, stochastic: bool):
         bamax = tiles.abs().amax(dim=(1, 3)).repeat_interleave(NVFP4_BLOCK, dim=0)
     else:
         bamax = xf.reshape(m, k // NVFP4_BLOCK, NVFP4_BLOCK).abs().amax(-1)
-    s = bamax / E2M1_MAX * g
+    # times the fp32 reciprocal, not ``/ 6.0``: torch divides by a Python
+    # scalar exactly on the CPU but multiplies by its reciprocal on CUDA, so
+    # this is the one spelling that is the same on every device (and kernel)
+    s = bamax * (1.0 / E2M1_MAX) * g
     s = torch.where(torch.isfinite(s), s.clamp(max=E4M3_MAX), torch.full_like(s, float("nan")))
     s_q = s.to(torch.float8_e4m3fn)
     s_f = s_q.float()

@@ -42,15 +42,28 @@ def ptr_key(t: torch.Tensor) -> bool:
 
 
 class _Handle:
-    """The launch entry of one compiled kernel (Triton 3.x ``CompiledKernel``)."""
+    """The launch entry of one compiled kernel (Triton 3.x ``CompiledKernel``).
 
-    __slots__ = ("compiled", "run", "function", "metadata")
+    ``launch`` is the C function of Triton's launcher module when the kernel
+    needs no scratch memory (then ``CudaLauncher.__call__`` adds nothing but
+    a Python frame); ``prefix`` its leading arguments up to the kernel's."""
+
+    __slots__ = ("compiled", "launch", "prefix")
 
     def __init__(self, compiled):
         self.compiled = compiled
-        self.run = compiled.run  # initialises the module on first access
-        self.function = compiled.function
-        self.metadata = compiled.packed_metadata
+        run = compiled.run  # initialises the module on first access
+        function, metadata = compiled.function, compiled.packed_metadata
+        raw = getattr(run, "launch", None)
+        if (type(raw).__name__ == "builtin_function_or_method"
+                and not getattr(run, "global_scratch_size", 1)
+                and not getattr(run, "profile_scratch_size", 1)):
+            self.launch = raw
+            self.prefix = (function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                           metadata, None, None, None)
+        else:
+            self.launch = run
+            self.prefix = (function, metadata, None, None, None)
 
 
 def _hook_set(hook) -> bool:
@@ -85,7 +98,7 @@ class Launcher:
     def __call__(self, grid: tuple, key: tuple, *args) -> None:
         """Launch ``fn[grid](*args)``; ``args`` are every parameter in
         signature order (constexprs included), ``key`` as the module says."""
-        device = torch.cuda.current_device() if args[0].is_cuda else -1
+        device = torch._C._cuda_getDevice() if args[0].is_cuda else -1
         key = (device, key)
         entry = self.handles.get(key)
         if entry is None or entry is False or self.check or not self.enabled:
@@ -97,9 +110,8 @@ class Launcher:
                                    "compiled kernels; the key misses an argument Triton "
                                    "specializes on")
             return
-        entry.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                  torch._C._cuda_getCurrentRawStream(device), entry.function, entry.metadata,
-                  None, None, None, *args)
+        entry.launch(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                     torch._C._cuda_getCurrentRawStream(device), *entry.prefix, *args)
 
     @staticmethod
     def _handle(compiled):

@@ -1,0 +1,291 @@
+"""NVFP4 quantization in Triton: ``quantize_nvfp4`` with the signature of
+``reference.quantize_nvfp4``, returning bit-identical buffers.
+
+Two launches (three or four with stochastic rounding, whose uniform draws
+come from ``torch.rand`` in the reference's order, rowwise copy first, so
+both paths round alike under one seed):
+
+* an amax pass: each of at most 256 programs writes the max |x| bits of its
+  tiles, and with the RHT the max of the transformed transpose, to a
+  partials buffer (no zero fill, no atomics);
+* a quantize pass over (64, 128) tiles that reduces the partials, computes
+  the global scale on the device and writes both copies (data, E4M3 block
+  scales, amax).  The columnwise copy re-reads its tile transposed from
+  memory (see ``triton_quant._tile_t``).
+
+The RHT is the reference's butterfly (``reference._fwht16``) in the same
+order of fp32 operations, so it matches bit for bit.  Nothing reads a value
+back to the host (CUDA-graph capture works).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import reference as ref
+from .triton_launch import Launcher, int_key
+from .triton_quant import _abs_bits, _matrix, _scale_from_amax, _tile, _x_key
+
+_RHT_NEG = tl.constexpr(sum(1 << j for j, s in enumerate(ref.RHT_SIGNS) if s < 0))
+_INV_E2M1_MAX = tl.constexpr(1.0 / ref.E2M1_MAX)  # rounded to fp32 where used, as in torch
+_GLOBAL_MAX = tl.constexpr(ref.E2M1_MAX * ref.E4M3_MAX)
+
+
+# -- device helpers ---------------------------------------------------------------
+# The columnwise copy quantizes runs of 16 along M, a strided axis of x.  Its
+# tile is read as 16 (BK, BM // 16) tensors, tensor j holding m = 16 g + j
+# (each read is coalesced along K), so the RHT butterfly is elementwise, and
+# _join16 stacks them into a (BK, BM // 16, 16) tile whose runs of 16 sit in
+# one thread's registers: no data moves between threads.
+@triton.jit
+def _load16(ptr, base, step, mask):
+    """16 fp32 tensors: ``ptr[base + j * step]`` for j = 0..15 (0 where not mask)."""
+    t = ()
+    for j in tl.static_range(16):
+        t = t + (tl.load(ptr + base + j * step, mask=mask, other=0.0).to(tl.float32),)
+    return t
+
+
+@triton.jit
+def _join16(t):
+    """Stack 16 (R, G) tensors into one (R, G, 16), tensor j at [:, :, j]."""
+    for level in tl.static_range(4):  # join(t[j], t[j + n]), n = 8, 4, 2, 1: last dim = bit n
+        u = ()
+        for j in tl.static_range(8 >> level):
+            u = u + (tl.join(t[j], t[j + (8 >> level)]),)
+        t = u
+    x = t[0]
+    return tl.reshape(x, (x.shape[0], x.shape[1], 16))
+
+
+@triton.jit
+def _rht16(t):
+    """reference.apply_rht of the 16 tensors t (element j of each run in
+    t[j]): signs, the butterfly stages of reference._fwht16 in its order
+    (stride h: (t[i], t[i + h]) -> (t[i] + t[i + h], t[i] - t[i + h])), then /4 (exact)."""
+    u = ()
+    for j in tl.static_range(16):
+        if (_RHT_NEG >> j) & 1:
+            u = u + (-t[j],)
+        else:
+            u = u + (t[j],)
+    t = u
+    for stage in tl.static_range(4):  # stride h = 1 << stage
+        u = ()
+        for i in tl.static_range(16):
+            if i & (1 << stage):
+                u = u + (t[i - (1 << stage)] - t[i],)
+            else:
+                u = u + (t[i] + t[i + (1 << stage)],)
+        t = u
+    u = ()
+    for j in tl.static_range(16):
+        u = u + (t[j] * 0.25,)
+    return u
+
+
+@triton.jit
+def _max16_bits(t):
+    """Elementwise max of the |x| bits of 16 tensors."""
+    m = _abs_bits(t[0])
+    for j in tl.static_range(1, 16):
+        m = tl.maximum(m, _abs_bits(t[j]))
+    return m
+
+
+@triton.jit
+def _e2m1_value(code):
+    """reference._e2m1_magnitude of int32 codes 0..7."""
+    e = code >> 1
+    m = (code & 1).to(tl.float32)
+    return tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * ((e + 126) << 23).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _e2m1_codes(v, r, SR: tl.constexpr):
+    """reference.round_to_e2m1: 4-bit codes (sign in bit 3) of v, to nearest
+    even, or (SR) up with probability p when the uniform draw r < p."""
+    a = tl.abs(v)
+    a = tl.minimum(tl.where(a != a, 0.0, a), 6.0)
+    if SR:
+        lo = ((a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32)
+              + (a >= 2.0).to(tl.int32) + (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32)
+              + (a >= 6.0).to(tl.int32))
+        base = _e2m1_value(lo)
+        gap = _e2m1_value(tl.minimum(lo + 1, 7)) - base
+        p = tl.where(gap > 0, tl.math.div_rn(a - base, tl.where(gap > 0, gap, 1.0)), 0.0)
+        code = lo + (r < p).to(tl.int32)
+    else:
+        code = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+                + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+                + (a > 5.0).to(tl.int32))
+    return code + tl.where(v < 0, 8, 0)
+
+
+@triton.jit
+def _quantize_tile(x, g, r, TWO_D: tl.constexpr, SR: tl.constexpr, R: tl.constexpr,
+                   G: tl.constexpr):
+    """reference._nvfp4_rows on the fp32 (R, G, 16) tile x (runs of 16 along
+    its rows) with global scale g: packed codes (R, G * 8) uint8 and E4M3
+    block scales (R, G)."""
+    bmax = tl.max(_abs_bits(x), axis=2)
+    if TWO_D:  # 16x16 tiles; each row of a tile repeats its scale
+        t = tl.max(tl.reshape(bmax, (R // 16, 16, G)), axis=1)
+        bmax = tl.reshape(tl.broadcast_to(t[:, None, :], (R // 16, 16, G)), (R, G))
+    s = bmax.to(tl.float32, bitcast=True) * _INV_E2M1_MAX * g
+    s = tl.where((s == s) & (s != float("inf")), tl.minimum(s, 448.0), float("nan"))
+    s_q = s.to(tl.float8e4nv)
+    s_f = s_q.to(tl.float32)
+    enc = tl.where(s_f > 0, tl.math.div_rn(tl.zeros_like(s_f) + g, tl.where(s_f > 0, s_f, 1.0)),
+                   0.0)
+    lo, hi = tl.split(tl.reshape(_e2m1_codes(x * enc[:, :, None], r, SR), (R, G, 8, 2)))
+    return tl.reshape((lo | (hi << 4)).to(tl.uint8), (R, G * 8)), s_q
+
+
+@triton.jit
+def _parts_amax(part_ptr, n, NP: tl.constexpr):
+    """The fp32 amax from n partial maxima (int32 bits of |x|)."""
+    parts = tl.load(part_ptr + tl.arange(0, NP), mask=tl.arange(0, NP) < n, other=0)
+    return tl.max(parts, axis=0).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _store_copy(d_ptr, s_ptr, data, scale, rows, g0, R_ALL, C_ALL, R: tl.constexpr,
+                G: tl.constexpr):
+    """Store a quantized tile (rows ``rows``, blocks g0 .. g0 + G - 1) into a
+    copy of R_ALL rows and C_ALL columns (before packing)."""
+    cd = g0 * 8 + tl.arange(0, G * 8)
+    cs = g0 + tl.arange(0, G)
+    r = rows[:, None].to(tl.int64)
+    ok = rows[:, None] < R_ALL
+    tl.store(d_ptr + r * (C_ALL // 2) + cd[None, :], data, mask=ok & (cd[None, :] < C_ALL // 2))
+    tl.store(s_ptr + r * (C_ALL // 16) + cs[None, :], scale, mask=ok & (cs[None, :] < C_ALL // 16))
+
+
+@triton.jit
+def _col_offsets(M, K, pid_m, pid_k, BM: tl.constexpr, BK: tl.constexpr):
+    """Rows k, run indices g and mask of the columnwise (BK, BM // 16) tile,
+    and the offsets of x[16 g, k] (step K to element j of each run)."""
+    rk = pid_k * BK + tl.arange(0, BK)
+    rg = pid_m * (BM // 16) + tl.arange(0, BM // 16)
+    mask = (rk[:, None] < K) & (rg[None, :] < M // 16)
+    return rk, rg, mask, (rg[None, :] * 16).to(tl.int64) * K + rk[:, None]
+
+
+# -- kernels --------------------------------------------------------------------------
+@triton.jit
+def _nvfp4_amax_kernel(x_ptr, M, K, part_ptr, P, X_AMAX: tl.constexpr, RHT_AMAX: tl.constexpr,
+                       BM: tl.constexpr, BK: tl.constexpr):
+    """Program p of P: max |x| bits of tiles p, p + P, ... to part_ptr[p]
+    (X_AMAX) and of their RHT-transformed transposes to part_ptr[P + p]."""
+    pid = tl.program_id(0)
+    n_k = tl.cdiv(K, BK)
+    n = tl.cdiv(tl.cdiv(M, BM) * n_k, P)
+    if RHT_AMAX:
+        acc_x = tl.zeros((BK, BM // 16), dtype=tl.int32)
+        acc_h = tl.zeros((BK, BM // 16), dtype=tl.int32)
+        for i in range(0, n):
+            t = pid + i * P  # past the last tile: rows beyond M, a masked (zero) tile
+            _, _, mask, offs = _col_offsets(M, K, t // n_k, t % n_k, BM, BK)
+            xs = _load16(x_ptr, offs, K, mask)
+            if X_AMAX:
+                acc_x = tl.maximum(acc_x, _max16_bits(xs))
+            acc_h = tl.maximum(acc_h, _max16_bits(_rht16(xs)))
+        tl.store(part_ptr + P + pid, tl.max(tl.max(acc_h, axis=1), axis=0))
+    else:
+        acc_x = tl.zeros((BM, BK), dtype=tl.int32)
+        for i in range(0, n):
+            t = pid + i * P
+            x, _, _, _ = _tile(x_ptr, M, K, t // n_k, t % n_k, BM, BK)
+            acc_x = tl.maximum(acc_x, _abs_bits(x))
+    if X_AMAX:
+        tl.store(part_ptr + pid, tl.max(tl.max(acc_x, axis=1), axis=0))
+
+
+@triton.jit
+def _nvfp4_kernel(x_ptr, M, K, part_ptr, n_parts, rr_ptr, rc_ptr,
+                  rd_ptr, rs_ptr, ra_ptr, cd_ptr, cs_ptr, ca_ptr,
+                  TWO_D: tl.constexpr, RHT: tl.constexpr, SR: tl.constexpr,
+                  ROW: tl.constexpr, COL: tl.constexpr,
+                  BM: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr):
+    """Both copies of one (BM, BK) tile: rowwise (M, K) from the x maxima
+    at part_ptr, columnwise (K, M) from the RHT maxima at part_ptr + n_parts
+    (RHT) or the x maxima; rr/rc: uniform draws (M, K) / (K, M) when SR."""
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    first = (pid_m == 0) & (pid_k == 0)
+    if ROW:
+        a = _parts_amax(part_ptr, n_parts, NP)
+        x, rm, rk, mask = _tile(x_ptr, M, K, pid_m, pid_k, BM, BK)
+        r = x
+        if SR:
+            r = tl.load(rr_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=mask, other=1.0)
+        data, scale = _quantize_tile(tl.reshape(x, (BM, BK // 16, 16)),
+                                     _scale_from_amax(a, _GLOBAL_MAX, 0.0, False),
+                                     tl.reshape(r, (BM, BK // 16, 16)), TWO_D, SR, BM, BK // 16)
+        _store_copy(rd_ptr, rs_ptr, data, scale, rm, pid_k * (BK // 16), M, K, BM, BK // 16)
+        if first:
+            tl.store(ra_ptr, a)
+    if COL:
+        if RHT:
+            a = _parts_amax(part_ptr + n_parts, n_parts, NP)
+        else:
+            a = _parts_amax(part_ptr, n_parts, NP)
+        rk, rg, mask, offs = _col_offsets(M, K, pid_m, pid_k, BM, BK)
+        xs = _load16(x_ptr, offs, K, mask)
+        if RHT:
+            xs = _rht16(xs)
+        xt = _join16(xs)
+        r = xt
+        if SR:  # draws (K, M), read along M (coalesced) and moved to xt's layout
+            offs = (rk[:, None].to(tl.int64) * M + rg[None, :] * 16)[:, :, None] + tl.arange(0, 16)
+            r = tl.load(rc_ptr + offs, mask=mask[:, :, None], other=1.0)
+        data, scale = _quantize_tile(xt, _scale_from_amax(a, _GLOBAL_MAX, 0.0, False), r, TWO_D,
+                                     SR, BK, BM // 16)
+        _store_copy(cd_ptr, cs_ptr, data, scale, rk, pid_m * (BM // 16), K, M, BK, BM // 16)
+        if first:
+            tl.store(ca_ptr, a)
+
+
+_BM, _BK = 64, 128
+_MAX_PARTS = 256  # programs of the amax pass (a power of two: the quantize pass loads them all)
+_amax_launch = Launcher(_nvfp4_amax_kernel)
+_nvfp4_launch = Launcher(_nvfp4_kernel)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_BUFFERS = ("rowwise_data", "rowwise_scale_inv", "rowwise_amax",
+            "columnwise_data", "columnwise_scale_inv", "columnwise_amax")
+
+
+def quantize_nvfp4(x2d, block_2d, rht, stochastic, rowwise, columnwise) -> dict:
+    m, k = x2d.shape
+    b = ref.NVFP4_BLOCK
+    if (x2d.numel() == 0 or m % b or k % b or x2d.dtype not in _DTYPES
+            or not (rowwise or columnwise)):
+        return ref.quantize_nvfp4(x2d, block_2d, rht, stochastic, rowwise, columnwise)
+    x2d = _matrix(x2d)
+    dev = x2d.device
+    out = {}
+    for name, rows, cols, on in (("rowwise", m, k, rowwise), ("columnwise", k, m, columnwise)):
+        if on:
+            out[name + "_data"] = torch.empty((rows, cols // 2), dtype=torch.uint8, device=dev)
+            out[name + "_scale_inv"] = torch.empty((rows, cols // b), dtype=torch.float8_e4m3fn,
+                                                   device=dev)
+            out[name + "_amax"] = torch.empty(1, dtype=torch.float32, device=dev)
+    rht_amax = bool(columnwise and rht)
+    x_amax = bool(rowwise or not rht_amax)
+    xkey = _x_key(x2d, m, k)
+    n_parts = min(triton.cdiv(m, _BM) * triton.cdiv(k, _BK), _MAX_PARTS)
+    parts = torch.empty(2 * n_parts, dtype=torch.int32, device=dev)
+    _amax_launch((n_parts,), (xkey, int_key(n_parts), x_amax, rht_amax), x2d, m, k, parts,
+                 n_parts, x_amax, rht_amax, _BM, _BK)
+    # the reference's draws: rand_like of the rowwise copy, then the columnwise one
+    dummy = parts
+    r_row = torch.rand((m, k), dtype=torch.float32, device=dev) if stochastic and rowwise else dummy
+    r_col = (torch.rand((k, m), dtype=torch.float32, device=dev) if stochastic and columnwise
+             else dummy)
+    bufs = tuple(out.get(name, dummy) for name in _BUFFERS)
+    flags = (bool(block_2d), bool(rht), bool(stochastic), bool(rowwise), bool(columnwise))
+    _nvfp4_launch((triton.cdiv(m, _BM), triton.cdiv(k, _BK)), (xkey, int_key(n_parts), flags),
+                  x2d, m, k, parts, n_parts, r_row, r_col, *bufs, *flags, _BM, _BK, _MAX_PARTS)
+    return out
