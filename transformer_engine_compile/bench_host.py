@@ -2,7 +2,13 @@
 
 Inputs are tiny (256 x 256 weight, 256 tokens) so the GPU is never the
 bottleneck: N back-to-back calls, then one synchronize, and the wall time
-over N is what the host spends per call.  No profiler runs.  Rows:
+over N is what the host spends per call.  No profiler runs.  A GPU left
+idle drops its clocks, and then even these tiny kernels (five per FP8
+forward) outlast the host (measured on an H200: 350-450 us per forward
+call for the first ~1000 calls, 190 us once the clocks were up), so each
+recipe first keeps the GPU busy for a moment, and every figure comes with
+the thread's CPU time over the same calls: ``gpu_bound`` marks a figure
+whose wall time exceeds its CPU time by more than 20%.  Rows:
 
 * ``fwd op`` / ``bwd op``: the ``te_compile::linear_fwd`` / ``linear_bwd``
   custom ops called with their flat arguments, as a compiled graph's
@@ -35,18 +41,37 @@ def host_recipe(name):
 
 def _per_call_us(fn, device, n, repeats=5) -> float:
     """Median over ``repeats`` of the wall time of ``n`` calls, per call."""
+    return _per_call(fn, device, n, repeats)[0]
+
+
+def _per_call(fn, device, n, repeats=5) -> tuple:
+    """(wall us, thread CPU us) per call, each the median over ``repeats``
+    runs of ``n`` calls closed by a synchronize."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(5):
         fn()
-    samples = []
+    wall, cpu = [], []
     for _ in range(repeats):
         sync()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         for _ in range(n):
             fn()
         sync()
-        samples.append((time.perf_counter() - t0) / n * 1e6)
-    return statistics.median(samples)
+        wall.append((time.perf_counter() - t0) / n * 1e6)
+        cpu.append((time.thread_time() - c0) / n * 1e6)
+    return statistics.median(wall), statistics.median(cpu)
+
+
+def _busy_gpu(device, seconds=0.3) -> None:
+    """Keep the GPU busy for a moment so it runs at its working clocks."""
+    if device.type != "cuda":
+        return
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize(device)
 
 
 def _op_calls(layer, rec, x, dy):
@@ -111,12 +136,17 @@ def measure(recipes=HOST_RECIPES, device="cuda", n=200, size=256, tokens=256, lo
                 y = layer(x)
             y.backward(dy)
 
-        row = {"recipe": name, "fwd_us": _per_call_us(fwd, device, n),
-               "bwd_us": _per_call_us(bwd, device, n), "eager_us": _per_call_us(eager, device, n)}
+        row = {"recipe": name, "gpu_bound": []}
+        for key, fn in (("fwd", fwd), ("bwd", bwd), ("eager", eager)):
+            _busy_gpu(device)
+            row[key + "_us"], row[key + "_cpu_us"] = _per_call(fn, device, n)
+            if row[key + "_us"] > 1.2 * row[key + "_cpu_us"]:
+                row["gpu_bound"].append(key)
         row["eager_ratio"] = row["eager_us"] / (row["fwd_us"] + row["bwd_us"])
         rows.append(row)
+        flag = f"  (wall > 1.2x CPU time: {', '.join(row['gpu_bound'])})" if row["gpu_bound"] else ""
         log(f"{name:>12} fwd op {row['fwd_us']:8.1f} us  bwd op {row['bwd_us']:8.1f} us  "
-            f"eager fwd+bwd {row['eager_us']:8.1f} us ({row['eager_ratio']:.2f}x the ops)")
+            f"eager fwd+bwd {row['eager_us']:8.1f} us ({row['eager_ratio']:.2f}x the ops){flag}")
     ref = next((r for r in rows if r["recipe"] == "fp8_current"), None)
     if ref is not None:
         for r in rows:

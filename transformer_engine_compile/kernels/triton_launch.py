@@ -41,6 +41,12 @@ def ptr_key(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for grids.  ``triton.cdiv`` is a ``ConstexprFunction`` in
+    Triton 3.6 whose Python call costs ~2-3 us; a quantize call needs several."""
+    return -(-a // b)
+
+
 class _Handle:
     """The launch entry of one compiled kernel (Triton 3.x ``CompiledKernel``).
 

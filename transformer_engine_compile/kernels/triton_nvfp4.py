@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from . import reference as ref
-from .triton_launch import Launcher, int_key
+from .triton_launch import Launcher, cdiv, int_key
 from .triton_quant import _abs_bits, _matrix, _scale_from_amax, _tile, _x_key
 
 _RHT_NEG = tl.constexpr(sum(1 << j for j, s in enumerate(ref.RHT_SIGNS) if s < 0))
@@ -275,7 +275,7 @@ def quantize_nvfp4(x2d, block_2d, rht, stochastic, rowwise, columnwise) -> dict:
     rht_amax = bool(columnwise and rht)
     x_amax = bool(rowwise or not rht_amax)
     xkey = _x_key(x2d, m, k)
-    n_parts = min(triton.cdiv(m, _BM) * triton.cdiv(k, _BK), _MAX_PARTS)
+    n_parts = min(cdiv(m, _BM) * cdiv(k, _BK), _MAX_PARTS)
     parts = torch.empty(2 * n_parts, dtype=torch.int32, device=dev)
     _amax_launch((n_parts,), (xkey, int_key(n_parts), x_amax, rht_amax), x2d, m, k, parts,
                  n_parts, x_amax, rht_amax, _BM, _BK)
@@ -286,6 +286,6 @@ def quantize_nvfp4(x2d, block_2d, rht, stochastic, rowwise, columnwise) -> dict:
              else dummy)
     bufs = tuple(out.get(name, dummy) for name in _BUFFERS)
     flags = (bool(block_2d), bool(rht), bool(stochastic), bool(rowwise), bool(columnwise))
-    _nvfp4_launch((triton.cdiv(m, _BM), triton.cdiv(k, _BK)), (xkey, int_key(n_parts), flags),
+    _nvfp4_launch((cdiv(m, _BM), cdiv(k, _BK)), (xkey, int_key(n_parts), flags),
                   x2d, m, k, parts, n_parts, r_row, r_col, *bufs, *flags, _BM, _BK, _MAX_PARTS)
     return out

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from . import reference as ref
-from .triton_launch import Launcher, int_key, ptr_key
+from .triton_launch import Launcher, cdiv, int_key, ptr_key
 
 _TL_FP8 = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
 _FP32_MAX = tl.constexpr(ref.FP32_MAX)
@@ -203,7 +203,7 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     x2d = _matrix(x.detach().reshape(-1, x.shape[-1]))
     m, k = x2d.shape
     out = torch.zeros(1, dtype=torch.int32, device=x2d.device)
-    _amax_launch((triton.cdiv(m, _AMAX_BM), triton.cdiv(k, _AMAX_BK)), _x_key(x2d, m, k),
+    _amax_launch((cdiv(m, _AMAX_BM), cdiv(k, _AMAX_BK)), _x_key(x2d, m, k),
                  x2d, m, k, out, _AMAX_BM, _AMAX_BK)
     return out.view(torch.float32).reshape(())
 
@@ -223,7 +223,7 @@ def _fp8_tensorwise(x2d, fmt, rowwise, columnwise, *, scale=None, amax_out=None,
         out["transpose"] = torch.empty((k, m), dtype=dt, device=dev)
     xkey = _x_key(x2d, m, k)
     if scale is None:
-        n_tiles = triton.cdiv(m, _AMAX_BM) * triton.cdiv(k, _AMAX_BK)
+        n_tiles = cdiv(m, _AMAX_BM) * cdiv(k, _AMAX_BK)
         n_parts = min(n_tiles, _MAX_PARTS)
         parts = torch.empty(n_parts, dtype=torch.int32, device=dev)
         key = (xkey, int_key(n_parts))
@@ -235,7 +235,7 @@ def _fp8_tensorwise(x2d, fmt, rowwise, columnwise, *, scale=None, amax_out=None,
         scale_arg = scale
         key = (xkey, ptr_key(scale), ptr_key(amax_arg))
     sinv = out["scale_inv"]
-    grid = (triton.cdiv(m, _TW_BM), triton.cdiv(k, _TW_BK))
+    grid = (cdiv(m, _TW_BM), cdiv(k, _TW_BK))
     flags = (fmt, float(eps), bool(pow2), scale is None, amax_out is not None, bool(rowwise),
              bool(columnwise))
     _fp8_tensorwise_launch(grid, (key, flags), x2d, m, k, amax_arg, n_parts, scale_arg,
@@ -353,7 +353,7 @@ def quantize_fp8_blockwise(x2d, fmt, block_2d, pow2, eps, rowwise, columnwise) -
     out = _alloc_copies(x2d.device, rowwise, columnwise, ((m, k), dt), (row_s, torch.float32),
                         ((k, m), dt), (col_s, torch.float32))
     flags = (fmt, float(eps), bool(pow2), bool(block_2d), bool(rowwise), bool(columnwise))
-    _fp8_block_launch((triton.cdiv(m, b), triton.cdiv(k, b)), (_x_key(x2d, m, k), flags),
+    _fp8_block_launch((cdiv(m, b), cdiv(k, b)), (_x_key(x2d, m, k), flags),
                       x2d, m, k, *_copy_args(out), ref.FP8_MAX[fmt], *flags[1:], _TL_FP8[fmt], b)
     return out
 
@@ -448,7 +448,7 @@ def quantize_mxfp8(x2d, fmt, rowwise, columnwise) -> dict:
                         ((m, k), dt), ((m // b, k), torch.uint8))
     max_frac, max_exp = math.frexp(ref.FP8_MAX[fmt])
     flags = (fmt, bool(rowwise), bool(columnwise))
-    _mxfp8_launch((triton.cdiv(m, _MX_BM), triton.cdiv(k, _MX_BK)), (_x_key(x2d, m, k), flags),
+    _mxfp8_launch((cdiv(m, _MX_BM), cdiv(k, _MX_BK)), (_x_key(x2d, m, k), flags),
                   x2d, m, k, *_copy_args(out), ref.FP8_MAX[fmt], int((max_frac - 0.5) * 2 ** 24),
                   max_exp, *flags[1:], _TL_FP8[fmt], _MX_BM, _MX_BK, b)
     return out
@@ -461,7 +461,7 @@ def dequantize_mxfp8(data2d, biased, rowwise: bool, out_dtype=torch.float32) -> 
     data2d, biased = _matrix(data2d), _matrix(biased)
     m, k = data2d.shape
     out = torch.empty((m, k), dtype=out_dtype, device=data2d.device)
-    _mxfp8_dequantize_launch((triton.cdiv(m, _MX_BM), triton.cdiv(k, _MX_BK)),
+    _mxfp8_dequantize_launch((cdiv(m, _MX_BM), cdiv(k, _MX_BK)),
                              (_x_key(data2d, m, k), ptr_key(biased), bool(rowwise), out_dtype),
                              data2d, biased, out, m, k, bool(rowwise), _TL_OUT[out_dtype],
                              _MX_BM, _MX_BK, ref.MX_BLOCK)
