@@ -110,8 +110,6 @@ def test_host_benchmark_times_the_real_ops():
     assert [r["recipe"] for r in out["rows"]] == ["bf16", "fp8_current"]
     assert {"torch.mm", "torch.empty", "nn.Linear fwd+bwd"} <= set(out["baselines"])
     assert all(r["fwd_us"] > 0 and r["bwd_us"] > 0 and r["eager_us"] > 0 for r in out["rows"])
-    # each wall time comes with the thread's CPU time over the same calls
-    assert all(0 < r[k + "_cpu_us"] for r in out["rows"] for k in ("fwd", "bwd", "eager"))
     # the timed closures call the layer's ops: the forward op returns the layer's output
     rec = bench_host.host_recipe("fp8_current")
     layer = te.Linear(128, 128, bias=False, params_dtype=torch.bfloat16)
