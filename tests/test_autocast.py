@@ -143,3 +143,32 @@ def test_recipe_numeric_fields_are_validated_and_kept_as_constants():
         R.Float8CurrentScaling(amax_epsilon="0.1")
     with pytest.raises(TypeError, match="margin must be int"):
         R.DelayedScaling(margin=1.5)
+
+
+def test_autocast_and_fp8_autocast_as_decorators():
+    @te.autocast(recipe=recipe.MXFP8BlockScaling())
+    def mx(x):
+        return _active(), _layer(x)
+
+    @te.fp8_autocast(enabled=True, fp8_recipe=recipe.DelayedScaling(), fp8_group="g")
+    def delayed():
+        from transformer_engine_compile.autocast import get_amax_reduction_group
+        return _active(), get_amax_reduction_group()
+
+    @te.autocast(enabled=False)
+    def off():
+        return _active()
+
+    x = torch.randn(64, 64)
+    with te.autocast(recipe=recipe.Float8BlockScaling()):
+        name, y = mx(x)
+        assert name == "MXFP8BlockScaling" and _active() == "Float8BlockScaling"  # restored
+        assert off() is None and _active() == "Float8BlockScaling"
+    with te.autocast(recipe=recipe.MXFP8BlockScaling()):
+        assert torch.equal(y, _layer(x))
+    assert delayed() == ("DelayedScaling", "g") and _active() is None
+    assert mx.__name__ == "mx"  # functools.wraps
+    # a decorated function compiles without a graph break and equals eager
+    got = torch.compile(mx, fullgraph=True, backend="aot_eager")(x)
+    assert got[0] == "MXFP8BlockScaling" and torch.equal(got[1], y)
+    assert not counters["graph_break"] and not te.is_autocast_enabled()

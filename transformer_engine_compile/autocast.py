@@ -9,6 +9,8 @@ torch 2.11's Dynamo cannot trace ``setattr`` on a class.)
 
 from __future__ import annotations
 
+import functools
+
 from .recipe import Float8CurrentScaling, Recipe
 
 
@@ -47,6 +49,19 @@ class autocast:  # noqa: N801 - mirrors torch.autocast / te.autocast
     def __exit__(self, exc_type, exc, tb):
         _STATE["enabled"], _STATE["recipe"], _STATE["amax_reduction_group"] = self._saved
         return False
+
+    def __call__(self, fn):
+        """Use as a decorator, as ``torch.autocast``: each call of ``fn``
+        runs inside a fresh context with this one's settings (so recursion
+        and concurrent calls restore correctly)."""
+        enabled, recipe, group = self.enabled, self.recipe, self.amax_reduction_group
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with autocast(enabled=enabled, recipe=recipe, amax_reduction_group=group):
+                return fn(*args, **kwargs)
+
+        return wrapper
 
 
 def fp8_autocast(enabled: bool = True, fp8_recipe: Recipe | None = None, fp8_group=None):

@@ -15,11 +15,14 @@ try:  # torch >= 2.11 (private module in every supported release)
 except ImportError:  # pragma: no cover - torch without opaque objects
     _opaque_mod = None
 
-try:
-    from torch._opaque_base import OpaqueBase  # 2.11 requires it for value types
-except ImportError:  # pragma: no cover
-    class OpaqueBase:  # type: ignore[no-redef]
-        """Stand-in base class on a torch without opaque objects."""
+try:  # torch >= 2.14: the base class's new home (the old module warns there)
+    from torch._custom_class_base import CustomClassBase as OpaqueBase
+except ImportError:
+    try:
+        from torch._opaque_base import OpaqueBase  # 2.11 requires it for value types
+    except ImportError:  # pragma: no cover
+        class OpaqueBase:  # type: ignore[no-redef]
+            """Stand-in base class on a torch without opaque objects."""
 
 
 def _find_register():
