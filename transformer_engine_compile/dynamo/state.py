@@ -10,7 +10,14 @@ registered on the module before the graph exists, and the graph reads and
 updates them as module buffers (static inputs under CUDA graphs).
 
 A module is named by a key (:func:`register_module`) because the trace-time
-call takes constant arguments only.
+call takes constant arguments only.  The key names one module object, never
+its copies: a module that uses it re-registers in ``__setstate__``, which
+``copy.copy``, ``copy.deepcopy``, ``pickle`` and ``torch.load`` all call on
+the new object, so a copy (made before or after the first run, in this or
+another process, with its original alive or collected) gets a fresh key
+and allocates or carries its own buffers.  The registry holds weak
+references only and is never the owner of any state: the buffers live on
+the module (and travel with it).
 """
 
 from __future__ import annotations
@@ -44,7 +51,10 @@ def ensure_buffers(key: str, layout: tuple, device) -> bool:
     Call it once per forward, before reading any of the buffers: Dynamo
     reads ``module._buffers`` once per trace, so buffers registered after
     the first read are invisible to that trace."""
-    module = _MODULES[key]
+    module = _MODULES.get(key)
+    if module is None:
+        raise RuntimeError(f"te state: no live module has key {key!r} (a module copied "
+                           "without __setstate__? see dynamo/state.py)")
     device = torch.device(device)
     for name, shape, dtype, fill, missing_error in layout:
         buf = module._buffers.get(name)

@@ -92,11 +92,30 @@ class Linear(torch.nn.Module):
         self.bias = (torch.nn.Parameter(torch.zeros(bias_features, dtype=params_dtype,
                                                     device=device))
                      if bias else None)
-        if init_method is not None:
-            init_method(self.weight)
-        else:
-            torch.nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)  # as torch.nn.Linear
+        self.init_method = init_method
+        self.reset_parameters()
         self._state_key = register_module(self)  # names it for trace-time buffer allocation
+
+    def __setstate__(self, state):
+        """Copies and unpickled layers get their own state key (dynamo/state.py)."""
+        super().__setstate__(state)
+        self._state_key = register_module(self)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initialise the weight (``init_method``, else as ``torch.nn.Linear``)
+        and zero the bias, as ``__init__`` does.  With ``device="meta"``, then
+        ``to_empty(device=...)``, this gives an initialised layer (the FSDP2
+        recipe).  A TP layer initialises its own shard.  The FP8 state
+        (delayed-scaling history, cached weight) is left as it is."""
+        if self.weight.is_meta:
+            return
+        if self.init_method is not None:
+            self.init_method(self.weight)
+        else:
+            torch.nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
+        if self.bias is not None:
+            self.bias.zero_()
 
     def extra_repr(self) -> str:
         tp = (f", parallel_mode={self.parallel_mode!r}, tp_size={self.tp_size}, "

@@ -1,0 +1,207 @@
+"""Training patterns users rely on (issue 15): copies and pickles of layers
+with state, initialisation on the meta device.  Each copy must have its own
+state, run eager and compiled, equal what the original would do, and leave
+the original alone."""
+
+import copy
+import gc
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import transformer_engine_compile as te
+from transformer_engine_compile import recipe
+
+from test_linear import _reset
+
+RECIPES = {"delayed": recipe.DelayedScaling(amax_history_len=4),
+           "current": recipe.Float8CurrentScaling()}
+
+
+class Block(torch.nn.Module):
+    """Two te.Linear layers; ``first`` is is_first_microbatch (weight caching)."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.fc1 = te.Linear(128, 128, params_dtype=torch.bfloat16)
+        self.fc2 = te.Linear(128, 128, bias=False, params_dtype=torch.bfloat16)
+
+    def forward(self, x, first=None):
+        return self.fc2(torch.relu(self.fc1(x, is_first_microbatch=first)),
+                        is_first_microbatch=first)
+
+
+def _step(rec):
+    def step(model, x, first):
+        with te.autocast(recipe=rec):
+            return model(x, first)
+    return step
+
+
+def _run(model, step, steps, start=0):
+    """Outputs, gradients and buffers of ``steps`` training steps (SGD on the
+    weights, so the next step sees new weights)."""
+    out = []
+    for i in range(start, start + steps):
+        x = (torch.randn(128, 128, generator=torch.Generator().manual_seed(i))
+             .to(torch.bfloat16).requires_grad_())
+        y = step(model, x, i % 2 == 0)
+        y.float().square().mean().backward()
+        out.append([y.detach().clone(), x.grad.clone()]
+                   + [p.grad.clone() for p in model.parameters()])
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.5 * p.grad
+        model.zero_grad(set_to_none=True)
+    out.append([b.detach().clone().view(torch.uint8) if b.dtype.itemsize == 1 else
+                b.detach().clone() for _, b in sorted(model.named_buffers())])
+    return out
+
+
+def _assert_same(a, b):
+    assert len(a) == len(b)
+    for i, (ra, rb) in enumerate(zip(a, b)):
+        assert len(ra) == len(rb), i
+        for j, (ta, tb) in enumerate(zip(ra, rb)):
+            assert torch.equal(ta, tb), f"step {i}, tensor {j} differs"
+
+
+def _state_names(model):
+    return sorted(n for n, _ in model.named_buffers())
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    _reset()
+    yield
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_deepcopy_before_first_run(name):
+    rec = RECIPES[name]
+    original = Block()
+    clone = copy.deepcopy(original)
+    compiled = torch.compile(_step(rec), fullgraph=True, backend="aot_eager")
+    got = _run(clone, compiled, 3)
+    assert _state_names(original) == []  # the copy's buffers landed on the copy
+    assert _state_names(clone) != []
+    want = _run(original, _step(rec), 3)  # the original still runs, eagerly
+    _assert_same(got, want)
+    assert not counters["graph_break"]
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_deepcopy_after_first_run_outlives_the_original(name):
+    rec = RECIPES[name]
+    original = Block()
+    _run(original, _step(rec), 2)
+    clone, reference = copy.deepcopy(original), copy.deepcopy(original)
+    for (n, a), (_, b) in zip(clone.named_buffers(), original.named_buffers()):
+        assert a.data_ptr() != b.data_ptr(), n  # own state, copied
+    del original
+    gc.collect()
+    compiled = torch.compile(_step(rec), fullgraph=True, backend="aot_eager")
+    _assert_same(_run(clone, compiled, 3, start=2), _run(reference, _step(rec), 3, start=2))
+
+
+def test_copy_runs_do_not_touch_the_original():
+    rec = RECIPES["delayed"]
+    original = Block()
+    _run(original, _step(rec), 1)
+    before = {n: b.clone() for n, b in original.named_buffers()}
+    clone = copy.deepcopy(original)
+    _run(clone, torch.compile(_step(rec), fullgraph=True, backend="aot_eager"), 2, start=1)
+    for n, b in original.named_buffers():
+        assert torch.equal(b.view(torch.uint8) if b.dtype.itemsize == 1 else b,
+                           before[n].view(torch.uint8) if b.dtype.itemsize == 1 else before[n]), n
+
+
+@pytest.mark.parametrize("after_run", [False, True], ids=["fresh", "trained"])
+def test_torch_save_whole_model_same_process(after_run):
+    rec = RECIPES["delayed"]
+    model = Block()
+    if after_run:
+        _run(model, _step(rec), 2)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    start = 2 if after_run else 0
+    got = _run(loaded, torch.compile(_step(rec), fullgraph=True, backend="aot_eager"), 2, start)
+    _assert_same(got, _run(model, _step(rec), 2, start))
+
+
+_CHILD = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[2])
+import transformer_engine_compile as te
+from transformer_engine_compile import recipe
+import test_training_patterns as t
+model = torch.load(sys.argv[1], weights_only=False)
+rec = recipe.DelayedScaling(amax_history_len=4)
+out = t._run(model, torch.compile(t._step(rec), fullgraph=True, backend="aot_eager"), 2, 2)
+torch.save(out, sys.argv[1] + ".out")
+"""
+
+
+def test_torch_save_whole_model_loaded_in_a_new_process(tmp_path):
+    rec = RECIPES["delayed"]
+    model = Block()
+    _run(model, _step(rec), 2)
+    path = str(tmp_path / "model.pt")
+    torch.save(model, path)
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", _CHILD, path, here], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _assert_same(torch.load(path + ".out"), _run(model, _step(rec), 2, start=2))
+
+
+# -- initialisation -----------------------------------------------------------------------
+def test_reset_parameters_reinitialises_like_init():
+    torch.manual_seed(3)
+    fresh = te.Linear(64, 32, params_dtype=torch.float32)
+    layer = te.Linear(64, 32, params_dtype=torch.float32)
+    with torch.no_grad():
+        layer.weight.fill_(7.0)
+        layer.bias.fill_(7.0)
+    torch.manual_seed(3)
+    layer.reset_parameters()
+    assert torch.equal(layer.weight, fresh.weight) and torch.equal(layer.bias, torch.zeros(32))
+    ref = torch.nn.Linear(64, 32)
+    torch.manual_seed(5)
+    ref.reset_parameters()
+    torch.manual_seed(5)
+    layer.reset_parameters()
+    assert torch.equal(layer.weight, ref.weight)  # the default init is torch.nn.Linear's
+    seen = []
+    custom = te.Linear(64, 32, init_method=lambda w: (seen.append(w.shape), w.fill_(0.5)))
+    custom.weight.data.zero_()
+    custom.reset_parameters()
+    assert seen == [torch.Size([32, 64])] * 2 and bool((custom.weight == 0.5).all())
+
+
+def test_meta_device_then_to_empty_then_reset_parameters():
+    rec = RECIPES["delayed"]
+    with torch.device("meta"):
+        torch.manual_seed(0)
+        meta = Block()
+    assert meta.fc1.weight.is_meta
+    meta.to_empty(device="cpu")
+    torch.manual_seed(0)
+    for m in (meta.fc1, meta.fc2):
+        m.reset_parameters()
+    real = Block()  # seed 0: the same initialisation order
+    for (n, a), (_, b) in zip(meta.named_parameters(), real.named_parameters()):
+        assert torch.equal(a, b), n
+    got = _run(meta, torch.compile(_step(rec), fullgraph=True, backend="aot_eager"), 2)
+    _assert_same(got, _run(real, _step(rec), 2))
+    direct = te.Linear(64, 64, device="meta")
+    assert direct.weight.is_meta and direct.bias.is_meta
