@@ -205,3 +205,65 @@ def test_meta_device_then_to_empty_then_reset_parameters():
     _assert_same(got, _run(real, _step(rec), 2))
     direct = te.Linear(64, 64, device="meta")
     assert direct.weight.is_meta and direct.bias.is_meta
+
+
+# -- checkpoint resume --------------------------------------------------------------------
+def _train_with_adamw(model, step, steps, start, opt):
+    out = []
+    for i in range(start, start + steps):
+        x = (torch.randn(128, 128, generator=torch.Generator().manual_seed(i))
+             .to(torch.bfloat16).requires_grad_())
+        y = step(model, x, True)
+        y.float().square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.append([y.detach().clone(), x.grad.clone()])
+    out.append([b.detach().clone() for _, b in sorted(model.named_buffers())]
+               + [p.detach().clone() for p in model.parameters()])
+    return out
+
+
+@pytest.mark.parametrize("compiled_resume", [False, True], ids=["eager", "compiled"])
+def test_checkpoint_resume_continues_bit_identically(compiled_resume):
+    rec = RECIPES["delayed"]
+    model = Block()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _train_with_adamw(model, _step(rec), 3, 0, opt)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    sd = model.state_dict()
+    assert sd["fc1._extra_state"].shape == (4 * 4 + 4,)  # amax_history_len 4
+    assert not any(k.startswith("fc1.fp8") for k in sd)  # only through _extra_state
+    want = _train_with_adamw(model, _step(rec), 3, 3, opt)  # uninterrupted
+
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=False)
+    resumed = Block(seed=1)  # other weights, no state yet
+    resumed.load_state_dict(ckpt["model"], strict=True)
+    ropt = torch.optim.AdamW(resumed.parameters(), lr=1e-3)
+    ropt.load_state_dict(ckpt["opt"])
+    step = _step(rec)
+    if compiled_resume:
+        step = torch.compile(step, fullgraph=True, backend="aot_eager")
+    _assert_same(_train_with_adamw(resumed, step, 3, 3, ropt), want)
+
+
+def test_checkpoint_without_state_loads_cleanly_and_drops_stale_state():
+    rec = RECIPES["delayed"]
+    fresh_sd = Block().state_dict()  # saved before any layer ran
+    assert fresh_sd["fc1._extra_state"].numel() == 0
+    trained = Block()
+    _run(trained, _step(rec), 2)
+    assert _state_names(trained)
+    trained.load_state_dict(fresh_sd, strict=True)
+    # as the checkpointed layer: no history yet (the FP8 weight cache is not
+    # checkpoint state: the next is_first_microbatch=True rebuilds it)
+    assert not [n for n in _state_names(trained) if "amax_history" in n or "fp8_scale_" in n]
+    _assert_same(_run(trained, _step(rec), 2), _run(Block(), _step(rec), 2))
+    # a torch.nn.Linear checkpoint (no extra state at all) loads strictly
+    lin = torch.nn.Linear(128, 128, dtype=torch.bfloat16)
+    layer = te.Linear(128, 128, params_dtype=torch.bfloat16)
+    layer.load_state_dict(lin.state_dict(), strict=True)
+    assert torch.equal(layer.weight, lin.weight)
+    with pytest.raises(ValueError, match="extra state"):
+        layer.load_state_dict({**layer.state_dict(), "_extra_state": torch.ones(5)})

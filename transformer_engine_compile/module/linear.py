@@ -20,6 +20,10 @@ from .linear_ops import LINEAR_OPS, LinearBwdArgs, LinearFwdArgs, _input_usage
 
 __all__ = ["Linear", "LinearFwdArgs", "LinearBwdArgs", "LINEAR_OPS"]
 
+# the DelayedScaling state a resumed run needs (``get_extra_state``)
+_DELAYED_STATE = ("fp8_amax_history_fwd", "fp8_scale_fwd", "fp8_amax_history_bwd",
+                  "fp8_scale_bwd")
+
 
 # -- the module ----------------------------------------------------------------------
 def _parallel_config(parallel_mode, tp_group, tp_size, sequence_parallel) -> tuple:
@@ -100,6 +104,57 @@ class Linear(torch.nn.Module):
         """Copies and unpickled layers get their own state key (dynamo/state.py)."""
         super().__setstate__(state)
         self._state_key = register_module(self)
+
+    def get_extra_state(self) -> torch.Tensor:
+        """``state_dict()['..._extra_state']``, as Transformer Engine's: the
+        DelayedScaling amax histories and scales, packed into one 1-D fp32
+        tensor (history fwd (L, 2), scale fwd (2,), history bwd (L, 2), scale
+        bwd (2,); length 4 L + 4), so state dicts stay tensor-valued; empty
+        before the layer ran under DelayedScaling.  The cached FP8 weight is
+        not saved: it is a function of the weight, rebuilt by the next
+        ``is_first_microbatch=True``."""
+        parts = [self._buffers.get(n) for n in _DELAYED_STATE]
+        if any(p is None for p in parts):
+            return torch.empty(0, dtype=torch.float32, device=self.weight.device)
+        return torch.cat([p.detach().reshape(-1) for p in parts])
+
+    @torch.no_grad()
+    def set_extra_state(self, state) -> None:
+        """Restore what :meth:`get_extra_state` saved: the layer continues as
+        the saved one would.  Buffers of the same layout are copied into (so
+        CUDA graphs keep their addresses); state the checkpoint lacks (saved
+        before the layer ran, or from a bf16 run) is dropped."""
+        n = state.numel() if isinstance(state, torch.Tensor) else -1
+        if (n < 0 or state.dim() != 1 or state.dtype != torch.float32
+                or (n and (n < 8 or n % 4))):
+            raise ValueError("te.Linear: the extra state must be the 1-D fp32 tensor of "
+                             "get_extra_state() (4 * amax_history_len + 4 values, or none), "
+                             f"got {type(state).__name__} "
+                             f"{tuple(state.shape) if isinstance(state, torch.Tensor) else ''}")
+        if n == 0:
+            for name in _DELAYED_STATE:
+                self._buffers.pop(name, None)
+            return
+        length = (n - 4) // 4
+        values = state.to(self.weight.device).split([2 * length, 2, 2 * length, 2])
+        shapes = ((length, 2), (2,), (length, 2), (2,))
+        for name, value, shape in zip(_DELAYED_STATE, values, shapes):
+            value = value.reshape(shape)
+            cur = self._buffers.get(name)
+            if cur is not None and cur.shape == value.shape and cur.dtype == value.dtype:
+                cur.copy_(value)
+            else:
+                self.register_buffer(name, value.clone(), persistent=False)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        """A checkpoint without extra state (older, or a ``torch.nn.Linear``'s)
+        loads strictly too; the layer's FP8 state is then left as it is."""
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        key = prefix + "_extra_state"
+        if key in missing_keys and key not in state_dict:
+            missing_keys.remove(key)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
