@@ -267,3 +267,29 @@ def test_checkpoint_without_state_loads_cleanly_and_drops_stale_state():
     assert torch.equal(layer.weight, lin.weight)
     with pytest.raises(ValueError, match="extra state"):
         layer.load_state_dict({**layer.state_dict(), "_extra_state": torch.ones(5)})
+
+
+def _spawned_child(model, queue):
+    rec = recipe.DelayedScaling(amax_history_len=4)
+    buf = io.BytesIO()  # as bytes: shared-memory tensors would die with this process
+    torch.save(_run(model, torch.compile(_step(rec), fullgraph=True, backend="aot_eager"), 2, 2),
+               buf)
+    queue.put(buf.getvalue())
+
+
+def test_model_handed_to_a_spawned_process():
+    import torch.multiprocessing as mp
+    rec = RECIPES["delayed"]
+    model = Block()
+    _run(model, _step(rec), 2)
+    # torch.multiprocessing shares the tensors' memory with the child (parameters
+    # and buffers alike, as for any module), so compare with a copy made before
+    reference = copy.deepcopy(model)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_spawned_child, args=(model, queue))
+    proc.start()
+    got = torch.load(io.BytesIO(queue.get(timeout=300)))
+    proc.join(timeout=60)
+    assert proc.exitcode == 0
+    _assert_same(got, _run(reference, _step(rec), 2, start=2))
