@@ -293,3 +293,25 @@ def test_model_handed_to_a_spawned_process():
     proc.join(timeout=60)
     assert proc.exitcode == 0
     _assert_same(got, _run(reference, _step(rec), 2, start=2))
+
+
+# -- inference first ----------------------------------------------------------------------
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("name", RECIPES)
+def test_inference_mode_before_training(name, compiled):
+    """Validation under inference_mode, then training: the state it left is
+    ordinary tensors, and training equals a model validated under no_grad."""
+    rec = RECIPES[name]
+    model, reference = Block(), Block()
+    x = torch.randn(128, 128).to(torch.bfloat16)
+    step = _step(rec)
+    if compiled:  # validation and training through the same compiled function
+        step = torch.compile(step, fullgraph=True, backend="aot_eager")
+    with torch.inference_mode():
+        y = step(model, x, True)
+    with torch.no_grad():
+        y_ref = _step(rec)(reference, x, True)
+    assert torch.equal(y, y_ref)
+    assert not any(b.is_inference() for b in model.buffers())
+    _assert_same(_run(model, step, 3), _run(reference, _step(rec), 3))
+    assert not counters["graph_break"]

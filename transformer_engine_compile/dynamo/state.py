@@ -63,8 +63,9 @@ def ensure_buffers(key: str, layout: tuple, device) -> bool:
             continue
         if missing_error is not None:
             raise ValueError(missing_error)
-        buf = torch.empty(shape, dtype=dtype, device=device)
-        if fill is not None:
-            buf.fill_(fill)
+        with torch.inference_mode(False):  # state made in validation must serve training
+            buf = torch.empty(shape, dtype=dtype, device=device)
+            if fill is not None:
+                buf.fill_(fill)
         module.register_buffer(name, buf, persistent=False)
     return True
