@@ -315,3 +315,70 @@ def test_inference_mode_before_training(name, compiled):
     assert not any(b.is_inference() for b in model.buffers())
     _assert_same(_run(model, step, 3), _run(reference, _step(rec), 3))
     assert not counters["graph_break"]
+
+
+# -- a layer applied more than once before backward -----------------------------------------
+def _fused_layer():
+    torch.manual_seed(0)
+    layer = te.Linear(128, 128, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=True)
+    layer.weight.main_grad = torch.zeros(128, 128)
+    return layer
+
+
+def _twice(rec, separate_calls):
+    one = _step(rec)
+
+    def in_one_call(layer, x1, x2):
+        with te.autocast(recipe=rec):
+            return layer(x1) + layer(x2)
+
+    def run(fn, layer, x1, x2):
+        return fn(layer, x1, None) + fn(layer, x2, None) if separate_calls else fn(layer, x1, x2)
+    return (one if separate_calls else in_one_call), run
+
+
+@pytest.mark.parametrize("eager_calls", ["one_call", "two_calls"])
+@pytest.mark.parametrize("name", RECIPES)
+def test_layer_applied_twice_before_backward(name, eager_calls):
+    """Tied weights / two micro-batch losses summed, with DelayedScaling and
+    fuse_wgrad_accumulation: eager (both applications in one function, or two
+    calls) equals one compiled function applying the layer twice (outputs,
+    input gradients, main_grad, state).  Two *compiled* calls before one
+    backward are not supported yet (docs/linear.md)."""
+    rec = RECIPES[name]
+    eager_fn, eager_run = _twice(rec, eager_calls == "two_calls")
+    fn, run = _twice(rec, False)
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    layers = {"eager": _fused_layer(), "compiled": _fused_layer()}
+    c = torch.linspace(-1, 1, 128)
+    for i in range(3):
+        results = {}
+        for kind, layer in layers.items():
+            g = torch.Generator().manual_seed(i)
+            x1, x2 = (torch.randn(128, 128, generator=g).to(torch.bfloat16).requires_grad_()
+                      for _ in range(2))
+            y = (eager_run(eager_fn, layer, x1, x2) if kind == "eager"
+                 else run(compiled, layer, x1, x2))
+            (y.float() * c).sum().backward()
+            results[kind] = [y.detach(), x1.grad, x2.grad, layer.weight.main_grad.clone()] + [
+                b.detach().clone() for _, b in sorted(layer.named_buffers())
+                if b.dtype.itemsize > 1]
+        for j, (a, b) in enumerate(zip(results["eager"], results["compiled"])):
+            assert torch.equal(a, b), f"step {i}, tensor {j} differs"
+    assert not counters["graph_break"]
+
+
+def test_layer_applied_twice_accumulates_both_contributions():
+    """Stateless quantization: y = f(x1) + f(x2) in one backward gives the
+    main_grad of two separate forward-backward passes."""
+    rec = RECIPES["current"]
+    c = torch.linspace(-1, 1, 128)
+    g = torch.Generator().manual_seed(0)
+    x1, x2 = (torch.randn(128, 128, generator=g).to(torch.bfloat16) for _ in range(2))
+    together, apart = _fused_layer(), _fused_layer()
+    with te.autocast(recipe=rec):
+        ((together(x1.requires_grad_()) + together(x2.requires_grad_())).float() * c).sum().backward()
+        for x in (x1, x2):
+            (apart(x.detach()).float() * c).sum().backward()
+    assert apart.weight.main_grad.abs().sum() > 0
+    assert torch.equal(together.weight.main_grad, apart.weight.main_grad)

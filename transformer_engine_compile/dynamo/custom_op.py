@@ -409,6 +409,17 @@ def pack_saved(saved: dict):
     return tensors, tuple(spec)
 
 
+def split_state(saved: dict, targets) -> tuple:
+    """``(saved, state)``: the saved values the backward writes into (live
+    state: ``main_grad``, delayed-scaling buffers) kept apart from the rest.
+    They travel on ``ctx`` by reference, not through ``save_for_backward``:
+    the backward must read them as they are when it runs, and a layer
+    applied twice before backward updates them in between, which the saved
+    tensors' version check would refuse."""
+    state = {n: saved[n] for n in targets if n in saved}
+    return ({n: v for n, v in saved.items() if n not in state}, state)
+
+
 def unpack_saved(tensors, spec) -> dict:
     out = {}
     for name, s in spec:
@@ -442,6 +453,7 @@ class CustomOpPair:
             raise TypeError(f"grad_fields {sorted(missing)} are not fields of {bwd_args.__name__}")
         self.forward_updates = _check_updates(forward_updates, self.fwd_plan, "forward_updates")
         self.backward_updates = _check_updates(backward_updates, self.bwd_plan, "backward_updates")
+        self.update_targets = tuple(u.field for u in self.backward_updates.values())
         self.available = B.CARRIERS_REGISTERED
         self.fwd_op = self.bwd_op = None
         if not self.available:  # eager() still works
@@ -489,6 +501,7 @@ class CustomOpPair:
         args = self.fwd_plan.decode(inputs)
         layout = self.fwd_layout(args)
         _, saved = unflatten_result(layout, output, args)
+        saved, ctx.te_state = split_state(saved, self.update_targets)
         tensors, spec = pack_saved(saved)
         ctx.save_for_backward(*tensors)
         ctx.te_spec = spec
@@ -504,7 +517,7 @@ class CustomOpPair:
         grads_by_output = {f: (None if i is None else grads[i]) for f, i in ctx.te_grad_index.items()}
         if any(g is None for g in grads_by_output.values()):
             return self.fwd_plan.grads(ctx.te_template, {})
-        saved = unpack_saved(ctx.saved_tensors, ctx.te_spec)
+        saved = {**unpack_saved(ctx.saved_tensors, ctx.te_spec), **ctx.te_state}
         bwd_args = self.make_bwd_args(saved, ctx.te_values, grads_by_output)
         grads = apply_updates(self.backward_updates, bwd_args, self.call_backward(bwd_args))
         return self.fwd_plan.grads(ctx.te_template, grads)
@@ -546,7 +559,8 @@ class _EagerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, pair, args, diff_fields, keys, *diff_tensors):
         result = pair.forward(args)
-        tensors, spec = pack_saved(result.saved)
+        saved, ctx.te_state = split_state(result.saved, pair.update_targets)
+        tensors, spec = pack_saved(saved)
         ctx.save_for_backward(*tensors)
         ctx.te_spec, ctx.te_pair, ctx.te_fields = spec, pair, diff_fields
         ctx.te_values = pair.setup_context(args)
@@ -561,7 +575,7 @@ class _EagerFunction(torch.autograd.Function):
         grads_by_output = {f: grads[i] for f, i in ctx.te_out_grad.items()}
         if any(g is None for g in grads_by_output.values()):
             return (None,) * (4 + len(ctx.te_fields))
-        saved = unpack_saved(ctx.saved_tensors, ctx.te_spec)
+        saved = {**unpack_saved(ctx.saved_tensors, ctx.te_spec), **ctx.te_state}
         bwd_args = pair.make_bwd_args(saved, ctx.te_values, grads_by_output)
         result = apply_updates(pair.backward_updates, bwd_args, pair.backward(bwd_args))
         return (None,) * 4 + tuple(result.get(f) for f in ctx.te_fields)
