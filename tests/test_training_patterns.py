@@ -382,3 +382,52 @@ def test_layer_applied_twice_accumulates_both_contributions():
             (apart(x.detach()).float() * c).sum().backward()
     assert apart.weight.main_grad.abs().sum() > 0
     assert torch.equal(together.weight.main_grad, apart.weight.main_grad)
+
+
+# -- torch.autocast -----------------------------------------------------------------------
+AUTOCAST_RECIPES = {"bf16": None, "current": recipe.Float8CurrentScaling(),
+                    "delayed": recipe.DelayedScaling(amax_history_len=4),
+                    "block": recipe.Float8BlockScaling(), "mxfp8": recipe.MXFP8BlockScaling()}
+
+
+@pytest.mark.parametrize("name", AUTOCAST_RECIPES)
+def test_torch_autocast_with_fp32_parameters(name):
+    """Under torch.autocast(bf16) with fp32 parameters the layer computes and
+    returns bf16 as torch.nn.Linear does, gradients reach the fp32
+    parameters, and compiled equals eager bit for bit (weight caching on)."""
+    rec = AUTOCAST_RECIPES[name]
+
+    def step(layer, x, first):
+        with torch.autocast("cpu", dtype=torch.bfloat16), te.autocast(enabled=rec is not None,
+                                                                       recipe=rec):
+            return layer(x, is_first_microbatch=first)
+
+    def make():
+        torch.manual_seed(0)
+        return te.Linear(128, 128, params_dtype=torch.float32)
+
+    eager, comp = make(), make()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    for i in range(3):
+        out = []
+        for layer, fn in ((eager, step), (comp, compiled)):
+            x = torch.randn(128, 128, generator=torch.Generator().manual_seed(i)).requires_grad_()
+            y = fn(layer, x, i == 0 if rec is not None else None)
+            assert y.dtype == torch.bfloat16
+            y.float().square().mean().backward()
+            assert x.grad.dtype == torch.float32 and layer.weight.grad.dtype == torch.float32
+            out.append([y.detach(), x.grad, layer.weight.grad.clone(), layer.bias.grad.clone()])
+            with torch.no_grad():
+                for p in layer.parameters():
+                    p -= 0.1 * p.grad
+            layer.zero_grad(set_to_none=True)
+        for j, (a, b) in enumerate(zip(*out)):
+            assert torch.equal(a, b), f"step {i}, tensor {j} differs"
+    assert not counters["graph_break"]
+    if rec is None:  # the same GEMM as torch.nn.Linear under autocast
+        lin = torch.nn.Linear(128, 128)
+        lin.load_state_dict({"weight": eager.weight, "bias": eager.bias})
+        x = torch.randn(128, 128)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = lin(x)
+        assert torch.equal(step(eager, x, None), want)

@@ -20,6 +20,14 @@ from .linear_ops import LINEAR_OPS, LinearBwdArgs, LinearFwdArgs, _input_usage
 
 __all__ = ["Linear", "LinearFwdArgs", "LinearBwdArgs", "LINEAR_OPS"]
 
+def _torch_autocast_dtype(inp) -> Optional[torch.dtype]:
+    """The ``torch.autocast`` dtype active for ``inp``'s device, or None."""
+    device_type = inp.device.type
+    if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
 # the DelayedScaling state a resumed run needs (``get_extra_state``)
 _DELAYED_STATE = ("fp8_amax_history_fwd", "fp8_scale_fwd", "fp8_amax_history_bwd",
                   "fp8_scale_bwd")
@@ -222,10 +230,14 @@ class Linear(torch.nn.Module):
     def _tp_active(self) -> bool:
         return self.parallel_mode is not None and self.tp_size > 1
 
-    def _make_args(self, inp, is_first_microbatch, fp8_output, fp8_grad) -> LinearFwdArgs:
+    def _make_args(self, inp, is_first_microbatch, fp8_output, fp8_grad, weight=None,
+                   bias=None) -> LinearFwdArgs:
+        """The forward op's arguments; ``weight`` / ``bias``: the parameters
+        as the GEMMs take them (cast under torch.autocast), default the layer's."""
         self._check_input(inp)
         recipe = get_autocast_recipe()
-        weight, bias = self.weight, self.bias
+        if weight is None:
+            weight, bias = self.weight, self.bias
         grad = torch.is_grad_enabled()
         args = LinearFwdArgs(
             inp=inp, weight=weight, bias=None if self.return_bias else bias,
@@ -268,7 +280,7 @@ class Linear(torch.nn.Module):
             raise TypeError(f"te.Linear: input dtype {inp.dtype} differs from the weight's "
                             f"{weight.dtype} and no quantization recipe is active")
         if self.fuse_wgrad_accumulation and args.weight_requires_grad:
-            main_grad = getattr(weight, "main_grad", None)
+            main_grad = getattr(self.weight, "main_grad", None)
             if main_grad is None:
                 raise RuntimeError("te.Linear(fuse_wgrad_accumulation=True) needs "
                                    "weight.main_grad (an fp32 tensor shaped like the weight)")
@@ -336,7 +348,7 @@ class Linear(torch.nn.Module):
             args.amax_history_bwd, args.scale_bwd = self.fp8_amax_history_bwd, self.fp8_scale_bwd
         if first_microbatch is not None:
             buffers = {name: getattr(self, f"fp8_weight_{name}") for name, _, _ in weight_layout}
-            args.weight_workspace = q.create_metadata(shape, self.weight.dtype).build(shape,
+            args.weight_workspace = q.create_metadata(shape, args.weight.dtype).build(shape,
                                                                                        buffers)
             args.cache_weight = first_microbatch
 
@@ -382,15 +394,33 @@ class Linear(torch.nn.Module):
         of ``inp`` leaves the backward as a quantized wrapper tensor, which
         a ``te.Linear`` that produced ``inp`` consumes without quantizing
         again (docs/linear.md, "Quantized gradients")."""
-        args = self._make_args(inp, is_first_microbatch, fp8_output, fp8_grad)
+        ac_dtype = _torch_autocast_dtype(inp)
+        if ac_dtype is not None:
+            # torch.autocast: compute in its dtype as torch.nn.Linear does, casting
+            # here (traced, differentiable) and running the ops with autocast off,
+            # so eager and compiled run the same GEMMs
+            weight = self.weight
+            if not isinstance(weight, QuantizedTensorStorage) and weight.dtype != ac_dtype:
+                weight = weight.to(ac_dtype)
+            bias = self.bias
+            if bias is not None and bias.dtype != ac_dtype:
+                bias = bias.to(ac_dtype)
+            with torch.autocast(inp.device.type, enabled=False):
+                return self._forward(inp.to(ac_dtype), weight, bias, is_first_microbatch,
+                                     fp8_output, fp8_grad)
+        return self._forward(inp, self.weight, self.bias, is_first_microbatch, fp8_output,
+                             fp8_grad)
+
+    def _forward(self, inp, weight, bias, is_first_microbatch, fp8_output, fp8_grad):
+        args = self._make_args(inp, is_first_microbatch, fp8_output, fp8_grad, weight, bias)
         if torch.compiler.is_compiling():
             reason = args.compile_unsupported_reason()
             if reason is None and args.grad_input_quantizer is not None and inp.is_leaf:
                 # a graph input: AOTAutograd cannot return a quantized gradient for it
                 reason = "fp8_grad_graph_input"
             if reason is not None:
-                return self._eager_fallback(reason, inp, is_first_microbatch, fp8_output,
-                                            fp8_grad)
+                return self._eager_fallback(reason, inp, weight, bias, is_first_microbatch,
+                                            fp8_output, fp8_grad)
             outputs = LINEAR_OPS(args)
         else:
             outputs = LINEAR_OPS.eager(args)
@@ -400,14 +430,15 @@ class Linear(torch.nn.Module):
         return (out, self.bias) if self.return_bias else out
 
     @torch.compiler.disable
-    def _eager_fallback(self, reason, inp, is_first_microbatch, fp8_output, fp8_grad):
+    def _eager_fallback(self, reason, inp, weight, bias, is_first_microbatch, fp8_output,
+                        fp8_grad):
         """Eager run of a configuration the ops do not model (a graph break)."""
         from ..dynamo.fallback import record_fallback
 
         record_fallback(self, reason)
         if reason == "fp8_grad_graph_input":  # the gradient leaves in high precision
             fp8_grad = False
-        return self.forward(inp, is_first_microbatch, fp8_output, fp8_grad)
+        return self._forward(inp, weight, bias, is_first_microbatch, fp8_output, fp8_grad)
 
     def compile_fallbacks(self) -> tuple:
         """Reasons this layer fell back to eager under torch.compile (first seen first)."""
