@@ -431,3 +431,31 @@ def test_torch_autocast_with_fp32_parameters(name):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             want = lin(x)
         assert torch.equal(step(eager, x, None), want)
+
+
+# -- is_first_microbatch from a step counter ------------------------------------------------
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic"])
+@pytest.mark.parametrize("name", RECIPES)
+def test_first_microbatch_computed_inside_the_compiled_function(name, dynamic):
+    """``is_first_microbatch=(step % accum == 0)`` with the step counter an
+    argument Dynamo makes symbolic: works, equals eager, one graph per value
+    (plus the first, static one under automatic dynamic shapes)."""
+    rec = RECIPES[name]
+
+    def step(model, x, i, accum):
+        with te.autocast(recipe=rec):
+            return model(x, first=(i % accum == 0))
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    eager_model, comp_model = Block(), Block()
+    for i in range(6):
+        x = torch.randn(128, 128, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+        assert torch.equal(compiled(comp_model, x, i, 3), step(eager_model, x, i, 3)), i
+        with torch.no_grad():  # an optimizer step: the cache must follow only on firsts
+            for m in (eager_model, comp_model):
+                m.fc1.weight.mul_(1.0625)
+    assert counters["stats"]["unique_graphs"] == (2 if dynamic else 3)
+    assert not counters["graph_break"]
+    with pytest.raises(TypeError, match="Python bool"):
+        Block().fc1(torch.ones(128, 128, dtype=torch.bfloat16),
+                    is_first_microbatch=torch.tensor(True))

@@ -394,6 +394,14 @@ class Linear(torch.nn.Module):
         of ``inp`` leaves the backward as a quantized wrapper tensor, which
         a ``te.Linear`` that produced ``inp`` consumes without quantizing
         again (docs/linear.md, "Quantized gradients")."""
+        if is_first_microbatch is not None:
+            if isinstance(is_first_microbatch, torch.Tensor):
+                raise TypeError("te.Linear: is_first_microbatch must be a Python bool (or "
+                                "None), not a tensor: it selects the graph")
+            # may be ``step % accum == 0`` on a step counter Dynamo made dynamic (a
+            # SymBool, which Dynamo reports as a bool): branching specialises it
+            # to a constant with a guard, one graph per value
+            is_first_microbatch = True if is_first_microbatch else False
         ac_dtype = _torch_autocast_dtype(inp)
         if ac_dtype is not None:
             # torch.autocast: compute in its dtype as torch.nn.Linear does, casting
