@@ -1,8 +1,8 @@
 """Every difference between supported torch versions lives here.
 
 Supported: torch 2.11 to 2.13 (``register_opaque_type`` with ``typ="value"``),
-and newer torch where the API is renamed ``register_custom_class`` with
-``typ="constant"``.  On a torch with neither, eager mode keeps working and
+and 2.14 / 2.15 where the API is renamed ``register_custom_class`` with
+``typ="constant"`` and the base class moves to ``torch._custom_class_base``.  On a torch with neither, eager mode keeps working and
 :data:`OPAQUE_UNAVAILABLE_REASON` says why compile support is off.
 """
 
