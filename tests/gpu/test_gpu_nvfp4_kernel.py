@@ -3,7 +3,6 @@ reference on the same GPU, bit for bit: every flag combination, random and
 special values, stochastic rounding under one seed, odd shapes; no host
 synchronisation and CUDA-graph capture.  Skips without CUDA."""
 
-import contextlib
 import itertools
 
 import pytest
@@ -14,29 +13,12 @@ from transformer_engine_compile import kernels
 from transformer_engine_compile.kernels import reference as ref
 
 from conftest import USAGES, USAGE_IDS
+from test_gpu_kernels import _same_bits, reference_kernels
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 if torch.cuda.is_available():
     pytest.importorskip("triton")
     from transformer_engine_compile.kernels import triton_nvfp4
-
-
-@contextlib.contextmanager
-def reference_kernels():
-    kernels.set_fast_kernels(False)
-    try:
-        yield
-    finally:
-        kernels.set_fast_kernels(True)
-
-
-def _same_bits(a, b):
-    """Equal bytes, NaN matching any NaN (its sign bit is not specified)."""
-    if a.element_size() == 1 and a.dtype != torch.uint8:
-        nan = torch.isnan(a.float()) & torch.isnan(b.float())
-        return torch.equal(a.view(torch.uint8)[~nan], b.view(torch.uint8)[~nan])
-    return torch.equal(a, b) or (a.is_floating_point() and torch.equal(
-        torch.nan_to_num(a, nan=1.5), torch.nan_to_num(b, nan=1.5)))
 
 
 def _special(shape, dtype):
