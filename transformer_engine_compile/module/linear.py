@@ -20,6 +20,7 @@ from .linear_ops import LINEAR_OPS, LinearBwdArgs, LinearFwdArgs, _input_usage
 
 __all__ = ["Linear", "LinearFwdArgs", "LinearBwdArgs", "LINEAR_OPS"]
 
+
 def _torch_autocast_dtype(inp) -> Optional[torch.dtype]:
     """The ``torch.autocast`` dtype active for ``inp``'s device, or None."""
     device_type = inp.device.type
