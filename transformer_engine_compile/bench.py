@@ -179,16 +179,6 @@ def _time(step, x, dy, device, iters, repeats):
     return statistics.median(samples)
 
 
-def _peak(step, x, dy, device):
-    if device.type != "cuda":
-        return float("nan")
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    step(x, dy)
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() / 2 ** 30
-
-
 def _cleanup():
     torch._dynamo.reset()
     gc.collect()
@@ -217,7 +207,7 @@ def run(configs, recipes, modes, device, iters=None, repeats=5, with_torchao=Fal
                     if sync:
                         step = _synced(step)
                     row["ms"] = _time(step, x, dy, device, n_iter, repeats)
-                    row["peak_gib"] = _peak(step, x, dy, device)
+                    row["peak_gib"] = bench_llama.peak_gib(step, x, dy, device)
                     row["tflops"] = flops / row["ms"] / 1e9
                 except Exception as e:  # one failing candidate must not hide the others
                     row["error"] = f"{type(e).__name__}: {e}"

@@ -200,12 +200,14 @@ def candidates(recipes, with_torchao):
     return out
 
 
-def _peak_gib(step, x, target, device):
+def peak_gib(step, x, target, device):
+    """Peak GiB allocated over one ``step(x, target)`` (NaN off CUDA)."""
     if device.type != "cuda":
         return float("nan")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     step(x, target)
+    torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() / 2 ** 30
 
 
@@ -230,7 +232,7 @@ def run(configs, recipes, modes, device, with_torchao, only=None, steps=10, log=
                     row["first_step_s"] = time.perf_counter() - t0  # compile included
                     row["ms"], row["host_ms"] = time_steps(step, x, target, steps=steps)
                     row["tokens_per_s"] = cfg.tokens / row["ms"] * 1e3
-                    row["peak_gib"] = _peak_gib(step, x, target, device)
+                    row["peak_gib"] = peak_gib(step, x, target, device)
                     row["loss"] = step(x, target)
                 except Exception as e:  # one failing candidate must not hide the others
                     row["error"] = f"{type(e).__name__}: {e}"

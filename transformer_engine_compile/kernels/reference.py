@@ -28,6 +28,7 @@ _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # documentation; decode
 # random sign vector of the NVFP4 random Hadamard transform (fixed, like the
 # transform itself, so quantization is deterministic and reproducible)
 RHT_SIGNS = (1, -1, -1, 1, -1, 1, 1, 1, -1, -1, 1, -1, 1, 1, -1, -1)
+RHT_NEGATIVE = sum(1 << j for j, s in enumerate(RHT_SIGNS) if s < 0)  # bit j: sign j is -1
 
 
 # -- scales ----------------------------------------------------------------------
@@ -270,16 +271,13 @@ def rht_matrix(device=None) -> torch.Tensor:
     i = torch.arange(NVFP4_BLOCK, device=device)
     both = i[:, None] & i[None, :]
     parity = sum((both >> b) & 1 for b in range(NVFP4_BLOCK.bit_length() - 1)) & 1
-    negative = sum(1 << j for j, s in enumerate(RHT_SIGNS) if s < 0)
-    sign = 1 - 2 * ((negative >> i) & 1)
-    return ((1 - 2 * parity) * sign[None, :]).to(torch.float32) / 4.0
+    return (1 - 2 * parity).to(torch.float32) * _rht_signs(device)[None, :] / 4.0
 
 
 def _rht_signs(device=None) -> torch.Tensor:
-    """RHT_SIGNS as fp32, built on the device (like rht_matrix)."""
-    negative = sum(1 << j for j, s in enumerate(RHT_SIGNS) if s < 0)
+    """RHT_SIGNS as fp32, built on the device from arange (as rht_matrix)."""
     i = torch.arange(NVFP4_BLOCK, device=device)
-    return (1 - 2 * ((negative >> i) & 1)).to(torch.float32)
+    return (1 - 2 * ((RHT_NEGATIVE >> i) & 1)).to(torch.float32)
 
 
 def _fwht16(y: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ from . import reference as ref
 from .triton_launch import Launcher, cdiv, int_key
 from .triton_quant import _abs_bits, _matrix, _scale_from_amax, _tile, _x_key
 
-_RHT_NEG = tl.constexpr(sum(1 << j for j, s in enumerate(ref.RHT_SIGNS) if s < 0))
+_RHT_NEG = tl.constexpr(ref.RHT_NEGATIVE)
 _INV_E2M1_MAX = tl.constexpr(1.0 / ref.E2M1_MAX)  # rounded to fp32 where used, as in torch
 _GLOBAL_MAX = tl.constexpr(ref.E2M1_MAX * ref.E4M3_MAX)
 
