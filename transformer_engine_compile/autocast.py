@@ -4,13 +4,20 @@ State lives in the module-level dict ``_STATE``.  Compiled code that reads
 it gets guards (a change of recipe recompiles), and entering the context
 manager inside a compiled function traces without a graph break: Dynamo
 replays the dict writes as side effects.  (A dict, not class attributes:
-torch 2.11's Dynamo cannot trace ``setattr`` on a class.)
+torch 2.11's Dynamo cannot trace ``setattr`` on a class.)  Inside a
+higher-order op's body (``torch.utils.checkpoint`` under compile) Dynamo
+refuses writes to outside state unless told they are safe; entering and
+leaving the context restores what it wrote, so both are run through
+:func:`~.dynamo.compat.unchecked_side_effects`.
 """
 
 from __future__ import annotations
 
 import functools
 
+import torch
+
+from .dynamo.compat import unchecked_side_effects
 from .recipe import Float8CurrentScaling, Recipe
 
 
@@ -40,14 +47,12 @@ class autocast:  # noqa: N801 - mirrors torch.autocast / te.autocast
         self._saved = None
 
     def __enter__(self):
-        self._saved = (_STATE["enabled"], _STATE["recipe"], _STATE["amax_reduction_group"])
-        _STATE["enabled"] = self.enabled
-        _STATE["recipe"] = self.recipe
-        _STATE["amax_reduction_group"] = self.amax_reduction_group
+        self._saved = current_state()
+        _set_state((self.enabled, self.recipe, self.amax_reduction_group))
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        _STATE["enabled"], _STATE["recipe"], _STATE["amax_reduction_group"] = self._saved
+        _set_state(self._saved)
         return False
 
     def __call__(self, fn):
@@ -62,6 +67,23 @@ class autocast:  # noqa: N801 - mirrors torch.autocast / te.autocast
                 return fn(*args, **kwargs)
 
         return wrapper
+
+
+def current_state() -> tuple:
+    """(enabled, recipe, amax reduction group): what a checkpointed forward
+    records for its recomputation (``checkpointing.py``)."""
+    return (_STATE["enabled"], _STATE["recipe"], _STATE["amax_reduction_group"])
+
+
+def _write_state(state: tuple) -> None:
+    _STATE["enabled"], _STATE["recipe"], _STATE["amax_reduction_group"] = state
+
+
+def _set_state(state: tuple) -> None:
+    if torch.compiler.is_compiling():
+        unchecked_side_effects(_write_state, state)
+    else:
+        _write_state(state)
 
 
 def fp8_autocast(enabled: bool = True, fp8_recipe: Recipe | None = None, fp8_group=None):

@@ -95,3 +95,53 @@ def test_torch_autocast_cuda(name, dtype):
     assert want[0][0].dtype == dtype and want[0][2].dtype == torch.float32
     _same(got, want)
     assert not counters["graph_break"]
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = te.Linear(256, 256, params_dtype=torch.bfloat16, device="cuda")
+        self.fc2 = te.Linear(256, 256, params_dtype=torch.bfloat16, device="cuda")
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))  # exact under inductor too
+
+
+@pytest.mark.parametrize("mode", ["eager", "default", "reduce-overhead"])
+@pytest.mark.parametrize("where", ["outside", "inside"])
+@pytest.mark.parametrize("name", ["delayed", "current", "mxfp8", "block"])
+def test_te_checkpoint_cuda(name, where, mode):
+    """te.checkpoint on the fast kernels, eager, compiled and under CUDA
+    graphs: gradients and layer state equal the eager model without
+    checkpointing, te.autocast outside or inside the checkpointed function."""
+    rec = RECIPES[name]
+
+    def train(checkpointed, mode):
+        _reset()
+        model = _Block()
+
+        def body(x):
+            if where == "inside":
+                with te.autocast(recipe=rec):
+                    return model(x)
+            return model(x)
+
+        def f(_, x):
+            y = te.checkpoint(body, x) if checkpointed else body(x)
+            return y
+        if mode != "eager":
+            f = torch.compile(f, mode=mode, fullgraph=True)
+        if where == "outside":
+            g = f
+
+            def f(layer, x):
+                with te.autocast(recipe=rec):
+                    return g(layer, x)
+        out = _steps(model, f, 4)
+        return out + [[b.clone() for _, b in sorted(model.named_buffers())]]
+
+    ref = train(False, "eager")
+    _same(train(True, mode), ref)
+    if mode == "reduce-overhead":
+        assert counters["inductor"]["cudagraph_skips"] == 0

@@ -8,6 +8,8 @@ and 2.14 / 2.15 where the API is renamed ``register_custom_class`` with
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 try:  # torch >= 2.11 (private module in every supported release)
@@ -82,6 +84,63 @@ def run_at_trace_time(fn):
     public as ``torch.compiler.assume_constant_result`` on every supported
     torch.  Eager calls run it as usual."""
     return torch.compiler.assume_constant_result(fn)
+
+
+# -- side effects inside higher-order ops -------------------------------------------------
+def unchecked_side_effects(fn, *args):
+    """``fn(*args)``; while Dynamo traces the body of a higher-order op
+    (``torch.utils.checkpoint``), its writes to outside Python state are
+    allowed instead of refused (``_disable_side_effect_safety_checks_for_current_subtracer``,
+    private on every supported torch).  Only for writes whose net effect the
+    caller undoes inside the same body."""
+    return fn(*args) if _ALLOW_SIDE_EFFECTS is None else _ALLOW_SIDE_EFFECTS(fn, *args)
+
+
+def _find_side_effect_switch():
+    import torch._dynamo.utils as dynamo_utils
+
+    return getattr(dynamo_utils, "_disable_side_effect_safety_checks_for_current_subtracer",
+                   None)
+
+
+_ALLOW_SIDE_EFFECTS = _find_side_effect_switch()
+
+
+# -- torch.utils.checkpoint ---------------------------------------------------------------
+def checkpoint_region():
+    """``(frame, phase, token)`` when called inside a non-reentrant
+    ``torch.utils.checkpoint`` region, else None.
+
+    ``phase`` is ``"forward"`` (the checkpointed forward) or ``"recompute"``
+    (its recomputation in the backward); ``frame`` is the region's
+    ``_CheckpointFrame`` (one per checkpoint call, alive until its backward
+    is done); ``token`` is distinct for each recomputation pass.  torch has
+    no public way to ask this: the region is read from the innermost
+    saved-tensors hooks, which torch's checkpoint installs around both
+    phases (``_checkpoint_hook`` holds the frame, ``_recomputation_hook`` a
+    weak reference to it).  None if this torch's hooks look different; the
+    tests pin it for every supported version."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    hooks = None if top is None else top(False)
+    if not hooks:
+        return None
+    pack = inspect.unwrap(hooks[0])  # 2.13+ wraps the recomputation hook in dynamo.disable
+    owner = getattr(pack, "__qualname__", "").split(".", 1)[0]
+    if owner not in ("_checkpoint_hook", "_recomputation_hook") or not pack.__closure__:
+        return None
+    cells = dict(zip(pack.__code__.co_freevars, (c.cell_contents for c in pack.__closure__)))
+    if owner == "_checkpoint_hook":
+        frame = cells.get("frame")
+        return None if frame is None else (frame, "forward", None)
+    ref = cells.get("target_frame_ref")
+    frame = None if ref is None else ref()
+    return None if frame is None else (frame, "recompute", hooks[0])
+
+
+def in_backward_pass() -> bool:
+    """True while the autograd engine runs a backward on this thread
+    (``torch._C._current_graph_task_id``, private on every supported torch)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 # -- torch.distributed ----------------------------------------------------------------

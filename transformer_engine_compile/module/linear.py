@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from .. import distributed as D
+from .. import checkpointing
 from ..autocast import get_autocast_recipe
 from ..dynamo.state import ensure_buffers, register_module
 from ..quantization.base import QuantizedTensorStorage
@@ -403,6 +404,13 @@ class Linear(torch.nn.Module):
             # SymBool, which Dynamo reports as a bool): branching specialises it
             # to a constant with a guard, one graph per value
             is_first_microbatch = True if is_first_microbatch else False
+        call = checkpointing.layer_call(self)  # inside activation checkpointing
+        if call is None:
+            return self._forward_autocast(inp, is_first_microbatch, fp8_output, fp8_grad, None)
+        with call:  # a recomputation runs under the recipe it repeats
+            return self._forward_autocast(inp, is_first_microbatch, fp8_output, fp8_grad, call)
+
+    def _forward_autocast(self, inp, is_first_microbatch, fp8_output, fp8_grad, call):
         ac_dtype = _torch_autocast_dtype(inp)
         if ac_dtype is not None:
             # torch.autocast: compute in its dtype as torch.nn.Linear does, casting
@@ -416,12 +424,15 @@ class Linear(torch.nn.Module):
                 bias = bias.to(ac_dtype)
             with torch.autocast(inp.device.type, enabled=False):
                 return self._forward(inp.to(ac_dtype), weight, bias, is_first_microbatch,
-                                     fp8_output, fp8_grad)
+                                     fp8_output, fp8_grad, call)
         return self._forward(inp, self.weight, self.bias, is_first_microbatch, fp8_output,
-                             fp8_grad)
+                             fp8_grad, call)
 
-    def _forward(self, inp, weight, bias, is_first_microbatch, fp8_output, fp8_grad):
+    def _forward(self, inp, weight, bias, is_first_microbatch, fp8_output, fp8_grad,
+                 call=None):
         args = self._make_args(inp, is_first_microbatch, fp8_output, fp8_grad, weight, bias)
+        if call is not None:
+            call.bind(args)
         if torch.compiler.is_compiling():
             reason = args.compile_unsupported_reason()
             if reason is None and args.grad_input_quantizer is not None and inp.is_leaf:

@@ -27,6 +27,7 @@ import torch
 
 from .. import distributed as D
 from .. import kernels
+from ..checkpointing import check_forward_op_in_backward
 from ..dynamo import compat
 from ..dynamo.buckets import TensorOrQuantized
 from ..dynamo.custom_op import OpResult, register_custom_op
@@ -208,6 +209,7 @@ def _input_quantizer(args: LinearFwdArgs):
 
 
 def linear_forward(args: LinearFwdArgs) -> OpResult:
+    check_forward_op_in_backward(args)
     x = args.inp
     mode, sp = _tp(args)
     q = _input_quantizer(args)
