@@ -9,6 +9,7 @@ layers (``Linear``).
 from . import recipe
 from .autocast import (autocast, fp8_autocast, get_autocast_recipe, is_autocast_enabled)
 from .checkpointing import checkpoint
+from .convert import convert
 from .dynamo.opaque import compile_support, is_value_opaque, register_value_opaque_quantizer
 from .dynamo.tensor_proto import TensorProto, to_tensor_proto
 from .quantization import (Float8BlockQuantizer, Float8BlockwiseQTensor,
@@ -26,7 +27,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Linear", "LinearFwdArgs", "LinearBwdArgs", "fallback_report", "prepare_cuda_graphs",
-    "recipe", "autocast", "fp8_autocast", "checkpoint", "get_autocast_recipe", "is_autocast_enabled",
+    "recipe", "autocast", "fp8_autocast", "checkpoint", "convert", "get_autocast_recipe", "is_autocast_enabled",
     "compile_support", "is_value_opaque", "register_value_opaque_quantizer",
     "TensorProto", "to_tensor_proto", "quantizer_for",
     "Quantizer", "QuantizedTensorStorage", "QuantizedTensor",
