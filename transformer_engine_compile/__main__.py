@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     diff = max(abs(a_ - b_) for a_, b_ in zip(eager_losses, comp_losses))
     print(f"max |eager - compiled| loss over the steps: {diff:.3g}", end="")
     print(" (bit for bit)" if diff == 0 else
-          f" ({a.backend} compiles the loss, GELU and optimizer around the te ops differently "
+          f" ({a.backend} compiles the loss and the GELUs around the te ops differently "
           f"from eager, so whole steps may differ in the last bits; --backend aot_eager "
           f"runs eager's kernels)")
     breaks = sum(counters["graph_break"].values())
