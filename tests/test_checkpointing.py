@@ -245,3 +245,18 @@ def test_te_checkpoint_signature():
         te.checkpoint(model, x, distribute_saved_activations=True)
     with pytest.raises(NotImplementedError, match="get_rng_state_tracker"):
         te.checkpoint(model, x, get_rng_state_tracker=object())
+
+
+def test_reentrant_recomputation_under_delayed_scaling_is_refused():
+    """torch.utils.checkpoint(use_reentrant=True) reruns the forward inside
+    the backward without our replay: under DelayedScaling that would use
+    moved-on scales, so the op refuses, naming te.checkpoint."""
+    model = Block()
+
+    def body(x):
+        with te.autocast(recipe=RECIPES["delayed"]):
+            return model(x)
+    x = torch.randn(128, 128, dtype=torch.bfloat16, requires_grad=True)
+    y = torch_checkpoint(body, x, use_reentrant=True)
+    with pytest.raises(RuntimeError, match="use te.checkpoint"):
+        y.float().sum().backward()

@@ -129,15 +129,16 @@ _REPLAYING: list = []
 def check_forward_op_in_backward(args) -> None:
     """Refuse a ``DelayedScaling`` forward op run inside a backward pass
     other than by a replay: a compiled recomputation (``torch.utils.checkpoint``
-    under ``torch.compile``), which would quantize with the scales the
-    forward has since updated and record the amaxes twice."""
+    under ``torch.compile``) or a reentrant checkpoint's, which would quantize
+    with the scales the forward has since updated and record the amaxes twice."""
     if args.scale_fwd is None or _REPLAYING or not compat.in_backward_pass():
         return
     raise RuntimeError(
-        "te.Linear: a DelayedScaling forward is being recomputed inside a compiled backward "
-        "(torch.utils.checkpoint under torch.compile), which would use the scales the forward "
-        "has since updated; use te.checkpoint, which saves these ops' outputs under "
-        "torch.compile, or a recipe without delayed scaling")
+        "te.Linear: a DelayedScaling forward is being recomputed inside a backward without "
+        "the scales of the forward it repeats (torch.utils.checkpoint under torch.compile, or "
+        "use_reentrant=True), which would quantize with the scales the forward has since "
+        "updated; use te.checkpoint (which saves these ops' outputs under torch.compile), or "
+        "a recipe without delayed scaling")
 
 
 def layer_call(layer):
