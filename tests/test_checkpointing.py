@@ -13,6 +13,7 @@ from transformer_engine_compile import recipe
 from transformer_engine_compile.dynamo import compat
 
 from test_linear import _reset
+from test_training_patterns import _assert_same
 
 RECIPES = {name: recipe.by_name(name) for name in recipe.RECIPE_NAMES}
 RECIPES["delayed"] = recipe.DelayedScaling(amax_history_len=4)
@@ -82,14 +83,6 @@ def _train(rec, how, where, compiled, steps=3):
         model.zero_grad(set_to_none=True)
     out.append([b.clone() for _, b in sorted(model.named_buffers())])
     return out, len(calls)
-
-
-def _assert_same(a, b):
-    assert len(a) == len(b)
-    for i, (ra, rb) in enumerate(zip(a, b)):
-        assert len(ra) == len(rb), i
-        for j, (ta, tb) in enumerate(zip(ra, rb)):
-            assert torch.equal(ta, tb), f"step {i}, tensor {j} differs"
 
 
 @pytest.mark.parametrize("where", ["outside", "inside"])
