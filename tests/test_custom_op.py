@@ -209,6 +209,45 @@ def test_toy_ops_pass_opcheck():
     torch.library.opcheck(TOY.bwd_op, tuple(TOY.bwd_plan.encode(bwd)))
 
 
+def test_autograd_kernel_calls_the_impl_directly_only_without_grad_or_tracing(monkeypatch):
+    """Without grad mode on plain CPU tensors (how a compiled graph's runtime
+    and the autograd engine call the ops) the Autograd kernel runs the impl
+    itself; with grad mode, under a fake mode or on meta tensors it
+    redispatches as torch.library's kernel does, and results agree."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    redispatches = []
+    orig = torch._ops.OpOverload.redispatch
+
+    def counting(self, *a, **k):
+        redispatches.append(self)
+        return orig(self, *a, **k)
+
+    monkeypatch.setattr(torch._ops.OpOverload, "redispatch", counting)
+    x = torch.randn(3, 4, requires_grad=True)
+    parts = dict(other=torch.ones(3, 4), offset=torch.ones(3, 4), factor=2.0)
+    flat = TOY.fwd_plan.encode(ToyFwd(x, **parts))
+    with torch.no_grad():
+        direct = TOY.fwd_op(*flat)
+    assert redispatches == []
+    with_grad = TOY.fwd_op(*flat)  # through torch.library's autograd.Function
+    assert redispatches == [TOY.fwd_op]
+    assert all(torch.equal(a, b) for a, b in zip(direct, with_grad))
+    (gx,) = torch.autograd.grad(with_grad[0], x, torch.ones(3, 4))
+    torch.testing.assert_close(gx, 2.0 * torch.exp(x.detach()))
+    redispatches.clear()
+    with torch.no_grad():
+        with FakeTensorMode() as mode:
+            fake = TOY.fwd_op(*TOY.fwd_plan.encode(ToyFwd(
+                mode.from_tensor(x), **{k: mode.from_tensor(v) if torch.is_tensor(v) else v
+                                        for k, v in parts.items()})))
+        meta = TOY.fwd_op(*TOY.fwd_plan.encode(ToyFwd(
+            x.detach().to("meta"), **{k: v.to("meta") if torch.is_tensor(v) else v
+                                      for k, v in parts.items()})))
+    assert len(redispatches) == 2
+    assert fake[0].shape == meta[0].shape == (3, 4) and meta[0].device.type == "meta"
+
+
 def test_quantized_output_is_rebuilt_from_the_flat_list():
     torch._dynamo.reset()
     q = te.Float8CurrentScalingQuantizer("e4m3")

@@ -143,6 +143,37 @@ def in_backward_pass() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+# -- the custom ops' autograd kernel ----------------------------------------------------
+def library_autograd_kernel(op, backward, setup_context):
+    """The Autograd-key kernel ``torch.library.register_autograd`` would
+    register for ``op`` (``torch._library.autograd``, private on every
+    supported torch), for a caller that wraps it before registering."""
+    from torch._library import autograd as library_autograd
+
+    return library_autograd.make_autograd_impl(
+        op, library_autograd.Info(backward, setup_context))
+
+
+_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+_DK = torch._C.DispatchKey
+_PLAIN_KEYS = (_DK.CPU, _DK.CUDA)
+_plain_keysets: dict = {}  # DispatchKeySet.raw_repr() -> bool
+
+
+def below_autograd_is_plain(keyset) -> bool:
+    """True when, below the Autograd key, ``keyset`` reaches a CPU or CUDA
+    kernel directly: no ``__torch_dispatch__`` (mode or subclass), no
+    functionalization, no meta or other wrapper keys.  An op's Autograd
+    kernel may then call its backend impl itself instead of redispatching
+    (one Python<->C++ crossing less); anything else must redispatch."""
+    raw = keyset.raw_repr()
+    plain = _plain_keysets.get(raw)
+    if plain is None:
+        below = (keyset & _AFTER_AUTOGRAD).remove(_DK.ADInplaceOrView)
+        plain = _plain_keysets[raw] = below.highestPriorityTypeId() in _PLAIN_KEYS
+    return plain
+
+
 # -- torch.distributed ----------------------------------------------------------------
 def all_gather_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
     """Gather ``x`` from every rank into ``out`` along dim 0 (rank order).

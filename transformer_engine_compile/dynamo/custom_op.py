@@ -49,6 +49,7 @@ from torch.autograd.function import once_differentiable
 from ..quantization.base import QuantizedTensorStorage, storage_parts, storage_registry
 from ..quantization.wrapper import QuantizedTensor
 from . import buckets as B
+from . import compat
 from .tensor_proto import TensorProto, to_tensor_proto
 
 NAMESPACE = "te_compile"
@@ -461,12 +462,10 @@ class CustomOpPair:
         self.fwd_schema = f"{name}_fwd({self.fwd_plan.schema_args()}) -> Tensor[]"
         self.bwd_schema = f"{name}_bwd({self.bwd_plan.schema_args()}) -> Tensor[]"
         self.fwd_op = _define(f"{name}_fwd", self.fwd_schema, self.fwd_plan,
-                              self._fwd_real, self._fwd_fake)
+                              self._fwd_real, self._fwd_fake,
+                              self._autograd_backward, self._autograd_setup)
         self.bwd_op = _define(f"{name}_bwd", self.bwd_schema, self.bwd_plan,
-                              self._bwd_real, self._bwd_fake)
-        torch.library.register_autograd(self.fwd_op, self._autograd_backward,
-                                        setup_context=self._autograd_setup, lib=_library())
-        torch.library.register_autograd(self.bwd_op, self._no_double_backward, lib=_library())
+                              self._bwd_real, self._bwd_fake, self._no_double_backward)
 
     # -- layouts (run the fakes on protos) --------------------------------------------------
     def fwd_layout(self, args) -> _Layout:
@@ -589,13 +588,15 @@ def _library():
     return _LIB
 
 
-def _define(op_name, schema, plan, real, fake):
+def _define(op_name, schema, plan, real, fake, backward, setup_context=None):
     lib = _library()
     lib.define(schema)
     qualname = f"{NAMESPACE}::{op_name}"
     lib.impl(op_name, real, "CompositeExplicitAutograd")
     torch.library.register_fake(qualname, fake, lib=lib)
     op = getattr(getattr(torch.ops, NAMESPACE), op_name).default
+    lib.impl(op_name, _autograd_kernel(op, real, backward, setup_context), "Autograd",
+             with_keyset=True)
 
     def unwrap_rule(mode, func, types, args, kwargs):
         return func(*plan.unwrap_wrappers(list(args)), **(kwargs or {}))
@@ -603,6 +604,28 @@ def _define(op_name, schema, plan, real, fake):
     for cls in _wrapper_classes():
         torch.library.register_torch_dispatch(qualname, cls, unwrap_rule, lib=lib)
     return op
+
+
+def _autograd_kernel(op, real, backward, setup_context):
+    """torch.library's autograd kernel for ``op``, with a short cut: where no
+    gradient is recorded (a compiled graph's runtime calls the forward op
+    inside AOTAutograd's forward, and the engine runs the backward op, both
+    without grad mode) and nothing sits between Autograd and the CPU/CUDA
+    kernel, call the impl here instead of redispatching to it.  That saves
+    one Python<->C++ round trip per call (docs/custom_ops.md); tracing
+    (fake or functional tensors, proxy modes) always takes the full path."""
+    generated = compat.library_autograd_kernel(op, backward, setup_context)
+    below_autograd = torch._C._AutoDispatchBelowAutograd
+    is_grad_enabled = torch.is_grad_enabled
+    plain = compat.below_autograd_is_plain
+
+    def kernel(keyset, *args):
+        if not is_grad_enabled() and plain(keyset):
+            with below_autograd():
+                return real(*args)
+        return generated(keyset, *args)
+
+    return kernel
 
 
 def _wrapper_classes():
