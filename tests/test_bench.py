@@ -9,6 +9,19 @@ from transformer_engine_compile import bench, kernels
 from transformer_engine_compile.kernels import reference as ref
 
 
+def test_bench_cpu_smoke_runs_every_recipe(tmp_path):
+    """The default CPU run (64 tokens: below one block of FP8 blockwise,
+    MXFP8 and NVFP4) gives a row without error for every recipe."""
+    out = tmp_path / "rows.json"
+    rc = bench.main(["--device", "cpu", "--configs", "tiny", "--modes", "default",
+                     "--iters", "1", "--no-torchao", "--json", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["candidate"] for r in rows} == {"torch bf16", "te bf16",
+                                              *(f"te {n}" for n in bench.RECIPES)}
+    assert all(r["ms"] > 0 and "error" not in r for r in rows)
+
+
 def test_bench_cpu_smoke_prints_every_row(tmp_path, capsys):
     out = tmp_path / "rows.json"
     rc = bench.main(["--recipes", "fp8_current", "--modes", "eager", "default",

@@ -45,12 +45,13 @@ class TwoLayers(torch.nn.Module):
             return self.fc2(self.fc1(x), fp8_grad=fp8_grad)
 
 
-def run_steps(rec, fp8_grad, *, device="cpu", compile_kw=None, steps=2, fc1_bias=False):
+def run_steps(rec, fp8_grad, *, device="cpu", compile_kw=None, steps=2, fc1_bias=False,
+              tokens=128):
     """Forward + backward ``steps`` times; returns per step
     [y, x.grad, grads..., buffers...] (buffers: DelayedScaling state)."""
     model = TwoLayers(device, fc1_bias)
     fn = model if compile_kw is None else torch.compile(model, fullgraph=True, **compile_kw)
-    x0 = torch.randn(128, 128, dtype=torch.bfloat16, device=device)
+    x0 = torch.randn(tokens, 128, dtype=torch.bfloat16, device=device)
     out = []
     for i in range(steps):
         torch.compiler.cudagraph_mark_step_begin()  # a no-op unless reduce-overhead
@@ -309,15 +310,16 @@ def test_tensor_parallel_is_refused(monkeypatch):
             layer(x, fp8_grad=True)
 
 
-def test_sizes_the_gradient_format_cannot_take_are_refused():
-    """MXFP8's columnwise copy needs 32-row blocks: 48 tokens fit the
-    forward (rowwise only without weight gradient) but not the gradient."""
-    layer = te.Linear(128, 128, params_dtype=torch.bfloat16).requires_grad_(False)
-    x = torch.randn(48, 128, dtype=torch.bfloat16, requires_grad=True)
-    with te.autocast(enabled=True, recipe=FP8_GRAD_RECIPES["mxfp8"]):
-        layer(x)  # fits without fp8_grad
-        with pytest.raises(ValueError, match=r"gradient of the input \(fp8_grad\)"):
-            layer(x, fp8_grad=True)
+@pytest.mark.parametrize("name", FP8_GRAD_RECIPES)
+def test_ragged_token_count_with_fp8_grad(name):
+    """200 tokens (no whole number of 128- or 32-row blocks): the quantized
+    gradient carries the padded columnwise copy the consumer's wgrad reads,
+    and results equal the plain path, eager and compiled."""
+    rec = FP8_GRAD_RECIPES[name]
+    want = run_steps(rec, False, tokens=200)
+    assert_steps_equal(want, run_steps(rec, True, tokens=200))
+    _reset()
+    assert_steps_equal(want, run_steps(rec, True, tokens=200, compile_kw={"backend": "aot_eager"}))
 
 
 def test_quantized_gradient_into_a_non_te_op_names_the_fix():

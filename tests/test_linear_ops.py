@@ -83,9 +83,9 @@ def opcheck(op, flat, quantized):
 
 def _fwd_args(rec, *, bias=True, input_rg=True, weight_rg=True, save_original_input=False,
               cache_weight=False, fp8_output=False, fp8_weight=False, workspace=False,
-              main_grad=False, fp8_grad=False):
+              main_grad=False, fp8_grad=False, lead=(2, 64)):
     torch.manual_seed(0)
-    x = torch.randn(2, 64, 128, dtype=torch.bfloat16)
+    x = torch.randn(*lead, 128, dtype=torch.bfloat16)
     w = torch.randn(128, 128, dtype=torch.bfloat16)
     q = (lambda role, **kw: te.quantizer_for(rec, role, **kw)) if rec is not None else None
     args = L.LinearFwdArgs(
@@ -162,11 +162,11 @@ FP8_GRAD_COMBOS = [dict(fp8_grad=True), dict(fp8_grad=True, weight_rg=False),
                    dict(fp8_grad=True, bias=False, main_grad=True)]
 
 
-def _grad_outputs(name):
+def _grad_outputs(name, lead=(2, 64)):
     """dy plain, and for the FP8 recipes quantized as another layer's
     fp8_grad makes it (both copies, read as is) and rowwise only (dequantized)."""
     torch.manual_seed(1)
-    dy = torch.randn(2, 64, 128, dtype=torch.bfloat16)
+    dy = torch.randn(*lead, 128, dtype=torch.bfloat16)
     if name not in FP8_GRAD_RECIPES:
         return [dy]
     q = factory.quantizer_for(OP_RECIPES[name], "grad_input")
@@ -178,10 +178,13 @@ def _grad_outputs(name):
 OP_RECIPES = {**RECIPES, "delayed": recipe.DelayedScaling(amax_history_len=4)}
 
 
+@pytest.mark.parametrize("lead", [(2, 64), (3, 67)], ids=["tokens128", "tokens201"])
 @pytest.mark.parametrize("name", OP_RECIPES)
-def test_layout_parity_forward_and_backward(name):
+def test_layout_parity_forward_and_backward(name, lead):
     """Fake against real for every recipe and flag combination: outputs and
-    saved tensors (count, shapes, strides, dtypes, inner-buffer names, aliases)."""
+    saved tensors (count, shapes, strides, dtypes, inner-buffer names, aliases),
+    at a token count every block divides and at a ragged one (201 rows:
+    the block formats pad their columnwise copies)."""
     rec = OP_RECIPES[name]
     combos = FLAG_COMBOS + STATE_COMBOS + (EXTRA_COMBOS if rec is not None else [])
     if name in FP8_GRAD_RECIPES:
@@ -189,7 +192,7 @@ def test_layout_parity_forward_and_backward(name):
     if name == "delayed":  # te.Linear refuses these two with DelayedScaling
         combos = [c for c in combos if not (c.get("save_original_input") or c.get("fp8_output"))]
     for flags in combos:
-        args = _fwd_args(rec, **flags)
+        args = _fwd_args(rec, **flags, lead=lead)
         protos = OPS.fwd_plan.to_protos(args)
         real = L.linear_forward(args)
         fake = L.linear_forward_fake(protos)
@@ -197,7 +200,7 @@ def test_layout_parity_forward_and_backward(name):
             _assert_parity(real, fake, args, protos, OPS.fwd_plan.tensor_fields)
             if flags.get("fp8_output"):
                 continue
-            for dy in _grad_outputs(name):
+            for dy in _grad_outputs(name, lead):
                 bwd = OPS.make_bwd_args(real.saved, L.linear_setup_context(args),
                                         {"grad_output": dy})
                 bwd_real = L.linear_backward(bwd)
@@ -224,15 +227,16 @@ def test_parity_counts_what_the_flags_promise():
     assert result.saved["inputmat"] is args.inp and result.saved["weightmat"] is args.weight
 
 
+@pytest.mark.parametrize("lead", [(2, 64), (7,)], ids=["tokens128", "tokens7"])
 @pytest.mark.parametrize("name", OP_RECIPES)
-def test_opcheck_forward_and_backward_ops(name):
+def test_opcheck_forward_and_backward_ops(name, lead):
     rec = OP_RECIPES[name]
-    args = _fwd_args(rec, main_grad=name in ("bf16", "delayed"))
+    args = _fwd_args(rec, main_grad=name in ("bf16", "delayed"), lead=lead)
     args.inp.requires_grad_()
     opcheck(OPS.fwd_op, OPS.fwd_plan.encode(args), rec is not None)
     real = L.linear_forward(args)
     args.inp.requires_grad_(False)  # the backward op runs with grad mode off
-    dy = torch.randn(2, 64, 128, dtype=torch.bfloat16)
+    dy = torch.randn(*lead, 128, dtype=torch.bfloat16)
     bwd = OPS.make_bwd_args(real.saved, L.linear_setup_context(args), {"grad_output": dy})
     opcheck(OPS.bwd_op, OPS.bwd_plan.encode(bwd), rec is not None)
 

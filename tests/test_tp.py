@@ -156,11 +156,11 @@ def errors_worker(group):
     with pytest.raises(ValueError, match="needs a sequence dimension"):
         te.Linear(64, 64, parallel_mode="column", sequence_parallel=True, **bf16)(
             torch.randn(64, dtype=torch.bfloat16))
-    # the gathered input (2 x 3 rows) must fit the recipe's blocks
-    layer = te.Linear(64, 64, parallel_mode="column", sequence_parallel=True, **bf16)
+    # the gathered input (2 x 3 rows: any count) must fit the recipe's blocks in its columns
+    layer = te.Linear(48, 64, parallel_mode="column", sequence_parallel=True, **bf16)
     with te.autocast(recipe=te.recipe.MXFP8BlockScaling()):
-        with pytest.raises(ValueError, match="input as a 6 x 64 matrix"):
-            layer(torch.randn(3, 64, dtype=torch.bfloat16))
+        with pytest.raises(ValueError, match="input as a 6 x 48 matrix .* columns by 32"):
+            layer(torch.randn(3, 48, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="expected a weight of shape"):
         layer.load_full_weight_(torch.randn(32, 64))
 

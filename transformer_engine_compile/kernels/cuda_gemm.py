@@ -135,10 +135,10 @@ def _mx_operand_bf16(t, usage: str) -> torch.Tensor:
     """An MXFP8 copy dequantized to bf16 (exact) in one kernel, as GEMM operand:
     rowwise (M, K); columnwise (K, M), a transposed view cuBLAS reads as is."""
     t.gemm_operand_check(usage)
-    m, k = flat_2d(t._te_shape)
+    k = t._te_shape[-1]  # the columnwise copy may hold padding rows
     rowwise = usage == "rowwise"
-    data = (t._rowwise_data if rowwise else t._columnwise_data).reshape(m, k)
-    scale = t._rowwise_scale_inv if rowwise else t._columnwise_scale_inv
+    data = (t._rowwise_data if rowwise else t._columnwise_data).reshape(-1, k)
+    scale = t._rowwise_scale_inv if rowwise else t._columnwise_scale_inv.view(-1, k)
     out = get("dequantize_mxfp8", data)(data, scale, rowwise, torch.bfloat16)
     return out if rowwise else out.t()
 

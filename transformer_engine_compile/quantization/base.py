@@ -83,6 +83,11 @@ def class_key(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def padded_rows(m, block: int):
+    """``m`` rounded up to a multiple of ``block`` (works on SymInts)."""
+    return m if block == 1 else (m + block - 1) // block * block
+
+
 def flat_2d(shape) -> tuple:
     """(M, K): rows = product of leading dims, K = last dim."""
     return math.prod(shape[:-1]), shape[-1]
@@ -110,11 +115,12 @@ class Quantizer(OpaqueBase):
     _COMPILE_MEMBERS: ClassVar[tuple] = (
         "format_name", "storage_cls", "tensor_cls", "copy", "with_usage", "describe_buffers",
         "flatten_layout", "create_metadata", "check_shape", "divisibility", "is_stateful",
-        "_te_value_opaque", "gathers_quantized", "usage_variant",
+        "_te_value_opaque", "gathers_quantized", "usage_variant", "column_block",
     )
     # compute on tensors: traced by Dynamo (INLINED)
     _INLINED_MEMBERS: ClassVar[tuple] = (
-        "quantize", "__call__", "_check_input", "_quantize_2d", "_scale_for", "_build",
+        "quantize", "__call__", "_check_input", "_quantize_2d", "_quantize_rows", "_scale_for",
+        "_build",
     )
     _te_value_opaque: ClassVar[bool] = False
     # tensor parallelism may quantize shards and gather the quantized bytes
@@ -192,6 +198,19 @@ class Quantizer(OpaqueBase):
         shape, so compiled code can read it and test symbolic sizes itself."""
         raise NotImplementedError
 
+    def column_block(self) -> int:
+        """Rows one block of the columnwise copy spans, where the format
+        pads the row count up to it (1: no padding).  Formats whose
+        columnwise blocks run along the rows (1x128 FP8 blockwise, MXFP8,
+        NVFP4) take any row count: their columnwise buffers hold the rows
+        padded with zeros to a multiple of the block, which leaves every
+        block's amax and the wgrad GEMM over the rows unchanged.  Their
+        ``columnwise_scale_inv`` (one scale per block of rows) is then
+        declared and stored 1-D: a dim counting row blocks is 1 for short
+        inputs, and torch's tracing guards on a size-1 dim (a second graph
+        for counts below one block); readers view it 2-D."""
+        return 1
+
     def _check_dims(self, m: int, k: int) -> None:
         k_mult, m_mult, label = self.divisibility()
         if k % k_mult:
@@ -201,7 +220,8 @@ class Quantizer(OpaqueBase):
                              f"{m_mult}, got {m}")
 
     def _layout(self, shape, m: int, k: int) -> dict:
-        """All buffers of the format: name -> (shape, dtype), both usages."""
+        """All buffers of the format: name -> (shape, dtype), both usages;
+        columnwise buffers count ``padded_rows(m, column_block())`` rows."""
         raise NotImplementedError
 
     def describe_buffers(self, shape) -> dict:
@@ -264,11 +284,32 @@ class Quantizer(OpaqueBase):
         """Format numerics on the (M, K) view: name -> buffer for enabled usages."""
         raise NotImplementedError
 
+    def _quantize_rows(self, x2d: torch.Tensor) -> dict:
+        """``_quantize_2d`` for any row count: a matrix whose rows are not a
+        multiple of :meth:`column_block` is quantized with zero rows
+        appended (one copy of ``x``, the cost of a ragged count), and the
+        rowwise buffers are cut back to the real rows."""
+        b = self.column_block()
+        m = x2d.shape[0]
+        if b == 1:
+            return self._quantize_2d(x2d)
+        if m % b == 0:
+            out = self._quantize_2d(x2d)
+        else:
+            out = self._quantize_2d(torch.nn.functional.pad(x2d, (0, 0, 0, b - m % b)))
+            rows = self.storage_cls._ROW_BUFFERS
+            out = {name: (t[:m] if name in rows else t) for name, t in out.items()}
+        # one scale per block of rows: stored flat (see _COLUMN_SCALES)
+        scales = out.get("columnwise_scale_inv")
+        if scales is not None:
+            out["columnwise_scale_inv"] = scales.reshape(-1)
+        return out
+
     def quantize(self, x: torch.Tensor):
         """Quantize ``x`` (shape ``(..., K)``) into this format's tensor."""
         self._check_input(x)
         m, k = flat_2d(x.shape)
-        return self._build(x.shape, x.dtype, self._quantize_2d(x.detach().reshape(m, k)))
+        return self._build(x.shape, x.dtype, self._quantize_rows(x.detach().reshape(m, k)))
 
     def _build(self, shape, dtype, buffers: dict):
         """The quantized tensor from kernel buffers made on the (M, K) view."""
@@ -292,7 +333,7 @@ class Quantizer(OpaqueBase):
         if x.requires_grad:
             x = x.detach()
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        return self._from_buffers(x.shape, x.dtype, self._quantize_2d(x2d))
+        return self._from_buffers(x.shape, x.dtype, self._quantize_rows(x2d))
 
     def _from_buffers(self, shape, dtype, buffers: dict):
         """The quantized tensor from kernel buffers made on the (M, K) view,
@@ -318,6 +359,8 @@ class QuantizedTensorStorage:
     _EXTRAS: ClassVar[tuple] = ()
     # the rowwise data buffer, the one buffer in the logical (..., K) shape
     _LOGICAL_BUFFER: ClassVar[str | None] = None
+    # buffers with one row per row of the (M, K) matrix (cut back after padding)
+    _ROW_BUFFERS: ClassVar[tuple] = ()
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -448,7 +491,8 @@ class QuantizedTensorStorage:
     def _dequantize_2d(self) -> torch.Tensor:
         if self.get_usages()["rowwise"]:
             return self._rowwise_2d()
-        return self._columnwise_to_values(self._columnwise_2d()).t()
+        m = flat_2d(self._te_shape)[0]  # the columnwise copy may hold padding rows
+        return self._columnwise_to_values(self._columnwise_2d()).t()[:m]
 
     def dequantize(self, *, dtype: torch.dtype | None = None) -> torch.Tensor:
         """High-precision copy of the values, in ``dtype`` (default: logical dtype)."""

@@ -3,7 +3,9 @@
 
 Rowwise data keeps the logical shape; the columnwise copy is the (K, M)
 transpose.  Scale shapes: 1D rowwise (M, K/128), 1D columnwise (K, M/128);
-2D rowwise (M/128, K/128), 2D columnwise its transpose.
+2D rowwise (M/128, K/128), 2D columnwise its transpose.  1D tiles take any
+M: the columnwise copy then holds Mp = M rounded up to 128 columns, the
+ones past M zero (``Quantizer.column_block``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 from .. import kernels
 from ..dynamo.opaque import register_value_opaque_quantizer
 from ..kernels import reference as ref
-from .base import BufferSpec, Quantizer, QuantizedTensorStorage, flat_2d
+from .base import BufferSpec, Quantizer, QuantizedTensorStorage, flat_2d, padded_rows
 from .float8 import fp8_format_name
 from .wrapper import QuantizedTensor
 
@@ -22,9 +24,11 @@ class Float8BlockwiseQTensorStorage(QuantizedTensorStorage):
     _BUFFERS = (
         BufferSpec("rowwise_data", "rowwise", "FP8 values in the logical shape (..., K)"),
         BufferSpec("rowwise_scale_inv", "rowwise", "fp32 (M, K/128) for 1D, (M/128, K/128) for 2D"),
-        BufferSpec("columnwise_data", "columnwise", "FP8 values transposed: (K, M)"),
-        BufferSpec("columnwise_scale_inv", "columnwise", "fp32 (K, M/128) for 1D, (K/128, M/128) for 2D"),
+        BufferSpec("columnwise_data", "columnwise", "FP8 values transposed: (K, Mp)"),
+        BufferSpec("columnwise_scale_inv", "columnwise",
+                   "fp32 (K, Mp/128) stored flat for 1D, (K/128, M/128) for 2D"),
     )
+    _ROW_BUFFERS = ("rowwise_data", "rowwise_scale_inv")
     _EXTRAS = ("fp8_format", "block_scaling_dim")
 
     def _rowwise_2d(self):
@@ -32,8 +36,13 @@ class Float8BlockwiseQTensorStorage(QuantizedTensorStorage):
         return ref.dequantize_fp8_blockwise(self._rowwise_data.reshape(m, k),
                                             self._rowwise_scale_inv, self._block_scaling_dim == 2)
 
+    def _column_scales(self):
+        """columnwise_scale_inv as (K, Mp/128) (1D tiles store it flat) or (K/128, M/128)."""
+        s = self._columnwise_scale_inv
+        return s if self._block_scaling_dim == 2 else s.view(self._te_shape[-1], -1)
+
     def _columnwise_2d(self):
-        return ref.dequantize_fp8_blockwise(self._columnwise_data, self._columnwise_scale_inv,
+        return ref.dequantize_fp8_blockwise(self._columnwise_data, self._column_scales(),
                                             self._block_scaling_dim == 2)
 
     def fp8_operand(self, usage: str):
@@ -43,7 +52,7 @@ class Float8BlockwiseQTensorStorage(QuantizedTensorStorage):
         if usage == "rowwise":
             m, k = flat_2d(self._te_shape)
             return self._rowwise_data.reshape(m, k), self._rowwise_scale_inv
-        return self._columnwise_data, self._columnwise_scale_inv
+        return self._columnwise_data, self._column_scales()
 
 
 class Float8BlockwiseQTensor(Float8BlockwiseQTensorStorage, QuantizedTensor):
@@ -74,20 +83,25 @@ class Float8BlockQuantizer(Quantizer):
         b = ref.FP8_BLOCK
         two_d = self.block_scaling_dim == 2
         tile = "128x128" if two_d else "1x128"
-        return (b if self.rowwise_usage or two_d else 1, b if self.columnwise_usage or two_d else 1,
+        return (b if self.rowwise_usage or two_d else 1, b if two_d else 1,
                 f"FP8 blockwise ({tile})")
+
+    def column_block(self):
+        one_d = self.block_scaling_dim == 1 and self.columnwise_usage
+        return ref.FP8_BLOCK if one_d else 1
 
     def _layout(self, shape, m, k):
         dt = ref.FP8_DTYPE[self.fp8_format]
         b = ref.FP8_BLOCK
+        mp = padded_rows(m, self.column_block())
         if self.block_scaling_dim == 2:
             row_s, col_s = (m // b, k // b), (k // b, m // b)
         else:
-            row_s, col_s = (m, k // b), (k, m // b)
+            row_s, col_s = (m, k // b), (k * (mp // b),)
         return {
             "rowwise_data": (shape, dt),
             "rowwise_scale_inv": (row_s, torch.float32),
-            "columnwise_data": ((k, m), dt),
+            "columnwise_data": ((k, mp), dt),
             "columnwise_scale_inv": (col_s, torch.float32),
         }
 

@@ -3,7 +3,8 @@
 Rowwise blocks run along K, columnwise blocks along M; both copies keep the
 (M, K) orientation (as Blackwell's MX GEMMs take them), each with its own
 scales: ``rowwise_scale_inv`` (M, K/32) and ``columnwise_scale_inv``
-(M/32, K), uint8 biased exponents (255 = NaN).
+(Mp/32, K) stored flat, uint8 biased exponents (255 = NaN).  Any M: the columnwise
+copy holds Mp = M rounded up to 32 rows, the ones past M zero.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from .. import kernels
 from ..dynamo.opaque import register_value_opaque_quantizer
 from ..kernels import reference as ref
-from .base import BufferSpec, Quantizer, QuantizedTensorStorage, flat_2d
+from .base import BufferSpec, Quantizer, QuantizedTensorStorage, flat_2d, padded_rows
 from .float8 import fp8_format_name
 from .wrapper import QuantizedTensor
 
@@ -22,9 +23,11 @@ class MXFP8TensorStorage(QuantizedTensorStorage):
     _BUFFERS = (
         BufferSpec("rowwise_data", "rowwise", "FP8 values in the logical shape (..., K)"),
         BufferSpec("rowwise_scale_inv", "rowwise", "uint8 E8M0 (M, K/32): one per 32 along K"),
-        BufferSpec("columnwise_data", "columnwise", "FP8 values of the (M, K) view"),
-        BufferSpec("columnwise_scale_inv", "columnwise", "uint8 E8M0 (M/32, K): one per 32 along M"),
+        BufferSpec("columnwise_data", "columnwise", "FP8 values of the (Mp, K) view"),
+        BufferSpec("columnwise_scale_inv", "columnwise",
+                   "uint8 E8M0 (Mp/32, K) stored flat: one per 32 along M"),
     )
+    _ROW_BUFFERS = ("rowwise_data", "rowwise_scale_inv")
     _EXTRAS = ("fp8_format",)
 
     def _rowwise_2d(self):
@@ -32,9 +35,9 @@ class MXFP8TensorStorage(QuantizedTensorStorage):
         return ref.dequantize_mxfp8(self._rowwise_data.reshape(m, k), self._rowwise_scale_inv, True)
 
     def _columnwise_2d(self):
-        m, k = flat_2d(self._te_shape)
-        return ref.dequantize_mxfp8(self._columnwise_data.reshape(m, k),
-                                    self._columnwise_scale_inv, False).t()
+        k = self._te_shape[-1]
+        return ref.dequantize_mxfp8(self._columnwise_data.reshape(-1, k),
+                                    self._columnwise_scale_inv.view(-1, k), False).t()
 
 
 class MXFP8Tensor(MXFP8TensorStorage, QuantizedTensor):
@@ -56,16 +59,20 @@ class MXFP8Quantizer(Quantizer):
 
     def divisibility(self):
         b = ref.MX_BLOCK
-        return (b if self.rowwise_usage else 1, b if self.columnwise_usage else 1, "MXFP8")
+        return (b if self.rowwise_usage else 1, 1, "MXFP8")
+
+    def column_block(self):
+        return ref.MX_BLOCK if self.columnwise_usage else 1
 
     def _layout(self, shape, m, k):
         dt = ref.FP8_DTYPE[self.fp8_format]
         b = ref.MX_BLOCK
+        mp = padded_rows(m, self.column_block())
         return {
             "rowwise_data": (shape, dt),
             "rowwise_scale_inv": ((m, k // b), torch.uint8),
-            "columnwise_data": ((m, k), dt),
-            "columnwise_scale_inv": ((m // b, k), torch.uint8),
+            "columnwise_data": ((mp, k), dt),
+            "columnwise_scale_inv": ((mp // b * k,), torch.uint8),
         }
 
     def _storage_extras(self):

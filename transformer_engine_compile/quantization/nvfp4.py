@@ -6,7 +6,9 @@ transpose packed as (K, M/2).  Decode scales are (rows, cols/16)
 float8_e4m3fn in each copy's orientation; with 2D (16x16) scaling every row
 of a 16-row tile repeats the tile's scale.  With the random Hadamard
 transform (RHT) the columnwise copy holds T·x per 16 elements along M (T
-orthogonal), which leaves the wgrad GEMM dy^T x unchanged.
+orthogonal), which leaves the wgrad GEMM dy^T x unchanged.  1D blocks take
+any M: the columnwise copy then holds Mp = M rounded up to 16 columns, the
+ones past M zero before the transform.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from .. import kernels
 from ..dynamo.opaque import register_value_opaque_quantizer
 from ..kernels import reference as ref
-from .base import BufferSpec, Quantizer, QuantizedTensorStorage, flat_2d
+from .base import BufferSpec, Quantizer, QuantizedTensorStorage, flat_2d, padded_rows
 from .wrapper import QuantizedTensor
 
 
@@ -25,10 +27,12 @@ class NVFP4TensorStorage(QuantizedTensorStorage):
         BufferSpec("rowwise_data", "rowwise", "uint8 (..., K/2): two E2M1 codes per byte"),
         BufferSpec("rowwise_scale_inv", "rowwise", "float8_e4m3fn (M, K/16) decode scales"),
         BufferSpec("rowwise_amax", "rowwise", "fp32 (1,) amax of the tensor"),
-        BufferSpec("columnwise_data", "columnwise", "uint8 (K, M/2): transposed, packed along M"),
-        BufferSpec("columnwise_scale_inv", "columnwise", "float8_e4m3fn (K, M/16) decode scales"),
+        BufferSpec("columnwise_data", "columnwise", "uint8 (K, Mp/2): transposed, packed along M"),
+        BufferSpec("columnwise_scale_inv", "columnwise",
+                   "float8_e4m3fn (K, Mp/16) decode scales, stored flat for 1D blocks"),
         BufferSpec("columnwise_amax", "columnwise", "fp32 (1,) amax of the (transformed) transpose"),
     )
+    _ROW_BUFFERS = ("rowwise_data", "rowwise_scale_inv")
     _EXTRAS = ("with_rht",)
 
     def _rowwise_2d(self):
@@ -39,8 +43,9 @@ class NVFP4TensorStorage(QuantizedTensorStorage):
     def _columnwise_2d(self):
         # in the RHT basis when with_rht: both wgrad operands share it, so the
         # GEMM dy^T x is unchanged; dequantize() undoes it
-        return ref.dequantize_nvfp4(self._columnwise_data, self._columnwise_scale_inv,
-                                    self._columnwise_amax)
+        scales = self._columnwise_scale_inv  # flat for 1D blocks
+        return ref.dequantize_nvfp4(self._columnwise_data,
+                                    scales.view(self._te_shape[-1], -1), self._columnwise_amax)
 
     def _columnwise_to_values(self, xt):
         return ref.apply_rht(xt, inverse=True) if self._with_rht else xt
@@ -72,17 +77,23 @@ class NVFP4Quantizer(Quantizer):
     def divisibility(self):
         b = ref.NVFP4_BLOCK
         two_d = self.with_2d_quantization
-        return (b if self.rowwise_usage or two_d else 1, b if self.columnwise_usage or two_d else 1,
+        return (b if self.rowwise_usage or two_d else 1, b if two_d else 1,
                 "NVFP4 (16x16)" if two_d else "NVFP4")
+
+    def column_block(self):
+        one_d = not self.with_2d_quantization and self.columnwise_usage
+        return ref.NVFP4_BLOCK if one_d else 1
 
     def _layout(self, shape, m, k):
         b = ref.NVFP4_BLOCK
+        mp = padded_rows(m, self.column_block())
         return {
             "rowwise_data": ((*shape[:-1], k // 2), torch.uint8),
             "rowwise_scale_inv": ((m, k // b), torch.float8_e4m3fn),
             "rowwise_amax": ((1,), torch.float32),
-            "columnwise_data": ((k, m // 2), torch.uint8),
-            "columnwise_scale_inv": ((k, m // b), torch.float8_e4m3fn),
+            "columnwise_data": ((k, mp // 2), torch.uint8),
+            "columnwise_scale_inv": (((k * (mp // b),) if self.column_block() > 1 else
+                                      (k, m // b)), torch.float8_e4m3fn),
             "columnwise_amax": ((1,), torch.float32),
         }
 
