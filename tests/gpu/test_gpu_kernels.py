@@ -150,7 +150,7 @@ def test_fast_gemm_matches_reference(name):
 
 
 def test_fast_gemm_fp32_output_and_odd_shapes_fall_back_correctly():
-    xq, wq, _ = _operands(RECIPES["fp8_current"], m=100, k=384, n=512)  # M not a multiple of 16
+    xq, wq, _ = _operands(RECIPES["fp8_current"], m=128, k=200, n=512)  # K not a multiple of 16
     out = gemm(xq, "rowwise", wq, "rowwise", torch.float32)
     ref_out = gemm_reference(xq, "rowwise", wq, "rowwise", torch.float32)
     assert torch.equal(out, ref_out)  # took the reference path
@@ -159,6 +159,26 @@ def test_fast_gemm_fp32_output_and_odd_shapes_fall_back_correctly():
     assert out.dtype == torch.float32
     ref_out = gemm_reference(xq, "rowwise", wq, "rowwise", torch.float32)
     assert ((out - ref_out).norm() / ref_out.norm()).item() < 1e-3  # cuBLAS FP8 accumulation
+
+
+@pytest.mark.parametrize("m", [7, 200, 4095])
+@pytest.mark.parametrize("name", ["fp8_current", "fp8_block"])
+def test_fast_gemm_takes_any_row_count(name, m, monkeypatch):
+    """cuBLAS for a ragged count of A's rows (fprop, dgrad): tensorwise as
+    is, blockwise with the rows padded to 16 inside the GEMM."""
+    from transformer_engine_compile.kernels import cuda_gemm
+    if name == "fp8_block" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("cuBLAS block-scaled FP8 GEMM: sm_90 only")
+    xq, wq, _ = _operands(RECIPES[name], m=m, k=384, n=512)
+    slow = gemm_reference(xq, "rowwise", wq, "rowwise", torch.bfloat16)
+
+    def no_reference(*args, **kwargs):
+        raise AssertionError("fell back to the reference GEMM")
+
+    monkeypatch.setattr(cuda_gemm, "gemm_reference", no_reference)
+    fast = gemm(xq, "rowwise", wq, "rowwise", torch.bfloat16)
+    assert fast.shape == slow.shape == (m, 512)
+    assert ((fast.float() - slow.float()).norm() / slow.float().norm()).item() < 1e-2
 
 
 def test_bf16_path_is_torch_matmul():

@@ -54,6 +54,19 @@ def _dims_ok(*dims: int) -> bool:
     return all(d % 16 == 0 and d > 0 for d in dims)
 
 
+def _rows_to_16(data: torch.Tensor, scale: torch.Tensor):
+    """A's rows padded to a multiple of 16 (zero data, unit scales), as
+    cuBLAS's block-scaled FP8 GEMM needs (it refuses e.g. 7 or 4095 rows);
+    ``(data, scale, rows)``.  A ragged token count costs this copy."""
+    m = data.shape[0]
+    pad = -m % 16
+    if pad == 0:
+        return data, scale, m
+    padded = data.new_zeros((m + pad, data.shape[1]))
+    padded[:m].copy_(data)
+    return padded, torch.cat((scale, scale.new_ones((pad, scale.shape[1])))), m
+
+
 def gemm_path(a, b, out_dtype: torch.dtype) -> str:
     """Name of the path ``gemm_cuda`` takes for these operands (see module doc)."""
     qa, qb = isinstance(a, QuantizedTensorStorage), isinstance(b, QuantizedTensorStorage)
@@ -107,7 +120,7 @@ def _add_bias(out: torch.Tensor, bias) -> torch.Tensor:
 def _fp8_tensorwise(a, a_usage, b, b_usage, out_dtype, bias, fast_accum):
     ad, asc = a.fp8_operand(a_usage)
     bd, bsc = b.fp8_operand(b_usage)
-    if not _dims_ok(ad.shape[0], ad.shape[1], bd.shape[0]):
+    if ad.shape[0] == 0 or not _dims_ok(ad.shape[1], bd.shape[0]):  # any count of A's rows
         return None
     fused_bias = bias is not None and out_dtype != torch.float32 and bias.dtype == out_dtype
     out = torch._scaled_mm(ad, bd.t(), scale_a=asc, scale_b=bsc,
@@ -120,15 +133,16 @@ def _fp8_blockwise(a, a_usage, b, b_usage, out_dtype, bias):
     st = F.ScalingType
     ad, asc = a.fp8_operand(a_usage)
     bd, bsc = b.fp8_operand(b_usage)
-    if not _dims_ok(ad.shape[0], ad.shape[1], bd.shape[0]):
+    if ad.shape[0] == 0 or not _dims_ok(ad.shape[1], bd.shape[0]):
         return None
+    ad, asc, m = _rows_to_16(ad, asc)
     if b._block_scaling_dim == 2:
         b_scale, b_recipe = _padded_128x128(bsc).t(), st.BlockWise128x128
     else:
         b_scale, b_recipe = _outer_major(bsc), st.BlockWise1x128
     out = F.scaled_mm(ad, bd.t(), _outer_major(asc), st.BlockWise1x128, b_scale, b_recipe,
                       output_dtype=out_dtype)
-    return _add_bias(out, bias)
+    return _add_bias(out if out.shape[0] == m else out[:m], bias)
 
 
 def _mx_operand_bf16(t, usage: str) -> torch.Tensor:
