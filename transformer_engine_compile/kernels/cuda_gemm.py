@@ -30,7 +30,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ..quantization.base import QuantizedTensorStorage, flat_2d
+from ..quantization.base import QuantizedTensorStorage
 from ..quantization.blockwise import Float8BlockwiseQTensorStorage
 from ..quantization.float8 import Float8TensorStorage
 from ..quantization.mxfp8 import MXFP8TensorStorage
@@ -152,7 +152,7 @@ def _mx_operand_bf16(t, usage: str) -> torch.Tensor:
     k = t._te_shape[-1]  # the columnwise copy may hold padding rows
     rowwise = usage == "rowwise"
     data = (t._rowwise_data if rowwise else t._columnwise_data).reshape(-1, k)
-    scale = t._rowwise_scale_inv if rowwise else t._columnwise_scale_inv.view(-1, k)
+    scale = t._rowwise_scale_inv if rowwise else t._column_scales()
     out = get("dequantize_mxfp8", data)(data, scale, rowwise, torch.bfloat16)
     return out if rowwise else out.t()
 

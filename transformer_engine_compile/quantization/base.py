@@ -299,7 +299,7 @@ class Quantizer(OpaqueBase):
             out = self._quantize_2d(torch.nn.functional.pad(x2d, (0, 0, 0, b - m % b)))
             rows = self.storage_cls._ROW_BUFFERS
             out = {name: (t[:m] if name in rows else t) for name, t in out.items()}
-        # one scale per block of rows: stored flat (see _COLUMN_SCALES)
+        # one scale per block of rows: stored flat (see column_block)
         scales = out.get("columnwise_scale_inv")
         if scales is not None:
             out["columnwise_scale_inv"] = scales.reshape(-1)

@@ -37,7 +37,11 @@ class MXFP8TensorStorage(QuantizedTensorStorage):
     def _columnwise_2d(self):
         k = self._te_shape[-1]
         return ref.dequantize_mxfp8(self._columnwise_data.reshape(-1, k),
-                                    self._columnwise_scale_inv.view(-1, k), False).t()
+                                    self._column_scales(), False).t()
+
+    def _column_scales(self):
+        """columnwise_scale_inv (stored flat) as (Mp/32, K)."""
+        return self._columnwise_scale_inv.view(-1, self._te_shape[-1])
 
 
 class MXFP8Tensor(MXFP8TensorStorage, QuantizedTensor):

@@ -43,9 +43,12 @@ class NVFP4TensorStorage(QuantizedTensorStorage):
     def _columnwise_2d(self):
         # in the RHT basis when with_rht: both wgrad operands share it, so the
         # GEMM dy^T x is unchanged; dequantize() undoes it
-        scales = self._columnwise_scale_inv  # flat for 1D blocks
-        return ref.dequantize_nvfp4(self._columnwise_data,
-                                    scales.view(self._te_shape[-1], -1), self._columnwise_amax)
+        return ref.dequantize_nvfp4(self._columnwise_data, self._column_scales(),
+                                    self._columnwise_amax)
+
+    def _column_scales(self):
+        """columnwise_scale_inv as (K, Mp/16) (stored flat for 1D blocks)."""
+        return self._columnwise_scale_inv.view(self._te_shape[-1], -1)
 
     def _columnwise_to_values(self, xt):
         return ref.apply_rht(xt, inverse=True) if self._with_rht else xt
