@@ -134,3 +134,27 @@ def test_host_benchmark_times_the_real_ops():
         flat = LINEAR_OPS.fwd_plan.encode(layer._make_args(x, None, False, False))
     with torch.no_grad():
         assert torch.equal(LINEAR_OPS.fwd_op(*flat)[0], expected)
+
+
+def test_bench_error_text_names_the_layers_error_under_compile():
+    """A candidate failing inside torch.compile is reported with the layer's
+    own error (Dynamo raises "Observed exception" with it as the cause),
+    whole and on one line."""
+    import transformer_engine_compile as te
+    from transformer_engine_compile.bench_llama import error_text
+
+    layer = te.Linear(100, 64)
+
+    def step(x):
+        with te.autocast(recipe=te.recipe.Float8BlockScaling()):
+            return layer(x)
+
+    try:
+        torch.compile(step, fullgraph=True, backend="aot_eager")(torch.randn(8, 100))
+    except Exception as e:  # noqa: BLE001 - the point is what the report says
+        text = error_text(e)
+    else:
+        raise AssertionError("a 100-column input fits no 1x128 block: expected an error")
+    assert "te.Linear(100 -> 64): the input as a 8 x 100 matrix does not fit the recipe" in text
+    assert "needs the columns divisible by 128" in text and "\n" not in text
+    assert error_text(ValueError("plain\nmessage")) == "ValueError: plain message"

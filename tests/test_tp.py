@@ -32,6 +32,14 @@ def test_tp_compiled_equals_eager_and_single_device(parallel_mode, sp):
     H.spawn(H.cases_worker, [(parallel_mode, sp, name) for name in H.RECIPES], "record")
 
 
+@pytest.mark.parametrize("parallel_mode", ["column", "row"])
+def test_tp_sp_ragged_token_count(parallel_mode):
+    """Sequence parallel at 2 x 100 tokens (each rank's shard 100 tokens):
+    not a multiple of any block, so the gathered (column) or reduce-scattered
+    (row) copies of the block recipes are padded inside the ops."""
+    H.spawn(H.cases_worker, [(parallel_mode, True, name) for name in H.RECIPES], "record", 100)
+
+
 def test_tp_inductor():
     H.spawn(H.cases_worker, [("column", True, "bf16"), ("row", True, "fp8_current")],
             "default")
@@ -159,7 +167,7 @@ def errors_worker(group):
     # the gathered input (2 x 3 rows: any count) must fit the recipe's blocks in its columns
     layer = te.Linear(48, 64, parallel_mode="column", sequence_parallel=True, **bf16)
     with te.autocast(recipe=te.recipe.MXFP8BlockScaling()):
-        with pytest.raises(ValueError, match="input as a 6 x 48 matrix .* columns by 32"):
+        with pytest.raises(ValueError, match="input as a 6 x 48 matrix .* needs the columns divisible by 32$"):
             layer(torch.randn(3, 48, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="expected a weight of shape"):
         layer.load_full_weight_(torch.randn(32, 64))

@@ -43,11 +43,11 @@ SEQ, BATCH, IN, OUT = 128, 2, 256, 256
 
 
 # -- data -------------------------------------------------------------------------
-def full_tensors(rec, device):
-    """x (SEQ, BATCH, IN), W (OUT, IN), b (OUT,), dy (SEQ, BATCH, OUT), identical on
+def full_tensors(rec, device, seq=SEQ):
+    """x (seq, BATCH, IN), W (OUT, IN), b (OUT,), dy (seq, BATCH, OUT), identical on
     every rank.  bf16: values in {-1, 0, 1}, so sums stay exact integers (< 256)."""
     g = torch.Generator().manual_seed(0)
-    shapes = ((SEQ, BATCH, IN), (OUT, IN), (OUT,), (SEQ, BATCH, OUT))
+    shapes = ((seq, BATCH, IN), (OUT, IN), (OUT,), (seq, BATCH, OUT))
     if rec is None:
         out = [torch.randint(-1, 2, s, generator=g).to(torch.bfloat16) for s in shapes]
     else:
@@ -160,13 +160,15 @@ def rel_err(a, b) -> float:
 
 
 # -- one case ----------------------------------------------------------------------------
-def run_case(group, device, parallel_mode, sp, name, compile_mode, steps=3) -> dict:
+def run_case(group, device, parallel_mode, sp, name, compile_mode, steps=3,
+             seq=SEQ) -> dict:
     """Run and check one configuration on this rank; returns the step-0
-    relative errors against the single-device layer."""
+    relative errors against the single-device layer.  ``seq`` x BATCH tokens
+    in all (a ragged count when not a multiple of the recipe's block)."""
     rank, tp = dist.get_rank(group), dist.get_world_size(group)
     rec = RECIPES[name]
-    label = f"{parallel_mode}{'+SP' if sp else ''} {name} {compile_mode} rank {rank}"
-    x_full, w_full, b_full, dy_full = full_tensors(rec, device)
+    label = f"{parallel_mode}{'+SP' if sp else ''} {name} {compile_mode} seq {seq} rank {rank}"
+    x_full, w_full, b_full, dy_full = full_tensors(rec, device, seq)
     sl = Slicer(parallel_mode, sp, rank, tp)
 
     ref = te.Linear(IN, OUT, params_dtype=torch.bfloat16, device=device)
@@ -214,10 +216,10 @@ def run_case(group, device, parallel_mode, sp, name, compile_mode, steps=3) -> d
     return errors
 
 
-def run_cases(group, device, cases, compile_mode, steps=3) -> list:
+def run_cases(group, device, cases, compile_mode, steps=3, seq=SEQ) -> list:
     out = []
     for parallel_mode, sp, name in cases:
-        errs = run_case(group, device, parallel_mode, sp, name, compile_mode, steps)
+        errs = run_case(group, device, parallel_mode, sp, name, compile_mode, steps, seq)
         out.append(((parallel_mode, sp, name, compile_mode), errs))
     return out
 
@@ -248,8 +250,8 @@ def spawn(fn, *args, world_size=2):
                  nprocs=world_size, join=True)
 
 
-def cases_worker(group, cases, compile_mode):
-    run_cases(group, torch.device("cpu"), cases, compile_mode)
+def cases_worker(group, cases, compile_mode, seq=SEQ):
+    run_cases(group, torch.device("cpu"), cases, compile_mode, seq=seq)
 
 
 def _log(msg):
@@ -265,6 +267,8 @@ def main(argv=None):
                                                            PARALLEL_CASES],
                         help="parallel_mode:sequence_parallel pairs, e.g. row:1")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--seq", type=int, nargs="+", default=[SEQ],
+                        help=f"sequence lengths (x {BATCH} tokens; ragged counts welcome)")
     args = parser.parse_args(argv)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if args.device == "cuda":
@@ -277,17 +281,18 @@ def main(argv=None):
     parallel = [(p.split(":")[0], bool(int(p.split(":")[1]))) for p in args.parallel]
     cases = [(m, sp, r) for m, sp in parallel for r in args.recipes]
     failures = 0
-    for mode in args.modes:
+    for mode, seq in ((mode, seq) for mode in args.modes for seq in args.seq):
         for case in cases:
             try:
-                (_, errs), = run_cases(group, device, [case], mode, args.steps)
+                (_, errs), = run_cases(group, device, [case], mode, args.steps, seq)
                 status = "ok   " + " ".join(f"{k}={v:.4f}" for k, v in errs.items())
             except AssertionError as e:
                 failures += 1
                 status = f"FAIL {e}"
             if dist.get_rank() == 0 or status.startswith("FAIL"):
                 m, sp, r = case
-                print(f"rank {dist.get_rank()} {mode:16s} {m:6s} sp={int(sp)} {r:12s} {status}",
+                print(f"rank {dist.get_rank()} {mode:16s} seq={seq:<4d} {m:6s} sp={int(sp)} "
+                      f"{r:12s} {status}",
                       flush=True)
     _log(f"rank {dist.get_rank()}: cases done")
     # drop the compiled functions and their CUDA graphs (which hold captured

@@ -211,7 +211,7 @@ def run(configs, recipes, modes, device, iters=None, repeats=5, with_torchao=Fal
                     row["peak_gib"] = bench_llama.peak_gib(step, x, dy, device)
                     row["tflops"] = flops / row["ms"] / 1e9
                 except Exception as e:  # one failing candidate must not hide the others
-                    row["error"] = f"{type(e).__name__}: {e}"
+                    row["error"] = bench_llama.error_text(e)
                 rows.append(row)
                 log(_format_row(row, rows))
                 del model, x, dy

@@ -200,6 +200,22 @@ def candidates(recipes, with_torchao):
     return out
 
 
+def error_text(e: BaseException) -> str:
+    """A failed candidate's whole error on one line, with its causes: under
+    ``torch.compile`` the layer's own error (e.g. a ValueError naming the
+    shape a recipe refuses) is the cause of Dynamo's "Observed exception",
+    whose text alone says nothing about it."""
+    chain = [e]
+    while chain[-1].__cause__ is not None and chain[-1].__cause__ not in chain:
+        chain.append(chain[-1].__cause__)
+    # the wrappers by their first line (Dynamo's explanations and hints follow),
+    # the innermost error whole
+    parts = [f"{type(x).__name__}: {str(x).strip().splitlines()[0] if str(x).strip() else ''}"
+             for x in chain[:-1]]
+    parts.append(f"{type(chain[-1]).__name__}: {' '.join(str(chain[-1]).split())}")
+    return " <- caused by ".join(parts)
+
+
 def peak_gib(step, x, target, device):
     """Peak GiB allocated over one ``step(x, target)`` (NaN off CUDA)."""
     if device.type != "cuda":
@@ -235,7 +251,7 @@ def run(configs, recipes, modes, device, with_torchao, only=None, steps=10, log=
                     row["peak_gib"] = peak_gib(step, x, target, device)
                     row["loss"] = step(x, target)
                 except Exception as e:  # one failing candidate must not hide the others
-                    row["error"] = f"{type(e).__name__}: {e}"
+                    row["error"] = error_text(e)
                 rows.append(row)
                 log(format_row(row, rows))
                 model = step = None

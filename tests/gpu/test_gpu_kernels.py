@@ -164,13 +164,16 @@ def test_fast_gemm_fp32_output_and_odd_shapes_fall_back_correctly():
 @pytest.mark.parametrize("m", [7, 200, 4095])
 @pytest.mark.parametrize("name", ["fp8_current", "fp8_block"])
 def test_fast_gemm_takes_any_row_count(name, m, monkeypatch):
-    """cuBLAS for a ragged count of A's rows (fprop, dgrad): tensorwise as
-    is, blockwise with the rows padded to 16 inside the GEMM."""
+    """cuBLAS for every GEMM of a ragged token count: fprop and dgrad
+    (tokens = A's rows: tensorwise as is, blockwise padded to 16 inside the
+    GEMM) and wgrad (tokens = the inner dim: blockwise copies padded by the
+    quantizer, tensorwise padded to 16 inside the GEMM)."""
     from transformer_engine_compile.kernels import cuda_gemm
     if name == "fp8_block" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("cuBLAS block-scaled FP8 GEMM: sm_90 only")
-    xq, wq, _ = _operands(RECIPES[name], m=m, k=384, n=512)
+    xq, wq, gq = _operands(RECIPES[name], m=m, k=384, n=512)
     slow = gemm_reference(xq, "rowwise", wq, "rowwise", torch.bfloat16)
+    slow_wgrad = gemm_reference(gq, "columnwise", xq, "columnwise", torch.float32)
 
     def no_reference(*args, **kwargs):
         raise AssertionError("fell back to the reference GEMM")
@@ -179,6 +182,9 @@ def test_fast_gemm_takes_any_row_count(name, m, monkeypatch):
     fast = gemm(xq, "rowwise", wq, "rowwise", torch.bfloat16)
     assert fast.shape == slow.shape == (m, 512)
     assert ((fast.float() - slow.float()).norm() / slow.float().norm()).item() < 1e-2
+    fast_wgrad = gemm(gq, "columnwise", xq, "columnwise", torch.float32)
+    assert fast_wgrad.shape == slow_wgrad.shape == (512, 384)
+    assert ((fast_wgrad - slow_wgrad).norm() / slow_wgrad.norm()).item() < 1e-5
 
 
 def test_bf16_path_is_torch_matmul():

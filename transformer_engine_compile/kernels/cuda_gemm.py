@@ -4,7 +4,9 @@ Which path a product takes (``gemm_path`` names it; docs/linear.md lists them):
 
 * ``"bf16"``: unquantized operands, ``F.linear`` (torch's own matmul).
 * ``"fp8_tensorwise"``: FP8 per-tensor x FP8 per-tensor through
-  ``torch._scaled_mm`` (cuBLASLt, SM 8.9+), both operands K-major ("TN").
+  ``torch._scaled_mm`` (cuBLASLt, SM 8.9+), both operands K-major ("TN");
+  any row count of A, an inner dim that is not a multiple of 16 (the wgrad
+  of a ragged token count) padded with zeros inside the GEMM.
 * ``"fp8_blockwise"``: FP8 1x128 x (1x128 | 128x128) through
   ``F.scaled_mm`` block-scale recipes (cuBLAS, SM 9.0), scales laid out as
   cuBLAS asks: 1x128 scales outer-dim-major, 128x128 scales transposed.
@@ -67,6 +69,16 @@ def _rows_to_16(data: torch.Tensor, scale: torch.Tensor):
     return padded, torch.cat((scale, scale.new_ones((pad, scale.shape[1])))), m
 
 
+def _inner_to_16(data: torch.Tensor) -> torch.Tensor:
+    """An FP8 operand's inner (reduced) dim padded with zeros to a multiple
+    of 16, as ``_scaled_mm`` requires: a wgrad over a ragged token count.
+    Zeros in both operands add nothing to the product (one byte pad each)."""
+    pad = -data.shape[1] % 16
+    if pad == 0:
+        return data
+    return F.pad(data.view(torch.uint8), (0, pad)).view(data.dtype)
+
+
 def gemm_path(a, b, out_dtype: torch.dtype) -> str:
     """Name of the path ``gemm_cuda`` takes for these operands (see module doc)."""
     qa, qb = isinstance(a, QuantizedTensorStorage), isinstance(b, QuantizedTensorStorage)
@@ -120,8 +132,9 @@ def _add_bias(out: torch.Tensor, bias) -> torch.Tensor:
 def _fp8_tensorwise(a, a_usage, b, b_usage, out_dtype, bias, fast_accum):
     ad, asc = a.fp8_operand(a_usage)
     bd, bsc = b.fp8_operand(b_usage)
-    if ad.shape[0] == 0 or not _dims_ok(ad.shape[1], bd.shape[0]):  # any count of A's rows
-        return None
+    if ad.shape[0] == 0 or ad.shape[1] == 0 or not _dims_ok(bd.shape[0]):
+        return None  # any count of A's rows; any inner dim, padded to 16
+    ad, bd = _inner_to_16(ad), _inner_to_16(bd)
     fused_bias = bias is not None and out_dtype != torch.float32 and bias.dtype == out_dtype
     out = torch._scaled_mm(ad, bd.t(), scale_a=asc, scale_b=bsc,
                            bias=bias if fused_bias else None, out_dtype=out_dtype,

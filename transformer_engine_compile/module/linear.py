@@ -380,10 +380,12 @@ class Linear(torch.nn.Module):
                 continue
             k_mult, m_mult, label = q.usage_variant(**usage).divisibility()
             if cols % k_mult != 0 or rows % m_mult != 0:
+                needs = [f"the {dim} divisible by {mult}" for dim, mult in
+                         (("rows", m_mult), ("columns", k_mult)) if mult > 1]
                 raise ValueError(
                     f"te.Linear({self.in_features} -> {self.out_features}): the {role} as a "
-                    f"{rows} x {cols} matrix does not fit the recipe: {label} needs the rows "
-                    f"divisible by {m_mult} and the columns by {k_mult}")
+                    f"{rows} x {cols} matrix does not fit the recipe: {label} needs "
+                    f"{' and '.join(needs)}")
 
     # -- forward -----------------------------------------------------------------------
     def forward(self, inp, is_first_microbatch: Optional[bool] = None, fp8_output: bool = False,
