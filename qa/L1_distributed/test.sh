@@ -21,6 +21,9 @@ run() { python -m torch.distributed.run --standalone --nproc_per_node "$NPROC" "
 # MODES / extra harness arguments (e.g. --parallel row:1 --recipes bf16) pick a
 # subset; the whole run took 66 s on 2 H200s with a warm inductor cache
 run tests/tp_harness.py --device cuda --modes ${MODES:-default reduce-overhead} "$@"
+# a ragged token count (2 x 100: no multiple of any block) with sequence parallelism
+run tests/tp_harness.py --device cuda --modes ${MODES:-default reduce-overhead} \
+  --parallel column:1 row:1 --seq 100 "$@"
 for recipe in bf16 fp8_current; do
   run -m transformer_engine_compile.parallel_demo --recipe "$recipe" --steps 5
 done
