@@ -150,10 +150,15 @@ def test_fast_gemm_matches_reference(name):
 
 
 def test_fast_gemm_fp32_output_and_odd_shapes_fall_back_correctly():
-    xq, wq, _ = _operands(RECIPES["fp8_current"], m=128, k=200, n=512)  # K not a multiple of 16
+    xq, wq, _ = _operands(RECIPES["fp8_current"], m=128, k=256, n=200)  # N not a multiple of 16
     out = gemm(xq, "rowwise", wq, "rowwise", torch.float32)
     ref_out = gemm_reference(xq, "rowwise", wq, "rowwise", torch.float32)
     assert torch.equal(out, ref_out)  # took the reference path
+    xq, wq, _ = _operands(RECIPES["fp8_current"], m=128, k=200, n=512)  # K padded to 208
+    out = gemm(xq, "rowwise", wq, "rowwise", torch.float32)
+    ref_out = gemm_reference(xq, "rowwise", wq, "rowwise", torch.float32)
+    assert not torch.equal(out, ref_out)  # cuBLAS, not the reference...
+    assert ((out - ref_out).norm() / ref_out.norm()).item() < 1e-3  # ...within its accumulation
     xq, wq, _ = _operands(RECIPES["fp8_current"])
     out = gemm(xq, "rowwise", wq, "rowwise", torch.float32)
     assert out.dtype == torch.float32
@@ -184,7 +189,7 @@ def test_fast_gemm_takes_any_row_count(name, m, monkeypatch):
     assert ((fast.float() - slow.float()).norm() / slow.float().norm()).item() < 1e-2
     fast_wgrad = gemm(gq, "columnwise", xq, "columnwise", torch.float32)
     assert fast_wgrad.shape == slow_wgrad.shape == (512, 384)
-    assert ((fast_wgrad - slow_wgrad).norm() / slow_wgrad.norm()).item() < 1e-5
+    assert ((fast_wgrad - slow_wgrad).norm() / slow_wgrad.norm()).item() < 1e-3  # FP8 accumulation
 
 
 def test_bf16_path_is_torch_matmul():
