@@ -1,5 +1,5 @@
 """Activation checkpointing (issue 15, point 5): ``te.checkpoint`` and
-``torch.utils.checkpoint(use_reentrant=False)``, with ``te.autocast`` outside
+``torch.utils.checkpoint`` (non-reentrant and reentrant), with ``te.autocast`` outside
 or inside the checkpointed function, eager and compiled, give the gradients
 and layer state of the same model without checkpointing, bit for bit."""
 
@@ -51,6 +51,8 @@ def _wrap(model, rec, how, where):
             return te.checkpoint(body, x)
         if how == "torch":
             return torch_checkpoint(body, x, use_reentrant=False)
+        if how == "reentrant":
+            return torch_checkpoint(body, x, use_reentrant=True)
         return body(x)
     return f
 
@@ -86,7 +88,7 @@ def _train(rec, how, where, compiled, steps=3):
 
 
 @pytest.mark.parametrize("where", ["outside", "inside"])
-@pytest.mark.parametrize("how", ["te", "torch"])
+@pytest.mark.parametrize("how", ["te", "torch", "reentrant"])
 @pytest.mark.parametrize("name", RECIPES)
 def test_eager_checkpointing_equals_no_checkpointing(name, how, where):
     rec = RECIPES[name]
@@ -97,16 +99,17 @@ def test_eager_checkpointing_equals_no_checkpointing(name, how, where):
 
 
 @pytest.mark.parametrize("where", ["outside", "inside"])
-@pytest.mark.parametrize("how", ["te", "torch"])
+@pytest.mark.parametrize("how", ["te", "torch", "reentrant"])
 @pytest.mark.parametrize("name", ["bf16", "fp8_current", "mxfp8", "delayed"])
 def test_compiled_checkpointing_equals_eager_without_checkpointing(name, how, where):
     """One graph, no break; the recomputation is AOTAutograd's.  A
     DelayedScaling forward op would read the scales its forward updated:
-    te.checkpoint saves its outputs, a direct torch.utils.checkpoint is
-    refused in the backward with an error naming te.checkpoint."""
+    te.checkpoint saves its outputs, a direct torch.utils.checkpoint (either
+    kind: Dynamo traces both into the same region) is refused in the
+    backward with an error naming te.checkpoint."""
     rec = RECIPES[name]
     ref, _ = _train(rec, "none", where, compiled=False)
-    if name == "delayed" and how == "torch":
+    if name == "delayed" and how in ("torch", "reentrant"):
         with pytest.raises(RuntimeError, match="use te.checkpoint"):
             _train(rec, how, where, compiled=True)
         return
@@ -240,16 +243,21 @@ def test_te_checkpoint_signature():
         te.checkpoint(model, x, get_rng_state_tracker=object())
 
 
-def test_reentrant_recomputation_under_delayed_scaling_is_refused():
-    """torch.utils.checkpoint(use_reentrant=True) reruns the forward inside
-    the backward without our replay: under DelayedScaling that would use
-    moved-on scales, so the op refuses, naming te.checkpoint."""
-    model = Block()
+def test_reentrant_checkpoint_regions_are_found_on_this_torch():
+    """compat.reentrant_checkpoint_region reads the reentrant checkpoint's
+    frames: pin what it sees in each phase (and outside) on every supported
+    torch, a distinct token per recomputation pass included."""
+    seen = []
 
     def body(x):
-        with te.autocast(recipe=RECIPES["delayed"]):
-            return model(x)
-    x = torch.randn(128, 128, dtype=torch.bfloat16, requires_grad=True)
+        seen.append(compat.reentrant_checkpoint_region())
+        return x.sin()
+    assert compat.reentrant_checkpoint_region() is None
+    x = torch.randn(4, requires_grad=True)
     y = torch_checkpoint(body, x, use_reentrant=True)
-    with pytest.raises(RuntimeError, match="use te.checkpoint"):
-        y.float().sum().backward()
+    y.sum().backward(retain_graph=True)
+    y.sum().backward()
+    (ctx, phase, token), (ctx2, phase2, token2), (ctx3, phase3, token3) = seen
+    assert (phase, phase2, phase3) == ("forward", "recompute", "recompute")
+    assert ctx is ctx2 is ctx3 and token is None
+    assert token2 is not None and token3 is not None and token2 is not token3

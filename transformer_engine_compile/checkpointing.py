@@ -144,19 +144,33 @@ def check_forward_op_in_backward(args) -> None:
 def layer_call(layer):
     """The checkpointing context of a ``te.Linear`` call: a ``_Call`` inside
     an eager checkpointed forward or recomputation, else None."""
-    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+    if torch.compiler.is_compiling():
         return None
-    if _ACTIVE:
-        recording, phase, token = _ACTIVE[-1]
+    if not torch.is_grad_enabled():
+        # a reentrant checkpoint runs its forward under no_grad (a walk up
+        # the stack, a few us, in eager no_grad calls only)
+        found = compat.reentrant_checkpoint_region()
+        if found is None or found[1] != "forward":
+            return None
+    elif _ACTIVE:
+        found = _ACTIVE[-1]
     else:
         found = compat.checkpoint_region()
+        if found is None and compat.in_backward_pass():
+            found = compat.reentrant_checkpoint_region()
         if found is None:
             return None
-        frame, phase, token = found
-        recording = frame.__dict__.get("_te_compile_recording")
-        if recording is None:
-            recording = frame._te_compile_recording = Recording()
+    owner, phase, token = found
+    recording = owner if isinstance(owner, Recording) else _recording_of(owner)
     return recording.record(layer) if phase == "forward" else recording.replay(layer, token)
+
+
+def _recording_of(region) -> Recording:
+    """The recording kept on a torch checkpoint's frame or autograd context."""
+    recording = getattr(region, "_te_compile_recording", None)
+    if recording is None:
+        recording = region._te_compile_recording = Recording()
+    return recording
 
 
 def _contexts():

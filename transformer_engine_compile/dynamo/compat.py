@@ -9,6 +9,7 @@ and 2.14 / 2.15 where the API is renamed ``register_custom_class`` with
 from __future__ import annotations
 
 import inspect
+import sys
 
 import torch
 
@@ -135,6 +136,43 @@ def checkpoint_region():
     ref = cells.get("target_frame_ref")
     frame = None if ref is None else ref()
     return None if frame is None else (frame, "recompute", hooks[0])
+
+
+def _reentrant_checkpoint_codes() -> tuple:
+    fn = getattr(torch.utils.checkpoint, "CheckpointFunction", None)
+    if fn is None:
+        return ()
+    return (fn.forward.__code__, fn.backward.__code__)
+
+
+def reentrant_checkpoint_region():
+    """``(ctx, phase, token)`` when called inside a reentrant
+    ``torch.utils.checkpoint`` (``use_reentrant=True``), else None.
+
+    ``ctx`` is the checkpoint's autograd context (one per checkpoint call,
+    alive until its graph is freed); ``phase`` is ``"forward"`` (the first
+    run, under ``no_grad``) or ``"recompute"`` (inside its backward);
+    ``token`` is distinct for each recomputation pass (the pass's
+    detached inputs).  torch has no public way to ask this and installs no
+    hooks for it: the region is the nearest ``CheckpointFunction.forward``
+    or ``.backward`` frame on the call stack.  The tests pin it for every
+    supported version."""
+    codes = _reentrant_checkpoint_codes()
+    if not codes:
+        return None
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is codes[0] or frame.f_code is codes[1]:
+            local = frame.f_locals
+            ctx = local.get("ctx")
+            if ctx is None:
+                return None
+            if frame.f_code is codes[0]:
+                return ctx, "forward", None
+            token = local.get("detached_inputs")
+            return None if token is None else (ctx, "recompute", token)
+        frame = frame.f_back
+    return None
 
 
 def in_backward_pass() -> bool:
