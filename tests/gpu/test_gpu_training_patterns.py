@@ -145,3 +145,38 @@ def test_te_checkpoint_cuda(name, where, mode):
     _same(train(True, mode), ref)
     if mode == "reduce-overhead":
         assert counters["inductor"]["cudagraph_skips"] == 0
+
+
+@pytest.mark.parametrize("where", ["outside", "inside"])
+@pytest.mark.parametrize("name", ["delayed", "current", "mxfp8", "block"])
+def test_reentrant_checkpoint_cuda(name, where):
+    """torch.utils.checkpoint(use_reentrant=True) on the fast kernels, eager:
+    the recomputation repeats the recorded recipe and scales, so gradients
+    and layer state equal the model without checkpointing."""
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+    rec = RECIPES[name]
+
+    def train(checkpointed):
+        _reset()
+        model = _Block()
+
+        def body(x):
+            if where == "inside":
+                with te.autocast(recipe=rec):
+                    return model(x)
+            return model(x)
+
+        def f(_, x):
+            if checkpointed:
+                return torch_checkpoint(body, x, use_reentrant=True)
+            return body(x)
+        if where == "outside":
+            g = f
+
+            def f(layer, x):
+                with te.autocast(recipe=rec):
+                    return g(layer, x)
+        out = _steps(model, f, 4)
+        return out + [[b.clone() for _, b in sorted(model.named_buffers())]]
+
+    _same(train(True), train(False))
