@@ -1,5 +1,6 @@
 """Issue 15's training patterns on CUDA (fast kernels): copies and
-checkpoint resume under reduce-overhead, torch.autocast in bf16 and fp16.
+checkpoint resume under reduce-overhead, torch.autocast in bf16 and fp16,
+a layer applied in two compiled calls before one backward.
 Skips without CUDA; qa/L0_gpu runs it."""
 
 import copy
@@ -13,6 +14,7 @@ import transformer_engine_compile as te
 from transformer_engine_compile import recipe
 
 from test_linear import _reset
+from test_training_patterns import _applied_twice
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -145,3 +147,13 @@ def test_te_checkpoint_cuda(name, where, mode):
     _same(train(True, mode), ref)
     if mode == "reduce-overhead":
         assert counters["inductor"]["cudagraph_skips"] == 0
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_two_compiled_calls_before_backward_cuda(mode):
+    """DelayedScaling and fuse_wgrad_accumulation, two calls of the compiled
+    function before one backward (CUDA graphs included): equal to eager."""
+    _reset()
+    _applied_twice(RECIPES["delayed"], "two_calls", "two_calls", backend="inductor",
+                   device="cuda", mode=mode)
+    assert counters["inductor"].get("cudagraph_skips", 0) == 0
