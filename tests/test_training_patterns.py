@@ -318,10 +318,12 @@ def test_inference_mode_before_training(name, compiled):
 
 
 # -- a layer applied more than once before backward -----------------------------------------
-def _fused_layer():
+def _fused_layer(fuse=True, device="cpu"):
     torch.manual_seed(0)
-    layer = te.Linear(128, 128, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=True)
-    layer.weight.main_grad = torch.zeros(128, 128)
+    layer = te.Linear(128, 128, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=fuse,
+                      device=device)
+    if fuse:
+        layer.weight.main_grad = torch.zeros(128, 128, device=device)
     return layer
 
 
@@ -337,35 +339,89 @@ def _twice(rec, separate_calls):
     return (one if separate_calls else in_one_call), run
 
 
-@pytest.mark.parametrize("eager_calls", ["one_call", "two_calls"])
-@pytest.mark.parametrize("name", RECIPES)
-def test_layer_applied_twice_before_backward(name, eager_calls):
-    """Tied weights / two micro-batch losses summed, with DelayedScaling and
-    fuse_wgrad_accumulation: eager (both applications in one function, or two
-    calls) equals one compiled function applying the layer twice (outputs,
-    input gradients, main_grad, state).  Two *compiled* calls before one
-    backward are not supported yet (docs/linear.md)."""
-    rec = RECIPES[name]
+def _applied_twice(rec, eager_calls, compiled_calls, backend="aot_eager", fuse=True,
+                   steps=3, device="cpu", mode=None):
+    """Eager and compiled copies of one layer, each applied to two inputs
+    before one backward (in one function or in two calls), ``steps``
+    times: outputs, input gradients, the weight's gradient (``main_grad``,
+    else ``.grad``, both accumulating over the steps) and the state must be
+    equal bit for bit."""
     eager_fn, eager_run = _twice(rec, eager_calls == "two_calls")
-    fn, run = _twice(rec, False)
-    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
-    layers = {"eager": _fused_layer(), "compiled": _fused_layer()}
-    c = torch.linspace(-1, 1, 128)
-    for i in range(3):
+    fn, run = _twice(rec, compiled_calls == "two_calls")
+    compiled = torch.compile(fn, fullgraph=True, backend=backend, mode=mode)
+    layers = {"eager": _fused_layer(fuse, device), "compiled": _fused_layer(fuse, device)}
+    c = torch.linspace(-1, 1, 128, device=device)
+    for i in range(steps):
+        torch.compiler.cudagraph_mark_step_begin()  # a no-op unless reduce-overhead
         results = {}
         for kind, layer in layers.items():
-            g = torch.Generator().manual_seed(i)
-            x1, x2 = (torch.randn(128, 128, generator=g).to(torch.bfloat16).requires_grad_()
-                      for _ in range(2))
+            g = torch.Generator(device=device).manual_seed(i)
+            x1, x2 = (torch.randn(128, 128, generator=g, device=device).to(torch.bfloat16)
+                      .requires_grad_() for _ in range(2))
             y = (eager_run(eager_fn, layer, x1, x2) if kind == "eager"
                  else run(compiled, layer, x1, x2))
             (y.float() * c).sum().backward()
-            results[kind] = [y.detach(), x1.grad, x2.grad, layer.weight.main_grad.clone()] + [
+            wgrad = layer.weight.main_grad if fuse else layer.weight.grad
+            results[kind] = [y.detach(), x1.grad, x2.grad, wgrad.clone(), layer.bias.grad] + [
                 b.detach().clone() for _, b in sorted(layer.named_buffers())
                 if b.dtype.itemsize > 1]
+        assert results["eager"][3].abs().sum() > 0
         for j, (a, b) in enumerate(zip(results["eager"], results["compiled"])):
             assert torch.equal(a, b), f"step {i}, tensor {j} differs"
+    assert counters["stats"]["unique_graphs"] == 1
     assert not counters["graph_break"]
+
+
+@pytest.mark.parametrize("compiled_calls", ["one_call", "two_calls"])
+@pytest.mark.parametrize("eager_calls", ["one_call", "two_calls"])
+@pytest.mark.parametrize("name", RECIPES)
+def test_layer_applied_twice_before_backward(name, eager_calls, compiled_calls):
+    """Tied weights / two micro-batch losses summed, with DelayedScaling and
+    fuse_wgrad_accumulation: eager (both applications in one function, or
+    two calls) equals compiled (one function applying the layer twice, or
+    two calls of the compiled function before one backward): outputs,
+    input gradients, main_grad, state.  Between two compiled calls the
+    first backward writes main_grad and the backward history/scale, which
+    the other call's compiled backward reads: they reach it without a
+    version check, as in eager (compat.save_without_version_check)."""
+    _applied_twice(RECIPES[name], eager_calls, compiled_calls)
+
+
+def test_no_version_check_saved_tensors_pinned():
+    """compat.save_without_version_check relies on private AOTAutograd
+    machinery (node meta read by the partitioner, a runtime slice of saved
+    tensors kept off save_for_backward); pin it on every supported torch."""
+    from transformer_engine_compile.dynamo import compat
+
+    assert compat.saved_without_version_check_supported()
+
+
+def test_layer_applied_in_two_compiled_calls_without_fused_wgrad():
+    """DelayedScaling without fuse_wgrad_accumulation: the backward history
+    and scale alone (weight.grad accumulated by autograd)."""
+    _applied_twice(RECIPES["delayed"], "two_calls", "two_calls", fuse=False)
+
+
+def test_layer_applied_in_two_compiled_calls_inductor():
+    """The same under inductor (DelayedScaling and fuse_wgrad_accumulation)."""
+    _applied_twice(RECIPES["delayed"], "two_calls", "two_calls", backend="inductor",
+                   steps=2)
+
+
+def test_two_compiled_calls_keep_the_version_check_of_saved_activations():
+    """Only the state the backward writes is handed over unchecked: an
+    input the op saves (bf16, for wgrad) and then modified in place before
+    the backward is refused, compiled as eagerly."""
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        layer = _fused_layer()
+        fn = torch.compile(layer, fullgraph=True, backend="aot_eager") if compiled else layer
+        base = torch.randn(128, 128, dtype=torch.bfloat16, requires_grad=True)
+        x = base * 1
+        y = fn(x) + fn(base * 2)
+        x.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.float().sum().backward()
 
 
 def test_layer_applied_twice_accumulates_both_contributions():

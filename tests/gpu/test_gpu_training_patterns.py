@@ -1,5 +1,6 @@
 """Issue 15's training patterns on CUDA (fast kernels): copies and
-checkpoint resume under reduce-overhead, torch.autocast in bf16 and fp16.
+checkpoint resume under reduce-overhead, torch.autocast in bf16 and fp16,
+a layer applied in two compiled calls before one backward.
 Skips without CUDA; qa/L0_gpu runs it."""
 
 import copy
@@ -13,6 +14,7 @@ import transformer_engine_compile as te
 from transformer_engine_compile import recipe
 
 from test_linear import _reset
+from test_training_patterns import _applied_twice
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -180,3 +182,13 @@ def test_reentrant_checkpoint_cuda(name, where):
         return out + [[b.clone() for _, b in sorted(model.named_buffers())]]
 
     _same(train(True), train(False))
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_two_compiled_calls_before_backward_cuda(mode):
+    """DelayedScaling and fuse_wgrad_accumulation, two calls of the compiled
+    function before one backward (CUDA graphs included): equal to eager."""
+    _reset()
+    _applied_twice(RECIPES["delayed"], "two_calls", "two_calls", backend="inductor",
+                   device="cuda", mode=mode)
+    assert counters["inductor"].get("cudagraph_skips", 0) == 0

@@ -212,6 +212,54 @@ def below_autograd_is_plain(keyset) -> bool:
     return plain
 
 
+# -- state read by a compiled backward ----------------------------------------------------
+_NO_VC_CHECK_KEY = "saved_tensor_with_no_vc_check"
+_no_vc_check_support = None  # None: not looked up yet
+
+
+def saved_without_version_check_supported() -> bool:
+    """True when AOTAutograd can save a forward value for the backward
+    without ``save_for_backward``'s version check (its runtime keeps a
+    separate slice of such tensors: ``ViewAndMutationMeta.
+    num_tensors_saved_with_no_vc_check``, filled by the partitioner from
+    the joint graph's node meta; private on every supported torch)."""
+    global _no_vc_check_support
+    if _no_vc_check_support is None:
+        import dataclasses
+
+        try:
+            from torch._functorch._aot_autograd.schemas import ViewAndMutationMeta
+            from torch.fx.experimental.proxy_tensor import _get_proxies  # noqa: F401
+        except ImportError:  # pragma: no cover - layout of another torch
+            _no_vc_check_support = False
+        else:
+            _no_vc_check_support = "num_tensors_saved_with_no_vc_check" in {
+                f.name for f in dataclasses.fields(ViewAndMutationMeta)}
+    return _no_vc_check_support
+
+
+def save_without_version_check(tensors) -> None:
+    """While AOTAutograd traces a joint graph, mark the graph nodes of
+    ``tensors`` so that, if the backward needs them, the compiled forward
+    hands them over without a version check: what eager autograd does for
+    a tensor an ``autograd.Function`` keeps on ``ctx`` instead of
+    ``save_for_backward``.  torch sets this node meta itself for such
+    tensors of a Dynamo-traced ``autograd.Function`` (``AutogradFunctionApply``
+    in ``torch/_functorch/autograd_function.py``); a custom op's autograd
+    formula has no such path.  Outside a proxy trace (eager, Dynamo's fake
+    run) it does nothing."""
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is None:
+        return
+    if not saved_without_version_check_supported():
+        return
+    from torch.fx.experimental.proxy_tensor import _get_proxies
+
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            for proxy in _get_proxies(t):
+                proxy.node.meta[_NO_VC_CHECK_KEY] = True
+
+
 # -- torch.distributed ----------------------------------------------------------------
 def all_gather_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
     """Gather ``x`` from every rank into ``out`` along dim 0 (rank order).

@@ -416,7 +416,10 @@ def split_state(saved: dict, targets) -> tuple:
     They travel on ``ctx`` by reference, not through ``save_for_backward``:
     the backward must read them as they are when it runs, and a layer
     applied twice before backward updates them in between, which the saved
-    tensors' version check would refuse."""
+    tensors' version check would refuse.  Traced by AOTAutograd, the
+    compiled forward hands them over the same way (no version check,
+    ``compat.save_without_version_check``), so two compiled calls before
+    one backward work too."""
     state = {n: saved[n] for n in targets if n in saved}
     return ({n: v for n, v in saved.items() if n not in state}, state)
 
@@ -501,6 +504,8 @@ class CustomOpPair:
         layout = self.fwd_layout(args)
         _, saved = unflatten_result(layout, output, args)
         saved, ctx.te_state = split_state(saved, self.update_targets)
+        # traced: hand them to the compiled backward as eager does (no version check)
+        compat.save_without_version_check(pack_saved(ctx.te_state)[0])
         tensors, spec = pack_saved(saved)
         ctx.save_for_backward(*tensors)
         ctx.te_spec = spec
