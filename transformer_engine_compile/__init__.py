@@ -3,13 +3,15 @@
 
 Public API: recipes (``recipe``), ``autocast`` / ``fp8_autocast``, the
 quantizers and quantized tensors of every format, ``TensorProto``, and the
-layers (``Linear``).
+layers (``Linear``), and ``export`` (``torch.export.export`` whose program
+``torch.export.save`` can store).
 """
 
 from . import recipe
 from .autocast import (autocast, fp8_autocast, get_autocast_recipe, is_autocast_enabled)
 from .checkpointing import checkpoint
 from .convert import convert
+from .dynamo.export import export, lift_value_opaque
 from .dynamo.opaque import compile_support, is_value_opaque, register_value_opaque_quantizer
 from .dynamo.tensor_proto import TensorProto, to_tensor_proto
 from .quantization import (Float8BlockQuantizer, Float8BlockwiseQTensor,
@@ -28,7 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Linear", "LinearFwdArgs", "LinearBwdArgs", "fallback_report", "prepare_cuda_graphs",
     "recipe", "autocast", "fp8_autocast", "checkpoint", "convert", "get_autocast_recipe", "is_autocast_enabled",
-    "compile_support", "is_value_opaque", "register_value_opaque_quantizer",
+    "compile_support", "export", "lift_value_opaque", "is_value_opaque", "register_value_opaque_quantizer",
     "TensorProto", "to_tensor_proto", "quantizer_for",
     "Quantizer", "QuantizedTensorStorage", "QuantizedTensor",
     "Float8Quantizer", "Float8CurrentScalingQuantizer", "Float8DelayedScalingQuantizer",

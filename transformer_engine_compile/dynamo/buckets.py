@@ -66,6 +66,11 @@ class SimpleValues(compat.OpaqueBase):
             h = self.__dict__["_hash"] = hash(self.items)
         return h
 
+    def __getstate__(self):
+        # pickled (torch.export.save) without the cached hash: str hashes
+        # differ between processes
+        return {"items": self.items}
+
     def __fx_repr__(self):
         return f"SimpleValues({self.items!r})", {"SimpleValues": SimpleValues}
 

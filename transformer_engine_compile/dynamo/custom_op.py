@@ -40,6 +40,7 @@ formula, the fake kernel) splits it by the fake's structure.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Callable, NamedTuple
 
@@ -71,7 +72,7 @@ class Update(NamedTuple):
     how: str = "copy"
 
 
-def _write(dst, new, how: str, where: str) -> None:
+def _write(dst, new, how: str, where: str, detach: bool = False) -> None:
     if isinstance(new, QuantizedTensorStorage):  # buffer by buffer, same names
         if not isinstance(dst, QuantizedTensorStorage):
             raise TypeError(f"{where}: a quantized update needs a quantized target")
@@ -86,16 +87,23 @@ def _write(dst, new, how: str, where: str) -> None:
         if tuple(d.shape) != tuple(n.shape):
             raise RuntimeError(f"{where}: target of shape {tuple(d.shape)}, update of shape "
                                f"{tuple(n.shape)}")
+        n = n.detach() if detach else n
         d.add_(n) if how == "add" else d.copy_(n)
 
 
 def apply_updates(updates: dict, args, results: dict) -> dict:
     """Write the update outputs of ``results`` into ``args``' fields (under
-    no_grad) and return the remaining results."""
+    no_grad) and return the remaining results.
+
+    Under ``torch.export`` the values are detached instead: export records a
+    no_grad region as a ``wrap_with_set_grad_enabled`` node, and one that
+    returns nothing (these in-place writes, or none) makes ``torch.export.load``
+    refuse the saved program.  No update target requires grad."""
     if not updates:
         return results
     results = dict(results)
-    with torch.no_grad():
+    exporting = torch.compiler.is_exporting()
+    with contextlib.nullcontext() if exporting else torch.no_grad():
         for name, update in updates.items():
             new = results.pop(name, None)
             if new is None:
@@ -104,7 +112,7 @@ def apply_updates(updates: dict, args, results: dict) -> dict:
             if dst is None:
                 raise RuntimeError(f"update {name!r} has no target: field "
                                    f"{update.field!r} is None")
-            _write(dst, new, update.how, f"update {name!r} -> {update.field!r}")
+            _write(dst, new, update.how, f"update {name!r} -> {update.field!r}", exporting)
     return results
 
 
