@@ -260,6 +260,16 @@ def save_without_version_check(tensors) -> None:
                 proxy.node.meta[_NO_VC_CHECK_KEY] = True
 
 
+# -- torch.export ------------------------------------------------------------------------
+def export_keeps_opaque_constants() -> bool:
+    """True when a program whose opaque objects are lifted constants
+    (``dynamo/export.py``) still unlifts (``ep.module()``) and saves: torch
+    2.13 and 2.15 pickle them into the archive.  torch 2.11's unlift assigns
+    only tensors and script objects and its archive writer refuses other
+    constants ("Unsupported constant type"); 2.12 is untested, so off."""
+    return torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
+
+
 # -- torch.distributed ----------------------------------------------------------------
 def all_gather_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
     """Gather ``x`` from every rank into ``out`` along dim 0 (rank order).

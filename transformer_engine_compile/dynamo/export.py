@@ -104,9 +104,18 @@ def lift_value_opaque(ep: torch.export.ExportedProgram) -> torch.export.Exported
     custom-object inputs with their values in ``ep.constants``, so that
     ``torch.export.save`` stores them.  Equal values share one input.
 
-    Raises ``NotImplementedError`` when one sits inside a higher-order op
+    Raises ``NotImplementedError`` on a torch that cannot keep such
+    constants (``compat.export_keeps_opaque_constants``: before 2.13), or
+    when one sits inside a higher-order op
     other than the ``torch.no_grad()`` / ``torch.autocast`` wrappers
     (``torch.cond``, ...): saving that program would lose it."""
+    if not compat.export_keeps_opaque_constants():
+        raise NotImplementedError(
+            f"te: torch {torch.__version__} cannot save the te layers' value-opaque "
+            "arguments (its torch.export archive refuses them; torch.export.save of a plain "
+            "torch.export.export program fails at save time): a saveable program needs "
+            "torch >= 2.13. The program of torch.export.export runs in this process; to "
+            "move a model elsewhere, save its state_dict and export it there")
     gm = ep.graph_module
     specs = ep.graph_signature.input_specs
     nodes = list(gm.graph.nodes)
