@@ -110,13 +110,16 @@ class _Block(torch.nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))  # exact under inductor too
 
 
-@pytest.mark.parametrize("mode", ["eager", "default", "reduce-overhead"])
+@pytest.mark.parametrize("how,mode", [("te", "eager"), ("te", "default"),
+                                      ("te", "reduce-overhead"), ("reentrant", "eager")])
 @pytest.mark.parametrize("where", ["outside", "inside"])
 @pytest.mark.parametrize("name", ["delayed", "current", "mxfp8", "block"])
-def test_te_checkpoint_cuda(name, where, mode):
+def test_te_checkpoint_cuda(name, where, how, mode):
     """te.checkpoint on the fast kernels, eager, compiled and under CUDA
-    graphs: gradients and layer state equal the eager model without
-    checkpointing, te.autocast outside or inside the checkpointed function."""
+    graphs, and torch's reentrant checkpoint eagerly: gradients and layer
+    state equal the eager model without checkpointing, te.autocast outside
+    or inside the checkpointed function."""
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
     rec = RECIPES[name]
 
     def train(checkpointed, mode):
@@ -130,8 +133,11 @@ def test_te_checkpoint_cuda(name, where, mode):
             return model(x)
 
         def f(_, x):
-            y = te.checkpoint(body, x) if checkpointed else body(x)
-            return y
+            if not checkpointed:
+                return body(x)
+            if how == "reentrant":
+                return torch_checkpoint(body, x, use_reentrant=True)
+            return te.checkpoint(body, x)
         if mode != "eager":
             f = torch.compile(f, mode=mode, fullgraph=True)
         if where == "outside":
@@ -147,41 +153,6 @@ def test_te_checkpoint_cuda(name, where, mode):
     _same(train(True, mode), ref)
     if mode == "reduce-overhead":
         assert counters["inductor"]["cudagraph_skips"] == 0
-
-
-@pytest.mark.parametrize("where", ["outside", "inside"])
-@pytest.mark.parametrize("name", ["delayed", "current", "mxfp8", "block"])
-def test_reentrant_checkpoint_cuda(name, where):
-    """torch.utils.checkpoint(use_reentrant=True) on the fast kernels, eager:
-    the recomputation repeats the recorded recipe and scales, so gradients
-    and layer state equal the model without checkpointing."""
-    from torch.utils.checkpoint import checkpoint as torch_checkpoint
-    rec = RECIPES[name]
-
-    def train(checkpointed):
-        _reset()
-        model = _Block()
-
-        def body(x):
-            if where == "inside":
-                with te.autocast(recipe=rec):
-                    return model(x)
-            return model(x)
-
-        def f(_, x):
-            if checkpointed:
-                return torch_checkpoint(body, x, use_reentrant=True)
-            return body(x)
-        if where == "outside":
-            g = f
-
-            def f(layer, x):
-                with te.autocast(recipe=rec):
-                    return g(layer, x)
-        out = _steps(model, f, 4)
-        return out + [[b.clone() for _, b in sorted(model.named_buffers())]]
-
-    _same(train(True), train(False))
 
 
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
