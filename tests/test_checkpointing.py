@@ -213,20 +213,27 @@ def test_recomputation_in_a_different_order_is_refused():
         y.float().sum().backward()
 
 
-def test_torch_checkpoint_regions_are_found_on_this_torch():
-    """compat.checkpoint_region reads torch's private checkpoint hooks; pin
-    what it sees in each phase (and outside a region) on every supported torch."""
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_torch_checkpoint_regions_are_found_on_this_torch(reentrant):
+    """compat.checkpoint_region reads torch's private checkpoint hooks and
+    compat.reentrant_checkpoint_region the reentrant checkpoint's frames:
+    pin what each sees in each phase (and outside a region) on every
+    supported torch, a distinct token per recomputation pass included."""
+    find = compat.reentrant_checkpoint_region if reentrant else compat.checkpoint_region
     seen = []
 
     def body(x):
-        seen.append(compat.checkpoint_region())
+        seen.append(find())
         return x.sin()
-    assert compat.checkpoint_region() is None
+    assert find() is None
     x = torch.randn(4, requires_grad=True)
-    torch_checkpoint(body, x, use_reentrant=False).sum().backward()
-    (frame, phase, token), (frame2, phase2, token2) = seen
-    assert (phase, phase2) == ("forward", "recompute")
-    assert frame is frame2 and token is None and token2 is not None
+    y = torch_checkpoint(body, x, use_reentrant=reentrant)
+    y.sum().backward(retain_graph=True)
+    y.sum().backward()
+    (owner, phase, token), (owner2, phase2, token2), (owner3, phase3, token3) = seen
+    assert (phase, phase2, phase3) == ("forward", "recompute", "recompute")
+    assert owner is owner2 is owner3 and token is None
+    assert token2 is not None and token3 is not None and token2 is not token3
 
 
 def test_te_checkpoint_signature():
@@ -241,23 +248,3 @@ def test_te_checkpoint_signature():
         te.checkpoint(model, x, distribute_saved_activations=True)
     with pytest.raises(NotImplementedError, match="get_rng_state_tracker"):
         te.checkpoint(model, x, get_rng_state_tracker=object())
-
-
-def test_reentrant_checkpoint_regions_are_found_on_this_torch():
-    """compat.reentrant_checkpoint_region reads the reentrant checkpoint's
-    frames: pin what it sees in each phase (and outside) on every supported
-    torch, a distinct token per recomputation pass included."""
-    seen = []
-
-    def body(x):
-        seen.append(compat.reentrant_checkpoint_region())
-        return x.sin()
-    assert compat.reentrant_checkpoint_region() is None
-    x = torch.randn(4, requires_grad=True)
-    y = torch_checkpoint(body, x, use_reentrant=True)
-    y.sum().backward(retain_graph=True)
-    y.sum().backward()
-    (ctx, phase, token), (ctx2, phase2, token2), (ctx3, phase3, token3) = seen
-    assert (phase, phase2, phase3) == ("forward", "recompute", "recompute")
-    assert ctx is ctx2 is ctx3 and token is None
-    assert token2 is not None and token3 is not None and token2 is not token3
