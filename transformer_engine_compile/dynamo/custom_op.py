@@ -20,6 +20,8 @@ Contract of the impls (see docs/custom_ops.md):
 * ``setup_context(args) -> dict``: the backward dataclass's non-tensor fields.
   The backward dataclass gets the saved values by name, those fields, and
   the output gradients named by ``grad_fields`` (backward field -> output).
+  A gradient field is None when its output is None (not produced by this
+  call); the backward runs when at least one of them is given.
 * ``backward(bwd_args) -> dict``: forward-field name -> gradient (or None);
   ``backward_fake`` returns protos.
 
@@ -527,7 +529,7 @@ class CustomOpPair:
 
     def _autograd_backward(self, ctx, grads):
         grads_by_output = {f: (None if i is None else grads[i]) for f, i in ctx.te_grad_index.items()}
-        if any(g is None for g in grads_by_output.values()):
+        if all(g is None for g in grads_by_output.values()):
             return self.fwd_plan.grads(ctx.te_template, {})
         saved = {**unpack_saved(ctx.saved_tensors, ctx.te_spec), **ctx.te_state}
         bwd_args = self.make_bwd_args(saved, ctx.te_values, grads_by_output)
@@ -585,7 +587,7 @@ class _EagerFunction(torch.autograd.Function):
     def backward(ctx, *grads):
         pair = ctx.te_pair
         grads_by_output = {f: grads[i] for f, i in ctx.te_out_grad.items()}
-        if any(g is None for g in grads_by_output.values()):
+        if all(g is None for g in grads_by_output.values()):
             return (None,) * (4 + len(ctx.te_fields))
         saved = {**unpack_saved(ctx.saved_tensors, ctx.te_spec), **ctx.te_state}
         bwd_args = pair.make_bwd_args(saved, ctx.te_values, grads_by_output)

@@ -28,6 +28,8 @@ OPS = (
     "dequantize_mxfp8",
     "delayed_scaling_step",
     "gemm",
+    "norm_forward",
+    "norm_backward",
 )
 
 _FAST: dict[tuple[str, str], Callable] = {}

@@ -361,3 +361,38 @@ def dequantize_nvfp4(packed, scale_q, amax_) -> torch.Tensor:
     r, c = vals.shape
     dec = scale_q.float() / nvfp4_global_scale(amax_.reshape(()))
     return (vals.reshape(r, c // NVFP4_BLOCK, NVFP4_BLOCK) * dec.unsqueeze(-1)).reshape(r, c)
+
+
+# -- normalisation (LayerNormLinear, LayerNormMLP) ---------------------------------
+def norm_forward(x2d, weight, bias, eps: float, rms: bool) -> tuple:
+    """``(y, mean, rstd)`` of LayerNorm (``rms`` False) or RMSNorm over the
+    rows of an (M, K) view: computed in fp32 (x, weight and bias upcast) and
+    rounded once to x's dtype.  ``mean`` (None for RMSNorm) and ``rstd`` are
+    (M,) fp32.  ``weight`` is the effective gamma (zero-centred already added)."""
+    xf, wf = x2d.float(), weight.float()
+    if rms:
+        rstd = torch.rsqrt(xf.square().mean(-1) + eps)
+        return (xf * rstd[:, None] * wf).to(x2d.dtype), None, rstd
+    y, mean, rstd = torch.native_layer_norm(xf, [x2d.shape[-1]], wf,
+                                            None if bias is None else bias.float(), eps)
+    return y.to(x2d.dtype), mean.reshape(-1), rstd.reshape(-1)
+
+
+def norm_backward(dy2d, x2d, mean, rstd, weight, rms: bool, need_dx: bool,
+                  need_dweight: bool, need_dbias: bool) -> tuple:
+    """fp32 ``(dx, dweight, dbias)`` of :func:`norm_forward` (None where not needed)."""
+    dyf, xf, wf = dy2d.float(), x2d.float(), weight.float()
+    dbias = dyf.sum(0) if need_dbias and not rms else None
+    if rms:
+        r = rstd[:, None]
+        xhat = xf * r
+        dweight = (dyf * xhat).sum(0) if need_dweight else None
+        dx = None
+        if need_dx:
+            g = dyf * wf
+            dx = r * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+        return dx, dweight, dbias
+    dx, dweight, _ = torch.ops.aten.native_layer_norm_backward(
+        dyf, xf, [x2d.shape[-1]], mean[:, None], rstd[:, None], wf, None,
+        [need_dx, need_dweight, False])
+    return dx, dweight, dbias

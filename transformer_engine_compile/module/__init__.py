@@ -1,6 +1,11 @@
-"""Layers: ``Linear`` (module in ``linear.py``, its custom ops in ``linear_ops.py``)."""
+"""Layers: ``Linear`` (module in ``linear.py``, its custom ops in
+``linear_ops.py``) and ``LayerNormLinear`` (``layernorm_linear.py``, ops in
+``layernorm_linear_ops.py`` built on Linear's)."""
 
+from .layernorm_linear import LayerNormLinear
+from .layernorm_linear_ops import LayerNormLinearBwdArgs, LayerNormLinearFwdArgs
 from .linear import Linear
 from .linear_ops import LinearBwdArgs, LinearFwdArgs
 
-__all__ = ["Linear", "LinearFwdArgs", "LinearBwdArgs"]
+__all__ = ["Linear", "LinearFwdArgs", "LinearBwdArgs", "LayerNormLinear",
+           "LayerNormLinearFwdArgs", "LayerNormLinearBwdArgs"]

@@ -70,6 +70,8 @@ class Linear(torch.nn.Module):
     fall back to eager (see ``compile_fallbacks``, docs/fallback.md).
     """
 
+    _OPS = LINEAR_OPS  # the op pair; LayerNormLinear runs its own
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  params_dtype: Optional[torch.dtype] = None, device=None, init_method=None,
                  return_bias: bool = False, parallel_mode: Optional[str] = None, tp_group=None,
@@ -241,7 +243,8 @@ class Linear(torch.nn.Module):
         if weight is None:
             weight, bias = self.weight, self.bias
         grad = torch.is_grad_enabled()
-        args = LinearFwdArgs(
+        args = self._new_args(
+            grad,
             inp=inp, weight=weight, bias=None if self.return_bias else bias,
             input_requires_grad=grad and inp.requires_grad,
             weight_requires_grad=grad and weight.requires_grad,
@@ -294,6 +297,10 @@ class Linear(torch.nn.Module):
             self._bind_state(args, recipe if delayed else None,
                              None if not cache else bool(is_first_microbatch))
         return args
+
+    def _new_args(self, grad_enabled: bool, **fields):
+        """The forward op's argument dataclass (a subclass adds its fields)."""
+        return LinearFwdArgs(**fields)
 
     def _check_fp8_grad(self, recipe) -> None:
         """``fp8_grad=True`` needs an FP8 recipe whose dgrad quantization the
@@ -443,12 +450,13 @@ class Linear(torch.nn.Module):
             if reason is not None:
                 return self._eager_fallback(reason, inp, weight, bias, is_first_microbatch,
                                             fp8_output, fp8_grad)
-            outputs = LINEAR_OPS(args)
+            outputs = self._OPS(args)
         else:
-            outputs = LINEAR_OPS.eager(args)
-        return self._finish(outputs["out"])
+            outputs = self._OPS.eager(args)
+        return self._finish(outputs)
 
-    def _finish(self, out):
+    def _finish(self, outputs: dict):
+        out = outputs["out"]
         return (out, self.bias) if self.return_bias else out
 
     @torch.compiler.disable

@@ -1,0 +1,127 @@
+"""``te.LayerNormLinear``'s two custom ops: ``y = norm(x) W^T + b``.
+
+The argument dataclasses extend ``te.Linear``'s with the normalisation's
+fields, and the impls wrap Linear's: the forward normalises ``x`` and runs
+``linear_forward`` on the result (which quantizes it, gathers it under
+sequence parallelism and saves what wgrad needs), the backward runs
+``linear_backward`` and then the normalisation's backward on its dgrad.
+So the GEMMs, TP/SP collectives, delayed-scaling state, weight caching and
+``main_grad`` are Linear's, not a copy.  Op names:
+``te_compile::layernorm_linear_fwd`` / ``layernorm_linear_bwd``.
+
+Field meanings that differ from Linear's: ``inp`` is the module input
+(before the norm); ``input_requires_grad`` means the normalised activation
+needs a gradient (the input or a norm parameter requires grad), and
+``norm_input_requires_grad`` that the module input itself does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from ..dynamo.custom_op import OpResult, register_custom_op
+from . import norm_ops as N
+from .linear_ops import (LINEAR_OPS, LinearBwdArgs, LinearFwdArgs, linear_backward,
+                         linear_backward_fake, linear_forward, linear_forward_fake,
+                         linear_setup_context)
+
+
+@dataclasses.dataclass
+class LayerNormLinearFwdArgs(LinearFwdArgs):
+    ln_weight: Optional[torch.Tensor] = None   # gamma (in_features,)
+    ln_bias: Optional[torch.Tensor] = None     # beta (LayerNorm only)
+    eps: float = 1e-5
+    normalization: str = "LayerNorm"           # or "RMSNorm"
+    zero_centered_gamma: bool = False          # scale by 1 + gamma
+    return_layernorm_output: bool = False      # also return norm(x)
+    norm_input_requires_grad: bool = False
+    ln_weight_requires_grad: bool = False
+    ln_bias_requires_grad: bool = False
+
+
+@dataclasses.dataclass
+class LayerNormLinearBwdArgs(LinearBwdArgs):
+    grad_ln_out: Optional[torch.Tensor] = None  # gradient of the returned norm(x)
+    ln_inp: Optional[torch.Tensor] = None
+    ln_mean: Optional[torch.Tensor] = None
+    ln_rstd: Optional[torch.Tensor] = None
+    ln_weight: Optional[torch.Tensor] = None
+    normalization: str = "LayerNorm"
+    zero_centered_gamma: bool = False
+    norm_input_requires_grad: bool = False
+    ln_weight_requires_grad: bool = False
+    ln_bias_requires_grad: bool = False
+    ln_bias_dtype: Optional[torch.dtype] = None
+
+
+def with_fields(args, **changes):
+    """A shallow copy of a dataclass instance with ``changes`` (no
+    ``__init__``: these argument classes have no ``__post_init__``)."""
+    new = object.__new__(type(args))
+    new.__dict__.update(args.__dict__)
+    new.__dict__.update(changes)
+    return new
+
+
+def _finish_forward(args, linear: OpResult, ln_out, mean, rstd) -> OpResult:
+    outputs = {**linear.outputs,
+               "ln_out": ln_out if args.return_layernorm_output else None}
+    saved = {**linear.saved, **N.norm_saved(args.inp, mean, rstd, args.ln_weight,
+                                            args.input_requires_grad)}
+    return OpResult(outputs, saved)
+
+
+def layernorm_linear_forward(args: LayerNormLinearFwdArgs) -> OpResult:
+    ln_out, mean, rstd = N.norm_forward(args.inp, args.ln_weight, args.ln_bias, args.eps,
+                                        args.normalization, args.zero_centered_gamma)
+    linear = linear_forward(with_fields(args, inp=ln_out))
+    return _finish_forward(args, linear, ln_out, mean, rstd)
+
+
+def layernorm_linear_forward_fake(args: LayerNormLinearFwdArgs) -> OpResult:
+    ln_out, mean, rstd = N.norm_forward_fake(args.inp, args.normalization)
+    linear = linear_forward_fake(with_fields(args, inp=ln_out))
+    return _finish_forward(args, linear, ln_out, mean, rstd)
+
+
+def layernorm_linear_setup_context(args: LayerNormLinearFwdArgs) -> dict:
+    return {**linear_setup_context(args),
+            "normalization": args.normalization,
+            "zero_centered_gamma": args.zero_centered_gamma,
+            "norm_input_requires_grad": args.norm_input_requires_grad,
+            "ln_weight_requires_grad": args.ln_weight_requires_grad,
+            "ln_bias_requires_grad": args.ln_bias_requires_grad,
+            "ln_bias_dtype": None if args.ln_bias is None else args.ln_bias.dtype}
+
+
+def _norm_grad_input(grads: dict, grad_ln_out):
+    d_ln = grads.pop("inp")
+    if d_ln is not None and grad_ln_out is not None:
+        d_ln = d_ln + grad_ln_out
+    return d_ln
+
+
+def layernorm_linear_backward(args: LayerNormLinearBwdArgs) -> dict:
+    grads = linear_backward(args)
+    d_ln = _norm_grad_input(grads, args.grad_ln_out)
+    return {**grads, **N.norm_backward(args, d_ln)}
+
+
+def layernorm_linear_backward_fake(args: LayerNormLinearBwdArgs) -> dict:
+    grads = linear_backward_fake(args)
+    d_ln = _norm_grad_input(grads, None)
+    return {**grads, **N.norm_backward_fake(args, d_ln)}
+
+
+LAYERNORM_LINEAR_OPS = register_custom_op(
+    "layernorm_linear",
+    fwd_args=LayerNormLinearFwdArgs, bwd_args=LayerNormLinearBwdArgs,
+    forward=layernorm_linear_forward, forward_fake=layernorm_linear_forward_fake,
+    backward=layernorm_linear_backward, backward_fake=layernorm_linear_backward_fake,
+    setup_context=layernorm_linear_setup_context,
+    grad_fields={"grad_output": "out", "grad_ln_out": "ln_out"},
+    forward_updates=LINEAR_OPS.forward_updates, backward_updates=LINEAR_OPS.backward_updates,
+)
