@@ -30,9 +30,68 @@ def _torch_autocast_dtype(inp) -> Optional[torch.dtype]:
     return torch.get_autocast_dtype(device_type)
 
 
-# the DelayedScaling state a resumed run needs (``get_extra_state``)
-_DELAYED_STATE = ("fp8_amax_history_fwd", "fp8_scale_fwd", "fp8_amax_history_bwd",
-                  "fp8_scale_bwd")
+def delayed_state_names(prefix: str = "") -> tuple:
+    """The buffers of one GEMM's DelayedScaling state a resumed run needs
+    (``get_extra_state``): ``te.Linear``'s, or ``fc1_...`` of a LayerNormMLP."""
+    return tuple(f"{prefix}fp8_{n}" for n in ("amax_history_fwd", "scale_fwd",
+                                               "amax_history_bwd", "scale_bwd"))
+
+
+_DELAYED_STATE = delayed_state_names()
+
+
+def pack_delayed_state(module, names, device) -> torch.Tensor:
+    """One GEMM's buffers ``names`` packed into a 1-D fp32 tensor (history fwd
+    (L, 2), scale fwd (2,), history bwd (L, 2), scale bwd (2,): 4 L + 4
+    values), or an empty one when the module has not run under DelayedScaling."""
+    parts = [module._buffers.get(n) for n in names]
+    if any(p is None for p in parts):
+        return torch.empty(0, dtype=torch.float32, device=device)
+    return torch.cat([p.detach().reshape(-1) for p in parts])
+
+
+def check_extra_state(owner: str, state, gemms: int = 1) -> None:
+    """Refuse (ValueError naming ``owner``) what is not ``gemms`` equally long
+    :func:`pack_delayed_state` results concatenated."""
+    n = state.numel() if isinstance(state, torch.Tensor) else -1
+    one = n // gemms if n > 0 else n
+    if (n < 0 or state.dim() != 1 or state.dtype != torch.float32
+            or (n and (n % gemms or one < 8 or one % 4))):
+        count = "" if gemms == 1 else f"{gemms} x "
+        raise ValueError(f"{owner}: the extra state must be the 1-D fp32 tensor of "
+                         f"get_extra_state() ({count}(4 * amax_history_len + 4) values, or "
+                         f"none), got {type(state).__name__} "
+                         f"{tuple(state.shape) if isinstance(state, torch.Tensor) else ''}")
+
+
+@torch.no_grad()
+def unpack_delayed_state(module, names, state, device) -> None:
+    """Restore what :func:`pack_delayed_state` saved (checked by
+    :func:`check_extra_state`).  Buffers of the same layout are copied into
+    (so CUDA graphs keep their addresses); an empty state drops them."""
+    n = state.numel()
+    if n == 0:
+        for name in names:
+            module._buffers.pop(name, None)
+        return
+    length = (n - 4) // 4
+    values = state.to(device).split([2 * length, 2, 2 * length, 2])
+    shapes = ((length, 2), (2,), (length, 2), (2,))
+    for name, value, shape in zip(names, values, shapes):
+        value = value.reshape(shape)
+        cur = module._buffers.get(name)
+        if cur is not None and cur.shape == value.shape and cur.dtype == value.dtype:
+            cur.copy_(value)
+        else:
+            module.register_buffer(name, value.clone(), persistent=False)
+
+
+def load_without_extra_state(missing_keys, state_dict, prefix) -> None:
+    """A checkpoint without extra state (older, or a plain torch module's)
+    loads strictly too; the layer's FP8 state is then left as it is."""
+    key = prefix + "_extra_state"
+    if key in missing_keys and key not in state_dict:
+        missing_keys.remove(key)
 
 
 # -- the module ----------------------------------------------------------------------
@@ -59,6 +118,122 @@ def _parallel_config(parallel_mode, tp_group, tp_size, sequence_parallel) -> tup
     if parallel_mode is None:
         return None, tp_group, 1  # not split: no collectives
     return parallel_mode, tp_group, tp_size
+
+
+# -- one GEMM's module logic (te.Linear, and each GEMM of te.LayerNormMLP) ----------------
+def set_quantizers(args: LinearFwdArgs, recipe, fp8_output: bool = False,
+                   fp8_grad: bool = False) -> None:
+    """The recipe's quantizers of one GEMM into ``args``."""
+    # eager calls share memoized quantizers; traced code builds its own
+    make = (factory.quantizer_for if torch.compiler.is_compiling()
+            else factory.shared_quantizer_for)
+    args.input_quantizer = make(recipe, "input", internal=True)
+    args.weight_quantizer = make(recipe, "weight", internal=True)
+    args.grad_output_quantizer = make(recipe, "grad_output", internal=True)
+    if fp8_output:
+        args.output_quantizer = make(recipe, "output")
+    if fp8_grad and args.input_requires_grad:  # both copies: the consumer's dgrad, wgrad
+        args.grad_input_quantizer = make(recipe, "grad_input").usage_variant(
+            True, True)  # (under DelayedScaling: scale_bwd[1])
+
+
+def main_grad_of(weight, owner: str, what: str) -> torch.Tensor:
+    """``weight.main_grad`` (fuse_wgrad_accumulation), or a RuntimeError."""
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None:
+        raise RuntimeError(f"{owner} needs {what}.main_grad (an fp32 tensor shaped like the "
+                           "weight)")
+    return main_grad
+
+
+def state_plan(args: LinearFwdArgs, recipe, is_first_microbatch):
+    """``(delayed recipe or None, first microbatch or None)`` when the GEMM
+    keeps state in module buffers (DelayedScaling, weight caching), else None."""
+    delayed = recipe is not None and recipe.delayed()
+    cache = (is_first_microbatch is not None and args.weight_quantizer is not None
+             and not isinstance(args.weight, QuantizedTensorStorage))
+    if not (delayed or cache):
+        return None
+    return recipe if delayed else None, None if not cache else bool(is_first_microbatch)
+
+
+def gemm_state(module, prefix: str, owner: str, args: LinearFwdArgs, delayed_recipe,
+               first_microbatch, tp_active: bool, save_original_input: bool = False) -> tuple:
+    """``(layout, bind)``: one GEMM's buffers on ``module`` (names prefixed by
+    ``prefix``: its DelayedScaling amax histories and scales, and the FP8
+    weight cache, written on the first microbatch (``cache_weight``) and
+    read on the others) for ``ensure_buffers``, and a function that binds
+    them into ``args`` once allocated.  A module with several GEMMs
+    allocates all their layouts in one ``ensure_buffers`` call."""
+    layout = ()
+    if delayed_recipe is not None:
+        if tp_active:
+            raise NotImplementedError(
+                f"{owner}: DelayedScaling with tensor parallelism is not supported (the "
+                "amax would need a reduction over the group); use "
+                "recipe.Float8CurrentScaling()")
+        if save_original_input:
+            raise ValueError(f"{owner}(save_original_input=True) cannot re-quantize the "
+                             "input in the backward under DelayedScaling (its scale has "
+                             "moved on); use recipe.Float8CurrentScaling()")
+        n, f32 = delayed_recipe.constant("amax_history_len"), torch.float32
+        hist_fwd, scale_fwd, hist_bwd, scale_bwd = delayed_state_names(prefix)
+        layout = ((hist_fwd, (n, 2), f32, 0.0, None), (scale_fwd, (2,), f32, 1.0, None),
+                  (hist_bwd, (n, 2), f32, 0.0, None), (scale_bwd, (2,), f32, 1.0, None))
+    weight_layout = ()
+    if first_microbatch is not None:
+        q = args.weight_quantizer.with_usage(rowwise=True, columnwise=True)
+        shape = tuple(args.weight.shape)
+        weight_layout = q.flatten_layout(shape)
+        missing = None if first_microbatch else (
+            f"{owner}: is_first_microbatch=False reuses the FP8 weight cached by an "
+            "earlier is_first_microbatch=True call under the same recipe, and there is none")
+        layout = layout + tuple((f"{prefix}fp8_weight_{name}", size, dtype, None, missing)
+                                for name, size, dtype in weight_layout)
+
+    def bind():
+        if delayed_recipe is not None:
+            args.amax_history_fwd, args.scale_fwd, args.amax_history_bwd, args.scale_bwd = (
+                getattr(module, name) for name in delayed_state_names(prefix))
+        if first_microbatch is not None:
+            buffers = {name: getattr(module, f"{prefix}fp8_weight_{name}")
+                       for name, _, _ in weight_layout}
+            args.weight_workspace = q.create_metadata(shape, args.weight.dtype).build(
+                shape, buffers)
+            args.cache_weight = first_microbatch
+
+    return layout, bind
+
+
+def check_gemm_shapes(owner: str, args: LinearFwdArgs, m: int, n: int, k: int) -> None:
+    """Clear errors for sizes the recipe's formats cannot take, before any
+    kernel: a GEMM of ``m`` rows (gathered under SP), ``n`` local output and
+    ``k`` local input features.  Reads ``divisibility()`` and tests the (maybe
+    symbolic) sizes here: an exception raised inside an opaque member is not
+    catchable."""
+    checks = (
+        ("input", args.input_quantizer, (m, k), _input_usage(args)),
+        ("weight", args.weight_quantizer, (n, k),
+         {"rowwise": True, "columnwise": args.input_requires_grad}),
+        ("grad_output", args.grad_output_quantizer, (m, n),
+         {"rowwise": args.input_requires_grad, "columnwise": args.weight_requires_grad}),
+        ("gradient of the input (fp8_grad)", args.grad_input_quantizer, (m, k),
+         {"rowwise": True, "columnwise": True}),
+    )
+    for role, q, (rows, cols), usage in checks:
+        if q is None:
+            continue
+        if role == "weight" and isinstance(args.weight, QuantizedTensorStorage):
+            continue
+        if not (usage["rowwise"] or usage["columnwise"]):
+            continue
+        k_mult, m_mult, label = q.usage_variant(**usage).divisibility()
+        if cols % k_mult != 0 or rows % m_mult != 0:
+            needs = [f"the {dim} divisible by {mult}" for dim, mult in
+                     (("rows", m_mult), ("columns", k_mult)) if mult > 1]
+            raise ValueError(
+                f"{owner}: the {role} as a {rows} x {cols} matrix does not fit the recipe: "
+                f"{label} needs {' and '.join(needs)}")
 
 
 class Linear(torch.nn.Module):
@@ -125,10 +300,7 @@ class Linear(torch.nn.Module):
         before the layer ran under DelayedScaling.  The cached FP8 weight is
         not saved: it is a function of the weight, rebuilt by the next
         ``is_first_microbatch=True``."""
-        parts = [self._buffers.get(n) for n in _DELAYED_STATE]
-        if any(p is None for p in parts):
-            return torch.empty(0, dtype=torch.float32, device=self.weight.device)
-        return torch.cat([p.detach().reshape(-1) for p in parts])
+        return pack_delayed_state(self, _DELAYED_STATE, self.weight.device)
 
     @torch.no_grad()
     def set_extra_state(self, state) -> None:
@@ -136,27 +308,8 @@ class Linear(torch.nn.Module):
         the saved one would.  Buffers of the same layout are copied into (so
         CUDA graphs keep their addresses); state the checkpoint lacks (saved
         before the layer ran, or from a bf16 run) is dropped."""
-        n = state.numel() if isinstance(state, torch.Tensor) else -1
-        if (n < 0 or state.dim() != 1 or state.dtype != torch.float32
-                or (n and (n < 8 or n % 4))):
-            raise ValueError("te.Linear: the extra state must be the 1-D fp32 tensor of "
-                             "get_extra_state() (4 * amax_history_len + 4 values, or none), "
-                             f"got {type(state).__name__} "
-                             f"{tuple(state.shape) if isinstance(state, torch.Tensor) else ''}")
-        if n == 0:
-            for name in _DELAYED_STATE:
-                self._buffers.pop(name, None)
-            return
-        length = (n - 4) // 4
-        values = state.to(self.weight.device).split([2 * length, 2, 2 * length, 2])
-        shapes = ((length, 2), (2,), (length, 2), (2,))
-        for name, value, shape in zip(_DELAYED_STATE, values, shapes):
-            value = value.reshape(shape)
-            cur = self._buffers.get(name)
-            if cur is not None and cur.shape == value.shape and cur.dtype == value.dtype:
-                cur.copy_(value)
-            else:
-                self.register_buffer(name, value.clone(), persistent=False)
+        check_extra_state("te.Linear", state)
+        unpack_delayed_state(self, _DELAYED_STATE, state, self.weight.device)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
@@ -164,9 +317,7 @@ class Linear(torch.nn.Module):
         loads strictly too; the layer's FP8 state is then left as it is."""
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
-        key = prefix + "_extra_state"
-        if key in missing_keys and key not in state_dict:
-            missing_keys.remove(key)
+        load_without_extra_state(missing_keys, state_dict, prefix)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -269,33 +420,17 @@ class Linear(torch.nn.Module):
         if fp8_grad:
             self._check_fp8_grad(recipe)
         if recipe is not None:
-            # eager calls share memoized quantizers; traced code builds its own
-            make = (factory.quantizer_for if torch.compiler.is_compiling()
-                    else factory.shared_quantizer_for)
-            args.input_quantizer = make(recipe, "input", internal=True)
-            args.weight_quantizer = make(recipe, "weight", internal=True)
-            args.grad_output_quantizer = make(recipe, "grad_output", internal=True)
-            if fp8_output:
-                args.output_quantizer = make(recipe, "output")
-            if fp8_grad and args.input_requires_grad:  # both copies: the consumer's dgrad, wgrad
-                args.grad_input_quantizer = make(recipe, "grad_input").usage_variant(
-                    True, True)  # (under DelayedScaling: scale_bwd[1])
+            set_quantizers(args, recipe, fp8_output, fp8_grad)
             self._check_shapes(args, inp)
         elif not isinstance(weight, QuantizedTensorStorage) and inp.dtype != weight.dtype:
             raise TypeError(f"te.Linear: input dtype {inp.dtype} differs from the weight's "
                             f"{weight.dtype} and no quantization recipe is active")
         if self.fuse_wgrad_accumulation and args.weight_requires_grad:
-            main_grad = getattr(self.weight, "main_grad", None)
-            if main_grad is None:
-                raise RuntimeError("te.Linear(fuse_wgrad_accumulation=True) needs "
-                                   "weight.main_grad (an fp32 tensor shaped like the weight)")
-            args.main_grad = main_grad
-        delayed = recipe is not None and recipe.delayed()
-        cache = (is_first_microbatch is not None and args.weight_quantizer is not None
-                 and not isinstance(weight, QuantizedTensorStorage))
-        if delayed or cache:
-            self._bind_state(args, recipe if delayed else None,
-                             None if not cache else bool(is_first_microbatch))
+            args.main_grad = main_grad_of(self.weight, "te.Linear(fuse_wgrad_accumulation=True)",
+                                          "weight")
+        plan = state_plan(args, recipe, is_first_microbatch)
+        if plan is not None:
+            self._bind_state(args, *plan)
         return args
 
     def _new_args(self, grad_enabled: bool, **fields):
@@ -326,40 +461,10 @@ class Linear(torch.nn.Module):
         """Allocate (once) and bind the layer's buffers: the DelayedScaling
         amax histories and scales, and the FP8 weight cache, which is written
         on the first microbatch (``cache_weight``) and read on the others."""
-        layout = ()
-        if delayed_recipe is not None:
-            if self._tp_active():
-                raise NotImplementedError(
-                    "te.Linear: DelayedScaling with tensor parallelism is not supported (the "
-                    "amax would need a reduction over the group); use "
-                    "recipe.Float8CurrentScaling()")
-            if self.save_original_input:
-                raise ValueError("te.Linear(save_original_input=True) cannot re-quantize the "
-                                 "input in the backward under DelayedScaling (its scale has "
-                                 "moved on); use recipe.Float8CurrentScaling()")
-            n, f32 = delayed_recipe.constant("amax_history_len"), torch.float32
-            layout = (("fp8_amax_history_fwd", (n, 2), f32, 0.0, None),
-                      ("fp8_scale_fwd", (2,), f32, 1.0, None),
-                      ("fp8_amax_history_bwd", (n, 2), f32, 0.0, None),
-                      ("fp8_scale_bwd", (2,), f32, 1.0, None))
-        if first_microbatch is not None:
-            q = args.weight_quantizer.with_usage(rowwise=True, columnwise=True)
-            shape = tuple(self.weight.shape)
-            weight_layout = q.flatten_layout(shape)
-            missing = None if first_microbatch else (
-                "te.Linear: is_first_microbatch=False reuses the FP8 weight cached by an "
-                "earlier is_first_microbatch=True call under the same recipe, and there is none")
-            layout = layout + tuple((f"fp8_weight_{name}", size, dtype, None, missing)
-                                    for name, size, dtype in weight_layout)
+        layout, bind = gemm_state(self, "", "te.Linear", args, delayed_recipe, first_microbatch,
+                                  self._tp_active(), self.save_original_input)
         ensure_buffers(self._state_key, layout, self.weight.device)
-        if delayed_recipe is not None:
-            args.amax_history_fwd, args.scale_fwd = self.fp8_amax_history_fwd, self.fp8_scale_fwd
-            args.amax_history_bwd, args.scale_bwd = self.fp8_amax_history_bwd, self.fp8_scale_bwd
-        if first_microbatch is not None:
-            buffers = {name: getattr(self, f"fp8_weight_{name}") for name, _, _ in weight_layout}
-            args.weight_workspace = q.create_metadata(shape, args.weight.dtype).build(shape,
-                                                                                       buffers)
-            args.cache_weight = first_microbatch
+        bind()
 
     def _check_shapes(self, args: LinearFwdArgs, inp) -> None:
         """Clear errors for sizes the recipe's formats cannot take, before any
@@ -368,31 +473,8 @@ class Linear(torch.nn.Module):
         m = inp.numel() // self.local_in_features  # rows the GEMMs see (gathered under SP)
         if self._tp_active() and self.sequence_parallel and self.parallel_mode == "column":
             m = m * self.tp_size
-        n = self.local_out_features
-        checks = (
-            ("input", args.input_quantizer, (m, self.local_in_features), _input_usage(args)),
-            ("weight", args.weight_quantizer, (n, self.local_in_features),
-             {"rowwise": True, "columnwise": args.input_requires_grad}),
-            ("grad_output", args.grad_output_quantizer, (m, n),
-             {"rowwise": args.input_requires_grad, "columnwise": args.weight_requires_grad}),
-            ("gradient of the input (fp8_grad)", args.grad_input_quantizer,
-             (m, self.local_in_features), {"rowwise": True, "columnwise": True}),
-        )
-        for role, q, (rows, cols), usage in checks:
-            if q is None:
-                continue
-            if role == "weight" and isinstance(args.weight, QuantizedTensorStorage):
-                continue
-            if not (usage["rowwise"] or usage["columnwise"]):
-                continue
-            k_mult, m_mult, label = q.usage_variant(**usage).divisibility()
-            if cols % k_mult != 0 or rows % m_mult != 0:
-                needs = [f"the {dim} divisible by {mult}" for dim, mult in
-                         (("rows", m_mult), ("columns", k_mult)) if mult > 1]
-                raise ValueError(
-                    f"te.Linear({self.in_features} -> {self.out_features}): the {role} as a "
-                    f"{rows} x {cols} matrix does not fit the recipe: {label} needs "
-                    f"{' and '.join(needs)}")
+        check_gemm_shapes(f"te.Linear({self.in_features} -> {self.out_features})", args, m,
+                          self.local_out_features, self.local_in_features)
 
     # -- forward -----------------------------------------------------------------------
     def forward(self, inp, is_first_microbatch: Optional[bool] = None, fp8_output: bool = False,
