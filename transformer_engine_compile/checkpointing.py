@@ -42,7 +42,7 @@ class _Record:
     __slots__ = ("layer", "state", "scale_fwd")
 
     def __init__(self, layer, state):
-        self.layer, self.state, self.scale_fwd = layer, state, None
+        self.layer, self.state, self.scale_fwd = layer, state, {}  # GEMM prefix -> scales
 
 
 class Recording:
@@ -92,16 +92,20 @@ class _Call:
             _set_state(self._saved)
         return False
 
-    def bind(self, args) -> None:
-        """Called with the forward op's arguments once the layer state is bound."""
-        if args.scale_fwd is None:
-            return
-        if not self.replay:
-            self.rec.scale_fwd = args.scale_fwd.clone()  # the op updates it in place
-            return
-        # scratch copies: the op writes its (discarded) update into them
-        args.scale_fwd = self.rec.scale_fwd.clone()
-        args.amax_history_fwd = args.amax_history_fwd.clone()
+    def bind(self, args, prefixes=("",)) -> None:
+        """Called with the forward op's arguments once the layer state is
+        bound; ``prefixes``: of each GEMM's ``scale_fwd`` / ``amax_history_fwd``
+        fields (``("fc1_", "fc2_")`` for LayerNormMLP)."""
+        for p in prefixes:
+            scale = getattr(args, p + "scale_fwd")
+            if scale is None:
+                continue
+            if not self.replay:
+                self.rec.scale_fwd[p] = scale.clone()  # the op updates it in place
+                continue
+            # scratch copies: the op writes its (discarded) update into them
+            setattr(args, p + "scale_fwd", self.rec.scale_fwd[p].clone())
+            setattr(args, p + "amax_history_fwd", getattr(args, p + "amax_history_fwd").clone())
 
 
 class _RegionContext:

@@ -118,6 +118,62 @@ def apply_updates(updates: dict, args, results: dict) -> dict:
     return results
 
 
+# -- ops over several GEMMs: one dataclass's fields under a prefix ----------------------
+def prefixed_fields(cls, prefix: str, exclude=()) -> list:
+    """``dataclasses.make_dataclass`` specs of ``cls``'s fields renamed
+    ``prefix + name`` (resolved type hints; a field without a default gets
+    None), leaving out ``exclude``: an op running two GEMMs has each one's
+    fields as ``fc1_...`` / ``fc2_...`` (see :func:`field_view`)."""
+    hints = B.typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if f.name in exclude:
+            continue
+        default = None if f.default is dataclasses.MISSING else f.default
+        out.append((prefix + f.name, hints[f.name], dataclasses.field(default=default)))
+    return out
+
+
+def _field_names(cls) -> tuple:
+    names = cls.__dict__.get("_te_field_names")
+    if names is None:
+        names = tuple(f.name for f in dataclasses.fields(cls))
+        cls._te_field_names = names
+    return names
+
+
+def field_view(args, cls, prefix: str, **overrides):
+    """A ``cls`` instance (no ``__init__``) of ``args``' fields ``prefix +
+    name``, with ``overrides`` for the fields left out by
+    :func:`prefixed_fields`: the values are the same objects, not copies."""
+    view = object.__new__(cls)
+    values = view.__dict__
+    for name in _field_names(cls):
+        values[name] = (overrides[name] if name in overrides
+                        else getattr(args, prefix + name))
+    return view
+
+
+def merge_views(cls, views: dict, **fields):
+    """A ``cls`` instance from ``fields`` and, for each ``prefix -> view`` of
+    ``views``, the view's fields that ``cls`` has as ``prefix + name``: the
+    inverse of :func:`field_view` (a module builds each GEMM's arguments
+    with the one-GEMM logic, then merges them)."""
+    names = set(_field_names(cls))
+    for prefix, view in views.items():
+        for name in _field_names(type(view)):
+            if prefix + name in names:
+                fields[prefix + name] = getattr(view, name)
+    return cls(**fields)
+
+
+def prefixed(values: dict, prefix: str, exclude=()) -> dict:
+    """``values`` with ``prefix`` before each key (``exclude`` left out); an
+    :class:`Update`'s field is prefixed too."""
+    return {prefix + k: (Update(prefix + v.field, v.how) if isinstance(v, Update) else v)
+            for k, v in values.items() if k not in exclude}
+
+
 # -- argument plans ------------------------------------------------------------------
 class ArgPlan:
     """The buckets of one dataclass's fields, computed once at registration."""

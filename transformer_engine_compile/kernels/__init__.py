@@ -30,6 +30,8 @@ OPS = (
     "gemm",
     "norm_forward",
     "norm_backward",
+    "activation_forward",
+    "activation_backward",
 )
 
 _FAST: dict[tuple[str, str], Callable] = {}

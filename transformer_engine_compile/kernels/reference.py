@@ -396,3 +396,59 @@ def norm_backward(dy2d, x2d, mean, rstd, weight, rms: bool, need_dx: bool,
         dyf, xf, [x2d.shape[-1]], mean[:, None], rstd[:, None], wf, None,
         [need_dx, need_dweight, False])
     return dx, dweight, dbias
+
+
+# -- activations (LayerNormMLP), as Transformer Engine defines them -----------------
+def _sigmoid_act(alpha: float):
+    def act(x):  # x * sigmoid(alpha x) and its derivative
+        s = torch.sigmoid(alpha * x)
+        return x * s, alpha * x * s * (1 - s) + s
+    return act
+
+
+def _gelu(x):  # the tanh approximation
+    t = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
+    return (x * (0.5 + 0.5 * torch.tanh(x * (0.79788456 + 0.03567741 * x * x))),
+            0.5 * x * ((1 - t * t) * (0.79788456 + 0.1070322243 * x * x)) + 0.5 * (1 + t))
+
+
+def _relu(x):
+    return x.clamp_min(0), (x > 0).to(x.dtype)
+
+
+def _srelu(x):  # squared ReLU
+    return torch.where(x > 0, x * x, 0.0), (2 * x).clamp_min(0)
+
+
+# name -> (function of fp32 x returning (act(x), act'(x)), gated)
+ACTIVATIONS = {
+    "gelu": (_gelu, False), "geglu": (_gelu, True),
+    "qgelu": (_sigmoid_act(1.702), False), "qgeglu": (_sigmoid_act(1.702), True),
+    "relu": (_relu, False), "reglu": (_relu, True),
+    "srelu": (_srelu, False), "sreglu": (_srelu, True),
+    "silu": (_sigmoid_act(1.0), False), "swiglu": (_sigmoid_act(1.0), True),
+}
+
+
+def activation_forward(x, name: str):
+    """``act(x)``, or for a gated activation ``act(a) * b`` with ``a, b`` the
+    first and second half of x's last dim (Transformer Engine's convention:
+    the first half goes through the activation).  fp32, rounded once to x's dtype."""
+    fn, gated = ACTIVATIONS[name]
+    xf = x.float()
+    if not gated:
+        return fn(xf)[0].to(x.dtype)
+    a, b = xf.chunk(2, dim=-1)
+    return (fn(a)[0] * b).to(x.dtype)
+
+
+def activation_backward(dy, x, name: str):
+    """The gradient of :func:`activation_forward` w.r.t. x, from ``dy``
+    (fp32, rounded once to x's dtype)."""
+    fn, gated = ACTIVATIONS[name]
+    xf, dyf = x.float(), dy.float()
+    if not gated:
+        return (fn(xf)[1] * dyf).to(x.dtype)
+    a, b = xf.chunk(2, dim=-1)
+    act, dact = fn(a)
+    return torch.cat([dact * b * dyf, act * dyf], dim=-1).to(x.dtype)

@@ -95,29 +95,43 @@ def load_without_extra_state(missing_keys, state_dict, prefix) -> None:
 
 
 # -- the module ----------------------------------------------------------------------
-def _parallel_config(parallel_mode, tp_group, tp_size, sequence_parallel) -> tuple:
+def _parallel_config(parallel_mode, tp_group, tp_size, sequence_parallel,
+                     owner: str = "te.Linear") -> tuple:
     """Validated ``(parallel_mode, tp_group, tp_size)``: the group's size wins
     over ``tp_size``; more than one rank needs a group."""
     if parallel_mode not in D.PARALLEL_MODES:
-        raise ValueError(f"te.Linear: parallel_mode must be None, 'column' or 'row', "
+        raise ValueError(f"{owner}: parallel_mode must be None, 'column' or 'row', "
                          f"got {parallel_mode!r}")
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
-        raise ValueError(f"te.Linear: tp_size must be a positive int, got {tp_size!r}")
+        raise ValueError(f"{owner}: tp_size must be a positive int, got {tp_size!r}")
     if sequence_parallel and parallel_mode is None:
-        raise ValueError("te.Linear: sequence_parallel=True needs parallel_mode "
+        raise ValueError(f"{owner}: sequence_parallel=True needs parallel_mode "
                          "'column' or 'row'")
     if tp_group is not None:
         group_size = torch.distributed.get_world_size(tp_group)
         if tp_size not in (1, group_size):
-            raise ValueError(f"te.Linear: tp_size={tp_size} but tp_group has "
+            raise ValueError(f"{owner}: tp_size={tp_size} but tp_group has "
                              f"{group_size} ranks")
         tp_size = group_size
     elif tp_size > 1:
-        raise ValueError(f"te.Linear: tp_size={tp_size} needs tp_group (the process group "
+        raise ValueError(f"{owner}: tp_size={tp_size} needs tp_group (the process group "
                          "the layer is split over)")
     if parallel_mode is None:
         return None, tp_group, 1  # not split: no collectives
     return parallel_mode, tp_group, tp_size
+
+
+def first_microbatch_flag(owner: str, is_first_microbatch):
+    """``is_first_microbatch`` as True, False or None (a tensor is refused)."""
+    if is_first_microbatch is None:
+        return None
+    if isinstance(is_first_microbatch, torch.Tensor):
+        raise TypeError(f"{owner}: is_first_microbatch must be a Python bool (or "
+                        "None), not a tensor: it selects the graph")
+    # may be ``step % accum == 0`` on a step counter Dynamo made dynamic (a
+    # SymBool, which Dynamo reports as a bool): branching specialises it
+    # to a constant with a guard, one graph per value
+    return True if is_first_microbatch else False
 
 
 # -- one GEMM's module logic (te.Linear, and each GEMM of te.LayerNormMLP) ----------------
@@ -487,14 +501,7 @@ class Linear(torch.nn.Module):
         of ``inp`` leaves the backward as a quantized wrapper tensor, which
         a ``te.Linear`` that produced ``inp`` consumes without quantizing
         again (docs/linear.md, "Quantized gradients")."""
-        if is_first_microbatch is not None:
-            if isinstance(is_first_microbatch, torch.Tensor):
-                raise TypeError("te.Linear: is_first_microbatch must be a Python bool (or "
-                                "None), not a tensor: it selects the graph")
-            # may be ``step % accum == 0`` on a step counter Dynamo made dynamic (a
-            # SymBool, which Dynamo reports as a bool): branching specialises it
-            # to a constant with a guard, one graph per value
-            is_first_microbatch = True if is_first_microbatch else False
+        is_first_microbatch = first_microbatch_flag("te.Linear", is_first_microbatch)
         call = checkpointing.layer_call(self)  # inside activation checkpointing
         if call is None:
             return self._forward_autocast(inp, is_first_microbatch, fp8_output, fp8_grad, None)
