@@ -134,11 +134,13 @@ def prefixed_fields(cls, prefix: str, exclude=()) -> list:
     return out
 
 
+_FIELD_NAMES: dict = {}  # dataclass -> its field names (also read by traced code)
+
+
 def _field_names(cls) -> tuple:
-    names = cls.__dict__.get("_te_field_names")
+    names = _FIELD_NAMES.get(cls)
     if names is None:
-        names = tuple(f.name for f in dataclasses.fields(cls))
-        cls._te_field_names = names
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
     return names
 
 
@@ -184,6 +186,7 @@ class ArgPlan:
         hints = B.typing.get_type_hints(cls)
         self.cls = cls
         self.fields = tuple((f.name, B.bucket_for(hints[f.name])) for f in dataclasses.fields(cls))
+        _FIELD_NAMES[cls] = tuple(n for n, _ in self.fields)  # field_view before any trace
         self.tensor_fields = tuple(n for n, b in self.fields if b.kind in
                                    ("tensor", "optional_tensor", "tensor_or_quantized"))
         self._decoders: dict = {}  # SimpleValues -> _Decoder
