@@ -185,8 +185,8 @@ def _norm_args(args):
 
 
 def _norm_grad_input(fc1: dict, grad_ln_out):
-    d_ln = fc1["inp"]
-    if d_ln is not None and grad_ln_out is not None:
+    d_ln = fc1["inp"]  # a proto (fake) stays as it is: the sum has its layout
+    if d_ln is not None and grad_ln_out is not None and not isinstance(d_ln, TensorProto):
         d_ln = d_ln + grad_ln_out
     return d_ln
 
