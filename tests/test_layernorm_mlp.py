@@ -499,3 +499,23 @@ def test_parameters_and_shapes_as_transformer_engine():
     out, bias, ln_out = m(x)
     assert bias is m.fc2_bias and ln_out.shape == x.shape
     assert torch.equal(m.layer_norm_weight, torch.zeros(HIDDEN))
+
+
+# -- eager fallback ------------------------------------------------------------------------
+def test_unregistered_quantizer_falls_back(monkeypatch):
+    import warnings
+
+    from test_linear_ops import _unregistered_input_quantizer
+
+    _unregistered_input_quantizer(monkeypatch)
+    _reset()
+    m = _mlp("RMSNorm", "swiglu")
+    x = torch.randn(64, HIDDEN, dtype=torch.bfloat16)
+    step = torch.compile(_step_fn(m, RECIPES["fp8_current"]), backend="aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs = [step(x) for _ in range(2)]
+    assert m.compile_fallbacks() == ("quantizer_not_value_opaque",)
+    assert sum("falls back to eager" in str(w.message) for w in caught) == 1
+    assert torch.equal(outs[0], _step_fn(m, RECIPES["fp8_current"])(x))
+    assert te.fallback_report(torch.nn.Sequential(m)) == {"0": ("quantizer_not_value_opaque",)}

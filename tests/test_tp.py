@@ -45,6 +45,16 @@ def test_tp_inductor():
             "default")
 
 
+@pytest.mark.parametrize("sp", [False, True], ids=["nosp", "sp"])
+def test_tp_layernorm_mlp(sp):
+    """te.LayerNormMLP(set_parallel_mode=True): fc1 column-, fc2 row-parallel
+    (SP: the normalised input all-gathered, the output reduce-scattered, the
+    norm's gradients summed): compiled == eager TP bit for bit, one graph,
+    and TP == the single-device module at step 0."""
+    H.spawn(H.mlp_worker, [(sp, "bf16", "swiglu"), (sp, "mxfp8", "gelu"),
+                           (sp, "fp8_current", "swiglu")], "record")
+
+
 # -- fakes, opcheck -------------------------------------------------------------------------
 def _tp_args(group, parallel_mode, sp, name, save_original_input=False):
     """LinearFwdArgs of rank's shard (shapes as in tp_harness) and a matching dy."""

@@ -224,6 +224,96 @@ def run_cases(group, device, cases, compile_mode, steps=3, seq=SEQ) -> list:
     return out
 
 
+# -- te.LayerNormMLP: fc1 column-parallel, fc2 row-parallel ---------------------------------
+FFN = 256
+# bf16: the norm and the activation leave the integers, so TP (other summation
+# orders and collectives) equals the single-device module within bf16 rounding
+MLP_REL_TOL = {"bf16": 0.01, **REL_TOL}
+
+
+def mlp_case(group, device, sp, name, compile_mode, steps=2, activation="swiglu",
+             normalization="RMSNorm") -> dict:
+    """``te.LayerNormMLP(set_parallel_mode=True)`` on this rank against the
+    single-device module (step 0, within ``MLP_REL_TOL``), compiled == eager
+    TP bit for bit, one graph; returns the step-0 relative errors."""
+    rank, tp = dist.get_rank(group), dist.get_world_size(group)
+    rec = RECIPES[name]
+    label = f"LayerNormMLP {activation}{' +SP' if sp else ''} {name} rank {rank}"
+    g = torch.Generator().manual_seed(0)
+    gated = activation.endswith("glu")
+    full = {"x": torch.randn(SEQ, BATCH, IN, generator=g),
+            "dy": torch.randn(SEQ, BATCH, IN, generator=g),
+            "ln_w": 1 + 0.1 * torch.randn(IN, generator=g),
+            "fc1_w": 0.05 * torch.randn((2 if gated else 1) * FFN, IN, generator=g),
+            "fc1_b": 0.1 * torch.randn((2 if gated else 1) * FFN, generator=g),
+            "fc2_w": 0.05 * torch.randn(IN, FFN, generator=g),
+            "fc2_b": 0.1 * torch.randn(IN, generator=g)}
+    full = {k: v.to(torch.bfloat16).to(device) for k, v in full.items()}
+
+    def build(**kw):
+        m = te.LayerNormMLP(IN, FFN, activation=activation, normalization=normalization,
+                            params_dtype=torch.bfloat16, device=device, **kw)
+        with torch.no_grad():
+            m.layer_norm_weight.copy_(full["ln_w"])
+        return m.load_full_weights_(full["fc1_w"], full["fc2_w"], full["fc1_b"], full["fc2_b"])
+
+    def run(m, step, x0, dy0, n):
+        results = []
+        torch.manual_seed(1)
+        for i in range(n):
+            torch.compiler.cudagraph_mark_step_begin()
+            x = (x0 * (1 + 0.125 * i)).requires_grad_()
+            m.zero_grad(set_to_none=True)
+            y = step(x)
+            y.backward(dy0)
+            results.append([y.detach().clone(), x.grad.clone()]
+                           + [p.grad.clone() for p in m.parameters()])
+            with torch.no_grad():
+                for p in m.parameters():
+                    p -= 0.01 * p.grad.to(p.dtype)
+        return results
+
+    ref = build()
+    expected = run(ref, _make_step(ref, rec), full["x"], full["dy"], 1)[0]
+    layer = build(set_parallel_mode=True, sequence_parallel=sp, tp_group=group)
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    tokens = (lambda t: _part(t, 0, rank, tp)) if sp else (lambda t: t)
+    x0, dy0 = tokens(full["x"]), tokens(full["dy"])
+    step = _make_step(layer, rec)
+    eager = run(layer, step, x0, dy0, steps)
+    torch._dynamo.reset()
+    counters.clear()
+    layer.load_state_dict(state)
+    compiled_step, _ = _compile(step, "default" if compile_mode == "record" else compile_mode)
+    compiled = run(layer, compiled_step, x0, dy0, steps)
+    for i, (e, c) in enumerate(zip(eager, compiled)):
+        for j, (a, b) in enumerate(zip(e, c)):
+            assert torch.equal(a, b), f"{label}: compiled != eager at step {i}, result {j}"
+    assert counters["stats"]["unique_graphs"] == 1, f"{label}: {dict(counters['stats'])}"
+    assert sum(counters["graph_break"].values()) == 0, f"{label}: {dict(counters['graph_break'])}"
+
+    def fc1_shard(t):  # a gated fc1 holds this rank's rows of both halves
+        halves = t.chunk(2) if gated else (t,)
+        return torch.cat([_part(h, 0, rank, tp) for h in halves])
+
+    # out, dx, d gamma (summed over the group under SP), fc1 W/b, fc2 W (columns), fc2 b
+    want = [tokens(expected[0]), tokens(expected[1]), expected[2], fc1_shard(expected[3]),
+            fc1_shard(expected[4]), _part(expected[5], 1, rank, tp), expected[6]]
+    names = ("out", "dx", "d_ln_weight", "d_fc1_weight", "d_fc1_bias", "d_fc2_weight",
+             "d_fc2_bias")
+    errors = {}
+    for n, got, ref_t in zip(names, eager[0], want):
+        assert got.shape == ref_t.shape, f"{label} {n}: {tuple(got.shape)} vs {tuple(ref_t.shape)}"
+        errors[n] = rel_err(got, ref_t)
+        assert errors[n] <= MLP_REL_TOL[name], f"{label}: {n} rel. error {errors[n]:.4f}"
+    return errors
+
+
+def mlp_worker(group, cases, compile_mode):
+    for sp, name, activation in cases:
+        mlp_case(group, torch.device("cpu"), sp, name, compile_mode, activation=activation)
+
+
 # -- entry points ------------------------------------------------------------------------
 def spawn_main(rank, world_size, store_path, fn, args):
     """``torch.multiprocessing.spawn`` target for the CPU tests (gloo): runs
