@@ -400,27 +400,31 @@ def norm_backward(dy2d, x2d, mean, rstd, weight, rms: bool, need_dx: bool,
 
 # -- activations (LayerNormMLP), as Transformer Engine defines them -----------------
 def _sigmoid_act(alpha: float):
-    def act(x):  # x * sigmoid(alpha x) and its derivative
+    def act(x, grad: bool):  # x * sigmoid(alpha x) [and its derivative]
         s = torch.sigmoid(alpha * x)
-        return x * s, alpha * x * s * (1 - s) + s
+        return x * s if not grad else (x * s, alpha * x * s * (1 - s) + s)
     return act
 
 
-def _gelu(x):  # the tanh approximation
+def _gelu(x, grad: bool):  # the tanh approximation
+    value = x * (0.5 + 0.5 * torch.tanh(x * (0.79788456 + 0.03567741 * x * x)))
+    if not grad:
+        return value
     t = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
-    return (x * (0.5 + 0.5 * torch.tanh(x * (0.79788456 + 0.03567741 * x * x))),
-            0.5 * x * ((1 - t * t) * (0.79788456 + 0.1070322243 * x * x)) + 0.5 * (1 + t))
+    return value, 0.5 * x * ((1 - t * t) * (0.79788456 + 0.1070322243 * x * x)) + 0.5 * (1 + t)
 
 
-def _relu(x):
-    return x.clamp_min(0), (x > 0).to(x.dtype)
+def _relu(x, grad: bool):
+    value = x.clamp_min(0)
+    return value if not grad else (value, (x > 0).to(x.dtype))
 
 
-def _srelu(x):  # squared ReLU
-    return torch.where(x > 0, x * x, 0.0), (2 * x).clamp_min(0)
+def _srelu(x, grad: bool):  # squared ReLU
+    value = torch.where(x > 0, x * x, 0.0)
+    return value if not grad else (value, (2 * x).clamp_min(0))
 
 
-# name -> (function of fp32 x returning (act(x), act'(x)), gated)
+# name -> (fn(fp32 x, grad) -> act(x), or (act(x), act'(x)) with grad, gated)
 ACTIVATIONS = {
     "gelu": (_gelu, False), "geglu": (_gelu, True),
     "qgelu": (_sigmoid_act(1.702), False), "qgeglu": (_sigmoid_act(1.702), True),
@@ -437,9 +441,9 @@ def activation_forward(x, name: str):
     fn, gated = ACTIVATIONS[name]
     xf = x.float()
     if not gated:
-        return fn(xf)[0].to(x.dtype)
+        return fn(xf, False).to(x.dtype)
     a, b = xf.chunk(2, dim=-1)
-    return (fn(a)[0] * b).to(x.dtype)
+    return (fn(a, False) * b).to(x.dtype)
 
 
 def activation_backward(dy, x, name: str):
@@ -448,7 +452,7 @@ def activation_backward(dy, x, name: str):
     fn, gated = ACTIVATIONS[name]
     xf, dyf = x.float(), dy.float()
     if not gated:
-        return (fn(xf)[1] * dyf).to(x.dtype)
+        return (fn(xf, True)[1] * dyf).to(x.dtype)
     a, b = xf.chunk(2, dim=-1)
-    act, dact = fn(a)
+    act, dact = fn(a, True)
     return torch.cat([dact * b * dyf, act * dyf], dim=-1).to(x.dtype)
