@@ -519,3 +519,57 @@ def test_unregistered_quantizer_falls_back(monkeypatch):
     assert sum("falls back to eager" in str(w.message) for w in caught) == 1
     assert torch.equal(outs[0], _step_fn(m, RECIPES["fp8_current"])(x))
     assert te.fallback_report(torch.nn.Sequential(m)) == {"0": ("quantizer_not_value_opaque",)}
+
+
+@pytest.mark.parametrize("qname", ["fp8", "mxfp8"])
+def test_fp8_primary_weights_compiled_equals_eager(qname):
+    """Both weights stored quantized (FP8 primary weights): no weight
+    quantization in the ops, gradients in high precision."""
+    _reset()
+    m = _mlp("RMSNorm", "swiglu")
+    q = {"fp8": te.Float8CurrentScalingQuantizer("e4m3"), "mxfp8": te.MXFP8Quantizer()}[qname]
+    m.fc1_weight = torch.nn.Parameter(q(m.fc1_weight.detach()))
+    m.fc2_weight = torch.nn.Parameter(q(m.fc2_weight.detach()))
+    rec = RECIPES["fp8_current"] if qname == "fp8" else RECIPES["mxfp8"]
+    x0 = torch.randn(64, HIDDEN, dtype=torch.bfloat16)
+    results = []
+    for step in (_step_fn(m, rec), torch.compile(_step_fn(m, rec), fullgraph=True,
+                                                 backend="aot_eager")):
+        x = x0.clone().requires_grad_()
+        m.zero_grad(set_to_none=True)
+        y = step(x)
+        _loss(y).backward()
+        results.append([y, x.grad] + [p.grad for p in m.parameters()])
+    for a, b in zip(*results):
+        assert type(a) is torch.Tensor and torch.equal(a, b)
+    assert results[0][3].dtype == torch.bfloat16  # fc1_weight's gradient
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "delayed"])
+def test_te_export_round_trip(name, tmp_path):
+    """te.export's program survives torch.export.save/load and equals eager."""
+    from transformer_engine_compile.dynamo import compat
+
+    if not compat.export_keeps_opaque_constants():
+        pytest.skip("this torch cannot save opaque constants")
+    _reset()
+    rec = ALL_RECIPES[name]
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = _mlp("RMSNorm", "swiglu")
+
+        def forward(self, x):
+            with te.autocast(recipe=rec):
+                return self.mlp(x)
+
+    model, x = Model(), torch.randn(32, HIDDEN, dtype=torch.bfloat16)
+    model(x)  # delayed: some history
+    eager = copy.deepcopy(model)
+    torch.export.save(te.export(model, (x,)), tmp_path / "m.pt2")
+    loaded = torch.export.load(tmp_path / "m.pt2").module()
+    for i in range(2):
+        xi = x * (i + 1)
+        assert torch.equal(loaded(xi), eager(xi))
