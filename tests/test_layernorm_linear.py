@@ -22,9 +22,10 @@ OPS = LN.LAYERNORM_LINEAR_OPS
 NORMS = ("LayerNorm", "RMSNorm")
 
 
-def _layer(norm="LayerNorm", dtype=torch.bfloat16, seed=0, **kw):
+def _layer(norm="LayerNorm", dtype=torch.bfloat16, seed=0, device="cpu", **kw):
     torch.manual_seed(seed)
-    layer = te.LayerNormLinear(128, 128, normalization=norm, params_dtype=dtype, **kw)
+    layer = te.LayerNormLinear(128, 128, normalization=norm, params_dtype=dtype, device=device,
+                               **kw)
     with torch.no_grad():  # a gamma (and beta) away from their initial values
         layer.layer_norm_weight.normal_(0.0 if layer.zero_centered_gamma else 1.0, 0.5)
         if layer.layer_norm_bias is not None:
@@ -41,11 +42,12 @@ def _run(layer, step, x0, steps=3):
     results = []
     torch.manual_seed(1)  # NVFP4 stochastic rounding
     for i in range(steps):
+        torch.compiler.cudagraph_mark_step_begin()  # a no-op unless reduce-overhead
         x = (x0 * (1 + 0.1 * i)).requires_grad_()
         layer.zero_grad(set_to_none=True)
         outs = _outputs(step(x))
-        loss = sum((o.float() * torch.linspace(-1, 1, o.shape[-1])).sum() for o in outs
-                   if o.requires_grad)
+        loss = sum((o.float() * torch.linspace(-1, 1, o.shape[-1], device=o.device)).sum()
+                   for o in outs if o.requires_grad)
         loss.backward()
         results.append([o.detach().clone() for o in outs] + [x.grad.clone()]
                        + [p.grad.clone() for p in layer.parameters()])
@@ -62,13 +64,14 @@ def _step(layer, rec, **kw):
     return step
 
 
-def compare_compiled(layer, rec, x0, backend="aot_eager", steps=3, **kw):
+def compare_compiled(layer, rec, x0, backend="aot_eager", steps=3, mode=None, **kw):
     _reset()
     state = copy.deepcopy(layer.state_dict())
     step = _step(layer, rec, **kw)
     eager = _run(layer, step, x0, steps)
     layer.load_state_dict(state)
-    compiled = _run(layer, torch.compile(step, fullgraph=True, backend=backend), x0, steps)
+    compiled = _run(layer, torch.compile(step, fullgraph=True, backend=backend, mode=mode),
+                    x0, steps)
     for i, (e, c) in enumerate(zip(eager, compiled)):
         assert len(e) == len(c)
         for j, (a, b) in enumerate(zip(e, c)):
