@@ -407,17 +407,19 @@ def test_torch_autocast_output_dtype_and_compiled_equals_eager():
 
 
 # -- tensor / sequence parallel (gloo, 2 processes) ------------------------------------------
-def _tp_worker(group, sp, names):
+def _tp_worker(group, sp, names, device="cpu", backend="aot_eager"):
+    """Column-parallel LayerNormLinear (with or without SP) on this rank:
+    compiled equals eager bit for bit, and equals the single-device layer."""
     import tp_harness as H
 
     rank, tp = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
     sl = H.Slicer("column", sp, rank, tp)
     for name in names:
         rec = RECIPES[name]
-        x_full, w_full, b_full, dy_full = H.full_tensors(rec, "cpu")
+        x_full, w_full, b_full, dy_full = H.full_tensors(rec, device)
         gamma = 1 + 0.25 * torch.randn(H.IN, generator=torch.Generator().manual_seed(3))
-        ref = te.LayerNormLinear(H.IN, H.OUT, params_dtype=torch.bfloat16)
-        layer = te.LayerNormLinear(H.IN, H.OUT, params_dtype=torch.bfloat16,
+        ref = te.LayerNormLinear(H.IN, H.OUT, params_dtype=torch.bfloat16, device=device)
+        layer = te.LayerNormLinear(H.IN, H.OUT, params_dtype=torch.bfloat16, device=device,
                                    parallel_mode="column", sequence_parallel=sp, tp_group=group)
         for m in (ref, layer):
             m.load_full_weight_(w_full, b_full)
@@ -446,7 +448,7 @@ def _tp_worker(group, sp, names):
         _reset()
         layer.load_state_dict(state)
         compiled = run(layer, torch.compile(_step(layer, rec), fullgraph=True,
-                                            backend="aot_eager"), x0, dy0, 2)
+                                            backend=backend), x0, dy0, 2)
         for e, c in zip(eager, compiled):
             for a, b in zip(e, c):
                 assert torch.equal(a, b), f"{name} sp={sp}: compiled != eager"
@@ -466,3 +468,17 @@ def _tp_worker(group, sp, names):
 def test_tp_column_and_sequence_parallel_equal_single_device(sp):
     import tp_harness as H
     H.spawn(_tp_worker, sp, ["bf16", "fp8_current", "mxfp8"])
+
+
+if __name__ == "__main__":  # 2 GPUs, NCCL: qa/L1_distributed/test.sh runs it under torchrun
+    import os
+
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    torch.distributed.init_process_group("nccl")
+    world = torch.distributed.new_group(list(range(torch.distributed.get_world_size())))
+    for sequence_parallel in (False, True):
+        _tp_worker(world, sequence_parallel, list(RECIPES), device="cuda", backend="inductor")
+        print(f"rank {torch.distributed.get_rank()}: LayerNormLinear column "
+              f"sp={sequence_parallel}: every recipe ok", flush=True)
+    torch._dynamo.reset()
+    torch.distributed.destroy_process_group()
