@@ -187,3 +187,84 @@ def test_norm_then_linear_equals_layernorm_linear(normalization, rec, zero_cente
     torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(fused.layer_norm_weight.grad, norm.weight.grad, rtol=1e-2,
                                atol=1e-2)
+
+
+def _layernorm_linear_pair(normalization, dt=torch.bfloat16):
+    torch.manual_seed(0)
+    layer = te.LayerNormLinear(64, 48, normalization=normalization, params_dtype=dt)
+    with torch.no_grad():
+        layer.layer_norm_weight.copy_(torch.randn(64) * 0.2 + 1)
+        if layer.layer_norm_bias is not None:
+            layer.layer_norm_bias.copy_(torch.randn(64) * 0.2)
+    return layer
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("rec", ["fp8_current", "fp8_current_pow2"])
+def test_amax_from_norm_equals_separate_quantization(normalization, rec, monkeypatch):
+    """FP8 current scaling quantizes the norm's output with the amax the
+    norm produced: outputs and gradients equal the path that quantizes it
+    separately (its own amax pass), bit for bit."""
+    from transformer_engine_compile.module import layernorm_linear_ops as LO
+    layer = _layernorm_linear_pair(normalization)
+    if rec == "fp8_current_pow2":
+        r = recipe.Float8CurrentScaling(use_power_2_scales=True, amax_epsilon=1e-3)
+    else:
+        r = recipe.by_name(rec)
+    x = torch.randn(3, 40, 64, dtype=torch.bfloat16) * 3
+    dy = torch.randn(3, 40, 48, dtype=torch.bfloat16)
+    calls = []
+    real = LO._amax_fused_quantizer
+    monkeypatch.setattr(LO, "_amax_fused_quantizer",
+                        lambda args: calls.append(real(args)) or calls[-1])
+    results = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(LO, "_amax_fused_quantizer", lambda args: None)
+        layer.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        with te.autocast(recipe=r):
+            y = layer(xi)
+        y.backward(dy)
+        results.append([y, xi.grad] + [p.grad for p in layer.parameters()])
+    assert calls and calls[0] is not None  # the fused path ran
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("rec", [None, "fp8_current", "fp8_delayed"])
+def test_layernorm_linear_compiled_equals_eager(normalization, rec):
+    """The op with the amax-fused forward compiles (one graph, no break)
+    and equals eager bit for bit over 2 steps (aot_eager)."""
+    torch._dynamo.reset()
+    counters.clear()
+    layer = _layernorm_linear_pair(normalization)
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    r = None if rec is None else (recipe.DelayedScaling() if rec == "fp8_delayed"
+                                  else recipe.by_name(rec))
+
+    def step(x):
+        with te.autocast(enabled=r is not None, recipe=r):
+            return layer(x)
+
+    x0 = torch.randn(2, 16, 64, dtype=torch.bfloat16)
+    runs = []
+    for fn in (step, torch.compile(step, fullgraph=True, backend="aot_eager")):
+        layer.load_state_dict(state)
+        out = []
+        for i in range(2):
+            layer.zero_grad(set_to_none=True)
+            x = (x0 * (1 + 0.1 * i)).requires_grad_()
+            y = fn(x)
+            (y.float() * torch.linspace(-1, 1, 48)).sum().backward()
+            out.append([y.detach(), x.grad] + [p.grad.clone() for p in layer.parameters()])
+            with torch.no_grad():
+                for p in layer.parameters():
+                    p -= 0.01 * p.grad.to(p.dtype)
+        runs.append(out)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert sum(counters["graph_break"].values()) == 0
+    for e, c in zip(*runs):
+        for a, b in zip(e, c):
+            assert torch.equal(a, b)

@@ -209,8 +209,9 @@ def amax(x: torch.Tensor) -> torch.Tensor:
 
 
 def _fp8_tensorwise(x2d, fmt, rowwise, columnwise, *, scale=None, amax_out=None,
-                    pow2=False, eps=0.0) -> dict:
-    """Current scaling without ``scale`` (amax pass, then cast), else the cast
+                    pow2=False, eps=0.0, amax_parts=None) -> dict:
+    """Current scaling without ``scale`` (amax pass, then cast; the cast
+    alone when the partial maxima ``amax_parts`` are given), else the cast
     with ``scale``, recording the amax into ``amax_out`` when given."""
     x2d = _matrix(x2d)
     m, k = x2d.shape
@@ -222,7 +223,11 @@ def _fp8_tensorwise(x2d, fmt, rowwise, columnwise, *, scale=None, amax_out=None,
     if columnwise:
         out["transpose"] = torch.empty((k, m), dtype=dt, device=dev)
     xkey = _x_key(x2d, m, k)
-    if scale is None:
+    if scale is None and amax_parts is not None:
+        n_parts = amax_parts.shape[0]
+        amax_arg, scale_arg = amax_parts.view(torch.int32), out["scale_inv"]
+        key = (xkey, int_key(n_parts), ptr_key(amax_arg))
+    elif scale is None:
         n_tiles = cdiv(m, _AMAX_BM) * cdiv(k, _AMAX_BK)
         n_parts = min(n_tiles, _MAX_PARTS)
         parts = torch.empty(n_parts, dtype=torch.int32, device=dev)
@@ -253,10 +258,15 @@ def quantize_fp8_tensorwise(x2d, scale, fmt, rowwise, columnwise, amax_out=None)
     return _fp8_tensorwise(x2d, fmt, rowwise, columnwise, scale=scale, amax_out=amax_out)
 
 
-def quantize_fp8_current(x2d, fmt, pow2, eps, rowwise, columnwise) -> dict:
-    if x2d.numel() == 0:
-        return ref.quantize_fp8_current(x2d, fmt, pow2, eps, rowwise, columnwise)
-    return _fp8_tensorwise(x2d, fmt, rowwise, columnwise, pow2=pow2, eps=eps)
+def quantize_fp8_current(x2d, fmt, pow2, eps, rowwise, columnwise, amax=None) -> dict:
+    """``amax``: 1-D fp32 partial maxima (at most ``_MAX_PARTS``) computed
+    elsewhere (the normalisation that produced x2d, a tensor-parallel
+    all-reduce): the scale comes from their max and the amax pass is skipped."""
+    if x2d.numel() == 0 or (amax is not None and (
+            amax.dim() != 1 or amax.shape[0] > _MAX_PARTS or amax.dtype != torch.float32
+            or not amax.is_contiguous())):
+        return ref.quantize_fp8_current(x2d, fmt, pow2, eps, rowwise, columnwise, amax)
+    return _fp8_tensorwise(x2d, fmt, rowwise, columnwise, pow2=pow2, eps=eps, amax_parts=amax)
 
 
 # -- delayed scaling ---------------------------------------------------------------------

@@ -31,12 +31,17 @@ def _gamma(weight, zero_centered_gamma: bool):
 
 
 def norm_forward(x, weight, bias, eps: float, normalization: str,
-                 zero_centered_gamma: bool) -> tuple:
-    """``(y, mean, rstd)``: y shaped like x; mean (None for RMSNorm) and rstd (rows,) fp32."""
+                 zero_centered_gamma: bool, with_amax: bool = False) -> tuple:
+    """``(y, mean, rstd)``: y shaped like x; mean (None for RMSNorm) and rstd (rows,) fp32.
+    ``with_amax``: also the partial maxima of ``|y|`` (1-D fp32; their max is
+    amax(y)), which FP8 current scaling quantizes y with
+    (``Float8CurrentScalingQuantizer.quantize_with_amax``): on CUDA the
+    norm kernel produces them, so quantizing y skips its amax pass."""
     x2d = x.reshape(-1, x.shape[-1])
-    y, mean, rstd = kernels.get("norm_forward", x2d)(
-        x2d, _gamma(weight, zero_centered_gamma), bias, eps, normalization == "RMSNorm")
-    return y.view(x.shape), mean, rstd
+    out = kernels.get("norm_forward", x2d)(
+        x2d, _gamma(weight, zero_centered_gamma), bias, eps, normalization == "RMSNorm",
+        with_amax)
+    return (out[0].view(x.shape), *out[1:])
 
 
 def norm_forward_fake(x, normalization: str) -> tuple:
