@@ -47,7 +47,9 @@ def _op_calls(layer, rec, x, dy):
     return fwd, bwd
 
 
-def host_times(n=300, size=256, tokens=256, log=print) -> list:
+def host_times(n=300, size=256, tokens=256, rounds=3, log=print) -> list:
+    """Per case, the smallest of ``rounds`` interleaved measurements (each
+    the median of 5 x ``n`` calls; the spread between rounds is printed)."""
     from .module import layernorm_linear_ops as LO
     from .module.layernorm_linear import LayerNormLinear
     from .module.linear import Linear
@@ -56,9 +58,6 @@ def host_times(n=300, size=256, tokens=256, log=print) -> list:
     dt = torch.bfloat16
     x = torch.randn(tokens, size, device=dev, dtype=dt, requires_grad=True)
     dy = torch.randn(tokens, size, device=dev, dtype=dt)
-    mm = _per_call_us(lambda: torch.mm(x.detach(), x.detach()), dev, n)
-    log(f"baseline torch.mm {mm:.1f} us")
-    rows = []
     real_fused = LO._amax_fused_quantizer
     cases = [("Linear", "bf16", Linear, {}), ("LayerNormLinear", "bf16", LayerNormLinear, {}),
              ("LayerNormLinear RMSNorm", "bf16", LayerNormLinear, {"normalization": "RMSNorm"}),
@@ -66,24 +65,39 @@ def host_times(n=300, size=256, tokens=256, log=print) -> list:
              ("LayerNormLinear", "fp8_current", LayerNormLinear, {}),
              ("LayerNormLinear RMSNorm", "fp8_current", LayerNormLinear,
               {"normalization": "RMSNorm"}),
-             ("LayerNormLinear (no amax fusion)", "fp8_current", LayerNormLinear, {})]
+             ("LayerNormLinear no amax fusion", "fp8_current", LayerNormLinear, {})]
+    calls = []
     for label, rname, cls, kw in cases:
-        rec = R.by_name(rname)
         torch.manual_seed(0)
         layer = cls(size, size, bias=False, params_dtype=dt, device=dev, **kw)
+        calls.append((label, rname, _op_calls(layer, R.by_name(rname), x, dy)))
+
+    def measured(label, fn):
         if "no amax" in label:
             LO._amax_fused_quantizer = lambda args: None
         try:
-            fwd, bwd = _op_calls(layer, rec, x, dy)
-            row = {"layer": label, "recipe": rname}
-            for key, fn in (("fwd", fwd), ("bwd", bwd)):
-                _busy_gpu(dev)
-                row[key + "_us"] = _per_call_us(fn, dev, n)
+            _busy_gpu(dev, 0.2)
+            return _per_call_us(fn, dev, n)
         finally:
             LO._amax_fused_quantizer = real_fused
+
+    samples = {(label, rname): {"fwd": [], "bwd": []} for label, rname, _ in calls}
+    mm = []
+    for _ in range(rounds):
+        _busy_gpu(dev, 0.2)
+        mm.append(_per_call_us(lambda: torch.mm(x.detach(), x.detach()), dev, n))
+        for label, rname, (fwd, bwd) in calls:
+            samples[(label, rname)]["fwd"].append(measured(label, fwd))
+            samples[(label, rname)]["bwd"].append(measured(label, bwd))
+    log(f"baseline torch.mm {min(mm):.1f} us (rounds: {', '.join(f'{v:.1f}' for v in mm)})")
+    rows = []
+    for (label, rname), ss in samples.items():
+        row = {"layer": label, "recipe": rname, "fwd_us": min(ss["fwd"]),
+               "bwd_us": min(ss["bwd"])}
         rows.append(row)
-        log(f"{label:>34} {rname:>12} fwd op {row['fwd_us']:7.1f} us  bwd op "
-            f"{row['bwd_us']:7.1f} us")
+        log(f"{label:>32} {rname:>12} fwd op {row['fwd_us']:7.1f} us  bwd op "
+            f"{row['bwd_us']:7.1f} us   (rounds fwd {', '.join(f'{v:.0f}' for v in ss['fwd'])}"
+            f"; bwd {', '.join(f'{v:.0f}' for v in ss['bwd'])})")
     return rows
 
 
@@ -109,6 +123,7 @@ def gpu_times(m=8192, k=4096, log=print) -> dict:
         log(f"{name:>48} {us:8.1f} us  {nbytes / us / 1e6:6.2f} TB/s")
 
     io = m * k * 2
+    fwd_ps, bwd_ps = tn.FWD_AMAX_PROGRAMS_PER_SM, tn.BWD_PROGRAMS_PER_SM
     for rms in (False, True):
         nm = "RMSNorm" if rms else "LayerNorm"
         bb = None if rms else b
@@ -126,6 +141,14 @@ def gpu_times(m=8192, k=4096, log=print) -> dict:
           lambda: tn.norm_backward(dy, x, mean, rstd, w, rms, True, True, True), 3 * io)
         t(f"{nm} bwd reference (torch, fp32 math)",
           lambda: ref.norm_backward(dy, x, mean, rstd, w, rms, True, True, True), 3 * io)
+    _, mean, rstd = ref.norm_forward(x, w, b, 1e-5, False)
+    for per_sm in (2, 4, 8):  # the grid of the amax-returning forward, and the backward's
+        tn.FWD_AMAX_PROGRAMS_PER_SM = tn.BWD_PROGRAMS_PER_SM = per_sm
+        t(f"LayerNorm fwd triton + amax, {per_sm} programs/SM",
+          lambda: tn.norm_forward(x, w, b, 1e-5, False, True), 2 * io)
+        t(f"LayerNorm bwd triton, {per_sm} programs/SM",
+          lambda: tn.norm_backward(dy, x, mean, rstd, w, False, True, True, True), 3 * io)
+    tn.FWD_AMAX_PROGRAMS_PER_SM, tn.BWD_PROGRAMS_PER_SM = fwd_ps, bwd_ps
     y, _, _, parts = tn.norm_forward(x, w, b, 1e-5, False, True)
     t("fp8 current quantize(y): own amax pass + cast",
       lambda: tq.quantize_fp8_current(y, "e4m3", False, 0.0, True, True), io + io)

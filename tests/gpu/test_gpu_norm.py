@@ -130,6 +130,12 @@ def test_backward_is_deterministic():
         again = tn.norm_backward(dy, x, mean, rstd, w, False, True, True, True)
         for a, b_ in zip(first, again):
             assert torch.equal(a, b_)
+    # dgamma / dbeta in the parameters' dtype: the fp32 sums rounded once
+    _, dw16, db16 = tn.norm_backward(dy, x, mean, rstd, w, False, False, True, True,
+                                     torch.bfloat16)
+    assert dw16.dtype == db16.dtype == torch.bfloat16
+    assert torch.equal(dw16, first[1].to(torch.bfloat16))
+    assert torch.equal(db16, first[2].to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("rows", [1, 300, 8192])

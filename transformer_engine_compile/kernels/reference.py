@@ -392,10 +392,20 @@ def norm_forward(x2d, weight, bias, eps: float, rms: bool, with_amax: bool = Fal
 
 
 def norm_backward(dy2d, x2d, mean, rstd, weight, rms: bool, need_dx: bool,
-                  need_dweight: bool, need_dbias: bool) -> tuple:
+                  need_dweight: bool, need_dbias: bool, grad_dtype=None) -> tuple:
     """``(dx, dweight, dbias)`` of :func:`norm_forward` (None where not
-    needed), fp32; a fast kernel may return dx in x's dtype (callers cast dx
-    to x's dtype)."""
+    needed), fp32; ``grad_dtype``: dweight and dbias rounded to it.  A fast
+    kernel may return dx in x's dtype (callers cast dx to x's dtype)."""
+    dx, dweight, dbias = _norm_backward(dy2d, x2d, mean, rstd, weight, rms, need_dx,
+                                        need_dweight, need_dbias)
+    if grad_dtype is not None:
+        dweight = None if dweight is None else dweight.to(grad_dtype)
+        dbias = None if dbias is None else dbias.to(grad_dtype)
+    return dx, dweight, dbias
+
+
+def _norm_backward(dy2d, x2d, mean, rstd, weight, rms: bool, need_dx: bool,
+                   need_dweight: bool, need_dbias: bool) -> tuple:
     dyf, xf, wf = dy2d.float(), x2d.float(), weight.float()
     dbias = dyf.sum(0) if need_dbias and not rms else None
     if rms:

@@ -9,15 +9,15 @@ differences).  Every row is held whole in registers (hidden sizes up to
   the registers: mean, then the centred variance), ``rstd`` as the
   correctly rounded ``1 / sqrt(var + eps)``, the output rounded once to the
   input's dtype.  ``with_amax=True`` also returns the partial maxima of
-  ``|y|`` (as rounded), one per program of a grid of at most
-  ``triton_quant._MAX_PARTS`` programs that stride over the rows: FP8
+  ``|y|`` (as rounded), one per program of a grid of a few programs per
+  multiprocessor that stride over the rows: FP8
   current scaling then quantizes ``y`` with that amax
   (``quantize_fp8_current(..., amax=parts)``), skipping its own amax pass
   over ``y`` and needing no zero-filled slot.
 * Backward, two launches: dx per row (in the input's dtype), and per
   program the partial sums of dgamma / dbeta over the rows it strides
   over; then one small kernel sums the partials per column (fixed order:
-  deterministic, no atomics).
+  deterministic, no atomics) and rounds them to the parameters' dtype.
 
 Launched through :class:`triton_launch.Launcher`; nothing reads a value
 back to the host (CUDA-graph safe).
@@ -31,9 +31,14 @@ import triton.language as tl
 
 from . import reference as ref
 from .triton_launch import Launcher, cdiv, int_key, ptr_key
-from .triton_quant import _MAX_PARTS
+from .triton_quant import _MAX_GIVEN_PARTS
 
 MAX_K = 16384  # widest row held in registers
+# Programs per multiprocessor of the grids that stride over the rows: the
+# forward that also returns partial maxima (at most _MAX_GIVEN_PARTS of
+# them), and the backward (one row of dgamma / dbeta partials per program).
+FWD_AMAX_PROGRAMS_PER_SM = 4
+BWD_PROGRAMS_PER_SM = 4
 
 
 @triton.jit
@@ -137,7 +142,8 @@ def _col_sum_kernel(part_ptr, out_ptr, G, K, BG: tl.constexpr, BC: tl.constexpr)
         rg = g0 + tl.arange(0, BG)
         acc += tl.load(base + rg[:, None].to(tl.int64) * K + rc[None, :],
                        mask=(rg[:, None] < G) & (rc[None, :] < K), other=0.0)
-    tl.store(out_ptr + j * K + rc, tl.sum(acc, axis=0), mask=rc < K)
+    tl.store(out_ptr + j * K + rc, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty),
+             mask=rc < K)
 
 
 def _warps(elements: int) -> int:
@@ -171,11 +177,17 @@ def _sm_count(device) -> int:
     return n
 
 
+_BLOCKS: dict = {}
+
+
 def _blocks(k: int) -> tuple:
     """(rows per block BM, padded row BK, num_warps) for rows of k elements."""
-    bk = triton.next_power_of_2(k)
-    bm = max(1, min(64, 4096 // bk))
-    return bm, bk, _warps(bm * bk)
+    b = _BLOCKS.get(k)
+    if b is None:
+        bk = 1 << (k - 1).bit_length()
+        bm = max(1, min(64, 4096 // bk))
+        b = _BLOCKS[k] = (bm, bk, _warps(bm * bk))
+    return b
 
 
 def _matrix(t):
@@ -191,7 +203,8 @@ def norm_forward(x2d, weight, bias, eps: float, rms: bool, with_amax: bool = Fal
     dev = x2d.device
     bm, bk, warps = _blocks(k)
     n_blk = cdiv(m, bm)
-    grid = min(n_blk, _MAX_PARTS) if with_amax else n_blk
+    grid = (min(n_blk, _MAX_GIVEN_PARTS, FWD_AMAX_PROGRAMS_PER_SM * _sm_count(dev))
+            if with_amax else n_blk)
     y = torch.empty((m, k), dtype=x2d.dtype, device=dev)
     stats = torch.empty((m if rms else 2 * m,), dtype=torch.float32, device=dev)
     rstd, mean = (stats, None) if rms else (stats[m:], stats[:m])
@@ -209,18 +222,20 @@ def norm_forward(x2d, weight, bias, eps: float, rms: bool, with_amax: bool = Fal
 
 
 def norm_backward(dy2d, x2d, mean, rstd, weight, rms: bool, need_dx: bool,
-                  need_dweight: bool, need_dbias: bool) -> tuple:
+                  need_dweight: bool, need_dbias: bool, grad_dtype=None) -> tuple:
+    """dx in x's dtype; dgamma / dbeta in ``grad_dtype`` (fp32 if None),
+    rounded once from their fp32 sums."""
     m, k = x2d.shape
     need_dbias = need_dbias and not rms
     if m == 0 or k > MAX_K or not weight.is_contiguous() or not (
             need_dx or need_dweight or need_dbias):
         return ref.norm_backward(dy2d, x2d, mean, rstd, weight, rms, need_dx, need_dweight,
-                                 need_dbias)
+                                 need_dbias, grad_dtype)
     x2d, dy2d = _matrix(x2d), _matrix(dy2d)
     dev = x2d.device
     bm, bk, warps = _blocks(k)
     n_blk = cdiv(m, bm)
-    grid = min(n_blk, 4 * _sm_count(dev))
+    grid = min(n_blk, BWD_PROGRAMS_PER_SM * _sm_count(dev))
     n_sums = int(need_dweight) + int(need_dbias)
     dx = torch.empty((m, k), dtype=x2d.dtype, device=dev) if need_dx else x2d
     parts = torch.empty((max(n_sums, 1) * grid, k), dtype=torch.float32, device=dev)
@@ -232,9 +247,9 @@ def norm_backward(dy2d, x2d, mean, rstd, weight, rms: bool, need_dx: bool,
                     bool(rms), bool(need_dx), bool(need_dweight), bool(need_dbias), bm, bk)
     dw = db = None
     if n_sums:
-        sums = torch.empty((n_sums, k), dtype=torch.float32, device=dev)
+        sums = torch.empty((n_sums, k), dtype=grad_dtype or torch.float32, device=dev)
         bc = 128
-        _col_sum_launch((cdiv(k, bc), n_sums), (int_key(grid), int_key(k)),
+        _col_sum_launch((cdiv(k, bc), n_sums), (int_key(grid), int_key(k), sums.dtype),
                         parts, sums, grid, k, 32, bc)
         dw = sums[0] if need_dweight else None
         db = sums[n_sums - 1] if need_dbias else None

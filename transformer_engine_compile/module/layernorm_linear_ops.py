@@ -60,7 +60,11 @@ class LayerNormLinearBwdArgs(LinearBwdArgs):
 
 def with_fields(args, **changes):
     """A shallow copy of a dataclass instance with ``changes`` (no
-    ``__init__``: these argument classes have no ``__post_init__``)."""
+    ``__init__``: these argument classes have no ``__post_init__``).  The
+    fakes run under Dynamo, which on torch 2.11 cannot trace ``__dict__``
+    updates: there ``dataclasses.replace``."""
+    if torch.compiler.is_compiling():
+        return dataclasses.replace(args, **changes)
     new = object.__new__(type(args))
     new.__dict__.update(args.__dict__)
     new.__dict__.update(changes)

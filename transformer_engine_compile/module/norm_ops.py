@@ -68,11 +68,12 @@ def norm_backward(args, d_ln) -> dict:
     x = args.ln_inp
     x2d, dy2d = x.reshape(-1, x.shape[-1]), d_ln.reshape(-1, x.shape[-1])
     rms = args.normalization == "RMSNorm"
-    dx, dw, db = kernels.get("norm_backward", x2d)(
+    sp_sum = args.sequence_parallel and args.tp_size > 1 and args.parallel_mode is not None
+    dx, dw, db = kernels.get("norm_backward", x2d)(  # dgamma in the param dtype unless summed
         dy2d, x2d, args.ln_mean, args.ln_rstd, _gamma(args.ln_weight, args.zero_centered_gamma),
         rms, args.norm_input_requires_grad, args.ln_weight_requires_grad,
-        args.ln_bias_requires_grad)
-    if args.sequence_parallel and args.tp_size > 1 and args.parallel_mode is not None:
+        args.ln_bias_requires_grad, None if sp_sum else args.ln_weight.dtype)
+    if sp_sum:
         dw = None if dw is None else D.all_reduce_sum(dw, args.tp_group)
         db = None if db is None else D.all_reduce_sum(db, args.tp_group)
     return {"inp": None if dx is None else dx.to(x.dtype).view(x.shape),
