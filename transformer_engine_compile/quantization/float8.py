@@ -160,8 +160,11 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
         ``checked=False`` is the op impls' lean path (``quantize_unchecked``)."""
         if checked:
             self._check_input(x)
-        x2d = x.detach().reshape(flat_2d(x.shape))
-        amax = amax.reshape(-1)
+        if x.requires_grad:
+            x = x.detach()
+        x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if amax.dim() != 1:
+            amax = amax.reshape(-1)
         if amax.dtype != torch.float32:
             amax = amax.float()
         buffers = kernels.get("quantize_fp8_current", x2d)(
