@@ -124,7 +124,6 @@ def gpu_times(m=8192, k=4096, log=print) -> dict:
 
     io = m * k * 2
     fwd_ps, bwd_ps = tn.FWD_AMAX_PROGRAMS_PER_SM, tn.BWD_PROGRAMS_PER_SM
-    fwd_st = tn.FWD_NUM_STAGES
     for rms in (False, True):
         nm = "RMSNorm" if rms else "LayerNorm"
         bb = None if rms else b
@@ -147,16 +146,11 @@ def gpu_times(m=8192, k=4096, log=print) -> dict:
         tn.BWD_PROGRAMS_PER_SM = per_sm
         t(f"LayerNorm bwd triton, {per_sm} programs/SM",
           lambda: tn.norm_backward(dy, x, mean, rstd, w, False, True, True, True), 3 * io)
-    for stages in (None, 1, 2):  # pipelining of the forward's row loop
-        tn.FWD_NUM_STAGES = stages
-        for per_sm in (2, 4, 8):  # the grid of the amax-returning forward
-            tn.FWD_AMAX_PROGRAMS_PER_SM = per_sm
-            t(f"LayerNorm fwd + amax, {per_sm} programs/SM, stages {stages}",
-              lambda: tn.norm_forward(x, w, b, 1e-5, False, True), 2 * io)
-        t(f"LayerNorm fwd, stages {stages}", lambda: tn.norm_forward(x, w, b, 1e-5, False),
-          2 * io)
+    for per_sm in (2, 4, 8):  # the grid of the amax-returning forward
+        tn.FWD_AMAX_PROGRAMS_PER_SM = per_sm
+        t(f"LayerNorm fwd + amax, {per_sm} programs/SM",
+          lambda: tn.norm_forward(x, w, b, 1e-5, False, True), 2 * io)
     tn.FWD_AMAX_PROGRAMS_PER_SM, tn.BWD_PROGRAMS_PER_SM = fwd_ps, bwd_ps
-    tn.FWD_NUM_STAGES = fwd_st
     y, _, _, parts = tn.norm_forward(x, w, b, 1e-5, False, True)
     t("fp8 current quantize(y): own amax pass + cast",
       lambda: tq.quantize_fp8_current(y, "e4m3", False, 0.0, True, True), io + io)

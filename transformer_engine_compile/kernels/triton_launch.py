@@ -96,13 +96,9 @@ class Launcher:
     check = os.environ.get("TE_COMPILE_CHECK_LAUNCH", "0") == "1"
     enabled = os.environ.get("TE_COMPILE_FAST_LAUNCH", "1") == "1"  # 0: always kernel[grid]
 
-    def __init__(self, fn, num_warps: int = 8, num_stages=None):
+    def __init__(self, fn, num_warps: int = 8):
         self.fn = fn
         self.num_warps = num_warps
-        # software-pipelining depth of the kernel's loops (None: Triton's default)
-        self.options = {"num_warps": num_warps}
-        if num_stages is not None:
-            self.options["num_stages"] = num_stages
         self.handles: dict = {}
 
     def __call__(self, grid: tuple, key: tuple, *args) -> None:
@@ -112,7 +108,7 @@ class Launcher:
         key = (device, key)
         entry = self.handles.get(key)
         if entry is None or entry is False or self.check or not self.enabled:
-            compiled = self.fn[grid](*args, **self.options)
+            compiled = self.fn[grid](*args, num_warps=self.num_warps)
             if entry is None:
                 self.handles[key] = self._handle(compiled)
             elif entry is not False and entry.compiled is not compiled:
