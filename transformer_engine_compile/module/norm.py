@@ -58,7 +58,8 @@ class _Norm(torch.nn.Module):
             normalized_shape = hidden_size
         elif hidden_size is not None:
             raise TypeError(f"te.{self._NAME}: give normalized_shape or hidden_size, not both")
-        if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
+        if (isinstance(normalized_shape, numbers.Integral)
+                and not isinstance(normalized_shape, bool)):
             normalized_shape = (int(normalized_shape),)
         try:
             normalized_shape = tuple(int(d) for d in normalized_shape)
