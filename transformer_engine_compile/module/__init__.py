@@ -1,11 +1,13 @@
 """Layers: ``Linear`` (module in ``linear.py``, its custom ops in
 ``linear_ops.py``) and ``LayerNormLinear`` (``layernorm_linear.py``, ops in
-``layernorm_linear_ops.py`` built on Linear's)."""
+``layernorm_linear_ops.py`` built on Linear's); ``LayerNorm`` and ``RMSNorm``
+(``norm.py``, plain torch code)."""
 
 from .layernorm_linear import LayerNormLinear
 from .layernorm_linear_ops import LayerNormLinearBwdArgs, LayerNormLinearFwdArgs
 from .linear import Linear
 from .linear_ops import LinearBwdArgs, LinearFwdArgs
+from .norm import LayerNorm, RMSNorm
 
 __all__ = ["Linear", "LinearFwdArgs", "LinearBwdArgs", "LayerNormLinear",
-           "LayerNormLinearFwdArgs", "LayerNormLinearBwdArgs"]
+           "LayerNormLinearFwdArgs", "LayerNormLinearBwdArgs", "LayerNorm", "RMSNorm"]
