@@ -84,26 +84,71 @@ class Block(torch.nn.Module):
     def forward(self, x, cos, sin):
         b, s, d = x.shape
         h = self.attn_norm(x).reshape(b * s, d)
-
-        def heads(t, n):
-            return t.view(b, s, n, self.head_dim).transpose(1, 2)
-
-        q = _rope(heads(self.q(h), self.heads), cos, sin)
-        k = _rope(heads(self.k(h), self.kv_heads), cos, sin)
-        v = heads(self.v(h), self.kv_heads)
-        rep = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.o(a.transpose(1, 2).reshape(b * s, d)).view(b, s, d)
+        a = _attention(self, self.q(h), self.k(h), self.v(h), b, s, cos, sin)
+        x = x + self.o(a).view(b, s, d)
         h = self.mlp_norm(x).reshape(b * s, d)
         return x + self.down(F.silu(self.gate(h)) * self.up(h)).view(b, s, d)
 
 
+def _attention(block, q, k, v, b, s, cos, sin):
+    """Causal SDPA with rotary q, k and grouped KV heads; (b * s, heads * hd)."""
+    def heads(t, n):
+        return t.reshape(b, s, n, block.head_dim).transpose(1, 2)
+
+    q = _rope(heads(q, block.heads), cos, sin)
+    k = _rope(heads(k, block.kv_heads), cos, sin)
+    v = heads(v, block.kv_heads)
+    rep = block.heads // block.kv_heads
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return a.transpose(1, 2).reshape(b * s, -1)
+
+
+class PackedBlock(torch.nn.Module):
+    """The block with packed projections (q, k, v in one GEMM; gate and up
+    in one, SwiGLU as Transformer Engine defines it: ``silu(first half) *
+    second half``), on te modules.  ``fused``: ``te.LayerNormLinear`` (norm
+    + QKV) and ``te.LayerNormMLP`` (norm + SwiGLU MLP), else the same model
+    from separate norms and ``te.Linear``s (issue 17's comparison)."""
+
+    def __init__(self, cfg: LlamaConfig, device, fused: bool):
+        super().__init__()
+        from . import module as M
+        hd = cfg.hidden // cfg.heads
+        self.heads, self.kv_heads, self.head_dim, self.fused = cfg.heads, cfg.kv_heads, hd, fused
+        self.split = (cfg.heads * hd, cfg.kv_heads * hd, cfg.kv_heads * hd)
+        kw = dict(bias=False, params_dtype=torch.bfloat16, device=device)
+        if fused:
+            self.qkv = M.LayerNormLinear(cfg.hidden, sum(self.split), normalization="RMSNorm",
+                                         **kw)
+            self.mlp = M.LayerNormMLP(cfg.hidden, cfg.ffn, normalization="RMSNorm",
+                                      activation="swiglu", **kw)
+        else:
+            self.attn_norm, self.mlp_norm = RMSNorm(cfg.hidden, device), RMSNorm(cfg.hidden, device)
+            self.qkv = M.Linear(cfg.hidden, sum(self.split), **kw)
+            self.fc1 = M.Linear(cfg.hidden, 2 * cfg.ffn, **kw)
+            self.fc2 = M.Linear(cfg.ffn, cfg.hidden, **kw)
+        self.o = M.Linear(cfg.heads * hd, cfg.hidden, **kw)
+
+    def forward(self, x, cos, sin):
+        b, s, d = x.shape
+        h = x.reshape(b * s, d)
+        qkv = self.qkv(h) if self.fused else self.qkv(self.attn_norm(h))
+        q, k, v = qkv.split(self.split, dim=-1)
+        x = x + self.o(_attention(self, q, k, v, b, s, cos, sin)).view(b, s, d)
+        h = x.reshape(b * s, d)
+        if self.fused:
+            return x + self.mlp(h).view(b, s, d)
+        gate, up = self.fc1(self.mlp_norm(h)).chunk(2, dim=-1)
+        return x + self.fc2(F.silu(gate) * up).view(b, s, d)
+
+
 class Llama(torch.nn.Module):
-    def __init__(self, cfg: LlamaConfig, linear, device):
+    def __init__(self, cfg: LlamaConfig, linear, device, block=None):
         super().__init__()
         self.cfg = cfg
-        self.blocks = torch.nn.ModuleList(Block(cfg, linear, device) for _ in range(cfg.layers))
+        make = block or (lambda: Block(cfg, linear, device))
+        self.blocks = torch.nn.ModuleList(make() for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, device)
         hd = cfg.hidden // cfg.heads
         inv = 1.0 / 10000 ** (torch.arange(0, hd, 2, device=device).float() / hd)
@@ -128,10 +173,14 @@ def te_linear(k, n, device):
 
 
 def build(cfg, kind, device):
-    """The model for a candidate kind: "torch", "te" or "torchao"."""
+    """The model for a candidate kind: "torch", "te", "torchao", or the
+    packed-projection models "te-fused" / "te-unfused" (:class:`PackedBlock`)."""
     torch.manual_seed(0)
     if kind == "te":
         return Llama(cfg, te_linear, device)
+    if kind in ("te-fused", "te-unfused"):
+        return Llama(cfg, None, device,
+                     block=lambda: PackedBlock(cfg, device, fused=kind == "te-fused"))
     model = Llama(cfg, torch_linear, device)
     if kind == "torchao":
         from torchao.float8 import convert_to_float8_training
@@ -190,13 +239,18 @@ def inputs(cfg, device):
     return x, target
 
 
-def candidates(recipes, with_torchao):
-    """(label, model kind, recipe) in table order."""
+def candidates(recipes, with_torchao, fused=False):
+    """(label, model kind, recipe) in table order; ``fused`` adds the
+    packed-projection model built from separate norms + te.Linear
+    ("unfused") and from te.LayerNormLinear + te.LayerNormMLP ("fused")."""
     out = [("torch bf16", "torch", None)]
     if with_torchao:
         out.append(("torchao fp8 tensorwise", "torchao", None))
     out.append(("te bf16", "te", None))
     out += [(f"te {name}", "te", rec) for name, rec in recipes.items()]
+    if fused:
+        for name, rec in {"bf16": None, **recipes}.items():
+            out += [(f"te {name} {kind}", f"te-{kind}", rec) for kind in ("unfused", "fused")]
     return out
 
 
@@ -227,7 +281,8 @@ def peak_gib(step, x, target, device):
     return torch.cuda.max_memory_allocated() / 2 ** 30
 
 
-def run(configs, recipes, modes, device, with_torchao, only=None, steps=10, log=print):
+def run(configs, recipes, modes, device, with_torchao, only=None, steps=10, log=print,
+        fused=False):
     """One row per (config, candidate, mode); a failing candidate gets an
     ``error`` entry and the others still run."""
     import gc
@@ -235,7 +290,7 @@ def run(configs, recipes, modes, device, with_torchao, only=None, steps=10, log=
     rows = []
     for cname, cfg in configs.items():
         x, target = inputs(cfg, device)
-        for label, kind, rec in candidates(recipes, with_torchao):
+        for label, kind, rec in candidates(recipes, with_torchao, fused):
             if only and not any(label == o for o in only):
                 continue
             for mode in modes:

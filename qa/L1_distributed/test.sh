@@ -3,7 +3,8 @@
 # tests/tp_harness.py, bf16 and every recipe, compiled fullgraph in default
 # and reduce-overhead mode: compiled == eager TP bit for bit, one graph, no
 # graph break, and TP == the single-device layer (bf16 exactly, quantized
-# within the documented tolerance).  Then the docs' torchrun example.
+# within the documented tolerance); te.LayerNormLinear column (+SP) against
+# one device.  Then the docs' torchrun example.
 # Fails without 2 CUDA devices.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -24,6 +25,8 @@ run tests/tp_harness.py --device cuda --modes ${MODES:-default reduce-overhead} 
 # a ragged token count (2 x 100: no multiple of any block) with sequence parallelism
 run tests/tp_harness.py --device cuda --modes ${MODES:-default reduce-overhead} \
   --parallel column:1 row:1 --seq 100 "$@"
+# te.LayerNormLinear column-parallel, with and without SP, every recipe
+(cd tests && run test_layernorm_linear.py)
 for recipe in bf16 fp8_current; do
   run -m transformer_engine_compile.parallel_demo --recipe "$recipe" --steps 5
 done

@@ -148,11 +148,12 @@ def field_view(args, cls, prefix: str, **overrides):
     """A ``cls`` instance (no ``__init__``) of ``args``' fields ``prefix +
     name``, with ``overrides`` for the fields left out by
     :func:`prefixed_fields`: the values are the same objects, not copies."""
-    view = object.__new__(cls)
-    values = view.__dict__
-    for name in _field_names(cls):
-        values[name] = (overrides[name] if name in overrides
-                        else getattr(args, prefix + name))
+    values = {name: overrides[name] if name in overrides else getattr(args, prefix + name)
+              for name in _field_names(cls)}
+    if torch.compiler.is_compiling():  # traced (the fakes): __init__, which Dynamo follows
+        return cls(**values)
+    view = object.__new__(cls)  # at run time without __init__ (no __post_init__ here)
+    view.__dict__.update(values)
     return view
 
 

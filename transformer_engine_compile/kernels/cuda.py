@@ -1,6 +1,6 @@
 """Registration of the CUDA fast paths (see kernels/__init__.py).
 
-Quantization kernels need Triton; the GEMM needs only torch's cuBLAS
+Quantization and normalisation kernels need Triton; the GEMM needs only torch's cuBLAS
 bindings.  Either is skipped, with the reference used instead, when its
 requirement is missing: ``available()`` reports what was registered.
 """
@@ -32,6 +32,10 @@ def register() -> None:
     from .triton_nvfp4 import quantize_nvfp4
     register_fast("quantize_nvfp4", "cuda", quantize_nvfp4)
     _REGISTERED.append("quantize_nvfp4")
+    from . import triton_norm as tn
+    for name in ("norm_forward", "norm_backward"):
+        register_fast(name, "cuda", getattr(tn, name))
+        _REGISTERED.append(name)
 
 
 def available() -> tuple:

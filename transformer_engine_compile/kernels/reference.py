@@ -39,6 +39,9 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     return x.detach().abs().amax().float()
 
 
+_amax = amax  # for functions whose ``amax`` argument shadows it
+
+
 def compute_scale(amax_: torch.Tensor, fmt_max: float, margin: int = 0,
                   pow2: bool = False) -> torch.Tensor:
     """scale = fmt_max / amax * 2^-margin; 1 where amax is 0 or not finite,
@@ -88,9 +91,13 @@ def current_scale(amax_: torch.Tensor, fmt: str, pow2: bool, eps: float) -> torc
     return compute_scale(amax_, FP8_MAX[fmt], pow2=pow2)
 
 
-def quantize_fp8_current(x2d, fmt, pow2, eps, rowwise, columnwise) -> dict:
-    """Current scaling: the scale comes from this tensor's amax (floored at eps)."""
-    return quantize_fp8_tensorwise(x2d, current_scale(amax(x2d), fmt, pow2, eps), fmt,
+def quantize_fp8_current(x2d, fmt, pow2, eps, rowwise, columnwise, amax=None) -> dict:
+    """Current scaling: the scale comes from this tensor's amax (floored at eps).
+    ``amax``: given instead (a 1-D fp32 tensor of partial maxima: the scale
+    comes from their max), e.g. reduced over a tensor-parallel group or
+    produced by the normalisation that made x2d."""
+    a = _amax(x2d) if amax is None else amax.float().max()
+    return quantize_fp8_tensorwise(x2d, current_scale(a, fmt, pow2, eps), fmt,
                                    rowwise, columnwise)
 
 
@@ -364,23 +371,41 @@ def dequantize_nvfp4(packed, scale_q, amax_) -> torch.Tensor:
 
 
 # -- normalisation (LayerNormLinear, LayerNormMLP) ---------------------------------
-def norm_forward(x2d, weight, bias, eps: float, rms: bool) -> tuple:
+def norm_forward(x2d, weight, bias, eps: float, rms: bool, with_amax: bool = False) -> tuple:
     """``(y, mean, rstd)`` of LayerNorm (``rms`` False) or RMSNorm over the
     rows of an (M, K) view: computed in fp32 (x, weight and bias upcast) and
     rounded once to x's dtype.  ``mean`` (None for RMSNorm) and ``rstd`` are
-    (M,) fp32.  ``weight`` is the effective gamma (zero-centred already added)."""
+    (M,) fp32.  ``weight`` is the effective gamma (zero-centred already added).
+
+    ``with_amax``: a fourth element, a 1-D fp32 tensor of partial maxima of
+    ``|y|`` whose max is ``amax(y)`` (one element here; a fast kernel returns
+    one per program), for ``quantize_fp8_current(..., amax=...)``."""
     xf, wf = x2d.float(), weight.float()
     if rms:
         rstd = torch.rsqrt(xf.square().mean(-1) + eps)
-        return (xf * rstd[:, None] * wf).to(x2d.dtype), None, rstd
-    y, mean, rstd = torch.native_layer_norm(xf, [x2d.shape[-1]], wf,
-                                            None if bias is None else bias.float(), eps)
-    return y.to(x2d.dtype), mean.reshape(-1), rstd.reshape(-1)
+        out = (xf * rstd[:, None] * wf).to(x2d.dtype), None, rstd
+    else:
+        y, mean, rstd = torch.native_layer_norm(xf, [x2d.shape[-1]], wf,
+                                                None if bias is None else bias.float(), eps)
+        out = y.to(x2d.dtype), mean.reshape(-1), rstd.reshape(-1)
+    return (*out, amax(out[0]).reshape(1)) if with_amax else out
 
 
 def norm_backward(dy2d, x2d, mean, rstd, weight, rms: bool, need_dx: bool,
-                  need_dweight: bool, need_dbias: bool) -> tuple:
-    """fp32 ``(dx, dweight, dbias)`` of :func:`norm_forward` (None where not needed)."""
+                  need_dweight: bool, need_dbias: bool, grad_dtype=None) -> tuple:
+    """``(dx, dweight, dbias)`` of :func:`norm_forward` (None where not
+    needed), fp32; ``grad_dtype``: dweight and dbias rounded to it.  A fast
+    kernel may return dx in x's dtype (callers cast dx to x's dtype)."""
+    dx, dweight, dbias = _norm_backward(dy2d, x2d, mean, rstd, weight, rms, need_dx,
+                                        need_dweight, need_dbias)
+    if grad_dtype is not None:
+        dweight = None if dweight is None else dweight.to(grad_dtype)
+        dbias = None if dbias is None else dbias.to(grad_dtype)
+    return dx, dweight, dbias
+
+
+def _norm_backward(dy2d, x2d, mean, rstd, weight, rms: bool, need_dx: bool,
+                   need_dweight: bool, need_dbias: bool) -> tuple:
     dyf, xf, wf = dy2d.float(), x2d.float(), weight.float()
     dbias = dyf.sum(0) if need_dbias and not rms else None
     if rms:

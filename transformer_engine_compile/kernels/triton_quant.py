@@ -191,6 +191,7 @@ def _fp8_tensorwise_kernel(x_ptr, M, K, amax_ptr, n_parts, scale_ptr, data_ptr, 
 _TW_BM, _TW_BK = 64, 128
 _AMAX_BM, _AMAX_BK = 64, 256
 _MAX_PARTS = 256  # programs of the amax pass (a power of two: the cast pass loads them all)
+_MAX_GIVEN_PARTS = 1024  # partial maxima a caller may give quantize_fp8_current
 _amax_launch = Launcher(_amax_kernel)
 _amax_partials_launch = Launcher(_amax_partials_kernel)
 _fp8_tensorwise_launch = Launcher(_fp8_tensorwise_kernel)
@@ -209,8 +210,9 @@ def amax(x: torch.Tensor) -> torch.Tensor:
 
 
 def _fp8_tensorwise(x2d, fmt, rowwise, columnwise, *, scale=None, amax_out=None,
-                    pow2=False, eps=0.0) -> dict:
-    """Current scaling without ``scale`` (amax pass, then cast), else the cast
+                    pow2=False, eps=0.0, amax_parts=None) -> dict:
+    """Current scaling without ``scale`` (amax pass, then cast; the cast
+    alone when the partial maxima ``amax_parts`` are given), else the cast
     with ``scale``, recording the amax into ``amax_out`` when given."""
     x2d = _matrix(x2d)
     m, k = x2d.shape
@@ -222,7 +224,11 @@ def _fp8_tensorwise(x2d, fmt, rowwise, columnwise, *, scale=None, amax_out=None,
     if columnwise:
         out["transpose"] = torch.empty((k, m), dtype=dt, device=dev)
     xkey = _x_key(x2d, m, k)
-    if scale is None:
+    if scale is None and amax_parts is not None:
+        n_parts = amax_parts.shape[0]
+        amax_arg, scale_arg = amax_parts.view(torch.int32), out["scale_inv"]
+        key = (xkey, int_key(n_parts), ptr_key(amax_arg))
+    elif scale is None:
         n_tiles = cdiv(m, _AMAX_BM) * cdiv(k, _AMAX_BK)
         n_parts = min(n_tiles, _MAX_PARTS)
         parts = torch.empty(n_parts, dtype=torch.int32, device=dev)
@@ -238,10 +244,10 @@ def _fp8_tensorwise(x2d, fmt, rowwise, columnwise, *, scale=None, amax_out=None,
     grid = (cdiv(m, _TW_BM), cdiv(k, _TW_BK))
     flags = (fmt, float(eps), bool(pow2), scale is None, amax_out is not None, bool(rowwise),
              bool(columnwise))
-    _fp8_tensorwise_launch(grid, (key, flags), x2d, m, k, amax_arg, n_parts, scale_arg,
+    n_load = _MAX_PARTS if n_parts <= _MAX_PARTS else 1 << (n_parts - 1).bit_length()
+    _fp8_tensorwise_launch(grid, (key, flags, n_load), x2d, m, k, amax_arg, n_parts, scale_arg,
                            out.get("data", sinv), out.get("transpose", sinv), sinv,
-                           ref.FP8_MAX[fmt], *flags[1:], _TL_FP8[fmt], _TW_BM, _TW_BK,
-                           _MAX_PARTS)
+                           ref.FP8_MAX[fmt], *flags[1:], _TL_FP8[fmt], _TW_BM, _TW_BK, n_load)
     return out
 
 
@@ -253,10 +259,15 @@ def quantize_fp8_tensorwise(x2d, scale, fmt, rowwise, columnwise, amax_out=None)
     return _fp8_tensorwise(x2d, fmt, rowwise, columnwise, scale=scale, amax_out=amax_out)
 
 
-def quantize_fp8_current(x2d, fmt, pow2, eps, rowwise, columnwise) -> dict:
-    if x2d.numel() == 0:
-        return ref.quantize_fp8_current(x2d, fmt, pow2, eps, rowwise, columnwise)
-    return _fp8_tensorwise(x2d, fmt, rowwise, columnwise, pow2=pow2, eps=eps)
+def quantize_fp8_current(x2d, fmt, pow2, eps, rowwise, columnwise, amax=None) -> dict:
+    """``amax``: 1-D fp32 partial maxima (at most ``_MAX_GIVEN_PARTS``) computed
+    elsewhere (the normalisation that produced x2d, a tensor-parallel
+    all-reduce): the scale comes from their max and the amax pass is skipped."""
+    if x2d.numel() == 0 or (amax is not None and (
+            amax.dim() != 1 or amax.shape[0] > _MAX_GIVEN_PARTS or amax.dtype != torch.float32
+            or not amax.is_contiguous())):
+        return ref.quantize_fp8_current(x2d, fmt, pow2, eps, rowwise, columnwise, amax)
+    return _fp8_tensorwise(x2d, fmt, rowwise, columnwise, pow2=pow2, eps=eps, amax_parts=amax)
 
 
 # -- delayed scaling ---------------------------------------------------------------------

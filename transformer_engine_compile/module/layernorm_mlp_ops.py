@@ -39,6 +39,7 @@ from ..dynamo.custom_op import (OpResult, field_view, prefixed, prefixed_fields,
 from ..dynamo.tensor_proto import TensorProto
 from ..kernels.reference import ACTIVATIONS
 from . import norm_ops as N
+from .layernorm_linear_ops import _amax_fused_quantizer
 from .linear_ops import (LINEAR_OPS, LinearBwdArgs, LinearFwdArgs, linear_backward,
                          linear_backward_fake, linear_forward, linear_forward_fake,
                          linear_setup_context)
@@ -136,9 +137,14 @@ def _finish_forward(args, ln_out, mean, rstd, fc1: OpResult, fc2: OpResult) -> O
 
 
 def layernorm_mlp_forward(args) -> OpResult:
-    ln_out, mean, rstd = N.norm_forward(args.inp, args.ln_weight, args.ln_bias, args.eps,
-                                        args.normalization, args.zero_centered_gamma)
-    fc1 = linear_forward(args.gemm("fc1_", ln_out))
+    fc1_args = args.gemm("fc1_", None)
+    q = _amax_fused_quantizer(fc1_args)  # as LayerNormLinear: the norm kernel's amax
+    norm = N.norm_forward(args.inp, args.ln_weight, args.ln_bias, args.eps,
+                          args.normalization, args.zero_centered_gamma, q is not None)
+    ln_out, mean, rstd = norm[:3]
+    fc1_args.inp = ln_out
+    xq = None if q is None else q.quantize_with_amax(ln_out, norm[3], checked=False)
+    fc1 = linear_forward(fc1_args, xq)
     act = activation_forward(fc1.outputs["out"], args.activation)
     fc2 = linear_forward(args.gemm("fc2_", act))
     return _finish_forward(args, ln_out, mean, rstd, fc1, fc2)

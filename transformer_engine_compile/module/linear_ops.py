@@ -208,15 +208,24 @@ def _input_quantizer(args: LinearFwdArgs):
     return q.usage_variant(**_input_usage(args))
 
 
-def linear_forward(args: LinearFwdArgs) -> OpResult:
+def linear_forward(args: LinearFwdArgs, xq=None) -> OpResult:
+    """``xq``: ``args.inp`` already quantized by the caller with
+    ``_input_quantizer(args)`` (LayerNormLinear quantizes the norm's output
+    with the amax its kernel produced); only without a gather of the input
+    and without delayed scaling, where nothing else reads x's amax."""
     check_forward_op_in_backward(args)
     x = args.inp
     mode, sp = _tp(args)
     q = _input_quantizer(args)
     amaxes = _zero_amaxes(args.amax_history_fwd)  # delayed scaling: x, W
+    if xq is not None and ((mode == "column" and sp) or amaxes is not None):
+        raise ValueError("linear_forward: a pre-quantized input needs no gather and no "
+                         "delayed scaling")
     if mode == "column" and sp:  # x_total is None when only FP8 bytes were gathered
         x_total, xq = D.gather_and_quantize(x, q, args.tp_group, args.tp_size,
                                             quantized_gather=not args.save_original_input)
+    elif xq is not None:
+        x_total = x
     else:
         x_total, xq = x, (x if q is None else _quantize(q, x, args.scale_fwd, 0, amaxes))
     w, workspace = _weight_for_gemm(args, amaxes)

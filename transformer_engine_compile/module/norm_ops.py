@@ -31,12 +31,17 @@ def _gamma(weight, zero_centered_gamma: bool):
 
 
 def norm_forward(x, weight, bias, eps: float, normalization: str,
-                 zero_centered_gamma: bool) -> tuple:
-    """``(y, mean, rstd)``: y shaped like x; mean (None for RMSNorm) and rstd (rows,) fp32."""
+                 zero_centered_gamma: bool, with_amax: bool = False) -> tuple:
+    """``(y, mean, rstd)``: y shaped like x; mean (None for RMSNorm) and rstd (rows,) fp32.
+    ``with_amax``: also the partial maxima of ``|y|`` (1-D fp32; their max is
+    amax(y)), which FP8 current scaling quantizes y with
+    (``Float8CurrentScalingQuantizer.quantize_with_amax``): on CUDA the
+    norm kernel produces them, so quantizing y skips its amax pass."""
     x2d = x.reshape(-1, x.shape[-1])
-    y, mean, rstd = kernels.get("norm_forward", x2d)(
-        x2d, _gamma(weight, zero_centered_gamma), bias, eps, normalization == "RMSNorm")
-    return y.view(x.shape), mean, rstd
+    out = kernels.get("norm_forward", x2d)(
+        x2d, _gamma(weight, zero_centered_gamma), bias, eps, normalization == "RMSNorm",
+        with_amax)
+    return (out[0].view(x.shape), *out[1:])
 
 
 def norm_forward_fake(x, normalization: str) -> tuple:
@@ -63,11 +68,12 @@ def norm_backward(args, d_ln) -> dict:
     x = args.ln_inp
     x2d, dy2d = x.reshape(-1, x.shape[-1]), d_ln.reshape(-1, x.shape[-1])
     rms = args.normalization == "RMSNorm"
-    dx, dw, db = kernels.get("norm_backward", x2d)(
+    sp_sum = args.sequence_parallel and args.tp_size > 1 and args.parallel_mode is not None
+    dx, dw, db = kernels.get("norm_backward", x2d)(  # dgamma in the param dtype unless summed
         dy2d, x2d, args.ln_mean, args.ln_rstd, _gamma(args.ln_weight, args.zero_centered_gamma),
         rms, args.norm_input_requires_grad, args.ln_weight_requires_grad,
-        args.ln_bias_requires_grad)
-    if args.sequence_parallel and args.tp_size > 1 and args.parallel_mode is not None:
+        args.ln_bias_requires_grad, None if sp_sum else args.ln_weight.dtype)
+    if sp_sum:
         dw = None if dw is None else D.all_reduce_sum(dw, args.tp_group)
         db = None if db is None else D.all_reduce_sum(db, args.tp_group)
     return {"inp": None if dx is None else dx.to(x.dtype).view(x.shape),

@@ -149,15 +149,30 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
         return fn(x2d, self.fp8_format, self.force_pow_2_scales, self.amax_epsilon,
                   self.rowwise_usage, self.columnwise_usage)
 
-    def quantize_with_amax(self, x: torch.Tensor, amax: torch.Tensor):
+    def quantize_with_amax(self, x: torch.Tensor, amax: torch.Tensor, checked: bool = True):
         """Quantize ``x`` with the scale of a given amax instead of its own.
 
         Tensor parallelism passes the amax all-reduced over the group, so every
         rank's shard gets the scale of the whole tensor; the result equals
-        ``quantize`` of the whole tensor, restricted to this shard."""
-        return self._quantize_with_given_scale(x, ref.current_scale(
-            amax.reshape(()).float(), self.fp8_format, self.force_pow_2_scales,
-            self.amax_epsilon))
+        ``quantize`` of the whole tensor, restricted to this shard.  The
+        normalisation of ``te.LayerNormLinear`` passes the partial maxima of
+        its output (``amax`` may hold several values: their max is the amax).
+        ``checked=False`` is the op impls' lean path (``quantize_unchecked``)."""
+        if checked:
+            self._check_input(x)
+        if x.requires_grad:
+            x = x.detach()
+        x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if amax.dim() != 1:
+            amax = amax.reshape(-1)
+        if amax.dtype != torch.float32:
+            amax = amax.float()
+        buffers = kernels.get("quantize_fp8_current", x2d)(
+            x2d, self.fp8_format, self.force_pow_2_scales, self.amax_epsilon,
+            self.rowwise_usage, self.columnwise_usage, amax)
+        if checked:
+            return self._build(x.shape, x.dtype, buffers)
+        return self._from_buffers(x.shape, x.dtype, buffers)
 
 
 @register_value_opaque_quantizer
