@@ -36,6 +36,10 @@ def register() -> None:
     for name in ("norm_forward", "norm_backward"):
         register_fast(name, "cuda", getattr(tn, name))
         _REGISTERED.append(name)
+    from . import triton_act as ta
+    for name in ("activation_forward", "activation_backward"):
+        register_fast(name, "cuda", getattr(ta, name))
+        _REGISTERED.append(name)
 
 
 def available() -> tuple:
