@@ -35,4 +35,5 @@ def test_activation_kernels_equal_the_reference(name, shape, dtype):
     # dtype at most; fp32 results: a few fp32 ulps through the formula)
     limit = 1.0 if dtype == torch.bfloat16 else 64.0
     assert _ulps(y, y_ref) <= limit and _ulps(dx, dx_ref) <= limit
-    assert (y == y_ref).float().mean() > 0.99 and (dx == dx_ref).float().mean() > 0.99
+    if dtype == torch.bfloat16:  # almost every value rounds to the same bf16
+        assert (y == y_ref).float().mean() > 0.99 and (dx == dx_ref).float().mean() > 0.99
