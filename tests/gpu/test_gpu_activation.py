@@ -10,11 +10,13 @@ from transformer_engine_compile.kernels import reference as ref
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def _ulps(a, b):
-    """max |a - b| in units of b's dtype spacing at |b| (at least the smallest normal)."""
-    tiny = torch.finfo(b.dtype).tiny
-    spacing = torch.finfo(b.dtype).eps * b.float().abs().clamp_min(tiny)
-    return ((a.float() - b.float()).abs() / spacing).max().item()
+def _within_one_rounding(a, b) -> bool:
+    """|a - b| <= one rounding of b's dtype at |b|, plus an fp32 error of the
+    formula relative to the tensor's largest value (exp- vs torch-tanh
+    differ in the last fp32 bits, which cancellation near zero magnifies)."""
+    err = (a.float() - b.float()).abs()
+    bound = torch.finfo(b.dtype).eps * b.float().abs() + 1e-6 * b.float().abs().max()
+    return bool((err <= bound).all())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
@@ -31,9 +33,6 @@ def test_activation_kernels_equal_the_reference(name, shape, dtype):
     y, y_ref = ta.activation_forward(x, name), ref.activation_forward(x, name)
     dx, dx_ref = ta.activation_backward(dy, x, name), ref.activation_backward(dy, x, name)
     assert y.shape == y_ref.shape and y.dtype == dtype and dx.shape == x.shape
-    # identical up to the last fp32 bit of exp (one rounding of the output
-    # dtype at most; fp32 results: a few fp32 ulps through the formula)
-    limit = 1.0 if dtype == torch.bfloat16 else 64.0
-    assert _ulps(y, y_ref) <= limit and _ulps(dx, dx_ref) <= limit
+    assert _within_one_rounding(y, y_ref) and _within_one_rounding(dx, dx_ref)
     if dtype == torch.bfloat16:  # almost every value rounds to the same bf16
         assert (y == y_ref).float().mean() > 0.99 and (dx == dx_ref).float().mean() > 0.99
