@@ -19,6 +19,12 @@ import triton.language as tl
 from . import reference as ref
 from .triton_launch import Launcher, cdiv, int_key, ptr_key
 
+try:  # CUDA's tanhf, as torch.tanh uses
+    from triton.language.extra import libdevice as _libdevice
+    _HAS_LIBDEVICE = True
+except ImportError:  # pragma: no cover - other Triton versions
+    _libdevice, _HAS_LIBDEVICE = None, False
+
 # activation codes (constexpr): the function, and its parameter for the sigmoid family
 _CODES = {"gelu": (0, 0.0), "geglu": (0, 0.0), "relu": (1, 0.0), "reglu": (1, 0.0),
           "srelu": (2, 0.0), "sreglu": (2, 0.0), "silu": (3, 1.0), "swiglu": (3, 1.0),
@@ -27,8 +33,10 @@ _BM, _BN = 16, 256
 
 
 @triton.jit
-def _tanh_of(u):  # through exp (saturates correctly: exp overflow gives -1, underflow 1)
-    return 2.0 / (1.0 + tl.exp(-2.0 * u)) - 1.0
+def _tanh_of(u):
+    if _HAS_LIBDEVICE:
+        return _libdevice.tanh(u)
+    return 2.0 / (1.0 + tl.exp(-2.0 * u)) - 1.0  # saturates correctly at both ends
 
 
 @triton.jit
