@@ -21,9 +21,9 @@ from .triton_launch import Launcher, cdiv, int_key, ptr_key
 
 try:  # CUDA's tanhf, as torch.tanh uses
     from triton.language.extra import libdevice as _libdevice
-    _HAS_LIBDEVICE = True
 except ImportError:  # pragma: no cover - other Triton versions
-    _libdevice, _HAS_LIBDEVICE = None, False
+    _libdevice = None
+_HAS_LIBDEVICE = tl.constexpr(_libdevice is not None)
 
 # activation codes (constexpr): the function, and its parameter for the sigmoid family
 _CODES = {"gelu": (0, 0.0), "geglu": (0, 0.0), "relu": (1, 0.0), "reglu": (1, 0.0),
