@@ -51,6 +51,7 @@ from torch.autograd.function import once_differentiable
 
 from ..quantization.base import QuantizedTensorStorage, storage_parts, storage_registry
 from ..quantization.wrapper import QuantizedTensor
+from . import arg_views
 from . import buckets as B
 from . import compat
 from .tensor_proto import TensorProto, to_tensor_proto
@@ -118,58 +119,7 @@ def apply_updates(updates: dict, args, results: dict) -> dict:
     return results
 
 
-# -- ops over several GEMMs: one dataclass's fields under a prefix ----------------------
-def prefixed_fields(cls, prefix: str, exclude=()) -> list:
-    """``dataclasses.make_dataclass`` specs of ``cls``'s fields renamed
-    ``prefix + name`` (resolved type hints; a field without a default gets
-    None), leaving out ``exclude``: an op running two GEMMs has each one's
-    fields as ``fc1_...`` / ``fc2_...`` (see :func:`field_view`)."""
-    hints = B.typing.get_type_hints(cls)
-    out = []
-    for f in dataclasses.fields(cls):
-        if f.name in exclude:
-            continue
-        default = None if f.default is dataclasses.MISSING else f.default
-        out.append((prefix + f.name, hints[f.name], dataclasses.field(default=default)))
-    return out
-
-
-_FIELD_NAMES: dict = {}  # dataclass -> its field names (also read by traced code)
-
-
-def _field_names(cls) -> tuple:
-    names = _FIELD_NAMES.get(cls)
-    if names is None:
-        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
-    return names
-
-
-def field_view(args, cls, prefix: str, **overrides):
-    """A ``cls`` instance (no ``__init__``) of ``args``' fields ``prefix +
-    name``, with ``overrides`` for the fields left out by
-    :func:`prefixed_fields`: the values are the same objects, not copies."""
-    values = {name: overrides[name] if name in overrides else getattr(args, prefix + name)
-              for name in _field_names(cls)}
-    if torch.compiler.is_compiling():  # traced (the fakes): __init__, which Dynamo follows
-        return cls(**values)
-    view = object.__new__(cls)  # at run time without __init__ (no __post_init__ here)
-    view.__dict__.update(values)
-    return view
-
-
-def merge_views(cls, views: dict, **fields):
-    """A ``cls`` instance from ``fields`` and, for each ``prefix -> view`` of
-    ``views``, the view's fields that ``cls`` has as ``prefix + name``: the
-    inverse of :func:`field_view` (a module builds each GEMM's arguments
-    with the one-GEMM logic, then merges them)."""
-    names = set(_field_names(cls))
-    for prefix, view in views.items():
-        for name in _field_names(type(view)):
-            if prefix + name in names:
-                fields[prefix + name] = getattr(view, name)
-    return cls(**fields)
-
-
+# -- ops over several GEMMs (the argument views themselves: arg_views.py) ---------
 def prefixed(values: dict, prefix: str, exclude=()) -> dict:
     """``values`` with ``prefix`` before each key (``exclude`` left out); an
     :class:`Update`'s field is prefixed too."""
@@ -187,7 +137,7 @@ class ArgPlan:
         hints = B.typing.get_type_hints(cls)
         self.cls = cls
         self.fields = tuple((f.name, B.bucket_for(hints[f.name])) for f in dataclasses.fields(cls))
-        _FIELD_NAMES[cls] = tuple(n for n, _ in self.fields)  # field_view before any trace
+        arg_views.FIELD_NAMES[cls] = tuple(n for n, _ in self.fields)  # views before a trace
         self.tensor_fields = tuple(n for n, b in self.fields if b.kind in
                                    ("tensor", "optional_tensor", "tensor_or_quantized"))
         self._decoders: dict = {}  # SimpleValues -> _Decoder

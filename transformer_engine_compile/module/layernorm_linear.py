@@ -12,6 +12,7 @@ import torch
 
 from .layernorm_linear_ops import LAYERNORM_LINEAR_OPS, LayerNormLinearFwdArgs
 from .linear import Linear
+from .norm import reset_norm_parameters
 from .norm_ops import NORMALIZATIONS
 
 __all__ = ["LayerNormLinear"]
@@ -78,11 +79,8 @@ class LayerNormLinear(Linear):
     @torch.no_grad()
     def reset_layer_norm_parameters(self) -> None:
         """gamma = 1 (0 with ``zero_centered_gamma``), beta = 0."""
-        if self.layer_norm_weight.is_meta:
-            return
-        self.layer_norm_weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
-        if self.layer_norm_bias is not None:
-            self.layer_norm_bias.zero_()
+        reset_norm_parameters(self.layer_norm_weight, self.layer_norm_bias,
+                              self.zero_centered_gamma)
 
     def reset_parameters(self) -> None:
         """The linear layer's parameters (:meth:`te.Linear.reset_parameters`) and the norm's."""

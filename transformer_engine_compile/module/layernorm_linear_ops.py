@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from ..dynamo.arg_views import with_fields
 from ..dynamo.custom_op import OpResult, register_custom_op
 from . import norm_ops as N
 from ..quantization.float8 import Float8CurrentScalingQuantizer
@@ -56,19 +57,6 @@ class LayerNormLinearBwdArgs(LinearBwdArgs):
     ln_weight_requires_grad: bool = False
     ln_bias_requires_grad: bool = False
     ln_bias_dtype: Optional[torch.dtype] = None
-
-
-def with_fields(args, **changes):
-    """A shallow copy of a dataclass instance with ``changes``.  At run time
-    without ``__init__`` (these argument classes have no ``__post_init__``;
-    a few us less per op call); traced (the fakes run under Dynamo), with
-    ``dataclasses.replace``, which torch 2.11's Dynamo can follow."""
-    if torch.compiler.is_compiling():
-        return dataclasses.replace(args, **changes)
-    new = object.__new__(type(args))
-    new.__dict__.update(args.__dict__)
-    new.__dict__.update(changes)
-    return new
 
 
 def _finish_forward(args, linear: OpResult, ln_out, mean, rstd) -> OpResult:

@@ -14,13 +14,14 @@ import torch
 from .. import checkpointing
 from .. import distributed as D
 from ..autocast import get_autocast_recipe
-from ..dynamo.custom_op import merge_views
+from ..dynamo.arg_views import merge_views
 from ..dynamo.state import ensure_buffers, register_module
 from ..quantization.base import QuantizedTensorStorage
 from .layernorm_linear import check_norm_config
 from .layernorm_mlp_ops import (GATED, GEMMS, LAYERNORM_MLP_OPS, LayerNormMLPFwdArgs)
 from ..kernels.reference import ACTIVATIONS
-from .linear import (_parallel_config, _torch_autocast_dtype, check_extra_state,
+from .norm import reset_norm_parameters
+from .linear import (_parallel_config, init_weight_, _torch_autocast_dtype, check_extra_state,
                      check_gemm_shapes, delayed_state_names, first_microbatch_flag,
                      gemm_state, load_without_extra_state, main_grad_of, pack_delayed_state,
                      set_quantizers, state_plan, unpack_delayed_state)
@@ -141,14 +142,11 @@ class LayerNormMLP(torch.nn.Module):
         ``torch.nn.Linear``).  A TP module initialises its own shards."""
         if self.fc1_weight.is_meta:
             return
-        self.layer_norm_weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
-        for weight, init in ((self.fc1_weight, self.init_method),
-                             (self.fc2_weight, self.output_layer_init_method)):
-            if init is not None:
-                init(weight)
-            else:
-                torch.nn.init.kaiming_uniform_(weight, a=5 ** 0.5)
-        for p in (self.layer_norm_bias, self.fc1_bias, self.fc2_bias):
+        reset_norm_parameters(self.layer_norm_weight, self.layer_norm_bias,
+                              self.zero_centered_gamma)
+        init_weight_(self.fc1_weight, self.init_method)
+        init_weight_(self.fc2_weight, self.output_layer_init_method)
+        for p in (self.fc1_bias, self.fc2_bias):
             if p is not None:
                 p.zero_()
 

@@ -34,8 +34,8 @@ from typing import Optional
 import torch
 
 from .. import kernels
-from ..dynamo.custom_op import (OpResult, field_view, prefixed, prefixed_fields,
-                                register_custom_op)
+from ..dynamo.arg_views import field_view, prefixed_fields
+from ..dynamo.custom_op import OpResult, prefixed, register_custom_op
 from ..dynamo.tensor_proto import TensorProto
 from ..kernels.reference import ACTIVATIONS
 from . import norm_ops as N

@@ -250,6 +250,15 @@ def check_gemm_shapes(owner: str, args: LinearFwdArgs, m: int, n: int, k: int) -
                 f"{label} needs {' and '.join(needs)}")
 
 
+@torch.no_grad()
+def init_weight_(weight: torch.Tensor, init_method=None) -> None:
+    """``init_method(weight)``, else ``torch.nn.Linear``'s initialisation."""
+    if init_method is not None:
+        init_method(weight)
+    else:
+        torch.nn.init.kaiming_uniform_(weight, a=5 ** 0.5)
+
+
 class Linear(torch.nn.Module):
     """Linear layer with Transformer Engine's argument names.
 
@@ -342,10 +351,7 @@ class Linear(torch.nn.Module):
         (delayed-scaling history, cached weight) is left as it is."""
         if self.weight.is_meta:
             return
-        if self.init_method is not None:
-            self.init_method(self.weight)
-        else:
-            torch.nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
+        init_weight_(self.weight, self.init_method)
         if self.bias is not None:
             self.bias.zero_()
 

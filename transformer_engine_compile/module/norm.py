@@ -46,6 +46,16 @@ def norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     return y.to(x.dtype)
 
 
+@torch.no_grad()
+def reset_norm_parameters(weight, bias, zero_centered_gamma: bool) -> None:
+    """gamma = 1 (0 with ``zero_centered_gamma``), beta = 0 (meta: nothing)."""
+    if weight.is_meta:
+        return
+    weight.fill_(0.0 if zero_centered_gamma else 1.0)
+    if bias is not None:
+        bias.zero_()
+
+
 class _Norm(torch.nn.Module):
     _RMS = False
     _NAME = ""
@@ -91,11 +101,7 @@ class _Norm(torch.nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """gamma = 1 (0 with ``zero_centered_gamma``), beta = 0."""
-        if self.weight.is_meta:
-            return
-        self.weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
-        if self.bias is not None:
-            self.bias.zero_()
+        reset_norm_parameters(self.weight, self.bias, self.zero_centered_gamma)
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         n = len(self.normalized_shape)
