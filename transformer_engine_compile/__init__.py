@@ -7,7 +7,7 @@ layers (``Linear``, ``LayerNormLinear``, ``LayerNormMLP``, ``LayerNorm``, ``RMSN
 ``torch.export.save`` can store).
 """
 
-from . import recipe
+from . import fsdp, recipe
 from .autocast import (autocast, fp8_autocast, get_autocast_recipe, is_autocast_enabled)
 from .checkpointing import checkpoint
 from .convert import convert

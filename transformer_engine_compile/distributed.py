@@ -69,7 +69,8 @@ def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
-def _all_reduce_max(x: torch.Tensor, group) -> torch.Tensor:
+def all_reduce_max(x: torch.Tensor, group) -> torch.Tensor:
+    """Max over ranks, in place."""
     dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
     return x
 
@@ -102,7 +103,7 @@ def _gather_fp8_current(x, quantizer, group, tp_size):
     and transpose them locally for the columnwise copy (same scale)."""
     x2d = x.detach().reshape(flat_2d(x.shape))
     amax = kernels.get("amax", x2d)(x2d).reshape(1).float()
-    _all_reduce_max(amax, group)
+    all_reduce_max(amax, group)
     local = quantizer.with_usage(rowwise=True, columnwise=False).quantize_with_amax(x, amax)
     data = gather_first_dim(local._data, group, tp_size)
     buffers = {"scale_inv": local._scale_inv}

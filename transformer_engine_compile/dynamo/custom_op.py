@@ -579,6 +579,16 @@ class CustomOpPair:
         return self.bwd_plan.cls(**saved, **values, **grads)
 
 
+def _owning(t):
+    """``t`` itself, or, for a view (an impl's ``y.view(shape)``), a tensor
+    on the same storage that is not a view: a module output that is a view
+    is refused in-place ops by autograd and makes FSDP2 warn that an
+    in-place op on it would skip its pre-backward hook."""
+    if type(t) is not torch.Tensor or t._base is None:
+        return t
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+
 class _EagerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, pair, args, diff_fields, keys, *diff_tensors):
@@ -590,7 +600,7 @@ class _EagerFunction(torch.autograd.Function):
         ctx.te_values = pair.setup_context(args)
         keys.extend(result.outputs)
         ctx.te_out_grad = {f: keys.index(o) for f, o in pair.grad_fields.items()}
-        return tuple(result.outputs.values())
+        return tuple(_owning(v) for v in result.outputs.values())
 
     @staticmethod
     @once_differentiable  # the impls are not differentiable: refuse double backward

@@ -11,6 +11,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ..fsdp import check_gathered_weight
 from .. import checkpointing
 from .. import distributed as D
 from ..autocast import get_autocast_recipe
@@ -243,6 +244,8 @@ class LayerNormMLP(torch.nn.Module):
         lw_rg = grad and ln_w.requires_grad
         lb_rg = grad and ln_b is not None and ln_b.requires_grad
         fc1_w, fc1_b, fc2_w, fc2_b = params
+        fc1_w = check_gathered_weight(_OWNER, fc1_w, recipe, grad)
+        fc2_w = check_gathered_weight(_OWNER, fc2_w, recipe, grad)
         fc1 = self._gemm_args(self._gemms[0], fc1_w, fc1_b, x_rg or lw_rg or lb_rg, grad)
         fc2 = self._gemm_args(self._gemms[1], fc2_w, None if self.return_bias else fc2_b,
                               fc1.input_requires_grad or fc1.weight_requires_grad

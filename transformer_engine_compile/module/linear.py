@@ -13,8 +13,9 @@ import torch
 
 from .. import distributed as D
 from .. import checkpointing
-from ..autocast import get_autocast_recipe
+from ..autocast import get_amax_reduction_group, get_autocast_recipe
 from ..dynamo.state import ensure_buffers, register_module
+from ..fsdp import check_gathered_weight
 from ..quantization.base import QuantizedTensorStorage
 from ..quantization import factory
 from .linear_ops import LINEAR_OPS, LinearBwdArgs, LinearFwdArgs, _input_usage
@@ -207,6 +208,7 @@ def gemm_state(module, prefix: str, owner: str, args: LinearFwdArgs, delayed_rec
 
     def bind():
         if delayed_recipe is not None:
+            args.amax_group = get_amax_reduction_group()
             args.amax_history_fwd, args.scale_fwd, args.amax_history_bwd, args.scale_bwd = (
                 getattr(module, name) for name in delayed_state_names(prefix))
         if first_microbatch is not None:
@@ -293,6 +295,8 @@ class Linear(torch.nn.Module):
             raise TypeError(f"te.Linear: params_dtype must be float32, bfloat16 or float16, "
                             f"got {params_dtype}")
         self.in_features, self.out_features = in_features, out_features
+        # error label, built here: traced code may see the sizes as symbols (FSDP2)
+        self._label = f"te.Linear({in_features} -> {out_features})"
         # this rank's shard of the weight: (local_out, local_in)
         self.local_out_features = out_features // (self.tp_size if parallel_mode == "column" else 1)
         self.local_in_features = in_features // (self.tp_size if parallel_mode == "row" else 1)
@@ -313,6 +317,8 @@ class Linear(torch.nn.Module):
     def __setstate__(self, state):
         """Copies and unpickled layers get their own state key (dynamo/state.py)."""
         super().__setstate__(state)
+        self.__dict__.setdefault("_label", f"te.Linear({self.in_features} -> "
+                                           f"{self.out_features})")  # pickled before it existed
         self._state_key = register_module(self)
 
     def get_extra_state(self) -> torch.Tensor:
@@ -414,6 +420,7 @@ class Linear(torch.nn.Module):
         if weight is None:
             weight, bias = self.weight, self.bias
         grad = torch.is_grad_enabled()
+        weight = check_gathered_weight("te.Linear", weight, recipe, grad)
         args = self._new_args(
             grad,
             inp=inp, weight=weight, bias=None if self.return_bias else bias,
@@ -493,7 +500,7 @@ class Linear(torch.nn.Module):
         m = inp.numel() // self.local_in_features  # rows the GEMMs see (gathered under SP)
         if self._tp_active() and self.sequence_parallel and self.parallel_mode == "column":
             m = m * self.tp_size
-        check_gemm_shapes(f"te.Linear({self.in_features} -> {self.out_features})", args, m,
+        check_gemm_shapes(self._label, args, m,
                           self.local_out_features, self.local_in_features)
 
     # -- forward -----------------------------------------------------------------------

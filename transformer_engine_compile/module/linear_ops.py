@@ -71,6 +71,10 @@ class LinearFwdArgs:
     sequence_parallel: bool = False
     tp_size: int = 1
     tp_group: Optional[ProcessGroup] = None
+    # DelayedScaling: this step's amaxes are all-reduced (max) over this group
+    # before they enter the history (te.autocast(amax_reduction_group=...)),
+    # so data-parallel ranks keep identical scales
+    amax_group: Optional[ProcessGroup] = None
 
     def quantizers(self) -> tuple:
         return (self.input_quantizer, self.weight_quantizer, self.output_quantizer,
@@ -112,6 +116,7 @@ class LinearBwdArgs:
     sequence_parallel: bool = False
     tp_size: int = 1
     tp_group: Optional[ProcessGroup] = None
+    amax_group: Optional[ProcessGroup] = None
 
 
 def _out_shape(x_shape, weight_shape) -> tuple:
@@ -148,10 +153,13 @@ def _zero_amaxes(history):
                                                     device=history.device)
 
 
-def _delayed_updates(q, history, amaxes, prefix: str) -> dict:
-    """Outputs that update the delayed-scaling buffers (LINEAR_OPS's ``*_updates``)."""
+def _delayed_updates(q, history, amaxes, prefix: str, group=None) -> dict:
+    """Outputs that update the delayed-scaling buffers (LINEAR_OPS's ``*_updates``),
+    with the amaxes reduced over ``group`` first."""
     if history is None:
         return {}
+    if group is not None:
+        amaxes = D.all_reduce_max(amaxes, group)
     new_history, new_scale = q.step(history, amaxes)
     return {f"amax_history_{prefix}": new_history, f"scale_{prefix}": new_scale}
 
@@ -245,7 +253,8 @@ def linear_forward(args: LinearFwdArgs, xq=None) -> OpResult:
             xq.update_usage(rowwise_usage=False)  # wgrad reads the columnwise copy only
             saved_x = xq
     saved_w = w if args.input_requires_grad else None
-    state = _delayed_updates(args.input_quantizer, args.amax_history_fwd, amaxes, "fwd")
+    state = _delayed_updates(args.input_quantizer, args.amax_history_fwd, amaxes, "fwd",
+                             args.amax_group)
     return OpResult({"out": y, "weight_workspace": workspace, **state},
                     {"inputmat": saved_x, "weightmat": saved_w, **_saved_for_updates(args)})
 
@@ -301,6 +310,7 @@ def linear_setup_context(args: LinearFwdArgs) -> dict:
         "sequence_parallel": args.sequence_parallel,
         "tp_size": args.tp_size,
         "tp_group": args.tp_group,
+        "amax_group": args.amax_group,
     }
 
 
@@ -381,7 +391,8 @@ def linear_backward(args: LinearBwdArgs) -> dict:
                      else D.all_reduce_sum(dgrad, args.tp_group))
         if args.grad_input_quantizer is not None:  # fp8_grad: the previous layer's dy
             dgrad = _quantize(args.grad_input_quantizer, dgrad, args.scale_bwd, 1, amaxes)
-    state = {} if not delayed else _delayed_updates(q, args.amax_history_bwd, amaxes, "bwd")
+    state = ({} if not delayed else
+             _delayed_updates(q, args.amax_history_bwd, amaxes, "bwd", args.amax_group))
     if args.weight_requires_grad:
         x = args.inputmat
         if _needs_requantized_input(args, x):

@@ -72,6 +72,16 @@ def _copy_into(dst: "QuantizedTensor", src) -> None:
         buf.copy_(src_buffers[name].view(buf.shape))
 
 
+def _is_identity_strided(t, size, stride, storage_offset=0) -> bool:
+    """``as_strided(t, size, stride, offset)`` is ``t`` itself (contiguous)."""
+    expected, step = [], 1
+    for s in reversed(tuple(size)):
+        expected.insert(0, step)
+        step *= max(s, 1)
+    return (tuple(size) == tuple(t.shape) and not storage_offset
+            and tuple(stride) == tuple(expected))
+
+
 class QuantizedTensor(torch.Tensor):
     """Wrapper tensor base; concrete classes also inherit their storage class."""
 
@@ -120,6 +130,9 @@ class QuantizedTensor(torch.Tensor):
             return dst.copy_(src.dequantize(dtype=dst.dtype))
         if func in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
             return _view(args[0], args[1])
+        if func is aten.as_strided.default and _is_identity_strided(*args):
+            src = args[0]  # FSDP2 installs its unsharded parameter through as_strided
+            return _rebuild(src, src.shape, dict(src.buffers()))
         if func in (aten.is_same_size.default,):
             return args[0].shape == args[1].shape
         names = tree_map(lambda a: type(a).__name__ if isinstance(a, torch.Tensor) else a, args)

@@ -1,0 +1,288 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) with quantized weight all-gather.
+
+Plain ``fully_shard`` already trains the layers: FSDP2 gathers each weight
+in high precision and the layer quantizes it.  :func:`fully_shard` here
+(or :func:`quantized_all_gather` before torch's own) makes each GEMM weight
+a :class:`QuantizedAllGatherWeight`, a wrapper around the high-precision
+shard that implements FSDP2's all-gather extension:
+
+* ``fsdp_pre_all_gather`` quantizes this rank's shard in the recipe's
+  weight format and hands FSDP2 the quantized bytes (and block scales) to
+  gather: half of bf16's traffic, a quarter of fp32's;
+* ``fsdp_post_all_gather`` assembles the gathered bytes into the recipe's
+  quantized wrapper tensor (``Float8Tensor`` / ``Float8BlockwiseQTensor``),
+  which FSDP2 installs as the unsharded parameter: the layer consumes it
+  without quantizing again, and its weight gradient is a plain tensor that
+  FSDP2 reduce-scatters as usual.
+
+Which recipes gather quantized (:func:`gather_format`):
+
+* ``Float8CurrentScaling``: the shard's amax is all-reduced (max) over the
+  shard group first, so every rank uses the scale of the whole weight and
+  the gathered tensor equals quantizing the whole weight on one device;
+* ``Float8BlockScaling`` with 128x128 weight blocks: each rank's shard
+  is whole block rows (``out_features`` a multiple of 128 x ranks), so the
+  gathered data and block scales equal quantizing the whole weight.
+
+Everything else gathers high precision (the wrapper is not applied):
+``DelayedScaling`` (its scale moves between the forward's and the
+backward's gather, so the two would quantize differently), MXFP8 and NVFP4
+(1x32 / 16-element blocks and NVFP4's global scale make shard-wise
+quantization awkward; both are emulated on Hopper anyway), bf16, and
+shapes that do not shard evenly into whole blocks.
+
+The gather format is fixed when the weight is wrapped (FSDP2 sizes its
+gather buffers on the first gather).  A forward under another recipe, or
+none, is refused while gradients are on (the gradient would not reach the
+high-precision weight through a dequantized copy) and reads the
+dequantized weight without them (validation).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.utils._pytree import tree_map
+
+from . import recipe as R
+from .kernels import reference as ref
+from .quantization import factory
+from .quantization.base import QuantizedTensorStorage
+
+aten = torch.ops.aten
+
+__all__ = ["QuantizedAllGatherWeight", "fully_shard", "gather_format", "quantized_all_gather",
+           "gemm_weight_names", "check_gathered_weight"]
+
+FP8_BLOCK = 128
+
+# ops whose result is still the sharded weight (or a piece of it), as FSDP2
+# and torch.optim use them; every other op returns plain tensors
+_KEEP_WRAPPER = {
+    aten.detach.default, aten.alias.default, aten.view.default, aten._unsafe_view.default,
+    aten.as_strided.default, aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default,
+    aten.chunk.default, aten.narrow.default, aten.clone.default, aten.empty_like.default,
+    aten.new_zeros.default, aten.new_empty.default, aten._to_copy.default,
+    aten._pin_memory.default, aten.copy_.default,
+}
+
+
+def gemm_weight_names(module: torch.nn.Module) -> tuple:
+    """Names of ``module``'s own GEMM weights (``te.Linear`` / ``te.LayerNormLinear``:
+    ``weight``; ``te.LayerNormMLP``: ``fc1_weight``, ``fc2_weight``), else ()."""
+    from .module.layernorm_mlp import LayerNormMLP
+    from .module.linear import Linear
+
+    if isinstance(module, LayerNormMLP):
+        return ("fc1_weight", "fc2_weight")
+    if isinstance(module, Linear):
+        return ("weight",)
+    return ()
+
+
+def gather_format(recipe: Optional[R.Recipe], shape, world_size: int) -> Optional[str]:
+    """``"fp8_current"`` / ``"fp8_block"`` when a weight of ``shape`` sharded
+    over ``world_size`` ranks gathers quantized under ``recipe``, else None
+    (high precision, see the module docstring)."""
+    rows, cols = shape
+    if rows % world_size:
+        return None
+    if isinstance(recipe, R.Float8CurrentScaling):
+        return "fp8_current"
+    if (isinstance(recipe, R.Float8BlockScaling) and recipe.constant("w_block_scaling_dim") == 2
+            and rows % (FP8_BLOCK * world_size) == 0 and cols % FP8_BLOCK == 0):
+        return "fp8_block"
+    return None
+
+
+class QuantizedAllGatherWeight(torch.Tensor):
+    """A sharded high-precision GEMM weight that FSDP2 all-gathers quantized.
+
+    Outside the all-gather it behaves as its inner tensor (optimizer steps,
+    ``copy_``, state dicts operate on the high-precision values); ops other
+    than the views and copies FSDP2 makes return plain tensors."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor, recipe: R.Recipe, fmt: str):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, inner.shape, strides=inner.stride(), storage_offset=inner.storage_offset(),
+            dtype=inner.dtype, device=inner.device, requires_grad=inner.requires_grad)
+
+    def __init__(self, inner: torch.Tensor, recipe: R.Recipe, fmt: str):
+        self._inner = inner
+        self._recipe = recipe
+        self._format = fmt
+
+    def __repr__(self, *, tensor_contents=None):
+        return f"QuantizedAllGatherWeight({self._format}, {self._inner!r})"
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        template = None
+
+        def unwrap(t):
+            nonlocal template
+            if isinstance(t, cls):
+                template = t if template is None else template
+                return t._inner
+            return t
+
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        if func not in _KEEP_WRAPPER:
+            return out
+        return tree_map(lambda t: cls(t, template._recipe, template._format)
+                        if type(t) is torch.Tensor else t, out)
+
+    def __tensor_flatten__(self):
+        return ["_inner"], (self._recipe, self._format)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
+        return QuantizedAllGatherWeight(inner_tensors["_inner"], *meta)
+
+    def _quantizer(self, rowwise=True, columnwise=False):
+        return factory.quantizer_for(self._recipe, "weight").with_usage(
+            rowwise=rowwise, columnwise=columnwise)
+
+    # -- FSDP2's all-gather extension ---------------------------------------------------
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """This rank's shard quantized: (bytes to gather, metadata)."""
+        x = self._inner
+        dtype = mp_policy.param_dtype if mp_policy.param_dtype is not None else x.dtype
+        x = x.detach().to(dtype)  # the layer would quantize the param_dtype weight
+        if self._format == "fp8_current":
+            amax = x.abs().amax().float().reshape(1)
+            torch.distributed.all_reduce(amax, torch.distributed.ReduceOp.MAX,
+                                         group=mesh.get_group())
+            q = self._quantizer()
+            shard = q.quantize_with_amax(x, amax)
+            return (shard._data.view(torch.uint8),), (shard._scale_inv, dtype)
+        shard = self._quantizer().quantize(x)  # fp8_block: whole 128-row blocks
+        return ((shard._rowwise_data.view(torch.uint8), shard._rowwise_scale_inv),
+                (None, dtype))
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """The gathered bytes as the recipe's quantized weight (both copies:
+        the transposed one is built here, as a cast-transpose would)."""
+        scale_inv, dtype = metadata
+        q = self._quantizer(rowwise=True, columnwise=True)
+        fp8 = ref.FP8_DTYPE[q.fp8_format]
+        if self._format == "fp8_current":
+            data = all_gather_outputs[0].view(fp8)
+            buffers = {"data": data, "transpose": None, "scale_inv": scale_inv}
+            derived = {"transpose": lambda: data.t()}
+        else:
+            data, scales = all_gather_outputs
+            data = data.view(fp8)
+            buffers = {"rowwise_data": data, "rowwise_scale_inv": scales,
+                       "columnwise_data": None, "columnwise_scale_inv": None}
+            derived = {"columnwise_data": lambda: data.t(),
+                       "columnwise_scale_inv": lambda: scales.t()}
+        if out is not None:  # FSDP2 re-gathered into the same storage
+            # refresh what the forward may have saved for backward: the
+            # values are the same (no optimizer step in between), so keep
+            # the version counters as FSDP2 does for its own copy-out
+            refresh = [(getattr(out, "_" + name), make()) for name, make in derived.items()]
+            if scale_inv is not None:
+                refresh.append((out._scale_inv, scale_inv))
+            for dst, src in refresh:
+                with torch.autograd._unsafe_preserve_version_counter(dst):
+                    dst.copy_(src)
+            return None
+        for name, make in derived.items():
+            buffers[name] = make().contiguous()
+        shape = torch.Size(data.shape)
+        tensor = q.create_metadata(shape, dtype).build(shape, buffers)
+        return tensor, tuple(buffers[name] for name in derived)
+
+
+def check_gathered_weight(owner: str, weight, recipe, grad_enabled: bool):
+    """The weight a layer's GEMM takes: ``weight`` itself, unless it is
+    quantized (gathered by FSDP2 through :class:`QuantizedAllGatherWeight`,
+    or an FP8 primary weight) in another format than the active recipe's:
+    then its dequantized values without gradients, a clear error with them."""
+    if not isinstance(weight, QuantizedTensorStorage) or weight._quantizer is None:
+        return weight
+    q = weight._quantizer
+    same = dict(rowwise=True, columnwise=True, internal=True)
+    if recipe is not None and q.with_usage(**same) == factory.quantizer_for(
+            recipe, "weight").with_usage(**same):
+        return weight
+    if grad_enabled and weight.requires_grad:
+        active = "no recipe" if recipe is None else type(recipe).__name__
+        raise RuntimeError(
+            f"{owner}: the weight is quantized by {type(q).__name__} (FSDP2 gathers it so for "
+            f"the recipe given to te.fsdp.fully_shard), but the forward runs under {active}; training needs "
+            "the high-precision weight for its gradient. Shard with the recipe you train "
+            "with (or recipe=None to gather high precision)")
+    return weight.dequantize()
+
+
+def _plain(value):
+    """A state-dict value without the wrapper: the inner high-precision
+    tensor (a DTensor shard of it under FSDP2), sharing its storage, so
+    checkpoints hold plain tensors and in-place loads reach the weight."""
+    local = getattr(value, "_local_tensor", None)
+    if isinstance(local, QuantizedAllGatherWeight):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local._inner, value.device_mesh, value.placements,
+                                  run_check=False, shape=value.shape, stride=value.stride())
+    if isinstance(value, QuantizedAllGatherWeight):
+        return value._inner
+    return value
+
+
+def _plain_state_dict_hook(module, state_dict, prefix, local_metadata):
+    """``state_dict()`` of a layer with wrapped weights: plain tensors (a
+    module-level function, so copies of the layer share nothing)."""
+    for name in gemm_weight_names(module):
+        key = prefix + name
+        if key in state_dict:
+            state_dict[key] = _plain(state_dict[key])
+    return state_dict
+
+
+def _world_size(mesh) -> int:
+    if mesh is not None:
+        return mesh.size()
+    return torch.distributed.get_world_size()
+
+
+def quantized_all_gather(module: torch.nn.Module, recipe: Optional[R.Recipe], *,
+                         world_size: Optional[int] = None) -> torch.nn.Module:
+    """Make the GEMM weights of every layer in ``module`` that gathers
+    quantized under ``recipe`` (:func:`gather_format`) a
+    :class:`QuantizedAllGatherWeight`; call before ``fully_shard``.  Weights
+    already wrapped, and everything else, stay as they are.  Returns ``module``."""
+    if recipe is not None and not isinstance(recipe, R.Recipe):
+        raise TypeError(f"recipe must be a transformer_engine_compile.recipe.Recipe or None, "
+                        f"got {type(recipe).__name__}")
+    world_size = _world_size(None) if world_size is None else world_size
+    for layer in module.modules():
+        for name in gemm_weight_names(layer):
+            param = getattr(layer, name)
+            if isinstance(param, QuantizedAllGatherWeight) or param.dim() != 2:
+                continue
+            fmt = gather_format(recipe, tuple(param.shape), world_size)
+            if fmt is None:
+                continue
+            wrapped = QuantizedAllGatherWeight(param.data, recipe, fmt)
+            setattr(layer, name, torch.nn.Parameter(wrapped, requires_grad=param.requires_grad))
+            if _plain_state_dict_hook not in layer._state_dict_hooks.values():
+                layer._register_state_dict_hook(_plain_state_dict_hook)
+    return module
+
+
+def fully_shard(module: torch.nn.Module, *, recipe: Optional[R.Recipe] = None, mesh=None,
+                **kwargs):
+    """``torch.distributed.fsdp.fully_shard(module, mesh=mesh, **kwargs)``
+    with the GEMM weights inside ``module`` gathered in ``recipe``'s format
+    (:func:`quantized_all_gather`; ``recipe=None`` gathers high precision)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    quantized_all_gather(module, recipe, world_size=_world_size(mesh))
+    return torch_fully_shard(module, mesh=mesh, **kwargs)
