@@ -503,7 +503,8 @@ class CustomOpPair:
     # -- op kernels ----------------------------------------------------------------
     def _fwd_real(self, *flat):
         args = self.fwd_plan.decode(flat)
-        return flatten_result(self.forward(args), args, self.fwd_plan.tensor_fields)
+        return [_owning(t) for t in
+                flatten_result(self.forward(args), args, self.fwd_plan.tensor_fields)]
 
     def _fwd_fake(self, *flat):
         args = self.fwd_plan.decode(flat)
