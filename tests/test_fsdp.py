@@ -8,6 +8,8 @@ in qa/L1_distributed).  Worker functions are module level so that
 import pytest
 import torch
 
+import transformer_engine_compile as te
+
 import fsdp_harness as F
 import tp_harness as H
 
@@ -26,3 +28,118 @@ def test_fsdp_training_equals_single_process(names):
     """Quantized gather == high-precision gather == compiled, bit for bit;
     single process within the format's error; bytes; delayed scales."""
     H.spawn(cases_worker, names, "aot_eager")
+
+
+# -- meta-device initialisation, distributed checkpointing ----------------------------------
+def _delayed_step(model, group):
+    rec = F.recipe_of("delayed")
+    x = torch.randn(16, F.IN, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    with te.autocast(recipe=rec, amax_reduction_group=group):
+        y = model(x.chunk(2)[torch.distributed.get_rank(group)])
+    y.float().pow(2).mean().backward()
+
+
+def meta_and_dcp_worker(group, path):
+    import torch.distributed.checkpoint as dcp
+
+    rec = F.recipe_of("fp8_current")
+    # meta-device init: wrap, shard, to_empty, reset_parameters
+    model = F.shard(F.build("meta"), rec, True)
+    assert isinstance(model[2].weight._local_tensor, te.fsdp.QuantizedAllGatherWeight)
+    model.to_empty(device="cpu")
+    for layer in model:
+        if hasattr(layer, "reset_parameters"):
+            layer.reset_parameters()
+    w = model[2].weight.full_tensor().float()
+    bound = 1 / F.HID ** 0.5  # torch.nn.Linear's init: U(-1/sqrt(in), 1/sqrt(in))
+    assert w.abs().max() <= bound and abs(w.std().item() - bound / 3 ** 0.5) < 0.1 * bound
+    # distributed checkpoint: plain tensors in, the same weights and layer state out
+    model = F.shard(F.build("cpu"), rec, True)
+    plain = F.shard(F.build("cpu"), None, False)  # DelayedScaling state to carry too
+    _delayed_step(plain, group)
+    state = {"model": model.state_dict(), "plain": plain.state_dict()}
+    assert type(state["model"]["2.weight"]._local_tensor) is torch.Tensor
+    dcp.save(state, checkpoint_id=path)
+    torch.manual_seed(123)
+    model2 = F.shard(F.build("cpu"), rec, True)
+    plain2 = F.shard(F.build("cpu"), None, False)
+    for m in (model2, plain2):
+        for p in m.parameters():
+            p.data.add_(1.0) if not isinstance(p._local_tensor, te.fsdp.QuantizedAllGatherWeight) \
+                else p._local_tensor._inner.add_(1.0)
+    state2 = {"model": model2.state_dict(), "plain": plain2.state_dict()}
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException):  # plain2 has not run: empty extra state
+        dcp.load(state2, checkpoint_id=path)
+    dcp.load(te.fsdp.fit_extra_state(state2, path), checkpoint_id=path)
+    model2.load_state_dict(state2["model"])
+    plain2.load_state_dict(state2["plain"])
+    for a, b in ((model, model2), (plain, plain2)):
+        for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+            assert torch.equal(p.full_tensor(), q.full_tensor()), n
+    assert isinstance(model2[2].weight._local_tensor, te.fsdp.QuantizedAllGatherWeight)
+    for layer, layer2 in zip(plain, plain2):
+        if isinstance(layer, te.Linear):
+            assert layer.get_extra_state().numel() > 0
+            assert torch.equal(layer.get_extra_state(), layer2.get_extra_state())
+
+
+def test_fsdp_meta_init_and_distributed_checkpoint(tmp_path):
+    H.spawn(meta_and_dcp_worker, str(tmp_path / "ckpt"))
+
+
+# -- the gather format is fixed: other recipes ---------------------------------------------
+def other_recipe_worker(group):
+    model = F.shard(F.build("cpu"), F.recipe_of("fp8_current"), True)
+    x = torch.randn(8, F.IN, dtype=torch.bfloat16)
+    with te.autocast(recipe=F.recipe_of("mxfp8")):
+        with pytest.raises(RuntimeError, match="gathers it so for the recipe"):
+            model(x)
+    with torch.no_grad():  # validation without a recipe reads the dequantized weight
+        y = model(x)
+    reference = F.build("cpu")
+    for layer in reference:  # the weights FSDP2 gathers: quantized, then dequantized
+        for name in te.fsdp.gemm_weight_names(layer):
+            w = getattr(layer, name)
+            q = te.quantizer_for(F.recipe_of("fp8_current"), "weight")
+            setattr(layer, name, torch.nn.Parameter(q(w.detach()).dequantize()))
+    with torch.no_grad():
+        assert torch.equal(y, reference(x))
+
+
+def test_fsdp_other_recipe_refused_with_grad_and_dequantized_without():
+    H.spawn(other_recipe_worker)
+
+
+# -- which weights gather quantized -----------------------------------------------------------
+def test_gather_format():
+    from transformer_engine_compile import recipe as R
+
+    fmt = te.fsdp.gather_format
+    assert fmt(R.Float8CurrentScaling(), (512, 256), 2) == "fp8_current"
+    assert fmt(R.Float8CurrentScaling(), (513, 256), 2) is None  # uneven shards
+    assert fmt(R.Float8BlockScaling(), (512, 256), 2) == "fp8_block"
+    assert fmt(R.Float8BlockScaling(), (384, 256), 2) is None  # 192-row shards: split blocks
+    assert fmt(R.Float8BlockScaling(), (512, 200), 2) is None
+    for rec in (None, R.DelayedScaling(), R.MXFP8BlockScaling(), R.NVFP4BlockScaling()):
+        assert fmt(rec, (512, 256), 2) is None
+
+
+def test_quantized_all_gather_wraps_gemm_weights_only_and_copies():
+    import copy
+
+    from transformer_engine_compile import recipe as R
+
+    model = F.build("cpu")
+    te.fsdp.quantized_all_gather(model, R.Float8CurrentScaling(), world_size=2)
+    wrapped = {n for n, p in model.named_parameters()
+               if isinstance(p, te.fsdp.QuantizedAllGatherWeight)}
+    assert wrapped == {"0.weight", "2.weight", "3.fc1_weight", "3.fc2_weight"}
+    state = model.state_dict()
+    assert all(type(state[n]) is torch.Tensor for n in wrapped)
+    twin = copy.deepcopy(model)
+    twin[2].weight._inner.add_(1.0)  # the copy's weight is its own
+    assert not torch.equal(twin[2].weight._inner, model[2].weight._inner)
+    with pytest.raises(TypeError, match="recipe must be"):
+        te.fsdp.quantized_all_gather(model, "fp8")

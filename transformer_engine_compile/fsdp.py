@@ -53,7 +53,7 @@ from .quantization.base import QuantizedTensorStorage
 aten = torch.ops.aten
 
 __all__ = ["QuantizedAllGatherWeight", "fully_shard", "gather_format", "quantized_all_gather",
-           "gemm_weight_names", "check_gathered_weight"]
+           "gemm_weight_names", "check_gathered_weight", "fit_extra_state"]
 
 FP8_BLOCK = 128
 
@@ -286,3 +286,29 @@ def fully_shard(module: torch.nn.Module, *, recipe: Optional[R.Recipe] = None, m
 
     quantized_all_gather(module, recipe, world_size=_world_size(mesh))
     return torch_fully_shard(module, mesh=mesh, **kwargs)
+
+
+def fit_extra_state(state_dict: dict, checkpoint_id) -> dict:
+    """Size the layers' ``_extra_state`` entries of ``state_dict`` (nested
+    dicts too) like the saved ones, before ``torch.distributed.checkpoint.load``
+    (which loads into tensors of the saved size): a model that has not run
+    yet holds empty extra state, a DelayedScaling checkpoint 4 L + 4 values.
+    ``checkpoint_id``: the path given to ``dcp.save``.  Returns ``state_dict``."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+
+    def fit(d: dict, prefix: str):
+        for key, value in d.items():
+            name = prefix + key
+            if isinstance(value, dict):
+                fit(value, name + ".")
+            elif key.endswith("_extra_state") and isinstance(value, torch.Tensor):
+                meta = saved.get(name)
+                size = getattr(meta, "size", None)
+                if size is not None and tuple(size) != tuple(value.shape):
+                    d[key] = value.new_empty(size)
+
+    fit(state_dict, "")
+    return state_dict
+
