@@ -4,7 +4,8 @@
 # and reduce-overhead mode: compiled == eager TP bit for bit, one graph, no
 # graph break, and TP == the single-device layer (bf16 exactly, quantized
 # within the documented tolerance); te.LayerNormLinear column (+SP) against
-# one device.  Then the docs' torchrun example.
+# one device; FSDP2 training (tests/fsdp_harness.py).  Then the docs'
+# torchrun example.
 # Fails without 2 CUDA devices.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -27,6 +28,11 @@ run tests/tp_harness.py --device cuda --modes ${MODES:-default reduce-overhead} 
   --parallel column:1 row:1 --seq 100 "$@"
 # te.LayerNormLinear column-parallel, with and without SP, every recipe
 (cd tests && run test_layernorm_linear.py)
+# FSDP2 (fully_shard per layer + root) over LayerNormLinear, Linear and
+# LayerNormMLP: quantized weight all-gather == high-precision gather ==
+# per-layer compiled (inductor), bit for bit; one process within the format's
+# error; gathered bytes; DelayedScaling scales identical on every rank
+run tests/fsdp_harness.py --device cuda
 for recipe in bf16 fp8_current; do
   run -m transformer_engine_compile.parallel_demo --recipe "$recipe" --steps 5
 done
