@@ -91,14 +91,19 @@ def _torchao_model(k, n, layers, device):
     return convert_to_float8_training(_torch_model(k, n, layers, device))
 
 
-def torchao_available() -> bool:
+def torchao_unavailable_reason():
+    """None when ``torchao.float8`` imports, else the import error's text."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             import torchao.float8  # noqa: F401
-        return True
-    except Exception:  # missing, or built for another torch
-        return False
+        return None
+    except Exception as e:  # missing, or built for another torch
+        return bench_llama.error_text(e)
+
+
+def torchao_available() -> bool:
+    return torchao_unavailable_reason() is None
 
 
 FP8_GRAD_RECIPES = ("fp8_current", "fp8_block", "mxfp8")  # recipes that take fp8_grad

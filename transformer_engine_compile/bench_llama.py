@@ -172,9 +172,10 @@ def te_linear(k, n, device):
     return Linear(k, n, bias=False, params_dtype=torch.bfloat16, device=device)
 
 
-def build(cfg, kind, device):
+def build(cfg, kind, device, float8_config=None):
     """The model for a candidate kind: "torch", "te", "torchao", or the
-    packed-projection models "te-fused" / "te-unfused" (:class:`PackedBlock`)."""
+    packed-projection models "te-fused" / "te-unfused" (:class:`PackedBlock`).
+    ``float8_config``: torchao's ``Float8LinearConfig`` (its default when None)."""
     torch.manual_seed(0)
     if kind == "te":
         return Llama(cfg, te_linear, device)
@@ -184,16 +185,20 @@ def build(cfg, kind, device):
     model = Llama(cfg, torch_linear, device)
     if kind == "torchao":
         from torchao.float8 import convert_to_float8_training
-        convert_to_float8_training(model)
+        convert_to_float8_training(model, config=float8_config)
     return model
 
 
-def make_step(model, rec, mode, lr=1e-4):
-    """``step(x, target) -> loss float``: forward, loss, backward, fused AdamW."""
+def make_step(model, rec, mode, lr=1e-4, amax_reduction_group=None, after_step=None):
+    """``step(x, target) -> loss float``: forward, loss, backward, fused AdamW.
+    ``amax_reduction_group`` goes to ``te.autocast`` (DelayedScaling under
+    data parallelism); ``after_step()`` runs after the optimizer step (e.g.
+    torchao's ``precompute_float8_dynamic_scale_for_fsdp``)."""
     from .autocast import autocast
 
     def loss_fn(x, target):
-        with autocast(enabled=rec is not None, recipe=rec):
+        with autocast(enabled=rec is not None, recipe=rec,
+                      amax_reduction_group=amax_reduction_group):
             y = model(x)
         return F.mse_loss(y.float(), target)
 
@@ -210,6 +215,8 @@ def make_step(model, rec, mode, lr=1e-4):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if after_step is not None:
+            after_step()
         t1 = time.perf_counter()
         value = loss.item()
         if timings is not None:
@@ -231,8 +238,8 @@ def time_steps(step, x, target, warmup=3, steps=10):
             statistics.median(h for h, _ in timings) * 1e3)
 
 
-def inputs(cfg, device):
-    gen = torch.Generator(device=device).manual_seed(1)
+def inputs(cfg, device, seed=1):
+    gen = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(cfg.batch, cfg.seq, cfg.hidden, device=device, dtype=torch.bfloat16,
                     generator=gen)
     target = torch.randn(cfg.batch, cfg.seq, cfg.hidden, device=device, generator=gen)

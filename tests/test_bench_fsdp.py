@@ -1,0 +1,56 @@
+"""The FSDP2 benchmark on 2 CPU processes (gloo, llama-tiny): every candidate
+runs eagerly and with compiled blocks, quantized gathers move fewer bytes,
+ratios are against the baseline.  The times themselves mean nothing on a CPU
+and are not asserted."""
+
+import math
+
+import pytest
+import torch.distributed as dist
+
+from transformer_engine_compile import bench_fsdp
+from transformer_engine_compile.bench import torchao_available
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed missing")
+
+
+def test_fsdp_bench_cpu_every_candidate_and_gather_bytes(capfd):
+    # aot_eager: the same Dynamo capture (fullgraph) as inductor, without its CPU codegen time
+    rows = bench_fsdp.cpu_run(["--recipes", "bf16,fp8_current,fp8_block",
+                               "--modes", "eager,compiled", "--backend", "aot_eager"])
+    labels = ["torch bf16", *(["torchao fp8 tensorwise"] if torchao_available() else []),
+              "te bf16", "te fp8_current", "te fp8_current (bf16 gather)", "te fp8_block"]
+    assert [(r["candidate"], r["mode"]) for r in rows] == [
+        (c, m) for c in labels for m in ("eager", "compiled")]
+    for r in rows:
+        assert "error" not in r, r
+        assert r["ms"] > 0 and math.isfinite(r["loss"]) and r["all_gather_bytes"] > 0
+        # compiled: one graph per block (2), so no graph break and no recompile
+        assert r["graphs"] == (2 if r["mode"] == "compiled" else 0), r
+
+    for mode in ("eager", "compiled"):
+        by = {r["candidate"]: r for r in rows if r["mode"] == mode}
+        # the same bf16 parameters gather the same bytes on torch.nn.Linear and te.Linear
+        assert by["te bf16"]["all_gather_bytes"] == by["torch bf16"]["all_gather_bytes"]
+        # FP8 current scaling gathers every GEMM weight in 1 byte instead of 2
+        # (the norm weights stay bf16); the plain gather of the recipe moves bf16
+        fp8, plain = by["te fp8_current"], by["te fp8_current (bf16 gather)"]
+        assert fp8["gather"] == "fp8_current 14/14" and plain["gather"] == "bf16"
+        assert fp8["all_gather_bytes"] <= 0.55 * by["te bf16"]["all_gather_bytes"]
+        assert fp8["all_gather_bytes"] < plain["all_gather_bytes"]
+        assert plain["all_gather_bytes"] == by["te bf16"]["all_gather_bytes"]
+        # 128x128 blocks: k and v (128 rows) do not split into whole blocks over 2 ranks
+        assert by["te fp8_block"]["gather"] == "fp8_block 10/14"
+        assert by["te fp8_block"]["all_gather_bytes"] < by["te bf16"]["all_gather_bytes"]
+
+        # the ratio column: the baseline's ms over the row's, in the same mode
+        base = by["torch bf16"]
+        assert base["x_bf16"] == 1.0
+        for r in by.values():
+            assert r["x_bf16"] == pytest.approx(base["ms"] / r["ms"], rel=1e-12)
+            # global tokens: 2 ranks x llama-tiny's 2 x 64 each
+            assert r["tokens_per_s"] == pytest.approx(2 * 2 * 64 / r["ms"] * 1e3)
+
+    out = capfd.readouterr().out  # rank 0 printed the table; rank 1 printed nothing
+    assert out.count("| config | candidate |") == 1 and "world size 2 (gloo)" in out
+    assert out.count("| llama-tiny | te fp8_current (bf16 gather) |") == 2

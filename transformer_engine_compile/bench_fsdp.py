@@ -1,0 +1,303 @@
+"""FSDP2 whole-training-step benchmark: bench_llama's Llama-style model, data
+parallel over N ranks, with weights all-gathered in bf16 or quantized.
+
+    torchrun --nproc_per_node 2 -m transformer_engine_compile.bench_fsdp \\
+        --configs llama-b --recipes bf16,fp8_current,fp8_block --modes eager,compiled
+
+Candidates, side by side in one process: bf16 ``torch.nn.Linear`` under
+torch's ``fully_shard`` (the baseline), ``te.Linear`` in bf16 and under each
+recipe with its weights gathered quantized (``te.fsdp.fully_shard(...,
+recipe=rec)``), FP8 current scaling also with the plain bf16 gather (so the
+gather format's effect shows), and torchao's ``Float8Linear`` tensorwise with
+its FP8 all-gather when torchao imports.
+
+Sharding as torchtitan does it: ``fully_shard`` on each decoder block, then
+on the root.  "compiled" compiles each block after sharding it
+(``block.compile(fullgraph=True)``: FSDP2's hooks run eagerly around the
+compiled block, and fullgraph makes any graph break an error); "eager" runs
+uncompiled.  Every rank trains on its own batch of the config's size, so the
+global batch is N times it.  One step is bench_llama's (forward under the
+recipe, fp32 MSE loss, backward, AdamW (fused on CUDA), ``loss.item()``),
+bf16 parameters.
+
+Printed by rank 0, per candidate and mode: rank 0's median ms per step,
+global tokens/s, the ratio to the baseline in the same mode (>1: faster),
+all-gather bytes per step and rank (counted over one step by wrapping
+``torch.distributed``'s all-gather functions, which FSDP2 calls through the
+module attribute), rank 0's peak memory, and the Dynamo graphs compiled over
+the candidate's steps (one per block when nothing recompiles).  A candidate that fails prints
+its error and the others still run (the failure must happen on every rank,
+as it does for errors that do not depend on the data; otherwise the other
+ranks wait in a collective).
+
+``--device cpu`` runs gloo and ``llama-tiny``, a smoke run whose times mean
+nothing (torchao's GEMMs emulated); :func:`cpu_run` spawns the processes for
+the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+from . import bench_llama
+from . import recipe as R
+from .bench import RECIPES, torchao_unavailable_reason
+
+BASELINE = "torch bf16"
+MODES = ("eager", "compiled")
+CONFIGS = {**bench_llama.LLAMA_CONFIGS, **bench_llama.TINY_LLAMA}
+
+
+def candidates(recipe_names, with_torchao):
+    """(label, model kind, recipe, gather recipe) in table order: bench_llama's
+    candidates (te bf16 always; "bf16" in ``recipe_names`` adds nothing), each
+    recipe gathering in its own format, fp8_current also gathering bf16."""
+    recipes = {name: RECIPES[name] for name in recipe_names if name != "bf16"}
+    out = []
+    for label, kind, rec in bench_llama.candidates(recipes, with_torchao):
+        out.append((label, kind, rec, rec))
+        if label == "te fp8_current":
+            out.append(("te fp8_current (bf16 gather)", kind, rec, None))
+    return out
+
+
+def shard(model, gather_recipe, mesh, compiled, backend):
+    """torchtitan's layout: each block its own FSDP2 unit (compiled when
+    asked), the root the rest.  ``te.fsdp.fully_shard`` with ``recipe=None``
+    is torch's ``fully_shard`` (nothing is wrapped), so the baseline and
+    torchao go through it too."""
+    from . import fsdp
+
+    for block in model.blocks:
+        fsdp.fully_shard(block, recipe=gather_recipe, mesh=mesh)
+        if compiled:
+            block.compile(fullgraph=True, backend=backend)
+    fsdp.fully_shard(model, mesh=mesh)
+
+
+def gather_label(model, kind):
+    """How the GEMM weights are gathered: e.g. "fp8_current 14/14" for the
+    te weights FSDP2 gathers quantized, "bf16" when none is."""
+    from .fsdp import QuantizedAllGatherWeight, gemm_weight_names
+
+    if kind == "torchao":
+        return "fp8 (torchao)"
+    total = sum(len(gemm_weight_names(m)) for m in model.modules())
+    formats = [p._local_tensor._format for p in model.parameters()
+               if isinstance(getattr(p, "_local_tensor", None), QuantizedAllGatherWeight)]
+    return f"{formats[0]} {len(formats)}/{total}" if formats else "bf16"
+
+
+@contextlib.contextmanager
+def count_all_gather_bytes():
+    """Counts the output bytes of ``torch.distributed.all_gather_into_tensor``
+    and ``all_gather_single`` (where torch has it) called while inside; yields
+    a one-element list holding the running total.  FSDP2 calls them through
+    the ``torch.distributed`` attribute, so wrapping the attribute sees its
+    gathers; ``all_gather_into_tensor`` calling ``all_gather_single`` inside
+    torch counts once."""
+    total = [0]
+    depth = [0]
+    saved = {name: getattr(dist, name) for name in ("all_gather_into_tensor", "all_gather_single")
+             if hasattr(dist, name)}
+
+    def wrap(fn):
+        def counted(output_tensor, *args, **kwargs):
+            if depth[0] == 0:
+                total[0] += output_tensor.numel() * output_tensor.element_size()
+            depth[0] += 1
+            try:
+                return fn(output_tensor, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return counted
+
+    for name, fn in saved.items():
+        setattr(dist, name, wrap(fn))
+    try:
+        yield total
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def measure(cfg, kind, rec, gather_recipe, mode, device, mesh, *, steps, warmup, backend):
+    """One candidate in one mode: the row's measured fields."""
+    float8_config = after_step = None
+    if kind == "torchao":  # the FP8 all-gather and the scale precompute, as torchao documents
+        from torchao.float8 import Float8LinearConfig, precompute_float8_dynamic_scale_for_fsdp
+        float8_config = Float8LinearConfig(enable_fsdp_float8_all_gather=True,
+                                           emulate=device.type != "cuda")
+    model = bench_llama.build(cfg, kind, device, float8_config=float8_config)
+    shard(model, gather_recipe, mesh, mode == "compiled", backend)
+    if kind == "torchao":
+        after_step = lambda: precompute_float8_dynamic_scale_for_fsdp(model)  # noqa: E731
+    # only DelayedScaling reads the group: its amaxes are all-reduced over the ranks
+    group = dist.group.WORLD if isinstance(rec, R.DelayedScaling) else None
+    step = bench_llama.make_step(model, rec, "eager", amax_reduction_group=group,
+                                 after_step=after_step)
+    x, target = bench_llama.inputs(cfg, device, seed=1 + dist.get_rank())  # own batch per rank
+    row = {"gather": gather_label(model, kind)}
+    torch._dynamo.utils.counters.clear()
+    t0 = time.perf_counter()
+    step(x, target)
+    row["first_step_s"] = time.perf_counter() - t0  # compile included
+    row["ms"], row["host_ms"] = bench_llama.time_steps(step, x, target, warmup=warmup,
+                                                       steps=steps)
+    row["tokens_per_s"] = cfg.tokens * mesh.size() / row["ms"] * 1e3
+    row["peak_gib"] = bench_llama.peak_gib(step, x, target, device)  # one step, CUDA only
+    with count_all_gather_bytes() as gathered:
+        row["loss"] = step(x, target)
+    row["all_gather_bytes"] = gathered[0]
+    row["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # compiles, all steps
+    return row
+
+
+def run(configs, recipe_names, modes, device, *, steps=10, warmup=3, backend="inductor",
+        with_torchao=True, only=None, log=print):
+    """All rows (every rank computes them; rank 0 logs them); ``only``: these
+    candidate labels alone."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    if with_torchao and (reason := torchao_unavailable_reason()):
+        log(f"torchao skipped: {reason}\n")
+        with_torchao = False
+    elif with_torchao:
+        import torchao
+        log(f"torchao {torchao.__version__}\n")
+    rows = []
+    for cname in configs:
+        log(HEADER)
+        for label, kind, rec, gather_recipe in candidates(recipe_names, with_torchao):
+            if only and label not in only:
+                continue
+            for mode in modes:
+                row = {"config": cname, "candidate": label, "mode": mode}
+                try:
+                    row.update(measure(CONFIGS[cname], kind, rec, gather_recipe, mode, device,
+                                       mesh, steps=steps, warmup=warmup, backend=backend))
+                    row["x_bf16"] = bench_llama._ratio(rows + [row], row, BASELINE, mode)
+                except Exception as e:  # one failing candidate must not hide the others
+                    row["error"] = bench_llama.error_text(e)
+                rows.append(row)
+                log(format_row(row))
+                torch._dynamo.reset()
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        log("")
+    return rows
+
+
+HEADER = ("| config | candidate | mode | gather | ms/step | tokens/s (global) | x bf16 "
+          "| all-gather MiB/step/rank | peak GiB/rank | 1st step s | graphs |\n"
+          "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def format_row(row):
+    head = f"| {row['config']} | {row['candidate']} | {row['mode']} |"
+    if "error" in row:
+        return f"{head} ERROR: {row['error'].replace('|', '/')} |"
+    return (f"{head} {row['gather']} | {row['ms']:.2f} | {row['tokens_per_s']:.0f} | "
+            f"{row['x_bf16']:.2f} | {row['all_gather_bytes'] / 2 ** 20:.2f} | "
+            f"{row['peak_gib']:.2f} | {row['first_step_s']:.1f} | {row['graphs']} |")
+
+
+def _csv(choices):
+    def parse(text):
+        items = [t for t in text.split(",") if t]
+        bad = [t for t in items if t not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(choices)}")
+        return items
+    return parse
+
+
+def main(argv=None):
+    """Parse, set up the process group (unless one exists), run; rank 0
+    prints and writes ``--json``.  Returns 0 when no candidate failed."""
+    p = argparse.ArgumentParser(prog="torchrun ... -m transformer_engine_compile.bench_fsdp",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", type=_csv(list(CONFIGS)), default=None,
+                   help="comma-separated; default llama-b on CUDA, llama-tiny on CPU")
+    p.add_argument("--recipes", type=_csv(["bf16", *RECIPES]), default=["bf16", "fp8_current", "fp8_block"],
+                   help="comma-separated; te bf16 and the torch bf16 baseline always run")
+    p.add_argument("--modes", type=_csv(list(MODES)), default=list(MODES))
+    p.add_argument("--steps", type=int, default=10, help="timed steps (median)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--device", choices=("cuda", "cpu"),
+                   default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--backend", default="inductor", help="torch.compile backend for 'compiled'")
+    p.add_argument("--no-torchao", action="store_true")
+    p.add_argument("--candidates", type=lambda text: text.split(","), default=None,
+                   help="comma-separated labels: run only these (e.g. 'torch bf16,te fp8_current')")
+    p.add_argument("--json", help="rank 0 writes the rows here")
+    args = p.parse_args(argv)
+    cuda = args.device == "cuda"
+    configs = args.configs or (["llama-b"] if cuda else ["llama-tiny"])
+    own_group = not dist.is_initialized()
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if own_group:
+        dist.init_process_group("nccl" if cuda else "gloo",
+                                device_id=device if cuda else None)
+    rank0 = dist.get_rank() == 0
+    log = print if rank0 else (lambda *a, **k: None)
+    try:
+        machine = (torch.cuda.get_device_name(device) if cuda
+                   else "cpu (a smoke run: times mean nothing)")
+        log(f"{machine}, torch {torch.__version__}, world size {dist.get_world_size()} "
+            f"({dist.get_backend()}), per-rank batch as the config, steps {args.steps}\n")
+        rows = run(configs, args.recipes, args.modes, device, steps=args.steps,
+                   warmup=args.warmup, backend=args.backend, with_torchao=not args.no_torchao,
+                   only=args.candidates,
+                   log=lambda text: log(text, flush=True))
+        if rank0 and args.json:
+            with open(args.json, "w") as f:
+                json.dump({"machine": machine, "torch": torch.__version__,
+                           "world_size": dist.get_world_size(), "rows": rows}, f, indent=1)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+def _cpu_worker(rank, world, tmp, argv):
+    torch.set_num_threads(1)
+    store = dist.FileStore(os.path.join(tmp, "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        main(["--device", "cpu", *argv, "--json", os.path.join(tmp, "rows.json")])
+    finally:
+        dist.destroy_process_group()
+
+
+def cpu_run(argv=(), nprocs=2):
+    """Run the benchmark on ``nprocs`` CPU processes (gloo, a file store in a
+    temporary directory) with ``argv`` (default: ``llama-tiny``, one warm-up
+    and one timed step); returns rank 0's rows."""
+    import torch.multiprocessing as mp
+
+    argv = ["--steps", "1", "--warmup", "1", *argv]
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_cpu_worker, args=(nprocs, tmp, list(argv)), nprocs=nprocs)
+        with open(os.path.join(tmp, "rows.json")) as f:
+            return json.load(f)["rows"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
