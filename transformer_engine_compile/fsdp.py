@@ -204,20 +204,17 @@ def check_gathered_weight(owner: str, weight, recipe, grad_enabled: bool):
     quantized (gathered by FSDP2 through :class:`QuantizedAllGatherWeight`,
     or an FP8 primary weight) in another format than the active recipe's:
     then its dequantized values without gradients, a clear error with them."""
-    if not isinstance(weight, QuantizedTensorStorage) or weight._quantizer is None:
+    if not isinstance(weight, QuantizedTensorStorage):
         return weight
-    q = weight._quantizer
-    same = dict(rowwise=True, columnwise=True, internal=True)
-    if recipe is not None and q.with_usage(**same) == factory.quantizer_for(
-            recipe, "weight").with_usage(**same):
-        return weight
+    if recipe is not None and isinstance(weight, factory.weight_storage_class(recipe)):
+        return weight  # the recipe's format family (the GEMM checks the rest)
     if grad_enabled and weight.requires_grad:
         active = "no recipe" if recipe is None else type(recipe).__name__
         raise RuntimeError(
-            f"{owner}: the weight is quantized by {type(q).__name__} (FSDP2 gathers it so for "
-            f"the recipe given to te.fsdp.fully_shard), but the forward runs under {active}; training needs "
-            "the high-precision weight for its gradient. Shard with the recipe you train "
-            "with (or recipe=None to gather high precision)")
+            f"{owner}: the weight is a {type(weight).__name__} (FSDP2 gathers it so for "
+            f"the recipe given to te.fsdp.fully_shard), but the forward runs under "
+            f"{active}; training needs the high-precision weight for its gradient. Shard "
+            "with the recipe you train with (or recipe=None to gather high precision)")
     return weight.dequantize()
 
 

@@ -53,6 +53,24 @@ def quantizer_for(recipe: R.Recipe, role: str, *, internal: bool = False):
     raise TypeError(f"unknown recipe {type(recipe).__name__}")
 
 
+_WEIGHT_QUANTIZER = (  # recipe type -> the quantizer class of its weights
+    (R.Float8CurrentScaling, Float8CurrentScalingQuantizer),
+    (R.Float8BlockScaling, Float8BlockQuantizer),
+    (R.MXFP8BlockScaling, MXFP8Quantizer),
+    (R.NVFP4BlockScaling, NVFP4Quantizer),
+    (R.DelayedScaling, Float8DelayedScalingQuantizer),
+)
+
+
+def weight_storage_class(recipe: R.Recipe) -> type:
+    """The storage class of ``recipe``'s quantized weights, from the recipe's
+    type alone (traced code may not compare opaque quantizers on torch 2.11)."""
+    for recipe_cls, quantizer_cls in _WEIGHT_QUANTIZER:
+        if isinstance(recipe, recipe_cls):
+            return quantizer_cls.storage_cls
+    raise TypeError(f"unknown recipe {type(recipe).__name__}")
+
+
 _SHARED: dict = {}
 
 
