@@ -209,15 +209,16 @@ def norm_forward(x2d, weight, bias, eps: float, rms: bool, with_amax: bool = Fal
     grid = (min(n_blk, _MAX_GIVEN_PARTS, FWD_AMAX_PROGRAMS_PER_SM * _sm_count(dev))
             if with_amax else n_blk)
     y = torch.empty((m, k), dtype=x2d.dtype, device=dev)
-    stats = torch.empty((m if rms else 2 * m,), dtype=torch.float32, device=dev)
-    rstd, mean = (stats, None) if rms else (stats[m:], stats[:m])
-    parts = torch.empty((grid,), dtype=torch.int32, device=dev) if with_amax else stats
+    # two allocations, not views of one: an op may not return aliases of each other
+    rstd = torch.empty((m,), dtype=torch.float32, device=dev)
+    mean = None if rms else torch.empty((m,), dtype=torch.float32, device=dev)
+    parts = torch.empty((grid,), dtype=torch.int32, device=dev) if with_amax else rstd
     has_bias = bias is not None and not rms
     b = bias if has_bias else weight
     key = (x2d.dtype, weight.dtype, b.dtype, ptr_key(x2d), ptr_key(weight), ptr_key(b),
            ptr_key(rstd), int_key(m), int_key(k), int_key(grid), bool(rms), has_bias,
            bool(with_amax), bm, bk)
-    _fwd.get(warps)((grid,), key, x2d, weight, b, y, stats if mean is None else mean, rstd,
+    _fwd.get(warps)((grid,), key, x2d, weight, b, y, rstd if mean is None else mean, rstd,
                     parts, m, k, float(eps), grid, bool(rms), has_bias, bool(with_amax), bm, bk)
     if with_amax:
         return y, mean, rstd, parts.view(torch.float32)
