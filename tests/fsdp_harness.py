@@ -117,7 +117,7 @@ def train(model, name, batches, group, sharded: bool):
     DelayedScaling scales of the first layer; and all-gather bytes per step."""
     rec = recipe_of(name)
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if sharded else (0, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True)
     torch.manual_seed(1234)  # NVFP4's stochastic rounding draws from it
     steps, gathered = [], [0]
     for x, target in batches:
@@ -136,6 +136,8 @@ def train(model, name, batches, group, sharded: bool):
                        ("fp8_scale_fwd", "fp8_scale_bwd")) if name == "delayed" else ()
         opt.step()
         opt.zero_grad()
+        if sharded:  # the next gathers reuse these amaxes (one all-reduce)
+            te.fsdp.precompute_scales(model)
         steps.append((loss.detach(), grads, scales))
     params = {n: _full(p).detach().float().clone() for n, p in model.named_parameters()}
     return steps, params, gathered[0] // len(batches)

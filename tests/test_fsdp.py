@@ -108,6 +108,18 @@ def other_recipe_worker(group):
         assert torch.equal(y, reference(x))
 
 
+    # the whole weight's amax: all-reduced, kept until the weight changes
+    param = model[2].weight
+    local = param._local_tensor
+    full_amax = param.full_tensor().abs().max().float()
+    amax = local._group_amax(group)
+    assert torch.equal(amax, full_amax.reshape(1)) and local._group_amax(group) is amax
+    local._inner.mul_(2.0)  # an optimizer step would do this in place
+    assert torch.equal(local._group_amax(group), 2 * amax)
+    te.fsdp.precompute_scales(model)
+    assert torch.equal(local._amax[1], 2 * amax) and local._amax[0] == local._inner._version
+
+
 def test_fsdp_other_recipe_refused_with_grad_and_dequantized_without():
     H.spawn(other_recipe_worker)
 

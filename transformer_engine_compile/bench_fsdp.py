@@ -142,6 +142,9 @@ def measure(cfg, kind, rec, gather_recipe, mode, device, mesh, *, steps, warmup,
     shard(model, gather_recipe, mesh, mode == "compiled", backend)
     if kind == "torchao":
         after_step = lambda: precompute_float8_dynamic_scale_for_fsdp(model)  # noqa: E731
+    elif gather_recipe is not None:  # te: the weights' amaxes in one all-reduce
+        from . import fsdp
+        after_step = lambda: fsdp.precompute_scales(model)  # noqa: E731
     # only DelayedScaling reads the group: its amaxes are all-reduced over the ranks
     group = dist.group.WORLD if isinstance(rec, R.DelayedScaling) else None
     step = bench_llama.make_step(model, rec, "eager", amax_reduction_group=group,

@@ -53,7 +53,8 @@ from .quantization.base import QuantizedTensorStorage
 aten = torch.ops.aten
 
 __all__ = ["QuantizedAllGatherWeight", "fully_shard", "gather_format", "quantized_all_gather",
-           "gemm_weight_names", "check_gathered_weight", "fit_extra_state"]
+           "gemm_weight_names", "check_gathered_weight", "fit_extra_state",
+           "precompute_scales"]
 
 FP8_BLOCK = 128
 
@@ -113,6 +114,7 @@ class QuantizedAllGatherWeight(torch.Tensor):
         self._inner = inner
         self._recipe = recipe
         self._format = fmt
+        self._amax = None  # (inner's version, amax over the shard group): see _group_amax
 
     def __repr__(self, *, tensor_contents=None):
         return f"QuantizedAllGatherWeight({self._format}, {self._inner!r})"
@@ -154,25 +156,38 @@ class QuantizedAllGatherWeight(torch.Tensor):
         dtype = mp_policy.param_dtype if mp_policy.param_dtype is not None else x.dtype
         x = x.detach().to(dtype)  # the layer would quantize the param_dtype weight
         if self._format == "fp8_current":
-            amax = x.abs().amax().float().reshape(1)
-            torch.distributed.all_reduce(amax, torch.distributed.ReduceOp.MAX,
-                                         group=mesh.get_group())
-            q = self._quantizer()
-            shard = q.quantize_with_amax(x, amax)
-            return (shard._data.view(torch.uint8),), (shard._scale_inv, dtype)
+            amax = self._group_amax(mesh.get_group())
+            if dtype != self._inner.dtype:  # amax of the cast weight: the cast amax
+                amax = amax.to(dtype).float()
+            shard = self._quantizer().quantize_with_amax(x, amax)
+            # the scale (the same on every rank) travels with the bytes: FSDP2
+            # then owns every buffer the gathered weight reads, on its streams
+            return (shard._data.view(torch.uint8), shard._scale_inv), (dtype,)
         shard = self._quantizer().quantize(x)  # fp8_block: whole 128-row blocks
-        return ((shard._rowwise_data.view(torch.uint8), shard._rowwise_scale_inv),
-                (None, dtype))
+        return (shard._rowwise_data.view(torch.uint8), shard._rowwise_scale_inv), (dtype,)
+
+    def _group_amax(self, group) -> torch.Tensor:
+        """The whole weight's amax (fp32, shape (1,)): this shard's, all-reduced
+        (max) over ``group``; kept until the weight changes (its version
+        counter moves with every in-place update), so the backward's
+        re-gather and :func:`precompute_scales` spare the collective."""
+        version = self._inner._version
+        if self._amax is None or self._amax[0] != version:
+            amax = self._inner.detach().abs().amax().float().reshape(1)
+            torch.distributed.all_reduce(amax, torch.distributed.ReduceOp.MAX, group=group)
+            self._amax = (version, amax)
+        return self._amax[1]
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """The gathered bytes as the recipe's quantized weight (both copies:
         the transposed one is built here, as a cast-transpose would)."""
-        scale_inv, dtype = metadata
+        (dtype,) = metadata
         q = self._quantizer(rowwise=True, columnwise=True)
         fp8 = ref.FP8_DTYPE[q.fp8_format]
         if self._format == "fp8_current":
-            data = all_gather_outputs[0].view(fp8)
-            buffers = {"data": data, "transpose": None, "scale_inv": scale_inv}
+            data, scales = all_gather_outputs
+            data = data.view(fp8)
+            buffers = {"data": data, "transpose": None, "scale_inv": scales[:1]}
             derived = {"transpose": lambda: data.t()}
         else:
             data, scales = all_gather_outputs
@@ -185,18 +200,37 @@ class QuantizedAllGatherWeight(torch.Tensor):
             # refresh what the forward may have saved for backward: the
             # values are the same (no optimizer step in between), so keep
             # the version counters as FSDP2 does for its own copy-out
-            refresh = [(getattr(out, "_" + name), make()) for name, make in derived.items()]
-            if scale_inv is not None:
-                refresh.append((out._scale_inv, scale_inv))
-            for dst, src in refresh:
+            for name, make in derived.items():
+                dst = getattr(out, "_" + name)
                 with torch.autograd._unsafe_preserve_version_counter(dst):
-                    dst.copy_(src)
+                    dst.copy_(make())
             return None
         for name, make in derived.items():
             buffers[name] = make().contiguous()
         shape = torch.Size(data.shape)
         tensor = q.create_metadata(shape, dtype).build(shape, buffers)
         return tensor, tuple(buffers[name] for name in derived)
+
+
+@torch.no_grad()
+def precompute_scales(module: torch.nn.Module) -> None:
+    """After the optimizer step: the amaxes of every FP8-current weight that
+    FSDP2 gathers quantized in ``module``, with one all-reduce per shard
+    group instead of one per weight inside each all-gather (as torchao's
+    ``precompute_float8_dynamic_scale_for_fsdp``).  Optional: a gather whose
+    weight changed since computes its own."""
+    by_group: dict = {}
+    for param in module.parameters():
+        local = getattr(param, "_local_tensor", None)
+        if isinstance(local, QuantizedAllGatherWeight) and local._format == "fp8_current":
+            group = param.device_mesh.get_group()
+            by_group.setdefault(group, []).append(local)
+    for group, weights in by_group.items():
+        inner = [w._inner for w in weights]
+        amaxes = torch.stack(torch._foreach_norm(inner, float("inf"))).float()
+        torch.distributed.all_reduce(amaxes, torch.distributed.ReduceOp.MAX, group=group)
+        for w, amax in zip(weights, amaxes.split(1)):
+            w._amax = (w._inner._version, amax)
 
 
 def check_gathered_weight(owner: str, weight, recipe, grad_enabled: bool):
