@@ -46,6 +46,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from . import recipe as R
+from . import kernels
 from .kernels import reference as ref
 from .quantization import factory
 from .quantization.base import QuantizedTensorStorage
@@ -188,25 +189,24 @@ class QuantizedAllGatherWeight(torch.Tensor):
             data, scales = all_gather_outputs
             data = data.view(fp8)
             buffers = {"data": data, "transpose": None, "scale_inv": scales[:1]}
-            derived = {"transpose": lambda: data.t()}
+            derived = {"transpose": data}
         else:
             data, scales = all_gather_outputs
             data = data.view(fp8)
             buffers = {"rowwise_data": data, "rowwise_scale_inv": scales,
                        "columnwise_data": None, "columnwise_scale_inv": None}
-            derived = {"columnwise_data": lambda: data.t(),
-                       "columnwise_scale_inv": lambda: scales.t()}
+            derived = {"columnwise_data": data, "columnwise_scale_inv": scales}
         if out is not None:  # FSDP2 re-gathered into the same storage
             # refresh what the forward may have saved for backward: the
             # values are the same (no optimizer step in between), so keep
             # the version counters as FSDP2 does for its own copy-out
-            for name, make in derived.items():
+            for name, src in derived.items():
                 dst = getattr(out, "_" + name)
                 with torch.autograd._unsafe_preserve_version_counter(dst):
-                    dst.copy_(make())
+                    _transpose(src, dst)
             return None
-        for name, make in derived.items():
-            buffers[name] = make().contiguous()
+        for name, src in derived.items():
+            buffers[name] = _transpose(src)
         shape = torch.Size(data.shape)
         tensor = q.create_metadata(shape, dtype).build(shape, buffers)
         return tensor, tuple(buffers[name] for name in derived)
@@ -231,6 +231,14 @@ def precompute_scales(module: torch.nn.Module) -> None:
         torch.distributed.all_reduce(amaxes, torch.distributed.ReduceOp.MAX, group=group)
         for w, amax in zip(weights, amaxes.split(1)):
             w._amax = (w._inner._version, amax)
+
+
+def _transpose(x2d: torch.Tensor, out=None) -> torch.Tensor:
+    """The transposed copy of gathered FP8 bytes (a Triton tile kernel on
+    CUDA) or of fp32 block scales."""
+    if x2d.element_size() == 1:
+        return kernels.get("transpose_bytes", x2d)(x2d, out)
+    return x2d.t().contiguous() if out is None else out.copy_(x2d.t())
 
 
 def check_gathered_weight(owner: str, weight, recipe, grad_enabled: bool):

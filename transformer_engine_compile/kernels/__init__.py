@@ -32,6 +32,7 @@ OPS = (
     "norm_backward",
     "activation_forward",
     "activation_backward",
+    "transpose_bytes",
 )
 
 _FAST: dict[tuple[str, str], Callable] = {}

@@ -26,7 +26,7 @@ def register() -> None:
     from . import triton_quant as tq
     for name in ("amax", "quantize_fp8_tensorwise", "quantize_fp8_current",
                  "quantize_fp8_blockwise", "quantize_mxfp8", "dequantize_mxfp8",
-                 "delayed_scaling_step"):
+                 "delayed_scaling_step", "transpose_bytes"):
         register_fast(name, "cuda", getattr(tq, name))
         _REGISTERED.append(name)
     from .triton_nvfp4 import quantize_nvfp4

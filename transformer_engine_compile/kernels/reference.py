@@ -31,6 +31,16 @@ RHT_SIGNS = (1, -1, -1, 1, -1, 1, 1, 1, -1, -1, 1, -1, 1, 1, -1, -1)
 RHT_NEGATIVE = sum(1 << j for j, s in enumerate(RHT_SIGNS) if s < 0)  # bit j: sign j is -1
 
 
+# -- layout ----------------------------------------------------------------------
+def transpose_bytes(x2d: torch.Tensor, out=None) -> torch.Tensor:
+    """The (K, M) transpose of a contiguous (M, K) matrix of one-byte values
+    (FP8 data), into ``out`` when given: the transposed copy of FP8 data
+    gathered rowwise (FSDP2's all-gather)."""
+    if out is None:
+        return x2d.t().contiguous()
+    return out.copy_(x2d.t())
+
+
 # -- scales ----------------------------------------------------------------------
 def amax(x: torch.Tensor) -> torch.Tensor:
     """max |x| as a 0-dim fp32 tensor (0 for an empty tensor; NaN propagates)."""
