@@ -139,6 +139,36 @@ def _copy_args(out: dict) -> tuple:
     return tuple(out.get(name, first) for name in _COPY_BUFFERS)
 
 
+# -- layout ------------------------------------------------------------------------
+@triton.jit
+def _transpose_kernel(x_ptr, y_ptr, M, K, BM: tl.constexpr, BK: tl.constexpr):
+    """y (K, M) = x (M, K) transposed, one (BM, BK) tile per program: both
+    the load and the store are coalesced (a strided copy is not)."""
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rk = tl.program_id(1) * BK + tl.arange(0, BK)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    x = tl.load(x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=mask)
+    mask_t = (rk[:, None] < K) & (rm[None, :] < M)
+    tl.store(y_ptr + rk[:, None].to(tl.int64) * M + rm[None, :], tl.trans(x), mask=mask_t)
+
+
+_transpose_launch = Launcher(_transpose_kernel, num_warps=4)
+_T_BLOCK = 64
+
+
+def transpose_bytes(x2d: torch.Tensor, out=None) -> torch.Tensor:
+    m, k = x2d.shape
+    if out is None:
+        out = torch.empty((k, m), dtype=x2d.dtype, device=x2d.device)
+    if x2d.numel() == 0:
+        return out
+    x8, y8 = _matrix(x2d).view(torch.uint8), out.view(torch.uint8)
+    _transpose_launch((cdiv(m, _T_BLOCK), cdiv(k, _T_BLOCK)),
+                      (ptr_key(x8), ptr_key(y8), int_key(m), int_key(k)),
+                      x8, y8, m, k, _T_BLOCK, _T_BLOCK)
+    return out
+
+
 # -- FP8 per-tensor ------------------------------------------------------------------
 @triton.jit
 def _amax_kernel(x_ptr, M, K, out_ptr, BM: tl.constexpr, BK: tl.constexpr):
