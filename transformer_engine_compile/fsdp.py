@@ -116,6 +116,7 @@ class QuantizedAllGatherWeight(torch.Tensor):
         self._recipe = recipe
         self._format = fmt
         self._amax = None  # (inner's version, amax over the shard group): see _group_amax
+        self._quantizers = {}  # usages -> quantizer (value objects: made once)
 
     def __repr__(self, *, tensor_contents=None):
         return f"QuantizedAllGatherWeight({self._format}, {self._inner!r})"
@@ -147,24 +148,30 @@ class QuantizedAllGatherWeight(torch.Tensor):
         return QuantizedAllGatherWeight(inner_tensors["_inner"], *meta)
 
     def _quantizer(self, rowwise=True, columnwise=False):
-        return factory.quantizer_for(self._recipe, "weight").with_usage(
-            rowwise=rowwise, columnwise=columnwise)
+        q = self._quantizers.get((rowwise, columnwise))
+        if q is None:
+            q = self._quantizers[(rowwise, columnwise)] = factory.quantizer_for(
+                self._recipe, "weight").with_usage(rowwise=rowwise, columnwise=columnwise)
+        return q
 
     # -- FSDP2's all-gather extension ---------------------------------------------------
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """This rank's shard quantized: (bytes to gather, metadata)."""
         x = self._inner
         dtype = mp_policy.param_dtype if mp_policy.param_dtype is not None else x.dtype
-        x = x.detach().to(dtype)  # the layer would quantize the param_dtype weight
+        x = x.detach()
+        if dtype != x.dtype:  # the layer would quantize the param_dtype weight
+            x = x.to(dtype)
         if self._format == "fp8_current":
             amax = self._group_amax(mesh.get_group())
             if dtype != self._inner.dtype:  # amax of the cast weight: the cast amax
                 amax = amax.to(dtype).float()
-            shard = self._quantizer().quantize_with_amax(x, amax)
+            # unchecked (the lean path): FSDP2 hands over a 2-D shard of the weight
+            shard = self._quantizer().quantize_with_amax(x, amax, checked=False)
             # the scale (the same on every rank) travels with the bytes: FSDP2
             # then owns every buffer the gathered weight reads, on its streams
             return (shard._data.view(torch.uint8), shard._scale_inv), (dtype,)
-        shard = self._quantizer().quantize(x)  # fp8_block: whole 128-row blocks
+        shard = self._quantizer().quantize_unchecked(x)  # fp8_block: whole 128-row blocks
         return (shard._rowwise_data.view(torch.uint8), shard._rowwise_scale_inv), (dtype,)
 
     def _group_amax(self, group) -> torch.Tensor:
