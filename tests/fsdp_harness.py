@@ -33,7 +33,6 @@ tests/fsdp_harness.py --device cuda``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import os
 import sys
@@ -45,6 +44,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import transformer_engine_compile as te
 from transformer_engine_compile import recipe
+from transformer_engine_compile.bench_fsdp import count_all_gather_bytes
 
 NAMES = ("bf16", "fp8_current", "fp8_block", "mxfp8", "nvfp4", "delayed")
 QUANTIZED_GATHER = ("fp8_current", "fp8_block")
@@ -91,27 +91,6 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-@contextlib.contextmanager
-def count_all_gather_bytes(counter: list):
-    """Add the output bytes of every all-gather FSDP2 issues to ``counter[0]``."""
-    names = [n for n in ("all_gather_into_tensor", "all_gather_single") if hasattr(dist, n)]
-    saved = {n: getattr(dist, n) for n in names}
-
-    def wrap(fn):
-        def counted(output, *args, **kwargs):
-            counter[0] += output.numel() * output.element_size()
-            return fn(output, *args, **kwargs)
-        return counted
-
-    for n in names:
-        setattr(dist, n, wrap(saved[n]))
-    try:
-        yield
-    finally:
-        for n, fn in saved.items():
-            setattr(dist, n, fn)
-
-
 def train(model, name, batches, group, sharded: bool):
     """Per step: loss, the full gradients (by parameter name), the
     DelayedScaling scales of the first layer; and all-gather bytes per step."""
@@ -119,16 +98,17 @@ def train(model, name, batches, group, sharded: bool):
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if sharded else (0, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True)
     torch.manual_seed(1234)  # NVFP4's stochastic rounding draws from it
-    steps, gathered = [], [0]
+    steps, gathered = [], 0
     for x, target in batches:
         x, target = x.chunk(world)[rank], target.chunk(world)[rank]
-        with count_all_gather_bytes(gathered), warnings.catch_warnings(record=True) as seen:
+        with count_all_gather_bytes() as total, warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             with te.autocast(enabled=rec is not None, recipe=rec,
                              amax_reduction_group=group if sharded else None):
                 y = model(x)
             loss = (y.float() - target).pow(2).sum() * (world / ROWS)
             loss.backward()
+        gathered += total[0]
         views = [str(w.message) for w in seen if "returned a view" in str(w.message)]
         assert not views, views[0]
         grads = {n: _full(p.grad).float().clone() for n, p in model.named_parameters()}
@@ -140,7 +120,7 @@ def train(model, name, batches, group, sharded: bool):
             te.fsdp.precompute_scales(model)
         steps.append((loss.detach(), grads, scales))
     params = {n: _full(p).detach().float().clone() for n, p in model.named_parameters()}
-    return steps, params, gathered[0] // len(batches)
+    return steps, params, gathered // len(batches)
 
 
 def _rel(a, b) -> float:

@@ -581,10 +581,8 @@ class CustomOpPair:
 
 
 def _owning(t):
-    """``t`` itself, or, for a view (an impl's ``y.view(shape)``), a tensor
-    on the same storage that is not a view: a module output that is a view
-    is refused in-place ops by autograd and makes FSDP2 warn that an
-    in-place op on it would skip its pre-backward hook."""
+    """``t``, or for a view (``y.view(shape)``) the same storage as no view:
+    FSDP2 warns on view outputs (in-place ops on them skip its hooks)."""
     if type(t) is not torch.Tensor or t._base is None:
         return t
     return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
