@@ -363,3 +363,47 @@ def test_every_fallback_reason_is_documented():
     doc = (pathlib.Path(__file__).parents[1] / "docs" / "fallback.md").read_text()
     for reason in REASONS:
         assert f"`{reason}`" in doc
+
+
+@pytest.mark.parametrize("case", ["plain", "no_input_grad", "cache_weight", "delayed"])
+def test_current_scaling_quantizes_input_and_weight_as_one_pair(monkeypatch, case):
+    """Float8CurrentScaling forward: x and W go through one
+    ``quantize_fp8_current_pair`` call (one amax and one cast launch on
+    the GPU) with the usages each needs, and training equals the path that
+    quantizes them one at a time; DelayedScaling and a reused weight cache
+    never pair."""
+    from transformer_engine_compile.kernels import reference as ref
+    from transformer_engine_compile.quantization.float8 import Float8CurrentScalingQuantizer
+
+    calls = []
+    real = ref.quantize_fp8_current_pair
+    monkeypatch.setattr(ref, "quantize_fp8_current_pair",
+                        lambda *a: calls.append(a[5:]) or real(*a))
+    rec = recipe.DelayedScaling() if case == "delayed" else recipe.Float8CurrentScaling()
+
+    def train():
+        torch.manual_seed(0)
+        layer = te.Linear(64, 32, params_dtype=torch.bfloat16)
+        out = []
+        for micro in range(2):
+            x = torch.randn(2, 16, 64, dtype=torch.bfloat16,
+                            requires_grad=case != "no_input_grad")
+            first = (micro == 0) if case == "cache_weight" else None
+            with te.autocast(recipe=rec):
+                y = layer(x, is_first_microbatch=first)
+            y.float().square().sum().backward()
+            out += [y, x.grad]
+        return out + [layer.weight.grad]
+
+    paired = train()
+    expected = {"plain": [((True, True), (True, True))] * 2,
+                "no_input_grad": [((True, True), (True, False))] * 2,
+                "cache_weight": [((True, True), (True, True))],  # the second reuses the cache
+                "delayed": []}[case]
+    assert calls == expected
+    calls.clear()
+    monkeypatch.setattr(Float8CurrentScalingQuantizer, "pairs_with", lambda self, other: False)
+    single = train()
+    assert calls == []
+    for a, b in zip(paired, single):
+        assert (a is None and b is None) or torch.equal(a, b)

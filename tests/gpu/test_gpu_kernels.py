@@ -85,6 +85,27 @@ def test_fast_quantize_rowwise_odd_token_counts(name, shape):
         assert _same_bits(fast[k], slow[k]), k
 
 
+@pytest.mark.parametrize("fmt,pow2,eps", [("e4m3", False, 0.0), ("e5m2", True, 1e-3)])
+@pytest.mark.parametrize("shapes", [((384, 640), (640, 640)), ((1, 128), (4096, 1024)),
+                                    ((4097, 200), (7, 200)), ((300, 5632), (2048, 5632))],
+                         ids=str)
+def test_fast_quantize_pair_equals_two_reference_quantizes(shapes, fmt, pow2, eps):
+    """The x/W pair kernel: both matrices' buffers bit for bit as two reference
+    quantizes, for mixed dtypes, every usage pairing and special values."""
+    from transformer_engine_compile.kernels import triton_quant as tq
+    a = _special(shapes[0], torch.bfloat16) if shapes[0][0] > 5 and shapes[0][1] > 100 \
+        else torch.randn(shapes[0], device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(shapes[1], device="cuda", dtype=torch.float32) * 7
+    for a_usage, b_usage in [((True, True), (True, True)), ((True, False), (True, True)),
+                             ((True, True), (False, True)), ((False, True), (True, False))]:
+        fast = tq.quantize_fp8_current_pair(a, b, fmt, pow2, eps, a_usage, b_usage)
+        slow = ref.quantize_fp8_current_pair(a, b, fmt, pow2, eps, a_usage, b_usage)
+        for f, s_ in zip(fast, slow):
+            assert sorted(f) == sorted(s_)
+            for k in f:
+                assert f[k].shape == s_[k].shape and _same_bits(f[k], s_[k]), (k, a_usage, b_usage)
+
+
 def test_fast_amax_and_delayed_scaling_equal_reference():
     x = _special((256, 512), torch.bfloat16)
     assert torch.isnan(kernels.get("amax", x)(x))

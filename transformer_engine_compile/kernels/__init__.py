@@ -22,6 +22,7 @@ OPS = (
     "amax",
     "quantize_fp8_tensorwise",
     "quantize_fp8_current",
+    "quantize_fp8_current_pair",
     "quantize_mxfp8",
     "quantize_fp8_blockwise",
     "quantize_nvfp4",

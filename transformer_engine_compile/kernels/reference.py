@@ -111,6 +111,14 @@ def quantize_fp8_current(x2d, fmt, pow2, eps, rowwise, columnwise, amax=None) ->
                                    rowwise, columnwise)
 
 
+def quantize_fp8_current_pair(a2d, b2d, fmt, pow2, eps, a_usage, b_usage) -> tuple:
+    """Two current-scaling quantizations with one format (a layer's input and
+    weight): ``(buffers of a, buffers of b)``; ``*_usage`` is ``(rowwise,
+    columnwise)``.  Fast kernels run both in one amax and one cast launch."""
+    return (quantize_fp8_current(a2d, fmt, pow2, eps, *a_usage),
+            quantize_fp8_current(b2d, fmt, pow2, eps, *b_usage))
+
+
 def dequantize_fp8_tensorwise(data, scale_inv) -> torch.Tensor:
     return data.float() * scale_inv.float()
 

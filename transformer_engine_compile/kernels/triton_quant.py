@@ -178,9 +178,8 @@ def _amax_kernel(x_ptr, M, K, out_ptr, BM: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _amax_partials_kernel(x_ptr, M, K, part_ptr, P, BM: tl.constexpr, BK: tl.constexpr):
-    """Program p of P writes the max |x| bits of tiles p, p + P, ... to part_ptr[p]."""
-    pid = tl.program_id(0)
+def _amax_partials(x_ptr, M, K, part_ptr, pid, P, BM: tl.constexpr, BK: tl.constexpr):
+    """Program ``pid`` of P writes the max |x| bits of tiles pid, pid + P, ... to part_ptr[pid]."""
     n_k = tl.cdiv(K, BK)
     acc = tl.zeros((BM, BK), dtype=tl.int32)
     for i in range(0, tl.cdiv(tl.cdiv(M, BM) * n_k, P)):
@@ -188,6 +187,46 @@ def _amax_partials_kernel(x_ptr, M, K, part_ptr, P, BM: tl.constexpr, BK: tl.con
         x, _, _, _ = _tile(x_ptr, M, K, t // n_k, t % n_k, BM, BK)
         acc = tl.maximum(acc, _abs_bits(x))
     tl.store(part_ptr + pid, tl.max(tl.max(acc, axis=1), axis=0))
+
+
+@triton.jit
+def _amax_partials_kernel(x_ptr, M, K, part_ptr, P, BM: tl.constexpr, BK: tl.constexpr):
+    _amax_partials(x_ptr, M, K, part_ptr, tl.program_id(0), P, BM, BK)
+
+
+@triton.jit
+def _amax_partials_pair_kernel(a_ptr, Ma, Ka, b_ptr, Mb, Kb, part_ptr, Pa, Pb,
+                               BM: tl.constexpr, BK: tl.constexpr):
+    """Programs [0, Pa) do a's partial maxima into part_ptr[:Pa], the next Pb b's after them."""
+    pid = tl.program_id(0)
+    if pid < Pa:
+        _amax_partials(a_ptr, Ma, Ka, part_ptr, pid, Pa, BM, BK)
+    else:
+        _amax_partials(b_ptr, Mb, Kb, part_ptr + Pa, pid - Pa, Pb, BM, BK)
+
+
+@triton.jit
+def _scale_from_parts(part_ptr, n_parts, FMT_MAX: tl.constexpr, EPS: tl.constexpr,
+                      POW2: tl.constexpr, NP: tl.constexpr):
+    """The current-scaling scale from the max of n_parts (<= NP) partial maxima."""
+    parts = tl.load(part_ptr + tl.arange(0, NP), mask=tl.arange(0, NP) < n_parts, other=0)
+    return _scale_from_amax(tl.max(parts, axis=0).to(tl.float32, bitcast=True), FMT_MAX, EPS,
+                            POW2)
+
+
+@triton.jit
+def _store_fp8_copies(x, s, rm, rk, mask, x_ptr, M, K, pid_m, pid_k, data_ptr, t_ptr, sinv_ptr,
+                      FMT_MAX: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
+                      OUT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """Write tile (pid_m, pid_k)'s rowwise and transposed FP8 copies with scale s
+    (``x`` is the tile ``_tile`` loaded); the first tile writes ``scale_inv``."""
+    if ROW:
+        _store_rows(data_ptr, _cast_fp8(x, s, FMT_MAX, OUT), rm, rk, mask, K)
+    if COL:
+        xt, mask_t = _tile_t(x_ptr, M, K, pid_m, pid_k, BM, BK)
+        _store_transposed(t_ptr, xt, s, rm, rk, mask_t, M, FMT_MAX, OUT)
+    if (pid_m == 0) & (pid_k == 0):
+        tl.store(sinv_ptr, _recip(s))
 
 
 @triton.jit
@@ -201,21 +240,42 @@ def _fp8_tensorwise_kernel(x_ptr, M, K, amax_ptr, n_parts, scale_ptr, data_ptr, 
     max |x| to the zeroed int32 slot at amax_ptr (atomic max)."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     if FROM_AMAX:
-        parts = tl.load(amax_ptr + tl.arange(0, NP), mask=tl.arange(0, NP) < n_parts, other=0)
-        s = _scale_from_amax(tl.max(parts, axis=0).to(tl.float32, bitcast=True), FMT_MAX, EPS,
-                             POW2)
+        s = _scale_from_parts(amax_ptr, n_parts, FMT_MAX, EPS, POW2, NP)
     else:
         s = tl.load(scale_ptr).to(tl.float32)
     x, rm, rk, mask = _tile(x_ptr, M, K, pid_m, pid_k, BM, BK)
     if RECORD_AMAX:
         tl.atomic_max(amax_ptr, tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
-    if ROW:
-        _store_rows(data_ptr, _cast_fp8(x, s, FMT_MAX, OUT), rm, rk, mask, K)
-    if COL:
-        xt, mask_t = _tile_t(x_ptr, M, K, pid_m, pid_k, BM, BK)
-        _store_transposed(t_ptr, xt, s, rm, rk, mask_t, M, FMT_MAX, OUT)
-    if (pid_m == 0) & (pid_k == 0):
-        tl.store(sinv_ptr, _recip(s))
+    _store_fp8_copies(x, s, rm, rk, mask, x_ptr, M, K, pid_m, pid_k, data_ptr, t_ptr, sinv_ptr,
+                      FMT_MAX, ROW, COL, OUT, BM, BK)
+
+
+@triton.jit
+def _fp8_current_pair_kernel(a_ptr, Ma, Ka, b_ptr, Mb, Kb, part_ptr, Pa, Pb,
+                             a_data, a_t, a_sinv, b_data, b_t, b_sinv,
+                             FMT_MAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr,
+                             A_ROW: tl.constexpr, A_COL: tl.constexpr, B_ROW: tl.constexpr,
+                             B_COL: tl.constexpr, OUT: tl.constexpr, BM: tl.constexpr,
+                             BK: tl.constexpr, NP: tl.constexpr):
+    """The cast pass of two current-scaling quantizations: programs
+    [0, tiles of a) cast a's tiles with the scale of part_ptr[:Pa], the
+    rest b's with that of the Pb maxima after them (1-D grid)."""
+    pid = tl.program_id(0)
+    nka = tl.cdiv(Ka, BK)
+    ta = tl.cdiv(Ma, BM) * nka
+    if pid < ta:
+        s = _scale_from_parts(part_ptr, Pa, FMT_MAX, EPS, POW2, NP)
+        pid_m, pid_k = pid // nka, pid % nka
+        x, rm, rk, mask = _tile(a_ptr, Ma, Ka, pid_m, pid_k, BM, BK)
+        _store_fp8_copies(x, s, rm, rk, mask, a_ptr, Ma, Ka, pid_m, pid_k, a_data, a_t, a_sinv,
+                          FMT_MAX, A_ROW, A_COL, OUT, BM, BK)
+    else:
+        s = _scale_from_parts(part_ptr + Pa, Pb, FMT_MAX, EPS, POW2, NP)
+        nkb = tl.cdiv(Kb, BK)
+        pid_m, pid_k = (pid - ta) // nkb, (pid - ta) % nkb
+        x, rm, rk, mask = _tile(b_ptr, Mb, Kb, pid_m, pid_k, BM, BK)
+        _store_fp8_copies(x, s, rm, rk, mask, b_ptr, Mb, Kb, pid_m, pid_k, b_data, b_t, b_sinv,
+                          FMT_MAX, B_ROW, B_COL, OUT, BM, BK)
 
 
 _TW_BM, _TW_BK = 64, 128
@@ -225,6 +285,8 @@ _MAX_GIVEN_PARTS = 1024  # partial maxima a caller may give quantize_fp8_current
 _amax_launch = Launcher(_amax_kernel)
 _amax_partials_launch = Launcher(_amax_partials_kernel)
 _fp8_tensorwise_launch = Launcher(_fp8_tensorwise_kernel)
+_amax_partials_pair_launch = Launcher(_amax_partials_pair_kernel)
+_fp8_current_pair_launch = Launcher(_fp8_current_pair_kernel)
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
@@ -239,6 +301,26 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     return out.view(torch.float32).reshape(())
 
 
+def _fp8_outputs(dev, dt, m, k, rowwise, columnwise) -> dict:
+    out = {"scale_inv": torch.empty(1, dtype=torch.float32, device=dev)}
+    if rowwise:
+        out["data"] = torch.empty((m, k), dtype=dt, device=dev)
+    if columnwise:
+        out["transpose"] = torch.empty((k, m), dtype=dt, device=dev)
+    return out
+
+
+def _fp8_copy_args(out: dict) -> tuple:
+    """data, transpose, scale_inv pointers (an absent copy gets scale_inv: never written)."""
+    sinv = out["scale_inv"]
+    return out.get("data", sinv), out.get("transpose", sinv), sinv
+
+
+def _n_amax_parts(m, k) -> int:
+    """Programs of the amax pass over an (m, k) matrix."""
+    return min(cdiv(m, _AMAX_BM) * cdiv(k, _AMAX_BK), _MAX_PARTS)
+
+
 def _fp8_tensorwise(x2d, fmt, rowwise, columnwise, *, scale=None, amax_out=None,
                     pow2=False, eps=0.0, amax_parts=None) -> dict:
     """Current scaling without ``scale`` (amax pass, then cast; the cast
@@ -246,21 +328,15 @@ def _fp8_tensorwise(x2d, fmt, rowwise, columnwise, *, scale=None, amax_out=None,
     with ``scale``, recording the amax into ``amax_out`` when given."""
     x2d = _matrix(x2d)
     m, k = x2d.shape
-    dt = ref.FP8_DTYPE[fmt]
+    out = _fp8_outputs(x2d.device, ref.FP8_DTYPE[fmt], m, k, rowwise, columnwise)
     dev = x2d.device
-    out = {"scale_inv": torch.empty(1, dtype=torch.float32, device=dev)}
-    if rowwise:
-        out["data"] = torch.empty((m, k), dtype=dt, device=dev)
-    if columnwise:
-        out["transpose"] = torch.empty((k, m), dtype=dt, device=dev)
     xkey = _x_key(x2d, m, k)
     if scale is None and amax_parts is not None:
         n_parts = amax_parts.shape[0]
         amax_arg, scale_arg = amax_parts.view(torch.int32), out["scale_inv"]
         key = (xkey, int_key(n_parts), ptr_key(amax_arg))
     elif scale is None:
-        n_tiles = cdiv(m, _AMAX_BM) * cdiv(k, _AMAX_BK)
-        n_parts = min(n_tiles, _MAX_PARTS)
+        n_parts = _n_amax_parts(m, k)
         parts = torch.empty(n_parts, dtype=torch.int32, device=dev)
         key = (xkey, int_key(n_parts))
         _amax_partials_launch((n_parts,), key, x2d, m, k, parts, n_parts, _AMAX_BM, _AMAX_BK)
@@ -270,14 +346,13 @@ def _fp8_tensorwise(x2d, fmt, rowwise, columnwise, *, scale=None, amax_out=None,
         amax_arg = out["scale_inv"] if amax_out is None else amax_out.view(torch.int32)
         scale_arg = scale
         key = (xkey, ptr_key(scale), ptr_key(amax_arg))
-    sinv = out["scale_inv"]
     grid = (cdiv(m, _TW_BM), cdiv(k, _TW_BK))
     flags = (fmt, float(eps), bool(pow2), scale is None, amax_out is not None, bool(rowwise),
              bool(columnwise))
     n_load = _MAX_PARTS if n_parts <= _MAX_PARTS else 1 << (n_parts - 1).bit_length()
     _fp8_tensorwise_launch(grid, (key, flags, n_load), x2d, m, k, amax_arg, n_parts, scale_arg,
-                           out.get("data", sinv), out.get("transpose", sinv), sinv,
-                           ref.FP8_MAX[fmt], *flags[1:], _TL_FP8[fmt], _TW_BM, _TW_BK, n_load)
+                           *_fp8_copy_args(out), ref.FP8_MAX[fmt], *flags[1:], _TL_FP8[fmt],
+                           _TW_BM, _TW_BK, n_load)
     return out
 
 
@@ -298,6 +373,32 @@ def quantize_fp8_current(x2d, fmt, pow2, eps, rowwise, columnwise, amax=None) ->
             or not amax.is_contiguous())):
         return ref.quantize_fp8_current(x2d, fmt, pow2, eps, rowwise, columnwise, amax)
     return _fp8_tensorwise(x2d, fmt, rowwise, columnwise, pow2=pow2, eps=eps, amax_parts=amax)
+
+
+def quantize_fp8_current_pair(a2d, b2d, fmt, pow2, eps, a_usage, b_usage) -> tuple:
+    """reference.quantize_fp8_current_pair in two launches instead of four:
+    one amax pass over both matrices, one cast pass over both (a layer's
+    input and weight; about 25 us of host time less than two quantizes)."""
+    if a2d.numel() == 0 or b2d.numel() == 0:
+        return (quantize_fp8_current(a2d, fmt, pow2, eps, *a_usage),
+                quantize_fp8_current(b2d, fmt, pow2, eps, *b_usage))
+    a2d, b2d = _matrix(a2d), _matrix(b2d)
+    (ma, ka), (mb, kb) = a2d.shape, b2d.shape
+    dt, dev = ref.FP8_DTYPE[fmt], a2d.device
+    out_a = _fp8_outputs(dev, dt, ma, ka, *a_usage)
+    out_b = _fp8_outputs(dev, dt, mb, kb, *b_usage)
+    pa, pb = _n_amax_parts(ma, ka), _n_amax_parts(mb, kb)
+    parts = torch.empty(pa + pb, dtype=torch.int32, device=dev)
+    key = (_x_key(a2d, ma, ka), _x_key(b2d, mb, kb), int_key(pa), int_key(pb))
+    _amax_partials_pair_launch((pa + pb,), key, a2d, ma, ka, b2d, mb, kb, parts, pa, pb,
+                               _AMAX_BM, _AMAX_BK)
+    flags = (fmt, float(eps), bool(pow2), bool(a_usage[0]), bool(a_usage[1]),
+             bool(b_usage[0]), bool(b_usage[1]))
+    tiles = cdiv(ma, _TW_BM) * cdiv(ka, _TW_BK) + cdiv(mb, _TW_BM) * cdiv(kb, _TW_BK)
+    _fp8_current_pair_launch((tiles,), (key, flags), a2d, ma, ka, b2d, mb, kb, parts, pa, pb,
+                             *_fp8_copy_args(out_a), *_fp8_copy_args(out_b), ref.FP8_MAX[fmt],
+                             *flags[1:], _TL_FP8[fmt], _TW_BM, _TW_BK, _MAX_PARTS)
+    return out_a, out_b
 
 
 # -- delayed scaling ---------------------------------------------------------------------

@@ -188,9 +188,25 @@ def _weight_for_gemm(args: LinearFwdArgs, amaxes=None):
         return args.weight_workspace, None
     if isinstance(w, QuantizedTensorStorage) or args.weight_quantizer is None:
         return w, None
-    q = args.weight_quantizer.usage_variant(True, args.input_requires_grad or args.cache_weight)
-    wq = _quantize(q, w, args.scale_fwd, 1, amaxes)
+    wq = _quantize(_weight_quantizer(args), w, args.scale_fwd, 1, amaxes)
     return wq, (wq if args.cache_weight else None)
+
+
+def _weight_quantizer(args):
+    """The weight's quantizer: the columnwise copy for dgrad or the cache too."""
+    return args.weight_quantizer.usage_variant(True, args.input_requires_grad or args.cache_weight)
+
+
+def _paired_weight_quantizer(args, q):
+    """The weight's quantizer when x (with ``q``) and W are quantized in one
+    kernel pair (current scaling, both quantized by this call), else None."""
+    w = args.weight
+    if (q is None or args.scale_fwd is not None or _reuses_workspace(args)
+            or args.weight_quantizer is None or isinstance(w, QuantizedTensorStorage)
+            or w.device != args.inp.device):
+        return None
+    wq = _weight_quantizer(args)
+    return wq if q.pairs_with(wq) else None
 
 
 def _weight_for_gemm_fake(args: LinearFwdArgs):
@@ -229,14 +245,20 @@ def linear_forward(args: LinearFwdArgs, xq=None) -> OpResult:
     if xq is not None and ((mode == "column" and sp) or amaxes is not None):
         raise ValueError("linear_forward: a pre-quantized input needs no gather and no "
                          "delayed scaling")
-    if mode == "column" and sp:  # x_total is None when only FP8 bytes were gathered
-        x_total, xq = D.gather_and_quantize(x, q, args.tp_group, args.tp_size,
-                                            quantized_gather=not args.save_original_input)
-    elif xq is not None:
+    pair = None if xq is not None or (mode == "column" and sp) else _paired_weight_quantizer(args, q)
+    if pair is not None:
         x_total = x
+        xq, w = q.quantize_pair_unchecked(x, pair, args.weight)
+        workspace = w if args.cache_weight else None
     else:
-        x_total, xq = x, (x if q is None else _quantize(q, x, args.scale_fwd, 0, amaxes))
-    w, workspace = _weight_for_gemm(args, amaxes)
+        if mode == "column" and sp:  # x_total is None when only FP8 bytes were gathered
+            x_total, xq = D.gather_and_quantize(x, q, args.tp_group, args.tp_size,
+                                                quantized_gather=not args.save_original_input)
+        elif xq is None:
+            x_total, xq = x, (x if q is None else _quantize(q, x, args.scale_fwd, 0, amaxes))
+        else:
+            x_total = x
+        w, workspace = _weight_for_gemm(args, amaxes)
     y = gemm(xq, "rowwise", w, "rowwise", x.dtype, None if mode == "row" else args.bias,
              fast_accum=True).view(_out_shape(xq.shape, w.shape))
     if mode == "row":  # partial sums over in_features: reduce, then add the bias once

@@ -88,6 +88,13 @@ def padded_rows(m, block: int):
     return m if block == 1 else (m + block - 1) // block * block
 
 
+def rows_2d(x: torch.Tensor) -> torch.Tensor:
+    """The detached (M, K) view of ``x`` the kernels quantize."""
+    if x.requires_grad:
+        x = x.detach()
+    return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+
+
 def flat_2d(shape) -> tuple:
     """(M, K): rows = product of leading dims, K = last dim."""
     return math.prod(shape[:-1]), shape[-1]
@@ -140,6 +147,11 @@ class Quantizer(OpaqueBase):
     # -- configuration -------------------------------------------------------
     def is_stateful(self) -> bool:
         """True when the quantizer holds tensors (delayed scaling)."""
+        return False
+
+    def pairs_with(self, other) -> bool:
+        """Whether ``quantize_pair_unchecked(x, other, w)`` quantizes both
+        tensors in one kernel pair (formats that support it override)."""
         return False
 
     def copy(self):
@@ -330,10 +342,7 @@ class Quantizer(OpaqueBase):
         impls: the layer validated the shapes before the ops, and the
         layout-parity tests hold kernels to the declared buffers.  Never
         traced by Dynamo (op impls run at run time)."""
-        if x.requires_grad:
-            x = x.detach()
-        x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        return self._from_buffers(x.shape, x.dtype, self._quantize_rows(x2d))
+        return self._from_buffers(x.shape, x.dtype, self._quantize_rows(rows_2d(x)))
 
     def _from_buffers(self, shape, dtype, buffers: dict):
         """The quantized tensor from kernel buffers made on the (M, K) view,
