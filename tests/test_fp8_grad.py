@@ -135,15 +135,23 @@ def test_delayed_scaling_producer_state_and_consumer_history():
 
 def _count_quantize_calls(monkeypatch) -> list:
     """Record (shape, internal) of every tensor ``linear_ops.py`` quantizes
-    through ``_quantize``: internal for a layer's own operands, a wrapper
-    (not internal) for the fp8_grad output."""
-    calls, original = [], L._quantize
+    through ``_quantize`` or as an input/weight pair (current scaling):
+    internal for a layer's own operands, a wrapper (not internal) for the
+    fp8_grad output."""
+    from transformer_engine_compile.quantization.float8 import Float8CurrentScalingQuantizer as Q
+
+    calls, original, pair = [], L._quantize, Q.quantize_pair_unchecked
 
     def spy(q, x, scales, slot, amaxes=None):
         calls.append((tuple(x.shape), q.internal))
         return original(q, x, scales, slot, amaxes)
 
+    def pair_spy(q, x, other, w):
+        calls.extend([(tuple(x.shape), q.internal), (tuple(w.shape), other.internal)])
+        return pair(q, x, other, w)
+
     monkeypatch.setattr(L, "_quantize", spy)
+    monkeypatch.setattr(Q, "quantize_pair_unchecked", pair_spy)
     return calls
 
 
