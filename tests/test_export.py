@@ -190,10 +190,15 @@ def test_plain_torch_export_does_not_load(tmp_path):
 @saveable
 def test_refuses_layers_inside_other_higher_order_ops():
     layer = te.Linear(64, 64)
+    rec = RECIPES["fp8_current"]  # without a recipe the layer is F.linear: nothing to refuse
+
+    def quantized(x):
+        with te.autocast(recipe=rec):
+            return layer(x)
 
     class Cond(torch.nn.Module):
         def forward(self, x):
-            return torch.cond(x.sum() > 0, lambda x: layer(x), lambda x: x.clone(), (x,))
+            return torch.cond(x.sum() > 0, quantized, lambda x: x.clone(), (x,))
 
     x = torch.randn(8, 64)
     assert torch.equal(torch.export.export(Cond(), (x,)).module()(x), Cond()(x))

@@ -287,3 +287,46 @@ def test_bad_constructor_arguments():
         te.Linear(4, 4, parallel_mode="row", tp_size=0)
     with pytest.raises(TypeError, match="params_dtype"):
         te.Linear(4, 4, params_dtype=torch.int8)
+
+
+def test_bias_free_layer_without_recipe_runs_torch_linear(monkeypatch):
+    """No recipe and no bias: te.Linear computes F.linear (no op call eager,
+    no te_compile op in the compiled graphs), bit for bit torch.nn.Linear's
+    result, compiled equal to eager.  A bias or a recipe keeps the ops."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+    from transformer_engine_compile.module.linear_ops import LINEAR_OPS
+
+    _reset()
+    calls = []
+    eager_ops = LINEAR_OPS.eager
+    monkeypatch.setattr(LINEAR_OPS, "eager", lambda args: calls.append(1) or eager_ops(args))
+    torch.manual_seed(0)
+    layer = te.Linear(64, 32, bias=False, params_dtype=torch.bfloat16)
+    ref = torch.nn.Linear(64, 32, bias=False, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref.weight.copy_(layer.weight)
+    backend = AotEagerAndRecordGraphs()
+    compiled = torch.compile(lambda mod, x: mod(x), fullgraph=True, backend=backend)
+
+    def run(mod, fn):
+        x = torch.randn(4, 8, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+        x.requires_grad_()
+        y = fn(mod, x)
+        y.float().square().sum().backward()
+        out = [y.detach(), x.grad, mod.weight.grad]
+        mod.weight.grad = None
+        return out
+
+    want = run(ref, lambda mod, x: mod(x))
+    for got in (run(layer, lambda mod, x: mod(x)), run(layer, compiled)):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert calls == []
+    graphs = [g.code for g in backend.fw_graphs + backend.bw_graphs]
+    assert graphs and not any("te_compile" in code for code in graphs)
+
+    with_bias = te.Linear(64, 32, params_dtype=torch.bfloat16)
+    run(with_bias, lambda mod, x: mod(x))
+    assert len(calls) == 1
+    with te.autocast(recipe=recipe.Float8CurrentScaling()):
+        run(layer, lambda mod, x: mod(x))
+    assert len(calls) == 2

@@ -271,6 +271,7 @@ class Linear(torch.nn.Module):
     """
 
     _OPS = LINEAR_OPS  # the op pair; LayerNormLinear runs its own
+    _PLAIN_LINEAR = True  # without quantization, run F.linear (_runs_as_torch_linear)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  params_dtype: Optional[torch.dtype] = None, device=None, init_method=None,
@@ -541,6 +542,9 @@ class Linear(torch.nn.Module):
 
     def _forward(self, inp, weight, bias, is_first_microbatch, fp8_output, fp8_grad,
                  call=None):
+        if (self._PLAIN_LINEAR and not (fp8_output or fp8_grad)
+                and self._runs_as_torch_linear(inp, weight)):
+            return self._finish({"out": torch.nn.functional.linear(inp, weight)})
         args = self._make_args(inp, is_first_microbatch, fp8_output, fp8_grad, weight, bias)
         if call is not None:
             call.bind(args)
@@ -556,6 +560,25 @@ class Linear(torch.nn.Module):
         else:
             outputs = self._OPS.eager(args)
         return self._finish(outputs)
+
+    def _runs_as_torch_linear(self, inp, weight) -> bool:
+        """Whether this call is what bias-free ``torch.nn.Linear`` computes:
+        no recipe, a plain weight (not quantized, not FSDP2's quantized-gather
+        wrapper), no tensor parallelism, no fused wgrad accumulation, no bias
+        added (the Llama-style layer).  Then the layer runs ``F.linear``,
+        which inductor sees like torch's own layer, instead of the ops,
+        whose host time buys nothing without quantization (issue 14).  The
+        two GEMMs of the backward are the same cuBLAS calls eager and
+        compiled, so compiled still equals eager bit for bit; a bias keeps
+        the ops, whose bias gradient reduces the same way in both (inductor
+        would reorder ``F.linear``'s).  The input checks still apply."""
+        if (get_autocast_recipe() is not None or self._tp_active()
+                or (self.bias is not None and not self.return_bias)
+                or (self.fuse_wgrad_accumulation and weight.requires_grad)
+                or type(weight) not in (torch.nn.Parameter, torch.Tensor)):
+            return False
+        self._check_input(inp)
+        return inp.dtype == weight.dtype  # else _make_args raises its dtype error
 
     def _finish(self, outputs: dict):
         out = outputs["out"]
