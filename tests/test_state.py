@@ -189,12 +189,8 @@ def test_delayed_scaling_first_step_uses_scale_one():
     assert torch.equal(y, expect.to(torch.bfloat16))
 
 
-def test_delayed_scaling_refuses_what_it_cannot_do(monkeypatch):
-    tp_layer = te.Linear(128, 128)
-    monkeypatch.setattr(tp_layer, "_tp_active", lambda: True)  # as if split over 2 ranks
-    with te.autocast(recipe=recipe.DelayedScaling()), \
-            pytest.raises(NotImplementedError, match="tensor parallelism"):
-        tp_layer(torch.randn(64, 128))
+def test_delayed_scaling_refuses_what_it_cannot_do():
+    # (tensor parallelism works: tests/test_tp.py::test_tp_delayed_scaling)
     layer = te.Linear(128, 128, save_original_input=True)
     with te.autocast(recipe=recipe.DelayedScaling()), pytest.raises(ValueError, match="save_ori"):
         layer(torch.randn(64, 128, requires_grad=True))

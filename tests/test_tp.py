@@ -45,6 +45,22 @@ def test_tp_inductor():
             "default")
 
 
+def delayed_worker(group):
+    H.cases_worker(group, [(m, sp, "delayed") for m, sp in H.PARALLEL_CASES], "record")
+    H.mlp_worker(group, [(sp, "delayed", "swiglu") for sp in (False, True)], "record")
+    for parallel_mode, sp in H.PARALLEL_CASES:
+        H.delayed_state_case(group, torch.device("cpu"), parallel_mode, sp)
+
+
+def test_tp_delayed_scaling():
+    """DelayedScaling with TP (amaxes reduced over the TP group): column /
+    row x SP and LayerNormMLP x SP, compiled == eager TP bit for bit over 3
+    steps, one graph, TP == single device at step 0 (scale 1 on both: the
+    same FP8 values, other summation orders), and the amax histories and
+    scales equal the single-device layer's after 2 steps."""
+    H.spawn(delayed_worker)
+
+
 @pytest.mark.parametrize("sp", [False, True], ids=["nosp", "sp"])
 def test_tp_layernorm_mlp(sp):
     """te.LayerNormMLP(set_parallel_mode=True): fc1 column-, fc2 row-parallel

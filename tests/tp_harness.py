@@ -38,7 +38,8 @@ PARALLEL_CASES = [(m, sp) for m in ("column", "row") for sp in (False, True)]
 # docs/parallel.md); measured values are a fraction of these
 # (gradients: E5M2 for fp8_current, E4M3 for MXFP8 and blockwise, NVFP4 with
 # stochastic rounding, so the two layouts draw different roundings)
-REL_TOL = {"fp8_current": 0.10, "mxfp8": 0.01, "fp8_block": 0.01, "nvfp4": 0.30}
+REL_TOL = {"fp8_current": 0.10, "mxfp8": 0.01, "fp8_block": 0.01, "nvfp4": 0.30,
+           "delayed": 0.01}
 SEQ, BATCH, IN, OUT = 128, 2, 256, 256
 
 
@@ -86,10 +87,21 @@ class Slicer:
         return self.p(b, 0) if self.mode == "column" else b
 
 
+def recipe_of(name):
+    """``RECIPES[name]``, or ``DelayedScaling()`` for ``"delayed"`` (not in
+    RECIPES: its quantizers need the layer's scale buffers, so the op-level
+    tests cannot take it)."""
+    return recipe.DelayedScaling() if name == "delayed" else RECIPES[name]
+
+
 # -- steps --------------------------------------------------------------------------
-def _make_step(layer, rec):
+def _make_step(layer, rec, amax_group=None):
+    """DelayedScaling: the amaxes reduced over ``amax_group`` (the TP group,
+    so every rank keeps the scales of the whole tensors)."""
+    group = amax_group if rec is not None and rec.delayed() else None
+
     def step(x):
-        with te.autocast(enabled=rec is not None, recipe=rec):
+        with te.autocast(enabled=rec is not None, recipe=rec, amax_reduction_group=group):
             return layer(x)
     return step
 
@@ -166,7 +178,7 @@ def run_case(group, device, parallel_mode, sp, name, compile_mode, steps=3,
     relative errors against the single-device layer.  ``seq`` x BATCH tokens
     in all (a ragged count when not a multiple of the recipe's block)."""
     rank, tp = dist.get_rank(group), dist.get_world_size(group)
-    rec = RECIPES[name]
+    rec = recipe_of(name)
     label = f"{parallel_mode}{'+SP' if sp else ''} {name} {compile_mode} seq {seq} rank {rank}"
     x_full, w_full, b_full, dy_full = full_tensors(rec, device, seq)
     sl = Slicer(parallel_mode, sp, rank, tp)
@@ -183,7 +195,7 @@ def run_case(group, device, parallel_mode, sp, name, compile_mode, steps=3,
     assert torch.equal(layer.weight, sl.weight(w_full))
     state = {k: v.clone() for k, v in layer.state_dict().items()}
     x0, dy0 = sl.inp(x_full), sl.out(dy_full)
-    step = _make_step(layer, rec)
+    step = _make_step(layer, rec, group)
     eager = run_steps(layer, step, x0, dy0, steps)
 
     torch._dynamo.reset()
@@ -216,6 +228,27 @@ def run_case(group, device, parallel_mode, sp, name, compile_mode, steps=3,
     return errors
 
 
+def delayed_state_case(group, device, parallel_mode, sp, steps=2) -> None:
+    """DelayedScaling with the amaxes reduced over the TP group: after
+    ``steps`` eager steps the TP layer's amax histories and scales equal the
+    single-device layer's exactly (x, W and dy are the layer's inputs, so the
+    max over their shards is the whole tensor's amax)."""
+    rec = recipe_of("delayed")
+    x, w, b, dy = full_tensors(rec, device)
+    sl = Slicer(parallel_mode, sp, dist.get_rank(group), dist.get_world_size(group))
+    ref = te.Linear(IN, OUT, params_dtype=torch.bfloat16, device=device).load_full_weight_(w, b)
+    layer = te.Linear(IN, OUT, params_dtype=torch.bfloat16, device=device,
+                      parallel_mode=parallel_mode, sequence_parallel=sp,
+                      tp_group=group).load_full_weight_(w, b)
+    run_steps(ref, _make_step(ref, rec), x, dy, steps)
+    run_steps(layer, _make_step(layer, rec, group), sl.inp(x), sl.out(dy), steps)
+    for name in ("fp8_amax_history_fwd", "fp8_scale_fwd", "fp8_amax_history_bwd",
+                 "fp8_scale_bwd"):
+        assert torch.equal(layer._buffers[name], ref._buffers[name]), (
+            f"{parallel_mode}{'+SP' if sp else ''} delayed: {name} differs from the "
+            f"single-device layer's")
+
+
 def run_cases(group, device, cases, compile_mode, steps=3, seq=SEQ) -> list:
     out = []
     for parallel_mode, sp, name in cases:
@@ -237,7 +270,7 @@ def mlp_case(group, device, sp, name, compile_mode, steps=2, activation="swiglu"
     single-device module (step 0, within ``MLP_REL_TOL``), compiled == eager
     TP bit for bit, one graph; returns the step-0 relative errors."""
     rank, tp = dist.get_rank(group), dist.get_world_size(group)
-    rec = RECIPES[name]
+    rec = recipe_of(name)
     label = f"LayerNormMLP {activation}{' +SP' if sp else ''} {name} rank {rank}"
     g = torch.Generator().manual_seed(0)
     gated = activation.endswith("glu")
@@ -279,7 +312,7 @@ def mlp_case(group, device, sp, name, compile_mode, steps=2, activation="swiglu"
     state = {k: v.clone() for k, v in layer.state_dict().items()}
     tokens = (lambda t: _part(t, 0, rank, tp)) if sp else (lambda t: t)
     x0, dy0 = tokens(full["x"]), tokens(full["dy"])
-    step = _make_step(layer, rec)
+    step = _make_step(layer, rec, group)
     eager = run(layer, step, x0, dy0, steps)
     torch._dynamo.reset()
     counters.clear()

@@ -99,13 +99,14 @@ def gather_label(model, kind):
 
 
 @contextlib.contextmanager
-def count_all_gather_bytes():
+def count_all_gather_bytes(group=None):
     """Counts the output bytes of ``torch.distributed.all_gather_into_tensor``
     and ``all_gather_single`` (where torch has it) called while inside; yields
     a one-element list holding the running total.  FSDP2 calls them through
     the ``torch.distributed`` attribute, so wrapping the attribute sees its
     gathers; ``all_gather_into_tensor`` calling ``all_gather_single`` inside
-    torch counts once."""
+    torch counts once.  ``group``: count only the gathers over this process
+    group (e.g. FSDP2's dp group, not the tensor-parallel layers' gathers)."""
     total = [0]
     depth = [0]
     saved = {name: getattr(dist, name) for name in ("all_gather_into_tensor", "all_gather_single")
@@ -113,7 +114,8 @@ def count_all_gather_bytes():
 
     def wrap(fn):
         def counted(output_tensor, *args, **kwargs):
-            if depth[0] == 0:
+            call_group = kwargs.get("group", args[1] if len(args) > 1 else None)
+            if depth[0] == 0 and (group is None or call_group is group):
                 total[0] += output_tensor.numel() * output_tensor.element_size()
             depth[0] += 1
             try:

@@ -31,6 +31,14 @@ backward's gather, so the two would quantize differently), MXFP8 and NVFP4
 quantization awkward; both are emulated on Hopper anyway), bf16, and
 shapes that do not shard evenly into whole blocks.
 
+2-D parallelism (tensor parallel x FSDP2): build the te layers with
+``tp_group=mesh["tp"].get_group()`` and shard with ``mesh=mesh["dp"]``.
+FSDP2 takes each TP layer's local shard for the whole parameter: it shards
+it over the dp group and gathers it there, so the FP8-current amax is
+all-reduced over the dp group only (the TP rank's whole shard, as the TP
+layer quantizes it without FSDP).  ``fully_shard`` keeps torch's meaning of
+the mesh (a 2-D mesh is HSDP), and refuses one with a ``"tp"`` dim.
+
 The gather format is fixed when the weight is wrapped (FSDP2 sizes its
 gather buffers on the first gather).  A forward under another recipe, or
 none, is refused while gradients are on (the gradient would not reach the
@@ -327,9 +335,21 @@ def fully_shard(module: torch.nn.Module, *, recipe: Optional[R.Recipe] = None, m
                 **kwargs):
     """``torch.distributed.fsdp.fully_shard(module, mesh=mesh, **kwargs)``
     with the GEMM weights inside ``module`` gathered in ``recipe``'s format
-    (:func:`quantized_all_gather`; ``recipe=None`` gathers high precision)."""
+    (:func:`quantized_all_gather`; ``recipe=None`` gathers high precision).
+
+    ``mesh`` is the data-parallel mesh, as for torch's: with tensor
+    parallelism on a ``(dp, tp)`` mesh pass ``mesh["dp"]`` (the layers hold
+    their TP shards and ``tp_group``).  A mesh of several dims with one
+    named ``"tp"`` is refused: torch would take it for HSDP (replicate over
+    dim 0, shard over dim 1) and shard over the tensor-parallel ranks."""
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    if mesh is not None and mesh.ndim > 1 and "tp" in names:
+        raise ValueError(
+            f"te.fsdp.fully_shard: mesh has the dims {tuple(names)}; FSDP2 shards over the "
+            "data-parallel ranks only: pass mesh['dp'] (the te layers run tensor "
+            "parallelism over their own tp_group; a 2-D mesh would mean HSDP to torch)")
     quantized_all_gather(module, recipe, world_size=_world_size(mesh))
     return torch_fully_shard(module, mesh=mesh, **kwargs)
 

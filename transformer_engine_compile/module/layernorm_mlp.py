@@ -269,7 +269,7 @@ class LayerNormMLP(torch.nn.Module):
                                               g.prefix + "weight")
             plan = state_plan(args, recipe, is_first_microbatch)
             if plan is not None:
-                more, bind = gemm_state(self, g.prefix, g.label, args, *plan, self._tp_active())
+                more, bind = gemm_state(self, g.prefix, g.label, args, *plan)
                 layout, binds = layout + more, binds + [bind]
         if binds:  # both GEMMs' buffers in one call, before any is read
             ensure_buffers(self._state_key, layout, self.fc1_weight.device)

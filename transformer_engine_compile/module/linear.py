@@ -173,7 +173,7 @@ def state_plan(args: LinearFwdArgs, recipe, is_first_microbatch):
 
 
 def gemm_state(module, prefix: str, owner: str, args: LinearFwdArgs, delayed_recipe,
-               first_microbatch, tp_active: bool, save_original_input: bool = False) -> tuple:
+               first_microbatch, save_original_input: bool = False) -> tuple:
     """``(layout, bind)``: one GEMM's buffers on ``module`` (names prefixed by
     ``prefix``: its DelayedScaling amax histories and scales, and the FP8
     weight cache, written on the first microbatch (``cache_weight``) and
@@ -182,11 +182,6 @@ def gemm_state(module, prefix: str, owner: str, args: LinearFwdArgs, delayed_rec
     allocates all their layouts in one ``ensure_buffers`` call."""
     layout = ()
     if delayed_recipe is not None:
-        if tp_active:
-            raise NotImplementedError(
-                f"{owner}: DelayedScaling with tensor parallelism is not supported (the "
-                "amax would need a reduction over the group); use "
-                "recipe.Float8CurrentScaling()")
         if save_original_input:
             raise ValueError(f"{owner}(save_original_input=True) cannot re-quantize the "
                              "input in the backward under DelayedScaling (its scale has "
@@ -490,7 +485,7 @@ class Linear(torch.nn.Module):
         amax histories and scales, and the FP8 weight cache, which is written
         on the first microbatch (``cache_weight``) and read on the others."""
         layout, bind = gemm_state(self, "", "te.Linear", args, delayed_recipe, first_microbatch,
-                                  self._tp_active(), self.save_original_input)
+                                  self.save_original_input)
         ensure_buffers(self._state_key, layout, self.weight.device)
         bind()
 

@@ -251,7 +251,13 @@ def linear_forward(args: LinearFwdArgs, xq=None) -> OpResult:
         xq, w = q.quantize_pair_unchecked(x, pair, args.weight)
         workspace = w if args.cache_weight else None
     else:
-        if mode == "column" and sp:  # x_total is None when only FP8 bytes were gathered
+        if mode == "column" and sp and amaxes is not None:
+            # delayed scaling: gather high precision, quantize the whole x with
+            # the layer's scale, recording the total's amax (the same on every
+            # rank of the group, so their x scales stay equal)
+            x_total = D.gather_first_dim(x, args.tp_group, args.tp_size)
+            xq = _quantize(q, x_total, args.scale_fwd, 0, amaxes)
+        elif mode == "column" and sp:  # x_total is None when only FP8 bytes were gathered
             x_total, xq = D.gather_and_quantize(x, q, args.tp_group, args.tp_size,
                                                 quantized_gather=not args.save_original_input)
         elif xq is None:
@@ -397,7 +403,10 @@ def linear_backward(args: LinearBwdArgs) -> dict:
     else:
         if isinstance(dy, QuantizedTensorStorage):
             dy = dy.dequantize()
-        if mode == "row" and sp:  # dy_total is None when only FP8 bytes were gathered
+        if mode == "row" and sp and delayed:  # as the column layer's x (forward)
+            dy_total = D.gather_first_dim(dy, args.tp_group, args.tp_size)
+            dyq = _quantize(q, dy_total, args.scale_bwd, 0, amaxes)
+        elif mode == "row" and sp:  # dy_total is None when only FP8 bytes were gathered
             dy_total, dyq = D.gather_and_quantize(dy, q, args.tp_group, args.tp_size)
         else:
             dy_total, dyq = dy, (dy if q is None else
