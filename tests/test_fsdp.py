@@ -124,6 +124,26 @@ def test_fsdp_other_recipe_refused_with_grad_and_dequantized_without():
     H.spawn(other_recipe_worker)
 
 
+def one_rank_worker(group):
+    """A data-parallel group of one (e.g. the dp dim of a (1, tp) mesh):
+    FSDP2 gathers nothing, so the weights stay high precision (torch copies
+    only an extension's first gather input for one rank)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rec = F.recipe_of("fp8_current")
+    model = F.build("cpu")
+    te.fsdp.fully_shard(model, recipe=rec, mesh=init_device_mesh("cpu", (1,)))
+    assert not any(isinstance(p, te.fsdp.QuantizedAllGatherWeight) for p in model.parameters())
+    x = torch.randn(8, F.IN, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    with te.autocast(recipe=rec):
+        model(x).float().pow(2).mean().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_fsdp_one_rank_gathers_high_precision():
+    H.spawn(one_rank_worker, world_size=1)
+
+
 # -- which weights gather quantized -----------------------------------------------------------
 def test_gather_format():
     from transformer_engine_compile import recipe as R
@@ -131,6 +151,7 @@ def test_gather_format():
     fmt = te.fsdp.gather_format
     assert fmt(R.Float8CurrentScaling(), (512, 256), 2) == "fp8_current"
     assert fmt(R.Float8CurrentScaling(), (513, 256), 2) is None  # uneven shards
+    assert fmt(R.Float8CurrentScaling(), (512, 256), 1) is None  # one rank: no gather
     assert fmt(R.Float8BlockScaling(), (512, 256), 2) == "fp8_block"
     assert fmt(R.Float8BlockScaling(), (384, 256), 2) is None  # 192-row shards: split blocks
     assert fmt(R.Float8BlockScaling(), (512, 200), 2) is None

@@ -385,7 +385,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--modes", nargs="+", default=["default", "reduce-overhead"])
-    parser.add_argument("--recipes", nargs="+", default=list(RECIPES))
+    parser.add_argument("--recipes", nargs="+", default=[*RECIPES, "delayed"])
     parser.add_argument("--parallel", nargs="+", default=[f"{m}:{int(sp)}" for m, sp in
                                                            PARALLEL_CASES],
                         help="parallel_mode:sequence_parallel pairs, e.g. row:1")

@@ -94,9 +94,10 @@ def gemm_weight_names(module: torch.nn.Module) -> tuple:
 def gather_format(recipe: Optional[R.Recipe], shape, world_size: int) -> Optional[str]:
     """``"fp8_current"`` / ``"fp8_block"`` when a weight of ``shape`` sharded
     over ``world_size`` ranks gathers quantized under ``recipe``, else None
-    (high precision, see the module docstring)."""
+    (high precision, see the module docstring).  One rank gathers nothing
+    (and FSDP2 then copies only the first of an extension's gather inputs)."""
     rows, cols = shape
-    if rows % world_size:
+    if world_size <= 1 or rows % world_size:
         return None
     if isinstance(recipe, R.Float8CurrentScaling):
         return "fp8_current"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # 2-GPU tensor/sequence-parallel run (NCCL).  Every column/row x SP case of
-# tests/tp_harness.py, bf16 and every recipe, compiled fullgraph in default
+# tests/tp_harness.py, bf16 and every recipe (DelayedScaling included), compiled fullgraph in default
 # and reduce-overhead mode: compiled == eager TP bit for bit, one graph, no
 # graph break, and TP == the single-device layer (bf16 exactly, quantized
 # within the documented tolerance); te.LayerNormLinear column (+SP) against
@@ -33,6 +33,10 @@ run tests/tp_harness.py --device cuda --modes ${MODES:-default reduce-overhead} 
 # per-layer compiled (inductor), bit for bit; one process within the format's
 # error; gathered bytes; DelayedScaling scales identical on every rank
 run tests/fsdp_harness.py --device cuda
+# 2-D (tensor parallel x FSDP2) on a 2 x 2 mesh: only with 4 GPUs
+if [ "$NPROC" -ge 4 ]; then
+  python -m torch.distributed.run --standalone --nproc_per_node 4 tests/fsdp2d_harness.py --device cuda
+fi
 for recipe in bf16 fp8_current; do
   run -m transformer_engine_compile.parallel_demo --recipe "$recipe" --steps 5
 done
