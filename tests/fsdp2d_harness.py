@@ -55,6 +55,8 @@ import transformer_engine_compile as te
 from transformer_engine_compile import recipe
 from transformer_engine_compile.bench_fsdp import count_all_gather_bytes
 
+from fsdp_harness import reported
+
 NAMES = ("bf16", "fp8_current", "fp8_block", "delayed")
 QUANTIZED_GATHER = ("fp8_current", "fp8_block")
 # 2-D against one process, relative Frobenius error of the first step's
@@ -328,17 +330,10 @@ def main() -> int:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     world = dist.get_world_size()
     mesh = make_mesh(device.type, world // args.tp, args.tp)
-    failures = 0
-    for name in args.recipes.split(","):
-        for sp in (False, True):
-            try:
-                ((_, result),) = run_cases(mesh, [(name, sp)], device, args.compile_backend)
-                status = "ok   " + " ".join(f"{k}={v:.4g}" for k, v in result.items())
-            except AssertionError as e:
-                failures += 1
-                status = f"FAIL {e}"
-            if dist.get_rank() == 0:
-                print(f"fsdp2d {name:12s} sp={int(sp)} {status}", flush=True)
+    failures = sum(
+        not reported(f"fsdp2d {name:12s} sp={int(sp)}",
+                     lambda: run_cases(mesh, [(name, sp)], device, args.compile_backend)[0][1])
+        for name in args.recipes.split(",") for sp in (False, True))
     dist.destroy_process_group()
     return 1 if failures else 0
 

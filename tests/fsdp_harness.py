@@ -196,6 +196,19 @@ def _check_delayed_scales(group, run, reference, world):
     assert torch.equal(bwd[0] * world, ref_bwd[0]), (bwd, ref_bwd)
 
 
+def reported(label: str, case) -> bool:
+    """Run ``case()`` (a dict of measured errors), print ``label ok ...`` or
+    ``label FAIL <why>`` on rank 0; whether it passed (torchrun mains)."""
+    try:
+        result = case()
+        status, ok = "ok   " + " ".join(f"{k}={v:.4g}" for k, v in result.items()), True
+    except AssertionError as e:
+        status, ok = f"FAIL {e}", False
+    if dist.get_rank() == 0:
+        print(f"{label} {status}", flush=True)
+    return ok
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda")
@@ -208,16 +221,9 @@ def main() -> int:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     group = dist.group.WORLD
-    failures = 0
-    for name in args.recipes.split(","):
-        try:
-            result = run_case(group, name, device, args.compile_backend)
-            status = "ok   " + " ".join(f"{k}={v:.4g}" for k, v in result.items())
-        except AssertionError as e:
-            failures += 1
-            status = f"FAIL {e}"
-        if dist.get_rank() == 0:
-            print(f"fsdp {name:12s} {status}", flush=True)
+    failures = sum(not reported(f"fsdp {name:12s}",
+                                lambda: run_case(group, name, device, args.compile_backend))
+                   for name in args.recipes.split(","))
     dist.destroy_process_group()
     return 1 if failures else 0
 
