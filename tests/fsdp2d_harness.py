@@ -55,7 +55,7 @@ import transformer_engine_compile as te
 from transformer_engine_compile import recipe
 from transformer_engine_compile.bench_fsdp import count_all_gather_bytes
 
-from fsdp_harness import reported
+from fsdp_harness import _assert_bit_equal, _rel, reported
 
 NAMES = ("bf16", "fp8_current", "fp8_block", "delayed")
 QUANTIZED_GATHER = ("fp8_current", "fp8_block")
@@ -189,22 +189,6 @@ def train(model, name, batches, layout: Layout, amax_group=None):
         steps.append((loss, grads, scales))
     params = {n: layout.full(n, p) for n, p in model.named_parameters()}
     return steps, params, gathered // len(batches)
-
-
-def _rel(a, b) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def _assert_bit_equal(a, b, what):
-    (steps_a, params_a, _), (steps_b, params_b, _) = a, b
-    for i, ((la, ga, sa), (lb, gb, sb)) in enumerate(zip(steps_a, steps_b)):
-        assert torch.equal(la, lb), f"{what}: step {i} loss differs"
-        for n in ga:
-            assert torch.equal(ga[n], gb[n]), f"{what}: step {i} grad of {n} differs"
-        for x, y in zip(sa, sb):
-            assert torch.equal(x, y), f"{what}: step {i} scales differ"
-    for n in params_a:
-        assert torch.equal(params_a[n], params_b[n]), f"{what}: parameter {n} differs"
 
 
 def run_case(mesh, name, sp: bool, device, compile_backend=None, reference=None) -> dict:

@@ -129,7 +129,8 @@ def _rel(a, b) -> float:
 
 def _assert_bit_equal(a, b, what):
     (steps_a, params_a, _), (steps_b, params_b, _) = a, b
-    for i, ((_, ga, sa), (_, gb, sb)) in enumerate(zip(steps_a, steps_b)):
+    for i, ((la, ga, sa), (lb, gb, sb)) in enumerate(zip(steps_a, steps_b)):
+        assert torch.equal(la, lb), f"{what}: step {i} loss differs"
         for n in ga:
             assert torch.equal(ga[n], gb[n]), f"{what}: step {i} grad of {n} differs"
         for x, y in zip(sa, sb):
