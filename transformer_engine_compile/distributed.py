@@ -76,20 +76,22 @@ def all_reduce_max(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def gather_and_quantize(x: torch.Tensor, quantizer, group, tp_size: int, *,
-                        quantized_gather: bool = True):
+                        quantized_gather: bool = True, quantize=None):
     """Gather ``x`` along dim 0 and quantize it: ``(x_total, xq_total)``.
 
     ``x_total`` is the gathered high-precision tensor, or None when only the
     quantized one was gathered (FP8 current scaling with ``quantized_gather``);
     ``xq_total`` is the GEMM operand (``x_total`` itself without a quantizer).
-    """
+    ``quantize(total)`` quantizes a high-precision total instead of
+    ``quantizer.quantize`` (DelayedScaling: with the layer's scale, recording
+    the total's amax, the same on every rank)."""
     if quantizer is None:
         total = gather_first_dim(x, group, tp_size)
         return total, total
     if gathers_quantized(quantizer, quantized_gather):
         return None, _gather_fp8_current(x, quantizer, group, tp_size)
     total = gather_first_dim(x, group, tp_size)
-    return total, quantizer.quantize(total)
+    return total, (quantizer.quantize if quantize is None else quantize)(total)
 
 
 def gathers_quantized(quantizer, quantized_gather: bool = True) -> bool:

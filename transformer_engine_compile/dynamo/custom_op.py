@@ -54,7 +54,9 @@ from ..quantization.wrapper import QuantizedTensor
 from . import arg_views
 from . import buckets as B
 from . import compat
-from .tensor_proto import TensorProto, to_tensor_proto
+from .flat_result import (Layout, entry_count, flatten_result, layout_of, pack_saved,
+                          split_state, unflatten_result, unpack_saved)
+from .tensor_proto import to_tensor_proto
 
 NAMESPACE = "te_compile"
 _LIB = None
@@ -305,159 +307,6 @@ class _Decoder:
         return args
 
 
-# -- flat layouts --------------------------------------------------------------------
-def _entry_count(value) -> int:
-    if value is None:
-        return 0
-    if isinstance(value, TensorProto):
-        return len(value.inner_names()) if value.is_quantized else 1
-    if isinstance(value, QuantizedTensorStorage):
-        return len(value.buffers())
-    return 1
-
-
-def _alias_names(args, outputs: dict, arg_fields) -> dict:
-    """id(value) -> ``"arg:<field>"`` / ``"out:<name>"`` for alias resolution."""
-    names = {id(getattr(args, f)): f"arg:{f}" for f in arg_fields if getattr(args, f) is not None}
-    for name, value in outputs.items():
-        if value is not None:
-            if id(value) in names:
-                raise RuntimeError(f"output {name!r} is the same object as {names[id(value)]!r}; "
-                                   "a custom op may not return an input or one tensor twice")
-            names[id(value)] = f"out:{name}"
-    return names
-
-
-def flatten_result(result: OpResult, args, arg_fields) -> list:
-    """The op's ``Tensor[]`` return: outputs, then saved values that are not
-    aliases (the same object as an argument or an output).  For a proto
-    result (the fake kernel) the protos are materialised."""
-    taken = {id(getattr(args, f)) for f in arg_fields}
-    flat = []
-    for name, value in result.outputs.items():
-        if value is None:
-            continue
-        if id(value) in taken:
-            _alias_names(args, result.outputs, arg_fields)  # raises, naming the alias
-            raise RuntimeError(f"output {name!r} aliases an argument or another output")
-        taken.add(id(value))
-        _append_flat(flat, value)
-    for value in result.saved.values():
-        if value is not None and id(value) not in taken:
-            _append_flat(flat, value)
-    return flat
-
-
-def _append_flat(flat: list, value) -> None:
-    if isinstance(value, TensorProto):
-        value = value.create_tensor()
-    if isinstance(value, QuantizedTensorStorage):
-        flat.extend(value.buffers().values())
-    else:
-        flat.append(value)
-
-
-class _Layout(NamedTuple):
-    """Structure of a fake result: per entry ``(name, kind, proto_or_alias)``."""
-
-    outputs: tuple
-    saved: tuple
-
-
-def layout_of(proto_result: OpResult, proto_args, arg_fields) -> _Layout:
-    aliases = _alias_names(proto_args, proto_result.outputs, arg_fields)
-
-    def entries(d, allow_alias):
-        out = []
-        for name, value in d.items():
-            if value is None:
-                out.append((name, "none", None))
-            elif allow_alias and id(value) in aliases:
-                out.append((name, "alias", aliases[id(value)]))
-            else:
-                out.append((name, "value", value))
-        return tuple(out)
-
-    return _Layout(entries(proto_result.outputs, False), entries(proto_result.saved, True))
-
-
-def _rebuild(proto: TensorProto, tensors: list):
-    if not proto.is_quantized:
-        return tensors[0]
-    buffers = {name[1:]: t for name, t in zip(proto.inner_names(), tensors)}
-    return proto.create_metadata().build(proto.shape, buffers)
-
-
-def unflatten_result(layout: _Layout, flat, args=None, outputs_only=False):
-    """Inverse of :func:`flatten_result`: ``(outputs, saved)`` dicts."""
-    pos = 0
-    outputs = {}
-    for name, kind, proto in layout.outputs:
-        n = _entry_count(proto)
-        outputs[name] = None if kind == "none" else _rebuild(proto, flat[pos:pos + n])
-        pos += n
-    if outputs_only:
-        return outputs, {}
-    saved = {}
-    for name, kind, ref in layout.saved:
-        if kind == "none":
-            saved[name] = None
-        elif kind == "alias":
-            where, target = ref.split(":", 1)
-            saved[name] = getattr(args, target) if where == "arg" else outputs[target]
-        else:
-            n = _entry_count(ref)
-            saved[name] = _rebuild(ref, flat[pos:pos + n])
-            pos += n
-    return outputs, saved
-
-
-# -- saving for backward ---------------------------------------------------------------
-def pack_saved(saved: dict):
-    """``(tensors, spec)``: what ``ctx.save_for_backward`` can hold, and how to rebuild."""
-    tensors, spec = [], []
-    for name, value in saved.items():
-        if value is None:
-            spec.append((name, None))
-        elif isinstance(value, QuantizedTensorStorage) and not isinstance(value, torch.Tensor):
-            bufs = value.buffers()
-            spec.append((name, (type(value), value._te_shape, value._te_dtype, value._quantizer,
-                                value.extras(), tuple(bufs), len(tensors))))
-            tensors.extend(bufs.values())
-        else:
-            spec.append((name, len(tensors)))
-            tensors.append(value)
-    return tensors, tuple(spec)
-
-
-def split_state(saved: dict, targets) -> tuple:
-    """``(saved, state)``: the saved values the backward writes into (live
-    state: ``main_grad``, delayed-scaling buffers) kept apart from the rest.
-    They travel on ``ctx`` by reference, not through ``save_for_backward``:
-    the backward must read them as they are when it runs, and a layer
-    applied twice before backward updates them in between, which the saved
-    tensors' version check would refuse.  Traced by AOTAutograd, the
-    compiled forward hands them over the same way (no version check,
-    ``compat.save_without_version_check``), so two compiled calls before
-    one backward work too."""
-    state = {n: saved[n] for n in targets if n in saved}
-    return ({n: v for n, v in saved.items() if n not in state}, state)
-
-
-def unpack_saved(tensors, spec) -> dict:
-    out = {}
-    for name, s in spec:
-        if s is None:
-            out[name] = None
-        elif isinstance(s, int):
-            out[name] = tensors[s]
-        else:
-            cls, shape, dtype, quantizer, extras, names, start = s
-            out[name] = cls._assemble(shape, dtype, quantizer, extras,
-                                      dict(zip(names, tensors[start:start + len(names)])))
-    return out
-
-
 # -- the op pair -------------------------------------------------------------------------
 class CustomOpPair:
     """A generated forward op, backward op and their autograd wiring."""
@@ -491,11 +340,11 @@ class CustomOpPair:
                               self._bwd_real, self._bwd_fake, self._no_double_backward)
 
     # -- layouts (run the fakes on protos) --------------------------------------------------
-    def fwd_layout(self, args) -> _Layout:
+    def fwd_layout(self, args) -> Layout:
         protos = self.fwd_plan.to_protos(args)
         return layout_of(self.forward_fake(protos), protos, self.fwd_plan.tensor_fields)
 
-    def bwd_layout(self, args) -> _Layout:
+    def bwd_layout(self, args) -> Layout:
         protos = self.bwd_plan.to_protos(args)
         grads = self.backward_fake(protos)
         return layout_of(OpResult(grads), protos, ())
@@ -535,7 +384,7 @@ class CustomOpPair:
         index, pos = {}, 0
         for name, kind, proto in layout.outputs:
             index[name] = pos if kind != "none" else None
-            pos += _entry_count(proto)
+            pos += entry_count(proto)
         ctx.te_grad_index = {f: index[o] for f, o in self.grad_fields.items()}
 
     def _autograd_backward(self, ctx, grads):

@@ -42,7 +42,6 @@ class LayerNormLinear(Linear):
     """
 
     _OPS = LAYERNORM_LINEAR_OPS
-    _PLAIN_LINEAR = False  # the fused norm needs the ops
 
     def __init__(self, in_features: int, out_features: int, eps: float = 1e-5, *,
                  bias: bool = True, normalization: str = "LayerNorm",

@@ -266,7 +266,6 @@ class Linear(torch.nn.Module):
     """
 
     _OPS = LINEAR_OPS  # the op pair; LayerNormLinear runs its own
-    _PLAIN_LINEAR = True  # without quantization, run F.linear (_runs_as_torch_linear)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  params_dtype: Optional[torch.dtype] = None, device=None, init_method=None,
@@ -537,8 +536,7 @@ class Linear(torch.nn.Module):
 
     def _forward(self, inp, weight, bias, is_first_microbatch, fp8_output, fp8_grad,
                  call=None):
-        if (self._PLAIN_LINEAR and not (fp8_output or fp8_grad)
-                and self._runs_as_torch_linear(inp, weight)):
+        if not (fp8_output or fp8_grad) and self._runs_as_torch_linear(inp, weight):
             return self._finish({"out": torch.nn.functional.linear(inp, weight)})
         args = self._make_args(inp, is_first_microbatch, fp8_output, fp8_grad, weight, bias)
         if call is not None:
@@ -566,8 +564,10 @@ class Linear(torch.nn.Module):
         two GEMMs of the backward are the same cuBLAS calls eager and
         compiled, so compiled still equals eager bit for bit; a bias keeps
         the ops, whose bias gradient reduces the same way in both (inductor
-        would reorder ``F.linear``'s).  The input checks still apply."""
-        if (get_autocast_recipe() is not None or self._tp_active()
+        would reorder ``F.linear``'s).  Subclasses with their own ops (the
+        fused norm) never do.  The input checks still apply."""
+        if (self._OPS is not LINEAR_OPS or get_autocast_recipe() is not None
+                or self._tp_active()
                 or (self.bias is not None and not self.return_bias)
                 or (self.fuse_wgrad_accumulation and weight.requires_grad)
                 or type(weight) not in (torch.nn.Parameter, torch.Tensor)):

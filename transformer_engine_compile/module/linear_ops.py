@@ -178,6 +178,28 @@ def _reuses_workspace(args) -> bool:
     return args.weight_workspace is not None and not args.cache_weight
 
 
+def _input_for_gemm(args: LinearFwdArgs, q, xq, amaxes):
+    """(x_total, GEMM operand): x gathered first under column SP (x_total is
+    None when only FP8 bytes were gathered), quantized with ``q`` unless the
+    caller quantized it already (``xq``)."""
+    x = args.inp
+    mode, sp = _tp(args)
+    if mode == "column" and sp:
+        return D.gather_and_quantize(x, q, args.tp_group, args.tp_size,
+                                     quantized_gather=not args.save_original_input,
+                                     quantize=lambda t: _quantize(q, t, args.scale_fwd, 0, amaxes))
+    if xq is None and q is not None:
+        xq = _quantize(q, x, args.scale_fwd, 0, amaxes)
+    return x, (x if xq is None else xq)
+
+
+def _quantizes_weight(args: LinearFwdArgs) -> bool:
+    """Whether this call quantizes the weight (neither a cached nor an
+    already quantized weight, and a recipe)."""
+    return not (_reuses_workspace(args) or args.weight_quantizer is None
+                or isinstance(args.weight, QuantizedTensorStorage))
+
+
 def _weight_for_gemm(args: LinearFwdArgs, amaxes=None):
     """(weight operand, freshly cached workspace or None); under delayed
     scaling the weight's amax goes to ``amaxes[1]`` (zero for an FP8 weight)."""
@@ -186,7 +208,7 @@ def _weight_for_gemm(args: LinearFwdArgs, amaxes=None):
         if amaxes is not None and not isinstance(w, QuantizedTensorStorage):
             amaxes[1].copy_(_amax(w))
         return args.weight_workspace, None
-    if isinstance(w, QuantizedTensorStorage) or args.weight_quantizer is None:
+    if not _quantizes_weight(args):
         return w, None
     wq = _quantize(_weight_quantizer(args), w, args.scale_fwd, 1, amaxes)
     return wq, (wq if args.cache_weight else None)
@@ -200,10 +222,8 @@ def _weight_quantizer(args):
 def _paired_weight_quantizer(args, q):
     """The weight's quantizer when x (with ``q``) and W are quantized in one
     kernel pair (current scaling, both quantized by this call), else None."""
-    w = args.weight
-    if (q is None or args.scale_fwd is not None or _reuses_workspace(args)
-            or args.weight_quantizer is None or isinstance(w, QuantizedTensorStorage)
-            or w.device != args.inp.device):
+    if (q is None or args.scale_fwd is not None or not _quantizes_weight(args)
+            or args.weight.device != args.inp.device):
         return None
     wq = _weight_quantizer(args)
     return wq if q.pairs_with(wq) else None
@@ -247,23 +267,10 @@ def linear_forward(args: LinearFwdArgs, xq=None) -> OpResult:
                          "delayed scaling")
     pair = None if xq is not None or (mode == "column" and sp) else _paired_weight_quantizer(args, q)
     if pair is not None:
-        x_total = x
         xq, w = q.quantize_pair_unchecked(x, pair, args.weight)
-        workspace = w if args.cache_weight else None
+        x_total, workspace = x, (w if args.cache_weight else None)
     else:
-        if mode == "column" and sp and amaxes is not None:
-            # delayed scaling: gather high precision, quantize the whole x with
-            # the layer's scale, recording the total's amax (the same on every
-            # rank of the group, so their x scales stay equal)
-            x_total = D.gather_first_dim(x, args.tp_group, args.tp_size)
-            xq = _quantize(q, x_total, args.scale_fwd, 0, amaxes)
-        elif mode == "column" and sp:  # x_total is None when only FP8 bytes were gathered
-            x_total, xq = D.gather_and_quantize(x, q, args.tp_group, args.tp_size,
-                                                quantized_gather=not args.save_original_input)
-        elif xq is None:
-            x_total, xq = x, (x if q is None else _quantize(q, x, args.scale_fwd, 0, amaxes))
-        else:
-            x_total = x
+        x_total, xq = _input_for_gemm(args, q, xq, amaxes)
         w, workspace = _weight_for_gemm(args, amaxes)
     y = gemm(xq, "rowwise", w, "rowwise", x.dtype, None if mode == "row" else args.bias,
              fast_accum=True).view(_out_shape(xq.shape, w.shape))
@@ -403,11 +410,10 @@ def linear_backward(args: LinearBwdArgs) -> dict:
     else:
         if isinstance(dy, QuantizedTensorStorage):
             dy = dy.dequantize()
-        if mode == "row" and sp and delayed:  # as the column layer's x (forward)
-            dy_total = D.gather_first_dim(dy, args.tp_group, args.tp_size)
-            dyq = _quantize(q, dy_total, args.scale_bwd, 0, amaxes)
-        elif mode == "row" and sp:  # dy_total is None when only FP8 bytes were gathered
-            dy_total, dyq = D.gather_and_quantize(dy, q, args.tp_group, args.tp_size)
+        if mode == "row" and sp:  # dy_total is None when only FP8 bytes were gathered
+            dy_total, dyq = D.gather_and_quantize(
+                dy, q, args.tp_group, args.tp_size,
+                quantize=lambda t: _quantize(q, t, args.scale_bwd, 0, amaxes))
         else:
             dy_total, dyq = dy, (dy if q is None else
                                  _quantize(q, dy, args.scale_bwd, 0, amaxes))

@@ -179,9 +179,7 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
         ``checked=False`` is the op impls' lean path (``quantize_unchecked``)."""
         if checked:
             self._check_input(x)
-        if x.requires_grad:
-            x = x.detach()
-        x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        x2d = rows_2d(x)
         if amax.dim() != 1:
             amax = amax.reshape(-1)
         if amax.dtype != torch.float32:
