@@ -289,3 +289,30 @@ def reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
 
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     fn(out, x, group=group)
+
+
+def inductor_fallback(op) -> None:
+    """Give ``op`` now the lowering inductor makes itself for a custom op it
+    cannot lower (a fallback kernel with the op's layout constraint).  An op
+    with a decomposition (dynamo/lowering.py) needs it for the calls whose
+    decomposition declines: inductor refuses to make a fallback for an op
+    in its decomposition table on its own."""
+    from torch._inductor import lowering as inductor_lowering
+    if op in inductor_lowering.lowerings:
+        return
+    try:
+        from torch._library.utils import get_layout_constraint_tag
+        constraint = inductor_lowering.tag_to_layout_constraint(
+            get_layout_constraint_tag(op, with_default=True))
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover - older internals
+        constraint = None
+    inductor_lowering.make_fallback(op, layout_constraint=constraint, warn=False,
+                                    override_decomp=True)
+
+
+def functionalized(fn):
+    """``fn`` run under the Python functionalization AOTAutograd itself uses
+    (``torch.func.functionalize``'s wrappers do not mix with the fake mode
+    of a trace in progress)."""
+    from torch._subclasses.functional_tensor import FunctionalTensorMode, dispatch_functionalize
+    return dispatch_functionalize(fn, FunctionalTensorMode())

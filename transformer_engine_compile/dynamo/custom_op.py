@@ -53,7 +53,7 @@ from ..quantization.base import QuantizedTensorStorage, storage_parts, storage_r
 from ..quantization.wrapper import QuantizedTensor
 from . import arg_views
 from . import buckets as B
-from . import compat
+from . import compat, lowering
 from .flat_result import (Layout, entry_count, flatten_result, layout_of, pack_saved,
                           split_state, unflatten_result, unpack_saved)
 from .tensor_proto import to_tensor_proto
@@ -143,6 +143,7 @@ class ArgPlan:
         self.tensor_fields = tuple(n for n, b in self.fields if b.kind in
                                    ("tensor", "optional_tensor", "tensor_or_quantized"))
         self._decoders: dict = {}  # SimpleValues -> _Decoder
+        self.lowered = False  # an inductor decomposition exists: encode its cache token
 
     def schema_args(self) -> str:
         args = [a for name, b in self.fields for a in b.schema(name)]
@@ -164,6 +165,8 @@ class ArgPlan:
             flat.extend(op_args)
             if entry is not B._NO_SIMPLE:
                 simple.append((name, entry))
+        if self.lowered:  # in the graph, so in the compile caches' keys
+            simple.append(("~lowering", lowering.cache_token()))
         flat.append(B.SimpleValues(tuple(simple)))
         return flat
 
@@ -313,8 +316,9 @@ class CustomOpPair:
 
     def __init__(self, name, fwd_args, bwd_args, forward, forward_fake, backward,
                  backward_fake, setup_context, grad_fields, forward_updates=None,
-                 backward_updates=None):
+                 backward_updates=None, lower_forward=None, lower_backward=None):
         self.name = name
+        self.lower_forward, self.lower_backward = lower_forward, lower_backward
         self.fwd_plan, self.bwd_plan = ArgPlan(fwd_args), ArgPlan(bwd_args)
         self.forward, self.forward_fake = forward, forward_fake
         self.backward, self.backward_fake = backward, backward_fake
@@ -338,6 +342,10 @@ class CustomOpPair:
                               self._autograd_backward, self._autograd_setup)
         self.bwd_op = _define(f"{name}_bwd", self.bwd_schema, self.bwd_plan,
                               self._bwd_real, self._bwd_fake, self._no_double_backward)
+        self.fwd_plan.lowered = (lower_forward is not None
+                                 and lowering.register(self.fwd_op, self._fwd_lowered))
+        self.bwd_plan.lowered = (lower_backward is not None
+                                 and lowering.register(self.bwd_op, self._bwd_lowered))
 
     # -- layouts (run the fakes on protos) --------------------------------------------------
     def fwd_layout(self, args) -> Layout:
@@ -361,6 +369,27 @@ class CustomOpPair:
         return flatten_result(self.forward_fake(protos), protos, self.fwd_plan.tensor_fields)
 
     def _bwd_real(self, *flat):
+        args = self.bwd_plan.decode(flat)
+        return flatten_result(OpResult(self.backward(args)), args, ())
+
+    def _fwd_lowered(self, *flat):
+        """Inductor's decomposition of the forward op (dynamo/lowering.py)."""
+        if not lowering.lowerable(self.fwd_op, self.fwd_plan.decode(flat), self.fwd_plan,
+                                  self.lower_forward):
+            return NotImplemented
+        return lowering.trace_impl(self._fwd_traced, flat)
+
+    def _fwd_traced(self, *flat):
+        args = self.fwd_plan.decode(flat)
+        return flatten_result(self.forward(args), args, self.fwd_plan.tensor_fields)
+
+    def _bwd_lowered(self, *flat):
+        if not lowering.lowerable(self.bwd_op, self.bwd_plan.decode(flat), self.bwd_plan,
+                                  self.lower_backward):
+            return NotImplemented
+        return lowering.trace_impl(self._bwd_traced, flat)
+
+    def _bwd_traced(self, *flat):
         args = self.bwd_plan.decode(flat)
         return flatten_result(OpResult(self.backward(args)), args, ())
 
@@ -531,11 +560,14 @@ def _check_updates(updates, plan: ArgPlan, what: str) -> dict:
 def register_custom_op(name: str, *, fwd_args: type, bwd_args: type, forward: Callable,
                        forward_fake: Callable, backward: Callable, backward_fake: Callable,
                        setup_context: Callable, grad_fields: dict, forward_updates=None,
-                       backward_updates=None) -> CustomOpPair:
+                       backward_updates=None, lower_forward: Callable | None = None,
+                       lower_backward: Callable | None = None) -> CustomOpPair:
     """Generate ``te_compile::<name>_fwd`` / ``<name>_bwd`` and their autograd.
 
     ``forward_updates`` / ``backward_updates``: output name -> field name or
-    :class:`Update`; see the module docstring.
+    :class:`Update`; see the module docstring.  ``lower_forward`` /
+    ``lower_backward``: ``args -> bool``, whether inductor may replace a
+    call by its impl's kernels (dynamo/lowering.py); None: never.
 
     Raises ``RuntimeError`` if ``name`` is taken and ``TypeError`` for a bad
     declaration; see the module docstring for the impl contract.  On a torch
@@ -546,6 +578,6 @@ def register_custom_op(name: str, *, fwd_args: type, bwd_args: type, forward: Ca
         raise RuntimeError(f"custom op {name!r} is already registered")
     pair = CustomOpPair(name, fwd_args, bwd_args, forward, forward_fake, backward,
                         backward_fake, setup_context, grad_fields, forward_updates,
-                        backward_updates)
+                        backward_updates, lower_forward, lower_backward)
     _REGISTERED[name] = pair
     return pair

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from . import reference
+from . import reference, tracing
 
 OPS = (
     "amax",
@@ -72,8 +72,9 @@ def _load(device_type: str) -> None:
 def get(name: str, x: torch.Tensor) -> Callable:
     # Code that Dynamo traces (a quantizer called directly in a compiled
     # region) gets the reference, which inductor fuses itself; the custom
-    # ops run their impls at run time, where the fast kernels apply.
-    if _fast_enabled and not torch.compiler.is_compiling():
+    # ops run their impls at run time, where the fast kernels apply, or are
+    # lowered into inductor with the fast kernels traced (kernels/tracing.py).
+    if _fast_enabled and (tracing.active or not torch.compiler.is_compiling()):
         device_type = x.device.type
         if device_type not in _loaded_devices:
             _load(device_type)

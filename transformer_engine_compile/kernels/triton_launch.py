@@ -28,16 +28,22 @@ import os
 
 import torch
 
+from . import tracing
+
 _INT32 = 2 ** 31
 
 
 def int_key(v: int):
-    """What Triton specializes on for an int argument."""
+    """What Triton specializes on for an int argument (a placeholder while traced)."""
+    if tracing.active:
+        return None
     return 1 if v == 1 else (16 if v % 16 == 0 else 0) + (0 if -_INT32 <= v < _INT32 else 2)
 
 
 def ptr_key(t: torch.Tensor) -> bool:
     """What Triton specializes on for a pointer argument (besides its dtype)."""
+    if tracing.active:
+        return None
     return t.data_ptr() % 16 == 0
 
 
@@ -103,7 +109,11 @@ class Launcher:
 
     def __call__(self, grid: tuple, key: tuple, *args) -> None:
         """Launch ``fn[grid](*args)``; ``args`` are every parameter in
-        signature order (constexprs included), ``key`` as the module says."""
+        signature order (constexprs included), ``key`` as the module says.
+        While traced (kernels/tracing.py) the launch is recorded instead."""
+        if tracing.active:
+            torch.library.wrap_triton(self.fn)[grid](*args, num_warps=self.num_warps)
+            return
         device = torch._C._cuda_getDevice() if args[0].is_cuda else -1
         key = (device, key)
         entry = self.handles.get(key)

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from . import reference as ref
+from . import tracing
 from .triton_launch import Launcher, cdiv, int_key, ptr_key
 
 _TL_FP8 = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
@@ -136,7 +137,16 @@ def _copy_args(out: dict) -> tuple:
     """The four buffer arguments of a two-copy kernel.  An absent copy's slot
     gets some present buffer: ROW / COL are constexpr, so it is never touched."""
     first = next(iter(out.values()))
+    if tracing.active:  # a traced kernel's arguments must not alias (see _spare)
+        return tuple(out[name] if name in out else _spare(first) for name in _COPY_BUFFERS)
     return tuple(out.get(name, first) for name in _COPY_BUFFERS)
+
+
+def _spare(like: torch.Tensor) -> torch.Tensor:
+    """A placeholder for an absent copy while traced: functionalization
+    would otherwise see one buffer passed as two kernel arguments, either
+    of which may be written."""
+    return like.new_empty(1)
 
 
 # -- layout ------------------------------------------------------------------------
@@ -313,6 +323,8 @@ def _fp8_outputs(dev, dt, m, k, rowwise, columnwise) -> dict:
 def _fp8_copy_args(out: dict) -> tuple:
     """data, transpose, scale_inv pointers (an absent copy gets scale_inv: never written)."""
     sinv = out["scale_inv"]
+    if tracing.active:
+        return out.get("data", _spare(sinv)), out.get("transpose", _spare(sinv)), sinv
     return out.get("data", sinv), out.get("transpose", sinv), sinv
 
 

@@ -35,6 +35,7 @@ from ..dynamo.opaque import is_value_opaque
 from ..dynamo.tensor_proto import TensorProto, to_tensor_proto
 from ..kernels.gemm import gemm
 from ..quantization.base import QuantizedTensorStorage, Quantizer
+from ..quantization.nvfp4 import NVFP4Quantizer
 
 try:
     from torch.distributed import ProcessGroup
@@ -472,6 +473,32 @@ def linear_backward_fake(args: LinearBwdArgs) -> dict:
     return {"inp": dgrad, "weight": wgrad, "bias": dbias, **state}
 
 
+def _lowers_forward(args: LinearFwdArgs) -> bool:
+    """Whether inductor may replace a forward call by its kernels
+    (dynamo/lowering.py).  Not for a bias on the unquantized GEMM (inductor
+    splits ``F.linear``'s bias add off the GEMM, another rounding), nor
+    under DelayedScaling: the forward reads the scale it also updates, and
+    the partitioner may recompute a cast in the backward from the buffer,
+    which then holds the new scale."""
+    return ((args.bias is None or args.input_quantizer is not None)
+            and args.amax_history_fwd is None and _lowerable_formats(args))
+
+
+def _lowers_backward(args: LinearBwdArgs) -> bool:
+    """Not with a bias gradient (inductor would reorder its reduction), nor
+    under DelayedScaling (its amax slots are dtype views of one buffer,
+    which inductor cannot lower as kernel arguments on torch 2.11)."""
+    return (not args.bias_requires_grad and args.amax_history_bwd is None
+            and _lowerable_formats(args))
+
+
+def _lowerable_formats(args) -> bool:
+    """NVFP4 stays an op: its stochastic rounding draws from torch's
+    generator, which inductor's random numbers replace."""
+    return not any(isinstance(getattr(args, f.name), NVFP4Quantizer)
+                   for f in dataclasses.fields(args))
+
+
 LINEAR_OPS = register_custom_op(
     "linear",
     fwd_args=LinearFwdArgs, bwd_args=LinearBwdArgs,
@@ -484,4 +511,5 @@ LINEAR_OPS = register_custom_op(
                      "amax_history_fwd", "scale_fwd": "scale_fwd"},
     backward_updates={"main_grad": ("main_grad", "add"), "amax_history_bwd": "amax_history_bwd",
                       "scale_bwd": "scale_bwd"},
+    lower_forward=_lowers_forward, lower_backward=_lowers_backward,
 )

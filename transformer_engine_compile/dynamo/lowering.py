@@ -1,0 +1,131 @@
+"""Lowering the generated ops into inductor: their kernels without their Python.
+
+Under ``torch.compile`` the forward and backward ops stay opaque to Dynamo
+and AOTAutograd: the graph holds one node per op, traced through the fakes,
+exactly as with ``backend="aot_eager"``.  Inductor, however, gets a
+decomposition for each op: when it traces the joint graph it runs the op's
+own impl on the traced tensors with the fast kernels traced
+(``kernels/tracing.py``), so the op is replaced by its Triton kernels (as
+``wrap_triton`` nodes) and its cuBLAS calls.  Inductor then launches those
+from its generated code, and a layer call costs a few launches of host time
+instead of the op's Python (decoding arguments, building storages, the
+dispatcher round trip; docs/benchmarks.md, issue 14).  The kernels are the
+eager op's kernels, so compiled still equals eager bit for bit.
+
+A call is lowered only where that holds (otherwise the op node stays and
+runs its impl at run time, as before):
+
+* the op pair declares a predicate for the call (``lower_forward`` /
+  ``lower_backward`` of ``register_custom_op``), e.g. te.Linear refuses a
+  bias gradient, whose reduction inductor would reorder;
+* no process group is given (collectives stay inside the op);
+* the tensors live on a device in :func:`lowered_devices` (CUDA by default:
+  elsewhere the impl would be traced through the reference kernels, which
+  inductor is free to fuse and reorder);
+* ``TE_COMPILE_LOWER_OPS=0`` is not set.
+
+The registration goes into inductor's decomposition table, the one
+``torch.compile``'s inductor backend passes to AOTAutograd; other backends
+never see it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import warnings
+from typing import Callable
+
+import torch
+
+from ..kernels.tracing import fast_kernels_traced
+from . import compat
+
+_DEVICES = {"cuda"} if os.environ.get("TE_COMPILE_LOWER_OPS", "1") != "0" else set()
+
+
+def lowered_devices() -> frozenset:
+    """Device types whose op calls inductor lowers."""
+    return frozenset(_DEVICES)
+
+
+def set_lowered_devices(device_types) -> frozenset:
+    """Set the device types whose op calls inductor lowers (an empty set:
+    never); returns the previous set.  Takes effect for graphs compiled
+    afterwards."""
+    global _DEVICES, _TOKEN
+    previous, _DEVICES = frozenset(_DEVICES), set(device_types)
+    _TOKEN = (tuple(sorted(_DEVICES)), _DIGEST)
+    return previous
+
+
+def cache_token() -> tuple:
+    """What a lowered call's compiled code depends on beyond the graph: the
+    lowered device types and this package's source.  The ops put it into
+    their simple values, so AOTAutograd's and inductor's caches (keyed by
+    the graph) never serve code lowered by another version or setting.
+    A plain global read: Dynamo traces it."""
+    return _TOKEN
+
+
+def _source_digest() -> str:
+    root = pathlib.Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+_DIGEST = _source_digest()
+_TOKEN = (tuple(sorted(_DEVICES)), _DIGEST)
+
+
+def lowerable(op, args, plan, predicate) -> bool:
+    """Whether one call of ``op`` (its decoded arguments ``args``) may be
+    lowered.  Runs inside inductor's trace, so it is also where the op gets
+    its fallback lowering for the calls that are not lowered."""
+    compat.inductor_fallback(op)
+    if predicate is None or not _DEVICES:
+        return False
+    device = None
+    for name in plan.tensor_fields:
+        value = getattr(args, name)
+        if isinstance(value, torch.Tensor):
+            device = value.device.type
+            break
+    if device not in _DEVICES:
+        return False
+    for name, bucket in plan.fields:
+        if bucket.kind == "process_group" and getattr(args, name) is not None:
+            return False
+    return bool(predicate(args))
+
+
+def trace_impl(impl: Callable, flat) -> list:
+    """Run ``impl(*flat)`` (an op's impl on flat arguments) inside inductor's
+    trace: fast kernels traced, and functionalized, because the table's
+    decompositions run below AOTAutograd's functionalization while the
+    impls write into buffers they allocate (kernel outputs, amaxes)."""
+    with fast_kernels_traced():
+        return compat.functionalized(impl)(*flat)
+
+
+def register(op, decomposition: Callable) -> bool:
+    """Add ``op``'s decomposition to inductor's table; False where this torch
+    has no such table (the op then always runs as an op)."""
+    try:
+        from torch._inductor import decomposition as inductor_decomp
+    except ImportError:  # pragma: no cover - a torch without inductor
+        return False
+    table = getattr(inductor_decomp, "decompositions", None)
+    if not isinstance(table, dict):  # pragma: no cover - another torch's internals
+        warnings.warn("te_compile: inductor's decomposition table was not found; "
+                      "the ops run as ops under inductor")
+        return False
+    table[op] = decomposition
+    cached = getattr(inductor_decomp, "fast_random_decomps", None)
+    if hasattr(cached, "cache_clear"):  # a copy of the table, cached on first use
+        cached.cache_clear()
+    return True

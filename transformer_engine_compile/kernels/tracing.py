@@ -1,0 +1,28 @@
+"""Fast kernels inside a graph trace: the ops' impls lowered into inductor.
+
+While :func:`fast_kernels_traced` is active (``dynamo/lowering.py`` runs an
+op's impl under it while inductor's AOT trace decomposes the op),
+``kernels.get`` keeps returning the fast CUDA kernels although the code is
+being traced, and each Triton launch records a ``wrap_triton`` node instead
+of launching (``triton_launch.Launcher``).  Inductor then launches the same
+Triton kernels from its generated code, so a lowered op computes exactly
+what the eager op computes, at inductor's launch cost instead of the op's
+Python.  Launch keys and data pointers do not exist on traced tensors:
+``int_key`` / ``ptr_key`` return placeholders meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+active = False
+
+
+@contextlib.contextmanager
+def fast_kernels_traced():
+    global active
+    previous, active = active, True
+    try:
+        yield
+    finally:
+        active = previous
