@@ -55,23 +55,25 @@ def _step(layer, x, fwd):
             *[b.clone() for b in layer.buffers()]]
 
 
-def _train(name, bias, steps=2):
-    """(generated code of the first compiled step, op calls in it) after
+def _train(name, bias, steps=2, device="cpu", mode=None):
+    """Op calls left in the generated code of the first compiled step, after
     checking ``steps`` compiled steps against eager, bit for bit."""
     from torch._inductor.utils import run_and_get_code
     recipe = RECIPES[name]() if RECIPES[name] is not None else None
     torch.manual_seed(0)
     n = 128 if name == "fp8_block" else 64
-    eager = te.Linear(n, n, bias=bias, params_dtype=torch.bfloat16)
+    eager = te.Linear(n, n, bias=bias, params_dtype=torch.bfloat16, device=device)
     compiled = copy.deepcopy(eager)
     fwd = _forward(recipe)
-    cfwd = torch.compile(fwd, backend="inductor", fullgraph=True)
+    cfwd = torch.compile(fwd, backend="inductor", fullgraph=True, mode=mode)
     code = None
     for i in range(steps):
-        x = torch.randn(32, n, dtype=torch.bfloat16)
+        x = torch.randn(32, n, dtype=torch.bfloat16, device=device)
         torch.manual_seed(10 + i)
         want = _step(eager, x, fwd)
         torch.manual_seed(10 + i)
+        if mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
         if code is None:
             got, code = run_and_get_code(_step, compiled, x, cfwd)
         else:
@@ -89,16 +91,11 @@ def test_lowered_without_bias(lowered_on_cpu, name):
     assert _train(name, bias=False) == {"fwd": 0, "bwd": 0}
 
 
-@pytest.mark.parametrize("name", ["fp8_current", "mxfp8"])
-def test_bias_gradient_keeps_the_backward_op(lowered_on_cpu, name):
-    """The forward adds the bias exactly as eager does and is lowered; the
-    bias gradient's reduction would be reordered by inductor, so the
-    backward stays an op."""
-    assert _train(name, bias=True) == {"fwd": 0, "bwd": 1}
-
-
-def test_unquantized_bias_keeps_both_ops(lowered_on_cpu):
-    assert _train("bf16", bias=True) == {"fwd": 1, "bwd": 1}
+@pytest.mark.parametrize("name", ["bf16", "fp8_current", "mxfp8"])
+def test_bias_keeps_the_ops(lowered_on_cpu, name):
+    """Inductor would fuse the bias add with the casts and GEMMs around it
+    (other rounding) and reorder the bias gradient's reduction."""
+    assert _train(name, bias=True) == {"fwd": 1, "bwd": 1}
 
 
 @pytest.mark.parametrize("name", ["fp8_delayed", "nvfp4"])
@@ -119,3 +116,8 @@ def test_not_lowered_on_other_devices_by_default():
     token = lowering.cache_token()
     assert token[0] == tuple(sorted(lowering.lowered_devices()))
 
+
+def test_not_lowered_for_cuda_graphs(lowered_on_cpu):
+    """mode="reduce-overhead" compiles with this config set: the ops stay."""
+    with torch._inductor.config.patch({"triton.cudagraphs": True}):
+        assert _train("fp8_current", bias=False, steps=1) == {"fwd": 1, "bwd": 1}

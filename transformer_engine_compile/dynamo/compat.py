@@ -316,3 +316,10 @@ def functionalized(fn):
     of a trace in progress)."""
     from torch._subclasses.functional_tensor import FunctionalTensorMode, dispatch_functionalize
     return dispatch_functionalize(fn, FunctionalTensorMode())
+
+
+def compiling_for_cuda_graphs() -> bool:
+    """Whether the inductor compile in progress records CUDA graphs
+    (``mode="reduce-overhead"`` patches this config for its compile)."""
+    from torch._inductor import config
+    return bool(config.triton.cudagraphs)

@@ -22,6 +22,10 @@ runs its impl at run time, as before):
 * the tensors live on a device in :func:`lowered_devices` (CUDA by default:
   elsewhere the impl would be traced through the reference kernels, which
   inductor is free to fuse and reorder);
+* the graph is not compiled for CUDA graphs (``mode="reduce-overhead"``):
+  a replay costs no host time either way, and the ops' own GPU work is
+  the smaller (llama-a on an H200: 8.5 ms per step as ops, 9.1-9.6 ms
+  lowered; docs/benchmarks.md);
 * ``TE_COMPILE_LOWER_OPS=0`` is not set.
 
 The registration goes into inductor's decomposition table, the one
@@ -87,7 +91,7 @@ def lowerable(op, args, plan, predicate) -> bool:
     lowered.  Runs inside inductor's trace, so it is also where the op gets
     its fallback lowering for the calls that are not lowered."""
     compat.inductor_fallback(op)
-    if predicate is None or not _DEVICES:
+    if predicate is None or not _DEVICES or compat.compiling_for_cuda_graphs():
         return False
     device = None
     for name in plan.tensor_fields:

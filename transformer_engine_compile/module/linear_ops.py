@@ -475,13 +475,13 @@ def linear_backward_fake(args: LinearBwdArgs) -> dict:
 
 def _lowers_forward(args: LinearFwdArgs) -> bool:
     """Whether inductor may replace a forward call by its kernels
-    (dynamo/lowering.py).  Not for a bias on the unquantized GEMM (inductor
-    splits ``F.linear``'s bias add off the GEMM, another rounding), nor
-    under DelayedScaling: the forward reads the scale it also updates, and
-    the partitioner may recompute a cast in the backward from the buffer,
-    which then holds the new scale."""
-    return ((args.bias is None or args.input_quantizer is not None)
-            and args.amax_history_fwd is None and _lowerable_formats(args))
+    (dynamo/lowering.py).  Not with a bias: inductor fuses the bias add
+    with the neighbouring casts and GEMMs (an ``mm`` + add becomes
+    ``addmm``, a cast to the GEMM's dtype is skipped), which rounds
+    otherwise than eager.  Not under DelayedScaling: the forward reads the
+    scale it also updates, and the partitioner may recompute a cast in the
+    backward from the buffer, which then holds the new scale."""
+    return args.bias is None and args.amax_history_fwd is None and _lowerable_formats(args)
 
 
 def _lowers_backward(args: LinearBwdArgs) -> bool:
