@@ -342,10 +342,10 @@ class CustomOpPair:
                               self._autograd_backward, self._autograd_setup)
         self.bwd_op = _define(f"{name}_bwd", self.bwd_schema, self.bwd_plan,
                               self._bwd_real, self._bwd_fake, self._no_double_backward)
-        self.fwd_plan.lowered = (lower_forward is not None
-                                 and lowering.register(self.fwd_op, self._fwd_lowered))
-        self.bwd_plan.lowered = (lower_backward is not None
-                                 and lowering.register(self.bwd_op, self._bwd_lowered))
+        self.fwd_plan.lowered = lowering.register(self.fwd_op, self.fwd_plan, lower_forward,
+                                                  self._fwd_flat)
+        self.bwd_plan.lowered = lowering.register(self.bwd_op, self.bwd_plan, lower_backward,
+                                                  self._bwd_real)
 
     # -- layouts (run the fakes on protos) --------------------------------------------------
     def fwd_layout(self, args) -> Layout:
@@ -359,9 +359,11 @@ class CustomOpPair:
 
     # -- op kernels ----------------------------------------------------------------
     def _fwd_real(self, *flat):
+        return [_owning(t) for t in self._fwd_flat(*flat)]
+
+    def _fwd_flat(self, *flat):
         args = self.fwd_plan.decode(flat)
-        return [_owning(t) for t in
-                flatten_result(self.forward(args), args, self.fwd_plan.tensor_fields)]
+        return flatten_result(self.forward(args), args, self.fwd_plan.tensor_fields)
 
     def _fwd_fake(self, *flat):
         args = self.fwd_plan.decode(flat)
@@ -369,27 +371,6 @@ class CustomOpPair:
         return flatten_result(self.forward_fake(protos), protos, self.fwd_plan.tensor_fields)
 
     def _bwd_real(self, *flat):
-        args = self.bwd_plan.decode(flat)
-        return flatten_result(OpResult(self.backward(args)), args, ())
-
-    def _fwd_lowered(self, *flat):
-        """Inductor's decomposition of the forward op (dynamo/lowering.py)."""
-        if not lowering.lowerable(self.fwd_op, self.fwd_plan.decode(flat), self.fwd_plan,
-                                  self.lower_forward):
-            return NotImplemented
-        return lowering.trace_impl(self._fwd_traced, flat)
-
-    def _fwd_traced(self, *flat):
-        args = self.fwd_plan.decode(flat)
-        return flatten_result(self.forward(args), args, self.fwd_plan.tensor_fields)
-
-    def _bwd_lowered(self, *flat):
-        if not lowering.lowerable(self.bwd_op, self.bwd_plan.decode(flat), self.bwd_plan,
-                                  self.lower_backward):
-            return NotImplemented
-        return lowering.trace_impl(self._bwd_traced, flat)
-
-    def _bwd_traced(self, *flat):
         args = self.bwd_plan.decode(flat)
         return flatten_result(OpResult(self.backward(args)), args, ())
 

@@ -116,9 +116,20 @@ def trace_impl(impl: Callable, flat) -> list:
         return compat.functionalized(impl)(*flat)
 
 
-def register(op, decomposition: Callable) -> bool:
-    """Add ``op``'s decomposition to inductor's table; False where this torch
-    has no such table (the op then always runs as an op)."""
+def register(op, plan, predicate, impl: Callable) -> bool:
+    """Give ``op`` an inductor decomposition: ``impl(*flat)`` (the op's impl
+    on flat arguments, returning its flat result) traced where
+    :func:`lowerable` accepts the call, else the op stays.  Returns whether
+    it was registered (not without a predicate, nor on a torch without
+    inductor's table)."""
+    if predicate is None:
+        return False
+
+    def decomposition(*flat):
+        if not lowerable(op, plan.decode(flat), plan, predicate):
+            return NotImplemented
+        return trace_impl(impl, flat)
+
     try:
         from torch._inductor import decomposition as inductor_decomp
     except ImportError:  # pragma: no cover - a torch without inductor
