@@ -318,7 +318,6 @@ class CustomOpPair:
                  backward_fake, setup_context, grad_fields, forward_updates=None,
                  backward_updates=None, lower_forward=None, lower_backward=None):
         self.name = name
-        self.lower_forward, self.lower_backward = lower_forward, lower_backward
         self.fwd_plan, self.bwd_plan = ArgPlan(fwd_args), ArgPlan(bwd_args)
         self.forward, self.forward_fake = forward, forward_fake
         self.backward, self.backward_fake = backward, backward_fake

@@ -92,7 +92,7 @@ def lowerable(op, args, plan, predicate) -> bool:
     lowered.  Runs inside inductor's trace, so it is also where the op gets
     its fallback lowering for the calls that are not lowered."""
     compat.inductor_fallback(op)
-    if predicate is None or not _DEVICES or compat.compiling_for_cuda_graphs():
+    if not _DEVICES or compat.compiling_for_cuda_graphs():
         return False
     device = None
     for name in plan.tensor_fields:
