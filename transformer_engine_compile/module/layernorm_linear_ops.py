@@ -26,9 +26,10 @@ from ..dynamo.arg_views import with_fields
 from ..dynamo.custom_op import OpResult, register_custom_op
 from . import norm_ops as N
 from ..quantization.float8 import Float8CurrentScalingQuantizer
-from .linear_ops import (LINEAR_OPS, LinearBwdArgs, LinearFwdArgs, _input_quantizer, _tp,
-                         linear_backward, linear_backward_fake, linear_forward,
-                         linear_forward_fake, linear_setup_context)
+from .linear_ops import (LINEAR_OPS, LinearBwdArgs, LinearFwdArgs, _input_quantizer,
+                         _lowers_backward, _lowers_forward, _tp, linear_backward,
+                         linear_backward_fake, linear_forward, linear_forward_fake,
+                         linear_setup_context)
 
 
 @dataclasses.dataclass
@@ -128,6 +129,12 @@ def layernorm_linear_backward_fake(args: LayerNormLinearBwdArgs) -> dict:
     return {**grads, **N.norm_backward_fake(args, d_ln)}
 
 
+def _lowers_layernorm_linear_backward(args: LayerNormLinearBwdArgs) -> bool:
+    """Linear's conditions (dynamo/lowering.py; the forward takes Linear's
+    predicate as it is) and the norm's."""
+    return _lowers_backward(args) and N.lowers_norm_backward(args)
+
+
 LAYERNORM_LINEAR_OPS = register_custom_op(
     "layernorm_linear",
     fwd_args=LayerNormLinearFwdArgs, bwd_args=LayerNormLinearBwdArgs,
@@ -136,4 +143,5 @@ LAYERNORM_LINEAR_OPS = register_custom_op(
     setup_context=layernorm_linear_setup_context,
     grad_fields={"grad_output": "out", "grad_ln_out": "ln_out"},
     forward_updates=LINEAR_OPS.forward_updates, backward_updates=LINEAR_OPS.backward_updates,
+    lower_forward=_lowers_forward, lower_backward=_lowers_layernorm_linear_backward,
 )

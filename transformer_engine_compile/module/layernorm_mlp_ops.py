@@ -40,9 +40,9 @@ from ..dynamo.tensor_proto import TensorProto
 from ..kernels.reference import ACTIVATIONS
 from . import norm_ops as N
 from .layernorm_linear_ops import _amax_fused_quantizer
-from .linear_ops import (LINEAR_OPS, LinearBwdArgs, LinearFwdArgs, linear_backward,
-                         linear_backward_fake, linear_forward, linear_forward_fake,
-                         linear_setup_context)
+from .linear_ops import (LINEAR_OPS, LinearBwdArgs, LinearFwdArgs, _lowers_backward,
+                         _lowers_forward, linear_backward, linear_backward_fake, linear_forward,
+                         linear_forward_fake, linear_setup_context)
 
 GEMMS = ("fc1_", "fc2_")  # field prefixes of the two GEMMs
 GATED = tuple(name for name, (_, gated) in ACTIVATIONS.items() if gated)
@@ -216,6 +216,18 @@ def layernorm_mlp_backward_fake(args) -> dict:
     return _backward(args, linear_backward_fake, activation_backward_fake, N.norm_backward_fake)
 
 
+# -- lowering into inductor (dynamo/lowering.py) ------------------------------------
+def _lowers_mlp_forward(args) -> bool:
+    """Each GEMM on Linear's conditions; the norm and activation kernels
+    produce their outputs in their final dtypes."""
+    return all(_lowers_forward(args.gemm(prefix, None)) for prefix in GEMMS)
+
+
+def _lowers_mlp_backward(args) -> bool:
+    return (all(_lowers_backward(field_view(args, LinearBwdArgs, prefix, grad_output=None))
+                for prefix in GEMMS) and N.lowers_norm_backward(_norm_args(args)))
+
+
 LAYERNORM_MLP_OPS = register_custom_op(
     "layernorm_mlp",
     fwd_args=LayerNormMLPFwdArgs, bwd_args=LayerNormMLPBwdArgs,
@@ -228,4 +240,5 @@ LAYERNORM_MLP_OPS = register_custom_op(
                                                               p).items()},
     backward_updates={k: v for p in GEMMS for k, v in prefixed(LINEAR_OPS.backward_updates,
                                                                p).items()},
+    lower_forward=_lowers_mlp_forward, lower_backward=_lowers_mlp_backward,
 )

@@ -81,6 +81,15 @@ def norm_backward(args, d_ln) -> dict:
             "ln_bias": None if db is None else db.to(args.ln_bias_dtype)}
 
 
+def lowers_norm_backward(args) -> bool:
+    """Whether inductor may lower the norm's part of a backward call
+    (dynamo/lowering.py): every gradient must leave the kernels in its
+    final dtype.  A dbeta in another dtype than gamma's would be cast by
+    a torch op, which inductor fuses into the cast's consumers without
+    rounding to the narrower dtype, unlike eager."""
+    return not args.ln_bias_requires_grad or args.ln_bias_dtype == args.ln_weight.dtype
+
+
 def norm_backward_fake(args, d_ln) -> dict:
     if d_ln is None:
         return {"inp": None, "ln_weight": None, "ln_bias": None}
