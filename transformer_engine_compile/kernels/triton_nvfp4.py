@@ -26,7 +26,7 @@ import triton.language as tl
 
 from . import reference as ref
 from .triton_launch import Launcher, cdiv, int_key
-from .triton_quant import _abs_bits, _matrix, _scale_from_amax, _tile, _x_key
+from .triton_quant import _abs_bits, _load_tile, _matrix, _scale_from_amax, _tile_index, _x_key
 
 _RHT_NEG = tl.constexpr(ref.RHT_NEGATIVE)
 _INV_E2M1_MAX = tl.constexpr(1.0 / ref.E2M1_MAX)  # rounded to fp32 where used, as in torch
@@ -198,7 +198,8 @@ def _nvfp4_amax_kernel(x_ptr, M, K, part_ptr, P, X_AMAX: tl.constexpr, RHT_AMAX:
         acc_x = tl.zeros((BM, BK), dtype=tl.int32)
         for i in range(0, n):
             t = pid + i * P
-            x, _, _, _ = _tile(x_ptr, M, K, t // n_k, t % n_k, BM, BK)
+            rm, rk, mask = _tile_index(M, K, t // n_k, t % n_k, BM, BK)
+            x = _load_tile(x_ptr, rm, rk, mask, K)
             acc_x = tl.maximum(acc_x, _abs_bits(x))
     if X_AMAX:
         tl.store(part_ptr + pid, tl.max(tl.max(acc_x, axis=1), axis=0))
@@ -217,7 +218,8 @@ def _nvfp4_kernel(x_ptr, M, K, part_ptr, n_parts, rr_ptr, rc_ptr,
     first = (pid_m == 0) & (pid_k == 0)
     if ROW:
         a = _parts_amax(part_ptr, n_parts, NP)
-        x, rm, rk, mask = _tile(x_ptr, M, K, pid_m, pid_k, BM, BK)
+        rm, rk, mask = _tile_index(M, K, pid_m, pid_k, BM, BK)
+        x = _load_tile(x_ptr, rm, rk, mask, K)
         r = x
         if SR:
             r = tl.load(rr_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=mask, other=1.0)

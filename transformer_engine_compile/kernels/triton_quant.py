@@ -80,13 +80,22 @@ def _cast_fp8(x, s, FMT_MAX: tl.constexpr, OUT: tl.constexpr):
 
 
 @triton.jit
-def _tile(x_ptr, M, K, pid_m, pid_k, BM: tl.constexpr, BK: tl.constexpr):
-    """The (BM, BK) tile of the contiguous (M, K) matrix at x_ptr, fp32, zeros outside."""
+def _tile_index(M, K, pid_m, pid_k, BM: tl.constexpr, BK: tl.constexpr):
+    """Rows, columns and in-bounds mask of tile (pid_m, pid_k) of an (M, K)
+    matrix.  Computed apart from the load on purpose: torch's mutation
+    analysis of a traced kernel (``wrap_triton``, kernels/tracing.py) takes
+    every pointer passed to a call whose results feed a store address as
+    written, and inductor then copies that input before each launch."""
     rm = pid_m * BM + tl.arange(0, BM)
     rk = pid_k * BK + tl.arange(0, BK)
-    mask = (rm[:, None] < M) & (rk[None, :] < K)
-    ptrs = x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :]
-    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32), rm, rk, mask
+    return rm, rk, (rm[:, None] < M) & (rk[None, :] < K)
+
+
+@triton.jit
+def _load_tile(x_ptr, rm, rk, mask, K):
+    """The tile (rm, rk) of the contiguous matrix at x_ptr (K columns), fp32, zeros outside."""
+    return tl.load(x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=mask,
+                   other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -96,7 +105,7 @@ def _store_rows(ptr, y, rm, rk, mask, K):
 
 @triton.jit
 def _tile_t(x_ptr, M, K, pid_m, pid_k, BM: tl.constexpr, BK: tl.constexpr):
-    """The transpose (BK, BM) of the tile ``_tile`` loads, read from memory
+    """The transpose (BK, BM) of the tile ``_load_tile`` loads, read from memory
     again (the bytes are in cache): no in-register transpose.  tl.trans of a
     tile that is also stored rowwise gave wrong rows on sm_90 (Triton 3.6)."""
     rm = pid_m * BM + tl.arange(0, BM)
@@ -183,7 +192,8 @@ def transpose_bytes(x2d: torch.Tensor, out=None) -> torch.Tensor:
 @triton.jit
 def _amax_kernel(x_ptr, M, K, out_ptr, BM: tl.constexpr, BK: tl.constexpr):
     """Atomic max of |x| into the zeroed int32 slot at out_ptr (one tile a program)."""
-    x, _, _, _ = _tile(x_ptr, M, K, tl.program_id(0), tl.program_id(1), BM, BK)
+    rm, rk, mask = _tile_index(M, K, tl.program_id(0), tl.program_id(1), BM, BK)
+    x = _load_tile(x_ptr, rm, rk, mask, K)
     tl.atomic_max(out_ptr, tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
 
 
@@ -194,7 +204,8 @@ def _amax_partials(x_ptr, M, K, part_ptr, pid, P, BM: tl.constexpr, BK: tl.const
     acc = tl.zeros((BM, BK), dtype=tl.int32)
     for i in range(0, tl.cdiv(tl.cdiv(M, BM) * n_k, P)):
         t = pid + i * P  # past the last tile: rows beyond M, a masked (zero) tile
-        x, _, _, _ = _tile(x_ptr, M, K, t // n_k, t % n_k, BM, BK)
+        rm, rk, mask = _tile_index(M, K, t // n_k, t % n_k, BM, BK)
+        x = _load_tile(x_ptr, rm, rk, mask, K)
         acc = tl.maximum(acc, _abs_bits(x))
     tl.store(part_ptr + pid, tl.max(tl.max(acc, axis=1), axis=0))
 
@@ -229,7 +240,7 @@ def _store_fp8_copies(x, s, rm, rk, mask, x_ptr, M, K, pid_m, pid_k, data_ptr, t
                       FMT_MAX: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
                       OUT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     """Write tile (pid_m, pid_k)'s rowwise and transposed FP8 copies with scale s
-    (``x`` is the tile ``_tile`` loaded); the first tile writes ``scale_inv``."""
+    (``x`` is the tile ``_load_tile`` loaded); the first tile writes ``scale_inv``."""
     if ROW:
         _store_rows(data_ptr, _cast_fp8(x, s, FMT_MAX, OUT), rm, rk, mask, K)
     if COL:
@@ -253,7 +264,8 @@ def _fp8_tensorwise_kernel(x_ptr, M, K, amax_ptr, n_parts, scale_ptr, data_ptr, 
         s = _scale_from_parts(amax_ptr, n_parts, FMT_MAX, EPS, POW2, NP)
     else:
         s = tl.load(scale_ptr).to(tl.float32)
-    x, rm, rk, mask = _tile(x_ptr, M, K, pid_m, pid_k, BM, BK)
+    rm, rk, mask = _tile_index(M, K, pid_m, pid_k, BM, BK)
+    x = _load_tile(x_ptr, rm, rk, mask, K)
     if RECORD_AMAX:
         tl.atomic_max(amax_ptr, tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
     _store_fp8_copies(x, s, rm, rk, mask, x_ptr, M, K, pid_m, pid_k, data_ptr, t_ptr, sinv_ptr,
@@ -276,14 +288,16 @@ def _fp8_current_pair_kernel(a_ptr, Ma, Ka, b_ptr, Mb, Kb, part_ptr, Pa, Pb,
     if pid < ta:
         s = _scale_from_parts(part_ptr, Pa, FMT_MAX, EPS, POW2, NP)
         pid_m, pid_k = pid // nka, pid % nka
-        x, rm, rk, mask = _tile(a_ptr, Ma, Ka, pid_m, pid_k, BM, BK)
+        rm, rk, mask = _tile_index(Ma, Ka, pid_m, pid_k, BM, BK)
+        x = _load_tile(a_ptr, rm, rk, mask, Ka)
         _store_fp8_copies(x, s, rm, rk, mask, a_ptr, Ma, Ka, pid_m, pid_k, a_data, a_t, a_sinv,
                           FMT_MAX, A_ROW, A_COL, OUT, BM, BK)
     else:
         s = _scale_from_parts(part_ptr + Pa, Pb, FMT_MAX, EPS, POW2, NP)
         nkb = tl.cdiv(Kb, BK)
         pid_m, pid_k = (pid - ta) // nkb, (pid - ta) % nkb
-        x, rm, rk, mask = _tile(b_ptr, Mb, Kb, pid_m, pid_k, BM, BK)
+        rm, rk, mask = _tile_index(Mb, Kb, pid_m, pid_k, BM, BK)
+        x = _load_tile(b_ptr, rm, rk, mask, Kb)
         _store_fp8_copies(x, s, rm, rk, mask, b_ptr, Mb, Kb, pid_m, pid_k, b_data, b_t, b_sinv,
                           FMT_MAX, B_ROW, B_COL, OUT, BM, BK)
 
@@ -466,7 +480,8 @@ def _fp8_block_kernel(x_ptr, M, K, rd_ptr, rs_ptr, cd_ptr, cs_ptr,
                       TWO_D: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
                       OUT: tl.constexpr, B: tl.constexpr):
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
-    x, rm, rk, mask = _tile(x_ptr, M, K, pid_m, pid_k, B, B)
+    rm, rk, mask = _tile_index(M, K, pid_m, pid_k, B, B)
+    x = _load_tile(x_ptr, rm, rk, mask, K)
     bits = _abs_bits(x)
     nkb = tl.cdiv(K, B)
     if TWO_D:
@@ -548,7 +563,8 @@ def _mxfp8_kernel(x_ptr, M, K, rd_ptr, rs_ptr, cd_ptr, cs_ptr,
                   ROW: tl.constexpr, COL: tl.constexpr, OUT: tl.constexpr,
                   BM: tl.constexpr, BK: tl.constexpr, MX: tl.constexpr):
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
-    x, rm, rk, mask = _tile(x_ptr, M, K, pid_m, pid_k, BM, BK)
+    rm, rk, mask = _tile_index(M, K, pid_m, pid_k, BM, BK)
+    x = _load_tile(x_ptr, rm, rk, mask, K)
     bits = _abs_bits(x)
     if ROW:  # blocks of MX along K
         biased = _mx_biased_exponent(tl.max(tl.reshape(bits, (BM, BK // MX, MX)), axis=2),
@@ -576,7 +592,8 @@ def _mxfp8_dequantize_kernel(d_ptr, s_ptr, out_ptr, M, K, ROWWISE: tl.constexpr,
                              MX: tl.constexpr):
     """One MXFP8 copy in its (M, K) orientation times its block scales, in OUT."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
-    d, rm, rk, mask = _tile(d_ptr, M, K, pid_m, pid_k, BM, BK)
+    rm, rk, mask = _tile_index(M, K, pid_m, pid_k, BM, BK)
+    d = _load_tile(d_ptr, rm, rk, mask, K)
     if ROWWISE:
         s_ptrs = s_ptr + rm[:, None].to(tl.int64) * (K // MX) + rk[None, :] // MX
     else:

@@ -1,0 +1,104 @@
+"""Trace the ops' CUDA impls as inductor lowers them, on a machine without a GPU.
+
+CI never sees a GPU, yet the lowering (dynamo/lowering.py) traces the CUDA
+fast kernels' Python: launch configurations, buffer allocation, the
+``wrap_triton`` nodes and torch's mutation analysis of each Triton kernel.
+:func:`lowered_cuda_traces` runs a module's forward and backward on meta
+tensors with the CUDA fast kernels registered for the meta device, records
+each te op call (its flat arguments and the fake impl's outputs), and
+traces the call's impl exactly as the lowering does (``trace_impl`` under
+``make_fx``).  Triton builds each kernel's TTIR for an sm_90 target without
+a driver; nothing is launched.  Needs Triton.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import transformer_engine_compile as te
+from transformer_engine_compile import kernels
+from transformer_engine_compile.dynamo import lowering
+from transformer_engine_compile.module import (layernorm_linear_ops, layernorm_mlp_ops,
+                                               linear_ops)
+
+PAIRS = (linear_ops.LINEAR_OPS, layernorm_linear_ops.LAYERNORM_LINEAR_OPS,
+         layernorm_mlp_ops.LAYERNORM_MLP_OPS)
+
+
+class _Hopper:
+    """Stands in for Triton's CUDA driver: TTIR generation only asks the target."""
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cuda")
+
+
+@contextlib.contextmanager
+def cuda_kernels_on_meta():
+    """The CUDA fast kernels serve meta tensors, the device queries answer
+    as an H100 / H200 would, and modules take their compiled path (the op
+    call) although nothing is compiled."""
+    import triton
+
+    from transformer_engine_compile.kernels import cuda_gemm, triton_norm
+    kernels._load("cuda")
+    added = [(name, "meta") for (name, dev) in list(kernels._FAST) if dev == "cuda"]
+    for name, _ in added:
+        kernels.register_fast(name, "meta", kernels._FAST[(name, "cuda")])
+    loaded = "meta" in kernels._loaded_devices
+    kernels._loaded_devices.add("meta")
+    try:
+        with mock.patch.object(triton.runtime.driver, "_active", _Hopper()), \
+                mock.patch.object(triton_norm, "_sm_count", lambda device: 132), \
+                mock.patch.object(cuda_gemm, "_capability", lambda index: (9, 0)), \
+                mock.patch("torch.compiler.is_compiling", lambda: True):
+            yield
+    finally:
+        for key in added:
+            kernels._FAST.pop(key, None)
+        if not loaded:
+            kernels._loaded_devices.discard("meta")
+
+
+class _RecordOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if getattr(func, "namespace", None) == "te_compile":
+            self.calls.append((func, args, out))
+        return out
+
+
+def _impl(op):
+    for pair in PAIRS:
+        if op is pair.fwd_op:
+            return pair._fwd_flat
+        if op is pair.bwd_op:
+            return pair._bwd_real
+    raise KeyError(op)
+
+
+def lowered_cuda_traces(module, x, recipe=None) -> list:
+    """``[(op, op_outputs, graph_module)]`` for each op call of one forward
+    and backward of ``module`` (built on the meta device) on ``x`` (meta):
+    the fake impl's outputs and the graph the lowering traces for the call."""
+    with cuda_kernels_on_meta():
+        record = _RecordOps()
+        with record, te.autocast(enabled=recipe is not None, recipe=recipe):
+            y = module(x)
+            ys = y if isinstance(y, tuple) else (y,)
+            sum(t.float().sum() for t in ys).backward()
+        return [(op, out, make_fx(lambda *flat, op=op: lowering.trace_impl(_impl(op), flat),
+                                  tracing_mode="fake")(*args))
+                for op, args, out in record.calls]
