@@ -338,7 +338,8 @@ def _fp8_copy_args(out: dict) -> tuple:
     """data, transpose, scale_inv pointers (an absent copy gets scale_inv: never written)."""
     sinv = out["scale_inv"]
     if tracing.active:
-        return out.get("data", _spare(sinv)), out.get("transpose", _spare(sinv)), sinv
+        return (out["data"] if "data" in out else _spare(sinv),
+                out["transpose"] if "transpose" in out else _spare(sinv), sinv)
     return out.get("data", sinv), out.get("transpose", sinv), sinv
 
 
