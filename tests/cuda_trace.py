@@ -6,9 +6,10 @@ fast kernels' Python: launch configurations, buffer allocation, the
 :func:`lowered_cuda_traces` runs a module's forward and backward on meta
 tensors with the CUDA fast kernels registered for the meta device, records
 each te op call (its flat arguments and the fake impl's outputs), and
-traces the call's impl exactly as the lowering does (``trace_impl`` under
-``make_fx``).  Triton builds each kernel's TTIR for an sm_90 target without
-a driver; nothing is launched.  Needs Triton.
+traces the op's entry in inductor's decomposition table on them under
+``make_fx``, as inductor's AOT trace does (with the meta device lowered,
+so the entry's own checks decide).  Triton builds each kernel's TTIR for
+an sm_90 target without a driver; nothing is launched.  Needs Triton.
 """
 
 from __future__ import annotations
@@ -23,11 +24,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import transformer_engine_compile as te
 from transformer_engine_compile import kernels
 from transformer_engine_compile.dynamo import lowering
-from transformer_engine_compile.module import (layernorm_linear_ops, layernorm_mlp_ops,
-                                               linear_ops)
-
-PAIRS = (linear_ops.LINEAR_OPS, layernorm_linear_ops.LAYERNORM_LINEAR_OPS,
-         layernorm_mlp_ops.LAYERNORM_MLP_OPS)
 
 
 class _Hopper:
@@ -55,6 +51,7 @@ def cuda_kernels_on_meta():
         kernels.register_fast(name, "meta", kernels._FAST[(name, "cuda")])
     loaded = "meta" in kernels._loaded_devices
     kernels._loaded_devices.add("meta")
+    lowered = lowering.set_lowered_devices({"meta"})
     try:
         with mock.patch.object(triton.runtime.driver, "_active", _Hopper()), \
                 mock.patch.object(triton_norm, "_sm_count", lambda device: 132), \
@@ -62,6 +59,7 @@ def cuda_kernels_on_meta():
                 mock.patch("torch.compiler.is_compiling", lambda: True):
             yield
     finally:
+        lowering.set_lowered_devices(lowered)
         for key in added:
             kernels._FAST.pop(key, None)
         if not loaded:
@@ -80,25 +78,16 @@ class _RecordOps(TorchDispatchMode):
         return out
 
 
-def _impl(op):
-    for pair in PAIRS:
-        if op is pair.fwd_op:
-            return pair._fwd_flat
-        if op is pair.bwd_op:
-            return pair._bwd_real
-    raise KeyError(op)
-
-
 def lowered_cuda_traces(module, x, recipe=None) -> list:
     """``[(op, op_outputs, graph_module)]`` for each op call of one forward
     and backward of ``module`` (built on the meta device) on ``x`` (meta):
     the fake impl's outputs and the graph the lowering traces for the call."""
+    from torch._inductor.decomposition import decompositions
     with cuda_kernels_on_meta():
         record = _RecordOps()
         with record, te.autocast(enabled=recipe is not None, recipe=recipe):
             y = module(x)
             ys = y if isinstance(y, tuple) else (y,)
             sum(t.float().sum() for t in ys).backward()
-        return [(op, out, make_fx(lambda *flat, op=op: lowering.trace_impl(_impl(op), flat),
-                                  tracing_mode="fake")(*args))
+        return [(op, out, make_fx(decompositions[op], tracing_mode="fake")(*args))
                 for op, args, out in record.calls]

@@ -60,14 +60,14 @@ def _step(layer, x, fwd):
             *[b.clone() for b in layer.buffers()]]
 
 
-# module kind -> (op name, constructor(n, bias, device, **options))
+# op pair name (te_compile::<name>_fwd / _bwd) -> constructor(n, bias, device, **options)
 MODULES = {
-    "linear": ("linear", lambda n, bias, device, **kw: te.Linear(
-        n, n, bias=bias, params_dtype=torch.bfloat16, device=device, **kw)),
-    "layernorm_linear": ("layernorm_linear", lambda n, bias, device, **kw: te.LayerNormLinear(
-        n, n, bias=bias, params_dtype=torch.bfloat16, device=device, **kw)),
-    "layernorm_mlp": ("layernorm_mlp", lambda n, bias, device, **kw: te.LayerNormMLP(
-        n, 2 * n, bias=bias, params_dtype=torch.bfloat16, device=device, **kw)),
+    "linear": lambda n, bias, device, **kw: te.Linear(
+        n, n, bias=bias, params_dtype=torch.bfloat16, device=device, **kw),
+    "layernorm_linear": lambda n, bias, device, **kw: te.LayerNormLinear(
+        n, n, bias=bias, params_dtype=torch.bfloat16, device=device, **kw),
+    "layernorm_mlp": lambda n, bias, device, **kw: te.LayerNormMLP(
+        n, 2 * n, bias=bias, params_dtype=torch.bfloat16, device=device, **kw),
 }
 
 
@@ -92,8 +92,7 @@ def _train(name, bias, steps=2, device="cpu", mode=None, module="linear", exact=
     recipe = RECIPES[name]() if RECIPES[name] is not None else None
     torch.manual_seed(0)
     n = 128 if name == "fp8_block" else 64
-    op_name, make = MODULES[module]
-    eager = make(n, bias, device, **options)
+    eager = MODULES[module](n, bias, device, **options)
     if adjust is not None:
         adjust(eager)
     compiled = copy.deepcopy(eager)
@@ -115,7 +114,7 @@ def _train(name, bias, steps=2, device="cpu", mode=None, module="linear", exact=
         for j, (a, b) in enumerate(zip(want, got)):
             _assert_close(a, b, name, f"{module} {name} bias={bias} step {i} tensor {j}", exact)
     text = "\n".join(code)
-    return {op: text.count(f"torch.ops.te_compile.{op_name}_{op}.default(")
+    return {op: text.count(f"torch.ops.te_compile.{module}_{op}.default(")
             for op in ("fwd", "bwd")}
 
 
@@ -197,11 +196,9 @@ _ALLOCATIONS = (torch.ops.aten.empty.memory_format, torch.ops.aten.new_empty.def
                 torch.ops.aten.empty_like.default, torch.ops.aten.empty_strided.default)
 
 
-def _meta_module(module, name, options):
+def _meta_module(module, options):
     n = 256
-    _, make = MODULES[module]
-    torch.manual_seed(0)
-    layer = make(n, False, "meta", **options)
+    layer = MODULES[module](n, False, "meta", **options)
     x = torch.empty(2, 128, n, dtype=torch.bfloat16, device="meta", requires_grad=True)
     return layer, x
 
@@ -216,14 +213,14 @@ def test_cuda_lowering_traces_without_copies(module, options, name):
     (an activation, a weight) before every launch."""
     pytest.importorskip("triton")
     from cuda_trace import lowered_cuda_traces
-    layer, x = _meta_module(module, name, options)
+    layer, x = _meta_module(module, options)
     recipe = RECIPES[name]() if RECIPES[name] is not None else None
     traces = lowered_cuda_traces(layer, x, recipe)
     if module == "linear" and name == "bf16":
         assert traces == []  # bias-free bf16 runs F.linear, not the ops
         return
     assert [op.name() for op, _, _ in traces] == [
-        f"te_compile::{MODULES[module][0]}_fwd", f"te_compile::{MODULES[module][0]}_bwd"]
+        f"te_compile::{module}_fwd", f"te_compile::{module}_bwd"]
     for op, outputs, gm in traces:
         nodes = list(gm.graph.nodes)
         assert not any(getattr(n.target, "namespace", None) == "te_compile" for n in nodes)

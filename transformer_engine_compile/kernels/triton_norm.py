@@ -30,9 +30,8 @@ import triton
 import triton.language as tl
 
 from . import reference as ref
-from . import tracing
 from .triton_launch import Launcher, cdiv, int_key, ptr_key
-from .triton_quant import _MAX_GIVEN_PARTS, _spare
+from .triton_quant import _MAX_GIVEN_PARTS, _absent
 
 MAX_K = 16384  # widest row held in registers
 # Programs per multiprocessor of the grids that stride over the rows: the
@@ -213,17 +212,16 @@ def norm_forward(x2d, weight, bias, eps: float, rms: bool, with_amax: bool = Fal
     # two allocations, not views of one: an op may not return aliases of each other
     rstd = torch.empty((m,), dtype=torch.float32, device=dev)
     mean = None if rms else torch.empty((m,), dtype=torch.float32, device=dev)
-    # an absent output's pointer gets rstd (never written: RMS / AMAX are constexpr);
-    # while traced a spare instead, as in triton_quant._spare
-    absent = (lambda: _spare(rstd)) if tracing.active else (lambda: rstd)
-    parts = torch.empty((grid,), dtype=torch.int32, device=dev) if with_amax else absent()
+    # absent outputs (never written: RMS / AMAX are constexpr) point at rstd
+    parts = torch.empty((grid,), dtype=torch.int32, device=dev) if with_amax else _absent(rstd)
     has_bias = bias is not None and not rms
     b = bias if has_bias else weight
     key = (x2d.dtype, weight.dtype, b.dtype, ptr_key(x2d), ptr_key(weight), ptr_key(b),
            ptr_key(rstd), int_key(m), int_key(k), int_key(grid), bool(rms), has_bias,
            bool(with_amax), bm, bk)
-    _fwd.get(warps)((grid,), key, x2d, weight, b, y, absent() if mean is None else mean, rstd,
-                    parts, m, k, float(eps), grid, bool(rms), has_bias, bool(with_amax), bm, bk)
+    mean_arg = _absent(rstd) if mean is None else mean
+    _fwd.get(warps)((grid,), key, x2d, weight, b, y, mean_arg, rstd, parts, m, k, float(eps),
+                    grid, bool(rms), has_bias, bool(with_amax), bm, bk)
     if with_amax:
         return y, mean, rstd, parts.view(torch.float32)
     return y, mean, rstd
@@ -245,10 +243,7 @@ def norm_backward(dy2d, x2d, mean, rstd, weight, rms: bool, need_dx: bool,
     n_blk = cdiv(m, bm)
     grid = min(n_blk, BWD_PROGRAMS_PER_SM * _sm_count(dev))
     n_sums = int(need_dweight) + int(need_dbias)
-    if need_dx:
-        dx = torch.empty((m, k), dtype=x2d.dtype, device=dev)
-    else:  # never written (NEED_DX is constexpr); while traced a spare, not the input
-        dx = _spare(x2d) if tracing.active else x2d
+    dx = torch.empty((m, k), dtype=x2d.dtype, device=dev) if need_dx else _absent(x2d)
     parts = torch.empty((max(n_sums, 1) * grid, k), dtype=torch.float32, device=dev)
     mean_arg = rstd if mean is None else mean
     key = (x2d.dtype, dy2d.dtype, weight.dtype, ptr_key(x2d), ptr_key(dy2d), ptr_key(weight),

@@ -146,16 +146,15 @@ def _copy_args(out: dict) -> tuple:
     """The four buffer arguments of a two-copy kernel.  An absent copy's slot
     gets some present buffer: ROW / COL are constexpr, so it is never touched."""
     first = next(iter(out.values()))
-    if tracing.active:  # a traced kernel's arguments must not alias (see _spare)
-        return tuple(out[name] if name in out else _spare(first) for name in _COPY_BUFFERS)
-    return tuple(out.get(name, first) for name in _COPY_BUFFERS)
+    return tuple(out[name] if name in out else _absent(first) for name in _COPY_BUFFERS)
 
 
-def _spare(like: torch.Tensor) -> torch.Tensor:
-    """A placeholder for an absent copy while traced: functionalization
-    would otherwise see one buffer passed as two kernel arguments, either
-    of which may be written."""
-    return like.new_empty(1)
+def _absent(like: torch.Tensor) -> torch.Tensor:
+    """The pointer argument for an output a kernel never writes (its flag is
+    a constexpr): ``like`` itself, or while traced a one-element spare:
+    functionalization would otherwise see one buffer passed as two kernel
+    arguments, either of which may be written."""
+    return like.new_empty(1) if tracing.active else like
 
 
 # -- layout ------------------------------------------------------------------------
@@ -337,10 +336,8 @@ def _fp8_outputs(dev, dt, m, k, rowwise, columnwise) -> dict:
 def _fp8_copy_args(out: dict) -> tuple:
     """data, transpose, scale_inv pointers (an absent copy gets scale_inv: never written)."""
     sinv = out["scale_inv"]
-    if tracing.active:
-        return (out["data"] if "data" in out else _spare(sinv),
-                out["transpose"] if "transpose" in out else _spare(sinv), sinv)
-    return out.get("data", sinv), out.get("transpose", sinv), sinv
+    return (out["data"] if "data" in out else _absent(sinv),
+            out["transpose"] if "transpose" in out else _absent(sinv), sinv)
 
 
 def _n_amax_parts(m, k) -> int:
