@@ -46,6 +46,7 @@ import argparse
 import copy
 import os
 import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -286,6 +287,101 @@ def _check_delayed_scales(label, steps, ref_steps, dp):
             f"{label}: layer {layer} backward scale {bwd} x {dp} vs {ref_bwd}"
 
 
+def _local_params(model) -> dict:
+    return {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+
+
+def _full_tensor(t):
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float()
+
+
+def run_checkpoint(mesh, name, device, path) -> None:
+    """``torch.distributed.checkpoint`` of the 2-D model after one step:
+
+    * loaded into a fresh 2-D model (``state_dict`` / ``dcp.load`` /
+      ``load_state_dict``), every rank's piece equals the saved model's, and
+      one more step from each is bit-identical (layer state included);
+    * read by ``get_model_state_dict(full_state_dict=True)``, and loaded
+      into the full model sharded over all 4 ranks (no TP: another layout),
+      the parameters equal the saved 2-D model's, gathered over dp and tp.
+
+    Before the state-dict hooks of ``fsdp_tp``, DCP took the tp ranks'
+    shards for replicas and restored tp rank 0's everywhere."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    label = f"checkpoint {name}"
+    rec = recipe_of(name)
+    amax_group = dist.group.WORLD if name == "delayed" else None
+    layout = Layout(mesh, False)
+    batches = data(device, 2)
+    model = shard(build(device, mesh["tp"].get_group()), mesh, rec, True)
+    train(model, name, batches[:1], layout, amax_group)
+    full = {n: layout.full(n, p) for n, p in model.named_parameters()}
+    dcp.save(model.state_dict(), checkpoint_id=path)
+    gathered = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    for n, want in full.items():
+        assert torch.equal(_full_tensor(gathered[n]), want), f"{label}: full state dict {n}"
+
+    resumed = shard(build(device, mesh["tp"].get_group()), mesh, rec, True)
+    state = te.fsdp.fit_extra_state(resumed.state_dict(), path)
+    dcp.load(state, checkpoint_id=path)
+    resumed.load_state_dict(state)
+    want = _local_params(model)
+    for n, got in _local_params(resumed).items():
+        assert torch.equal(got, want[n]), f"{label}: {n} differs after the round trip"
+    _assert_bit_equal(train(resumed, name, batches[1:], layout, amax_group),
+                      train(model, name, batches[1:], layout, amax_group),
+                      f"{label}: the step after resuming")
+
+    everyone = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+    single = build(device)
+    for layer in (single[0], single[2]):
+        te.fsdp.fully_shard(layer, recipe=rec, mesh=everyone)
+    torch_fully_shard(single, mesh=everyone)
+    state = te.fsdp.fit_extra_state(single.state_dict(), path)
+    dcp.load(state, checkpoint_id=path)
+    single.load_state_dict(state)
+    for n, p in single.named_parameters():
+        assert torch.equal(_full_tensor(p), full[n]), f"{label}: {n} loaded without TP"
+
+
+def run_layernorm_checkpoint(mesh, device, path) -> None:
+    """The LayerNorm modules' TP-split parameters (LayerNormLinear column,
+    LayerNormMLP fc1 column / fc2 row) through a 2-D checkpoint: a fresh
+    model loads every rank's piece; a gated LayerNormMLP's state dict is
+    refused (its fc1 shard holds rows of both halves)."""
+    import torch.distributed.checkpoint as dcp
+
+    kw = dict(params_dtype=torch.bfloat16, device=device, tp_group=mesh["tp"].get_group())
+
+    def ln_model(seed, activation="gelu"):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(
+            te.LayerNormLinear(HID, FFN, parallel_mode="column", **kw),
+            te.LayerNormMLP(FFN, HID, activation=activation, set_parallel_mode=True, **kw))
+        for layer in model:
+            te.fsdp.fully_shard(layer, mesh=mesh["dp"])
+        return torch_fully_shard(model, mesh=mesh["dp"])
+
+    model = ln_model(0)
+    dcp.save(model.state_dict(), checkpoint_id=path)
+    loaded = ln_model(1)
+    state = loaded.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    loaded.load_state_dict(state)
+    want = _local_params(model)
+    for n, got in _local_params(loaded).items():
+        assert torch.equal(got, want[n]), f"LayerNorm modules checkpoint: {n}"
+    try:
+        ln_model(0, "swiglu").state_dict()
+    except NotImplementedError as e:
+        assert "fc1_weight" in str(e) and "both halves" in str(e), e
+    else:
+        raise AssertionError("a gated LayerNormMLP's 2-D state dict was not refused")
+
+
 def run_cases(mesh, cases, device, compile_backend=None) -> list:
     """``cases``: (recipe name, sp) pairs; the single-process reference runs
     once per recipe."""
@@ -318,6 +414,16 @@ def main() -> int:
         not reported(f"fsdp2d {name:12s} sp={int(sp)}",
                      lambda: run_cases(mesh, [(name, sp)], device, args.compile_backend)[0][1])
         for name in args.recipes.split(",") for sp in (False, True))
+    path = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path)  # one checkpoint directory for every rank
+
+    def checkpoints():
+        for name in ("fp8_current", "delayed"):
+            run_checkpoint(mesh, name, device, f"{path[0]}/{name}")
+        run_layernorm_checkpoint(mesh, device, f"{path[0]}/ln")
+        return {}
+
+    failures += not reported("fsdp2d checkpoint", checkpoints)
     dist.destroy_process_group()
     return 1 if failures else 0
 

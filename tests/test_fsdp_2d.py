@@ -38,3 +38,19 @@ def test_fsdp_2d_training_equals_single_process():
     of bf16's bytes over the dp group; DelayedScaling scales identical on
     all 4 ranks (amaxes reduced over every rank)."""
     H.spawn(cases_worker, CASES, "aot_eager", world_size=4)
+
+
+def checkpoint_worker(group, path):
+    mesh = F2.make_mesh("cpu", 2, 2)
+    for name in ("fp8_current", "delayed"):
+        F2.run_checkpoint(mesh, name, torch.device("cpu"), f"{path}-{name}")
+    F2.run_layernorm_checkpoint(mesh, torch.device("cpu"), f"{path}-ln")
+
+
+def test_fsdp_2d_distributed_checkpoint(tmp_path):
+    """DCP save / load of the 2 x 2 model restores every TP shard (a fresh
+    2-D model, then one more step bit-identical; the full model sharded over
+    4 ranks; the full state dict), FP8 current scaling with its quantized
+    gather and DelayedScaling with its layer state; the LayerNorm modules'
+    shards; a gated LayerNormMLP refused."""
+    H.spawn(checkpoint_worker, str(tmp_path / "ckpt"), world_size=4)

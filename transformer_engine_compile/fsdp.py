@@ -53,6 +53,7 @@ from typing import Optional
 import torch
 from torch.utils._pytree import tree_map
 
+from . import fsdp_tp
 from . import recipe as R
 from . import kernels
 from .kernels import reference as ref
@@ -342,7 +343,10 @@ def fully_shard(module: torch.nn.Module, *, recipe: Optional[R.Recipe] = None, m
     parallelism on a ``(dp, tp)`` mesh pass ``mesh["dp"]`` (the layers hold
     their TP shards and ``tp_group``).  A mesh of several dims with one
     named ``"tp"`` is refused: torch would take it for HSDP (replicate over
-    dim 0, shard over dim 1) and shard over the tensor-parallel ranks."""
+    dim 0, shard over dim 1) and shard over the tensor-parallel ranks.
+    The tensor-parallel layers' state dicts then place their shards on the
+    whole mesh, so ``torch.distributed.checkpoint`` saves and loads every
+    TP shard (:mod:`transformer_engine_compile.fsdp_tp`)."""
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     names = getattr(mesh, "mesh_dim_names", None) or ()
@@ -352,6 +356,7 @@ def fully_shard(module: torch.nn.Module, *, recipe: Optional[R.Recipe] = None, m
             "data-parallel ranks only: pass mesh['dp'] (the te layers run tensor "
             "parallelism over their own tp_group; a 2-D mesh would mean HSDP to torch)")
     quantized_all_gather(module, recipe, world_size=_world_size(mesh))
+    fsdp_tp.register(module)
     return torch_fully_shard(module, mesh=mesh, **kwargs)
 
 

@@ -291,6 +291,24 @@ def reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
     fn(out, x, group=group)
 
 
+def root_mesh(mesh):
+    """The mesh ``mesh`` was sliced from (``mesh`` itself if none):
+    ``DeviceMesh._get_root_mesh`` (private, torch 2.11-2.15), else the mesh
+    resources' ``get_root_mesh`` of older releases."""
+    get = getattr(mesh, "_get_root_mesh", None)
+    if get is not None:
+        return get()
+    from torch.distributed.device_mesh import _mesh_resources
+    return _mesh_resources.get_root_mesh(mesh)
+
+
+def local_shape_and_offset(global_shape, mesh, placements) -> tuple:
+    """(local shape, global offset) of this rank's piece of a DTensor
+    (``torch.distributed.tensor._utils``, private)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    return compute_local_shape_and_global_offset(global_shape, mesh, placements)
+
+
 def inductor_fallback(op) -> None:
     """Give ``op`` now the lowering inductor makes itself for a custom op it
     cannot lower (a fallback kernel with the op's layout constraint).  An op
