@@ -81,7 +81,8 @@ class _RecordOps(TorchDispatchMode):
 def lowered_cuda_traces(module, x, recipe=None) -> list:
     """``[(op, op_outputs, graph_module)]`` for each op call of one forward
     and backward of ``module`` (built on the meta device) on ``x`` (meta):
-    the fake impl's outputs and the graph the lowering traces for the call."""
+    the fake impl's outputs and the graph the lowering traces for the call
+    (which returns None where the call is not lowered)."""
     from torch._inductor.decomposition import decompositions
     with cuda_kernels_on_meta():
         record = _RecordOps()
@@ -89,5 +90,11 @@ def lowered_cuda_traces(module, x, recipe=None) -> list:
             y = module(x)
             ys = y if isinstance(y, tuple) else (y,)
             sum(t.float().sum() for t in ys).backward()
-        return [(op, out, make_fx(decompositions[op], tracing_mode="fake")(*args))
-                for op, args, out in record.calls]
+
+        def traced(op):
+            def decomposed(*args):  # None where the call is not lowered
+                out = decompositions[op](*args)
+                return None if out is NotImplemented else out
+            return make_fx(decomposed, tracing_mode="fake")
+
+        return [(op, out, traced(op)(*args)) for op, args, out in record.calls]

@@ -125,8 +125,10 @@ def test_lowered_without_bias(lowered_on_cpu, name):
 
 @pytest.mark.parametrize("name", ["bf16", "fp8_current", "mxfp8"])
 def test_bias_keeps_the_ops(lowered_on_cpu, name):
-    """Inductor would fuse the bias add with the casts and GEMMs around it
-    (other rounding) and reorder the bias gradient's reduction."""
+    """Without the bias kernels (CPU has none), inductor would fuse the bias
+    add with the casts and GEMMs around it (other rounding) and reorder the
+    bias gradient's reduction; on CUDA the kernels lower it
+    (test_cuda_lowering_traces_without_copies, tests/gpu)."""
     assert _train(name, bias=True) == {"fwd": 1, "bwd": 1}
 
 
@@ -192,46 +194,79 @@ def test_layernorm_bias_grad_in_another_dtype_keeps_the_backward_op(lowered_on_c
 
 # -- the CUDA impls as inductor traces them, without a GPU (tests/cuda_trace.py) ----------
 TRACE_CASES = [("linear", {}), *LN_CASES]
-_ALLOCATIONS = (torch.ops.aten.empty.memory_format, torch.ops.aten.new_empty.default,
-                torch.ops.aten.empty_like.default, torch.ops.aten.empty_strided.default)
-
-
-def _meta_module(module, options):
+def _meta_module(module, options, bias=False):
     n = 256
-    layer = MODULES[module](n, False, "meta", **options)
+    layer = MODULES[module](n, bias, "meta", **options)
     x = torch.empty(2, 128, n, dtype=torch.bfloat16, device="meta", requires_grad=True)
     return layer, x
 
 
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten.t.default, torch.ops.aten.detach.default,
+          torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+          torch.ops.aten.slice.Tensor, torch.ops.aten.alias.default,
+          torch.ops.aten.as_strided.default)
+
+
+# the bias kernels' arguments (kernels/triton_bias.py)
+_COLUMN_SUMS = {"x_ptr", "part_ptr", "M", "N", "G", "BM", "BN"}
+_BIAS_ADD = {"y_ptr", "b_ptr", "M", "N", "BM", "BN"}
+
+
+def _graph_input(node) -> bool:
+    """Whether ``node`` is a graph input or a view of one: a kernel that
+    writes it makes inductor copy it first (a buffer the graph made is
+    written in place instead)."""
+    while node.op == "call_function" and node.target in _VIEWS:
+        node = node.args[0]
+    return node.op == "placeholder"
+
+
 @pytest.mark.parametrize("module, options", TRACE_CASES)
-@pytest.mark.parametrize("name", ["bf16", "fp8_current", "fp8_block", "mxfp8"])
-def test_cuda_lowering_traces_without_copies(module, options, name):
+@pytest.mark.parametrize("name, bias", [*((n, False) for n in ("bf16", "fp8_current",
+                                                                "fp8_block", "mxfp8")),
+                                        *((n, True) for n in ("bf16", "fp8_current",
+                                                              "fp8_block", "mxfp8"))])
+def test_cuda_lowering_traces_without_copies(module, options, name, bias):
     """Each op call's CUDA impl traces into Triton kernels and GEMMs with
     the fake impl's output layout, and no kernel copies an input: torch's
     mutation analysis counts a pointer as written when a store address is
     derived from a call that took it, and inductor then clones that input
-    (an activation, a weight) before every launch."""
+    (an activation, a weight) before every launch.  With a bias: added by
+    ``_scaled_mm`` or the bias kernel and its gradient summed by a kernel,
+    so quantized GEMMs lower with it; the unquantized forward (bias inside
+    ``F.linear``) stays an op, its backward lowers."""
     pytest.importorskip("triton")
     from cuda_trace import lowered_cuda_traces
-    layer, x = _meta_module(module, options)
+    layer, x = _meta_module(module, options, bias)
     recipe = RECIPES[name]() if RECIPES[name] is not None else None
     traces = lowered_cuda_traces(layer, x, recipe)
-    if module == "linear" and name == "bf16":
+    if module == "linear" and name == "bf16" and not bias:
         assert traces == []  # bias-free bf16 runs F.linear, not the ops
         return
     assert [op.name() for op, _, _ in traces] == [
         f"te_compile::{module}_fwd", f"te_compile::{module}_bwd"]
     for op, outputs, gm in traces:
         nodes = list(gm.graph.nodes)
+        if name == "bf16" and bias and op.name().endswith("_fwd"):
+            assert nodes[-1].args[0] in (None, [None]), f"{op}: lowered with F.linear's bias"
+            continue
+        assert nodes[-1].args[0] not in (None, [None]), f"{op}: not lowered"
         assert not any(getattr(n.target, "namespace", None) == "te_compile" for n in nodes)
         kernels_run = [n for n in nodes
                        if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
-        assert kernels_run or name == "bf16", f"{op}: no Triton kernel traced"
-        allocated = {n for n in nodes if n.target in _ALLOCATIONS}
+        assert kernels_run or (name == "bf16" and not bias), f"{op}: no Triton kernel traced"
         for n in kernels_run:
             args = n.kwargs["kwargs"]
-            copied = [k for k in n.kwargs["tensors_to_clone"] if args[k] not in allocated]
+            copied = [k for k in n.kwargs["tensors_to_clone"] if _graph_input(args[k])]
             assert copied == [], f"{op}: a kernel copies its inputs {copied}"
+        if bias:
+            names = [set(n.kwargs["kwargs"]) for n in kernels_run]
+            if op.name().endswith("_bwd"):
+                assert _COLUMN_SUMS in names, f"{op}: no bias-gradient kernel"
+            else:  # in _scaled_mm's epilogue (tensorwise) or by the bias kernel
+                epilogue = [n for n in nodes if n.target is torch.ops.aten._scaled_mm.default
+                            and len(n.args) > 4 and n.args[4] is not None]
+                assert epilogue or _BIAS_ADD in names, f"{op}: bias added by a torch op"
         traced = [n.meta["val"] for n in pytree_leaves(nodes[-1].args)]
         assert len(traced) == len(outputs)
         for got, want in zip(traced, outputs):

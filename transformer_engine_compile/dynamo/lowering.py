@@ -17,7 +17,8 @@ runs its impl at run time, as before):
 
 * the op pair declares a predicate for the call (``lower_forward`` /
   ``lower_backward`` of ``register_custom_op``), e.g. te.Linear refuses a
-  bias, whose add and gradient inductor would round otherwise (the full
+  bias where no kernel adds it and sums its gradient (as torch ops,
+  inductor would round and order them otherwise than eager; the full
   list: docs/linear.md, "What runs where");
 * no process group is given (collectives stay inside the op);
 * the tensors live on a device in :func:`lowered_devices` (CUDA by default:

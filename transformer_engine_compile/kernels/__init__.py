@@ -34,6 +34,8 @@ OPS = (
     "activation_forward",
     "activation_backward",
     "transpose_bytes",
+    "bias_add",
+    "column_sum",
 )
 
 _FAST: dict[tuple[str, str], Callable] = {}
@@ -58,6 +60,12 @@ def fast_kernels_available(device_type: str) -> bool:
     """Whether fast kernels exist for ``device_type`` (e.g. CUDA with Triton)."""
     _load(device_type)
     return any(dev == device_type for _, dev in _FAST)
+
+
+def has_fast(name: str, device_type: str) -> bool:
+    """Whether op ``name`` has a fast kernel registered for ``device_type``."""
+    _load(device_type)
+    return (name, device_type) in _FAST
 
 
 def _load(device_type: str) -> None:

@@ -37,6 +37,10 @@ def register() -> None:
     for name in ("norm_forward", "norm_backward"):
         register_fast(name, "cuda", getattr(tn, name))
         _REGISTERED.append(name)
+    from . import triton_bias as tb
+    for name in ("bias_add", "column_sum"):
+        register_fast(name, "cuda", getattr(tb, name))
+        _REGISTERED.append(name)
     from . import triton_act as ta
     for name in ("activation_forward", "activation_backward"):
         register_fast(name, "cuda", getattr(ta, name))

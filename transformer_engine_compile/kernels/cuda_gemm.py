@@ -126,7 +126,10 @@ def _padded_128x128(scale: torch.Tensor) -> torch.Tensor:
 
 
 def _add_bias(out: torch.Tensor, bias) -> torch.Tensor:
-    return out if bias is None else out.add_(bias.to(out.dtype))
+    """The bias added by a kernel (Triton when it imports), not a torch op:
+    lowered into inductor, a torch add would be fused into the output's
+    consumers without rounding to the output's dtype first."""
+    return out if bias is None else get("bias_add", out)(out, bias)
 
 
 def _fp8_tensorwise(a, a_usage, b, b_usage, out_dtype, bias, fast_accum):

@@ -499,3 +499,14 @@ def activation_backward(dy, x, name: str):
     a, b = xf.chunk(2, dim=-1)
     act, dact = fn(a, True)
     return torch.cat([dact * b * dyf, act * dyf], dim=-1).to(x.dtype)
+
+
+# -- bias ---------------------------------------------------------------------------------
+def bias_add(out: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``out += bias`` (broadcast over the rows) in ``out``'s dtype; returns ``out``."""
+    return out.add_(bias.to(out.dtype))
+
+
+def column_sum(x2d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The sum over the rows of ``x2d`` (a bias gradient), in ``dtype``."""
+    return x2d.sum(0).to(dtype)

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from . import reference as ref
+from .triton_bias import col_sums
 from .triton_launch import Launcher, cdiv, int_key, ptr_key
 from .triton_quant import _MAX_GIVEN_PARTS, _absent
 
@@ -134,21 +135,6 @@ def _norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, part_ptr,
         tl.store(part_ptr + db_row.to(tl.int64) * K + rk, tl.sum(db_acc, axis=0), mask=col_ok)
 
 
-@triton.jit
-def _col_sum_kernel(part_ptr, out_ptr, G, K, BG: tl.constexpr, BC: tl.constexpr):
-    """out[j, c] = sum over g of part[j, g, c] (parts (n, G, K), j = program_id(1))."""
-    pid, j = tl.program_id(0), tl.program_id(1)
-    rc = pid * BC + tl.arange(0, BC)
-    base = part_ptr + j.to(tl.int64) * G * K
-    acc = tl.zeros((BG, BC), dtype=tl.float32)
-    for g0 in range(0, G, BG):
-        rg = g0 + tl.arange(0, BG)
-        acc += tl.load(base + rg[:, None].to(tl.int64) * K + rc[None, :],
-                       mask=(rg[:, None] < G) & (rc[None, :] < K), other=0.0)
-    tl.store(out_ptr + j * K + rc, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty),
-             mask=rc < K)
-
-
 def _warps(elements: int) -> int:
     return max(4, min(16, elements // 512))
 
@@ -168,7 +154,6 @@ class _ByWarps:
 
 _fwd = _ByWarps(_norm_fwd_kernel)
 _bwd = _ByWarps(_norm_bwd_kernel)
-_col_sum_launch = Launcher(_col_sum_kernel, num_warps=4)
 _SM_COUNT: dict = {}
 
 
@@ -254,9 +239,7 @@ def norm_backward(dy2d, x2d, mean, rstd, weight, rms: bool, need_dx: bool,
     dw = db = None
     if n_sums:
         sums = torch.empty((n_sums, k), dtype=grad_dtype or torch.float32, device=dev)
-        bc = 128
-        _col_sum_launch((cdiv(k, bc), n_sums), (int_key(grid), int_key(k), sums.dtype),
-                        parts, sums, grid, k, 32, bc)
+        col_sums(parts, sums, grid, k)
         dw = sums[0] if need_dweight else None
         db = sums[n_sums - 1] if need_dbias else None
     return (dx if need_dx else None), dw, db

@@ -441,7 +441,8 @@ def linear_backward(args: LinearBwdArgs) -> dict:
             wgrad = gemm(dyq, "columnwise", x, "columnwise", args.weight_dtype)
     if args.bias_requires_grad:
         if dy_total is not None:
-            dbias = dy_total.reshape(-1, n_out).sum(0).to(args.bias_dtype)
+            dy2d = dy_total.reshape(-1, n_out)
+            dbias = kernels.get("column_sum", dy2d)(dy2d, args.bias_dtype)
         else:  # row + SP with FP8 gather: sum the shards' partial sums
             partial = dy.reshape(-1, n_out).float().sum(0)
             dbias = D.all_reduce_sum(partial, args.tp_group).to(args.bias_dtype)
@@ -475,21 +476,37 @@ def linear_backward_fake(args: LinearBwdArgs) -> dict:
 
 def _lowers_forward(args: LinearFwdArgs) -> bool:
     """Whether inductor may replace a forward call by its kernels
-    (dynamo/lowering.py).  Not with a bias: inductor fuses the bias add
-    with the neighbouring casts and GEMMs (an ``mm`` + add becomes
-    ``addmm``, a cast to the GEMM's dtype is skipped), which rounds
-    otherwise than eager.  Not under DelayedScaling: the forward reads the
-    scale it also updates, and the partitioner may recompute a cast in the
-    backward from the buffer, which then holds the new scale."""
-    return args.bias is None and args.amax_history_fwd is None and _lowerable_formats(args)
+    (dynamo/lowering.py).  A bias only on a quantized GEMM whose device
+    adds it in a kernel (``_scaled_mm``'s epilogue, else ``bias_add``): as a
+    torch op inductor would fuse the add with its neighbours, rounding
+    otherwise than eager; the unquantized GEMM adds it in ``F.linear``,
+    which inductor may split into ``mm`` + add.  Not under DelayedScaling:
+    the forward reads the scale it also updates, and the partitioner may
+    recompute a cast in the backward from the buffer, which then holds the
+    new scale."""
+    bias_ok = args.bias is None or (args.input_quantizer is not None
+                                    and _has_fast_kernel("bias_add", args))
+    return bias_ok and args.amax_history_fwd is None and _lowerable_formats(args)
 
 
 def _lowers_backward(args: LinearBwdArgs) -> bool:
-    """Not with a bias gradient (inductor would reorder its reduction), nor
-    under DelayedScaling (its amax slots are dtype views of one buffer,
-    which inductor cannot lower as kernel arguments on torch 2.11)."""
-    return (not args.bias_requires_grad and args.amax_history_bwd is None
-            and _lowerable_formats(args))
+    """A bias gradient only where a kernel sums it (``column_sum``: inductor
+    would order a torch reduction its own way).  Not under DelayedScaling
+    (its amax slots are dtype views of one buffer, which inductor cannot
+    lower as kernel arguments on torch 2.11)."""
+    bias_ok = not args.bias_requires_grad or _has_fast_kernel("column_sum", args)
+    return bias_ok and args.amax_history_bwd is None and _lowerable_formats(args)
+
+
+def _has_fast_kernel(name: str, args) -> bool:
+    """Whether kernel op ``name`` has a fast kernel on the device of the
+    call's tensors, plain or quantized (a LayerNormMLP GEMM's view of the
+    backward holds only quantized ones)."""
+    for f in dataclasses.fields(args):
+        value = getattr(args, f.name)
+        if isinstance(value, (torch.Tensor, QuantizedTensorStorage)):
+            return kernels.has_fast(name, value.device.type)
+    return False
 
 
 def _lowerable_formats(args) -> bool:

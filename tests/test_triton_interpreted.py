@@ -1,0 +1,75 @@
+"""CUDA Triton kernels run by Triton's interpreter on CPU tensors (no GPU).
+
+``TRITON_INTERPRET=1`` has to be set before the kernels are defined, so the
+checks run in a fresh process (``_CHECKS``).  Covered: the bias kernels
+(kernels/triton_bias.py: the add equals torch's ``out.add_(bias)`` bit for
+bit in fp32 and fp16, and in bf16 up to the interpreter's conversion to bf16,
+which truncates where the GPU rounds to nearest; the column sums equal an fp64 sum within fp32 summation error and are
+deterministic) and the norm backward's partial sums, which moved there.
+The quantize kernels' FP8 casts differ from the GPU's in the interpreter,
+so their numerics are left to tests/gpu.  Needs Triton.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+_CHECKS = r'''
+import torch
+from unittest import mock
+from transformer_engine_compile.kernels import reference as ref, triton_bias as tb, triton_norm as tn
+
+g = torch.Generator().manual_seed(0)
+
+
+def trunc_bf16(t):
+    """fp32 -> bf16 rounded toward zero, as Triton's interpreter converts
+    (the GPU rounds to nearest even, as torch does)."""
+    return (t.float().view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+with mock.patch.object(tn, "_sm_count", lambda device: 4):
+    for m, n in ((1, 1), (7, 200), (64, 128), (300, 257), (1000, 96)):
+        for out_dtype, bias_dtype in ((torch.bfloat16, torch.bfloat16),
+                                      (torch.bfloat16, torch.float32),
+                                      (torch.float16, torch.float16),
+                                      (torch.float32, torch.float32)):
+            y = (torch.randn(m, n, generator=g) * 4).to(out_dtype)
+            b = torch.randn(n, generator=g).to(bias_dtype)
+            got = tb.bias_add(y.clone(), b)
+            if out_dtype == torch.bfloat16:  # the interpreter truncates to bf16
+                want = trunc_bf16(y.float() + trunc_bf16(b.float()).float())
+            else:
+                want = ref.bias_add(y.clone(), b)
+            assert torch.equal(got, want), (m, n, out_dtype, bias_dtype)
+        for dtype in (torch.bfloat16, torch.float32):
+            x = (torch.randn(m, n, generator=g) * 3).to(dtype)
+            exact = x.double().sum(0)
+            scale = x.double().abs().sum(0) + 1e-30
+            for out in (torch.float32, dtype):
+                got = tb.column_sum(x, out)
+                assert got.shape == (n,) and got.dtype == out
+                tol = 2 ** -7 if out == torch.bfloat16 else 1e-6
+                assert ((got.double() - exact).abs() / scale).max() <= tol, (m, n, dtype, out)
+                assert torch.equal(got, tb.column_sum(x, out))  # fixed order
+        x = torch.randn(m, n, generator=g).to(torch.bfloat16)
+        dy = torch.randn(m, n, generator=g).to(torch.bfloat16)
+        w = torch.randn(n, generator=g)
+        _, mean, rstd = ref.norm_forward(x, w, None, 1e-5, False)
+        got = tn.norm_backward(dy, x, mean, rstd, w, False, True, True, True)
+        want = ref.norm_backward(dy, x, mean, rstd, w, False, True, True, True)
+        for a, b in zip(got[1:], want[1:]):  # dgamma, dbeta
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-3 * (b.abs().max().item() + 1)), (m, n)
+print("ok")
+'''
+
+
+def test_bias_and_norm_sum_kernels_in_triton_interpreter():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", _CHECKS], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), \
+        result.stdout[-2000:] + result.stderr[-4000:]
