@@ -188,3 +188,16 @@ def test_llama_fused_model_computes_the_unfused_model():
     assert ((a - b).norm() / b.norm()).item() < 0.01  # 0.002 measured; swapped halves: 0.06
     losses = [bl.make_step(fused, None, "eager", lr=1e-2)(x, target) for _ in range(3)]
     assert losses[2] < losses[0]
+
+
+def test_bench_bias_flag_builds_layers_with_a_bias(tmp_path):
+    out = tmp_path / "rows.json"
+    rc = bench.main(["--device", "cpu", "--configs", "tiny", "--recipes", "fp8_current",
+                     "--modes", "default", "--iters", "1", "--no-torchao", "--bias",
+                     "--json", str(out)])
+    assert rc == 0 and all("error" not in r for r in json.loads(out.read_text())["rows"])
+    for factory in (bench._torch_model, bench._te_model):
+        assert all(layer.bias is not None for layer in factory(64, 64, 2, "cpu", bias=True)
+                   .modules() if hasattr(layer, "weight"))
+        assert all(layer.bias is None for layer in factory(64, 64, 2, "cpu")
+                   .modules() if hasattr(layer, "weight"))

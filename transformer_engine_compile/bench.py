@@ -57,12 +57,12 @@ class _TeStack(torch.nn.Module):
     """te.Linear layers in a row; with ``fp8_grad`` every layer but the first
     (whose input is the graph input) hands its predecessor a quantized dgrad."""
 
-    def __init__(self, k, n, layers, device, fp8_grad=False):
+    def __init__(self, k, n, layers, device, fp8_grad=False, bias=False):
         from .module.linear import Linear
 
         super().__init__()
         self.layers = torch.nn.ModuleList(
-            Linear(k if i == 0 else n, n, bias=False, params_dtype=torch.bfloat16, device=device)
+            Linear(k if i == 0 else n, n, bias=bias, params_dtype=torch.bfloat16, device=device)
             for i in range(layers))
         self.fp8_grad = fp8_grad
 
@@ -72,23 +72,23 @@ class _TeStack(torch.nn.Module):
         return x
 
 
-def _te_model(k, n, layers, device):
-    return _TeStack(k, n, layers, device)
+def _te_model(k, n, layers, device, bias=False):
+    return _TeStack(k, n, layers, device, bias=bias)
 
 
-def _te_fp8_grad_model(k, n, layers, device):
-    return _TeStack(k, n, layers, device, fp8_grad=True)
+def _te_fp8_grad_model(k, n, layers, device, bias=False):
+    return _TeStack(k, n, layers, device, fp8_grad=True, bias=bias)
 
 
-def _torch_model(k, n, layers, device):
-    return torch.nn.Sequential(*[torch.nn.Linear(k if i == 0 else n, n, bias=False,
+def _torch_model(k, n, layers, device, bias=False):
+    return torch.nn.Sequential(*[torch.nn.Linear(k if i == 0 else n, n, bias=bias,
                                                  dtype=torch.bfloat16, device=device)
                                  for i in range(layers)])
 
 
-def _torchao_model(k, n, layers, device):
+def _torchao_model(k, n, layers, device, bias=False):
     from torchao.float8 import convert_to_float8_training
-    return convert_to_float8_training(_torch_model(k, n, layers, device))
+    return convert_to_float8_training(_torch_model(k, n, layers, device, bias))
 
 
 def torchao_unavailable_reason():
@@ -193,7 +193,9 @@ def _cleanup():
 
 
 def run(configs, recipes, modes, device, iters=None, repeats=5, with_torchao=False, log=print,
-        fp8_grad=False, sync=True):
+        fp8_grad=False, sync=True, bias=False):
+    """``bias``: every layer with a bias (te.Linear's default; the tables
+    in docs/benchmarks.md are bias-free unless they say otherwise)."""
     rows = []
     for cname, (m, k, n, layers) in configs.items():
         flops = 6 * m * k * n * layers  # fwd + dgrad + wgrad
@@ -201,7 +203,7 @@ def run(configs, recipes, modes, device, iters=None, repeats=5, with_torchao=Fal
         for label, factory, rec, path in candidates(recipes, with_torchao, fp8_grad):
             for mode in modes:
                 torch.manual_seed(0)
-                model = factory(k, n, layers, device)
+                model = factory(k, n, layers, device, bias=bias)
                 gen = torch.Generator(device=device).manual_seed(1)
                 x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen)
                 x.requires_grad_()
@@ -271,6 +273,8 @@ def main(argv=None):
                    help="llama configs: also the packed-projection model from te.LayerNormLinear "
                         "+ te.LayerNormMLP ('fused') and from separate norms + te.Linear "
                         "('unfused')")
+    p.add_argument("--bias", action="store_true",
+                   help="single-layer configs: layers with a bias (te.Linear's default)")
     p.add_argument("--json", help="also write the rows to this file")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -289,7 +293,8 @@ def main(argv=None):
     if layer_cfgs:
         print(HEADER)
         rows = run(layer_cfgs, args.recipes, modes, device, iters=args.iters,
-                   with_torchao=with_torchao, fp8_grad=args.fp8_grad, sync=not args.no_sync)
+                   with_torchao=with_torchao, fp8_grad=args.fp8_grad, sync=not args.no_sync,
+                   bias=args.bias)
         print("\n" + HEADER)  # the whole table again, ratios now complete
         for row in rows:
             print(_format_row(row, rows))
