@@ -100,7 +100,7 @@ def _layout(layer, name: str, value, dim) -> tuple:
             f"{where}: the layer's tp_group (ranks {dist.get_process_group_ranks(layer.tp_group)}) "
             f"is not the other dim of the dp mesh's 2-D mesh (ranks {tp_ranks})")
     (dp_place,) = value.placements
-    if not isinstance(dp_place, Shard) or type(dp_place) is not Shard:
+    if type(dp_place) is not Shard:  # FSDP2's default; a strided or custom one is not
         raise NotImplementedError(f"{where}: FSDP2 placement {dp_place} (expected Shard)")
     if dp_place.dim == dim and dp_dim < tp_dim:
         dp_place = _StridedShard(dim, split_factor=len(tp_ranks))
