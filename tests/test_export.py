@@ -180,7 +180,8 @@ def test_plain_torch_export_does_not_load(tmp_path):
     save succeeds, the load fails.  If this starts failing, torch stores
     inline opaque values: update docs/linear.md."""
     model, x = Model(RECIPES["fp8_current"]), _x()
-    ep = torch.export.export(model, (x,))
+    with pytest.warns(UserWarning, match=r"call te\.lift_value_opaque\(ep\) before saving"):
+        ep = torch.export.export(model, (x,))
     assert torch.equal(ep.module()(x), model(x))  # runs in this process
     torch.export.save(ep, tmp_path / "m.pt2")
     with pytest.raises(RuntimeError, match="deserializing"):
@@ -218,3 +219,21 @@ def test_old_torch_refuses_at_export_and_save(tmp_path):
     assert torch.equal(ep.module()(x), model(x))  # runs in this process
     with pytest.raises(Exception, match="Unsupported argument type"):
         torch.export.save(ep, tmp_path / "m.pt2")
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_plain_export_warns_and_te_export_does_not(strict):
+    """The save of a plain torch.export.export program cannot be made to
+    fail, so the export warns, naming the limit and the workaround; te.export
+    (whose program saves) does not."""
+    import warnings
+    model, x = Model(RECIPES["fp8_current"]), _x()
+    want = ("te.lift_value_opaque" if compat.export_keeps_opaque_constants()
+            else "save its state_dict and export it there")
+    with pytest.warns(UserWarning, match=want):
+        torch.export.export(model, (x,), strict=strict)
+    if compat.export_keeps_opaque_constants():
+        _reset()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="te_compile")  # ours would raise
+            te.export(model, (x,), strict=strict)

@@ -53,7 +53,7 @@ from ..quantization.base import QuantizedTensorStorage, storage_parts, storage_r
 from ..quantization.wrapper import QuantizedTensor
 from . import arg_views
 from . import buckets as B
-from . import compat, lowering
+from . import compat, export, lowering
 from .flat_result import (Layout, entry_count, flatten_result, layout_of, pack_saved,
                           split_state, unflatten_result, unpack_saved)
 from .tensor_proto import to_tensor_proto
@@ -413,6 +413,8 @@ class CustomOpPair:
     def __call__(self, args) -> dict:
         """Compiled path: run the forward op, apply the forward updates;
         returns the other outputs."""
+        if torch.compiler.is_exporting():
+            export.warn_if_unlifted()
         flat = self.fwd_op(*self.fwd_plan.encode(args))
         outputs, _ = unflatten_result(self.fwd_layout(args), flat, outputs_only=True)
         return apply_updates(self.forward_updates, args, outputs)

@@ -18,12 +18,49 @@ the program again (``run_decompositions``) inlines them again: lift after it.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+
 import torch
 from torch.export.graph_signature import CustomObjArgument, InputKind, InputSpec
 
 from . import compat
 from .buckets import QuantizerSlot, SimpleValues
 from .opaque import is_value_opaque
+
+
+_LIFTING = [False]  # inside te.export: its program gets lifted
+
+
+def _unlifted_text() -> str:
+    if compat.export_keeps_opaque_constants():
+        return ("te_compile: this torch.export program holds te layers, whose value-opaque "
+                "arguments torch.export.save drops (the file then fails to load with "
+                "KeyError '_custom_obj_0'): call te.lift_value_opaque(ep) before saving, "
+                "or export with te.export(...) instead. The program runs in this process "
+                "either way.")
+    return (f"te_compile: torch {torch.__version__} cannot save a torch.export program "
+            "holding te layers (torch.export.save raises 'Unsupported argument type'; a "
+            "saveable program needs torch >= 2.13). The program runs in this process; to "
+            "move the model elsewhere, save its state_dict and export it there.")
+
+
+@compat.run_at_trace_time
+def warn_if_unlifted() -> None:
+    """Called by each op call while ``torch.export`` traces: a program from
+    plain ``torch.export.export`` (not :func:`export`) gets a warning at
+    export time, since its save cannot be made to fail (module doc)."""
+    if not _LIFTING[0]:
+        warnings.warn(_unlifted_text(), UserWarning, stacklevel=3)
+
+
+@contextlib.contextmanager
+def _lifting():
+    previous, _LIFTING[0] = _LIFTING[0], True
+    try:
+        yield
+    finally:
+        _LIFTING[0] = previous
 
 
 def _is_ours(value) -> bool:
@@ -161,4 +198,8 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     """``torch.export.export(module, args, kwargs, **export_kwargs)`` whose
     program ``torch.export.save`` can store and ``torch.export.load`` run:
     the te layers' value-opaque arguments are lifted (:func:`lift_value_opaque`)."""
-    return lift_value_opaque(torch.export.export(module, args, kwargs, **export_kwargs))
+    if not compat.export_keeps_opaque_constants():
+        lift_value_opaque(None)  # raises, naming the limit
+    with _lifting():
+        ep = torch.export.export(module, args, kwargs, **export_kwargs)
+    return lift_value_opaque(ep)
