@@ -237,3 +237,13 @@ def test_plain_export_warns_and_te_export_does_not(strict):
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message="te_compile")  # ours would raise
             te.export(model, (x,), strict=strict)
+
+
+def test_torch_compile_does_not_warn_about_export():
+    """Dynamo on torch 2.11 answers is_exporting() True inside torch.compile
+    (pytorch#176347): the export warning reads the flag at trace time."""
+    import warnings
+    model, x = Model(RECIPES["fp8_current"]), _x()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="te_compile")
+        torch.compile(model, fullgraph=True, backend="aot_eager")(x)

@@ -272,3 +272,24 @@ def test_cuda_lowering_traces_without_copies(module, options, name, bias):
         for got, want in zip(traced, outputs):
             assert (got.shape, got.dtype, got.stride()) == (want.shape, want.dtype,
                                                             want.stride()), op
+
+
+@pytest.mark.parametrize("dtype, lowered", [(torch.bfloat16, True), (torch.float16, False),
+                                            (torch.float32, False)])
+def test_mxfp8_outputs_other_than_bf16_keep_the_ops(dtype, lowered):
+    """Hopper's MXFP8 GEMMs are bf16 GEMMs: an fp16 output is a converted
+    bf16 product whose rounding inductor drops (GPU, autocast fp16), an fp32
+    one the reference GEMM; either keeps the op (forward, dgrad, wgrad)."""
+    from transformer_engine_compile.quantization.mxfp8 import MXFP8Quantizer
+    q = MXFP8Quantizer()
+    x = torch.empty(32, 64, dtype=dtype)
+    fwd = linear_ops.LinearFwdArgs(inp=x, weight=torch.empty(64, 64, dtype=torch.bfloat16),
+                                   input_quantizer=q, weight_quantizer=q)
+    assert linear_ops._lowers_forward(fwd) is lowered
+    dgrad = linear_ops.LinearBwdArgs(grad_output=x, grad_output_quantizer=q,
+                                     input_requires_grad=True)
+    assert linear_ops._lowers_backward(dgrad) is lowered
+    wgrad = linear_ops.LinearBwdArgs(grad_output=torch.empty(32, 64, dtype=torch.bfloat16),
+                                     grad_output_quantizer=q, weight_requires_grad=True,
+                                     weight_dtype=dtype)
+    assert linear_ops._lowers_backward(wgrad) is lowered

@@ -413,8 +413,7 @@ class CustomOpPair:
     def __call__(self, args) -> dict:
         """Compiled path: run the forward op, apply the forward updates;
         returns the other outputs."""
-        if torch.compiler.is_exporting():
-            export.warn_if_unlifted()
+        export.warn_if_unlifted()
         flat = self.fwd_op(*self.fwd_plan.encode(args))
         outputs, _ = unflatten_result(self.fwd_layout(args), flat, outputs_only=True)
         return apply_updates(self.forward_updates, args, outputs)

@@ -47,10 +47,13 @@ def _unlifted_text() -> str:
 
 @compat.run_at_trace_time
 def warn_if_unlifted() -> None:
-    """Called by each op call while ``torch.export`` traces: a program from
-    plain ``torch.export.export`` (not :func:`export`) gets a warning at
-    export time, since its save cannot be made to fail (module doc)."""
-    if not _LIFTING[0]:
+    """Called by each traced op call: while ``torch.export`` traces, a
+    program from plain ``torch.export.export`` (not :func:`export`) gets a
+    warning at export time, since its save cannot be made to fail (module
+    doc).  The flag is read here, at trace time in Python: Dynamo on torch
+    2.11 answers ``is_exporting()`` True inside any ``torch.compile``
+    (pytorch#176347)."""
+    if torch.compiler.is_exporting() and not _LIFTING[0]:
         warnings.warn(_unlifted_text(), UserWarning, stacklevel=3)
 
 

@@ -19,11 +19,13 @@ import triton.language as tl
 from . import reference as ref
 from .triton_launch import Launcher, cdiv, int_key, ptr_key
 
-try:  # CUDA's tanhf, as torch.tanh uses
-    from triton.language.extra import libdevice as _libdevice
+try:  # CUDA's tanhf, as torch.tanh uses.  Named ``libdevice``: inductor
+    # re-emits a lowered kernel's source under its own imports, which
+    # define that name (an alias would be undefined there)
+    from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover - other Triton versions
-    _libdevice = None
-_HAS_LIBDEVICE = tl.constexpr(_libdevice is not None)
+    libdevice = None
+_HAS_LIBDEVICE = tl.constexpr(libdevice is not None)
 
 # activation codes (constexpr): the function, and its parameter for the sigmoid family
 _CODES = {"gelu": (0, 0.0), "geglu": (0, 0.0), "relu": (1, 0.0), "reglu": (1, 0.0),
@@ -35,7 +37,7 @@ _BM, _BN = 16, 256
 @triton.jit
 def _tanh_of(u):
     if _HAS_LIBDEVICE:
-        return _libdevice.tanh(u)
+        return libdevice.tanh(u)
     return 2.0 / (1.0 + tl.exp(-2.0 * u)) - 1.0  # saturates correctly at both ends
 
 

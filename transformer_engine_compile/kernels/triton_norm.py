@@ -72,7 +72,9 @@ def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, M
             tl.store(mean_ptr + rm, mean, mask=row_ok)
             xc = tl.where(mask, x - mean[:, None], 0.0)
         var = tl.math.div_rn(tl.sum(xc * xc, axis=1), kf)
-        rstd = tl.math.div_rn(tl.full(var.shape, 1.0, tl.float32), tl.sqrt_rn(var + eps))
+        # eps arrives as fp32 from a launch, as fp64 from inductor's code
+        rstd = tl.math.div_rn(tl.full(var.shape, 1.0, tl.float32),
+                              tl.sqrt_rn(var + eps.to(tl.float32)))
         tl.store(rstd_ptr + rm, rstd, mask=row_ok)
         y = xc * rstd[:, None] * w[None, :]
         if HAS_BIAS:

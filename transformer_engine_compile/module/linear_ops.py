@@ -35,6 +35,7 @@ from ..dynamo.opaque import is_value_opaque
 from ..dynamo.tensor_proto import TensorProto, to_tensor_proto
 from ..kernels.gemm import gemm
 from ..quantization.base import QuantizedTensorStorage, Quantizer
+from ..quantization.mxfp8 import MXFP8Quantizer
 from ..quantization.nvfp4 import NVFP4Quantizer
 
 try:
@@ -486,7 +487,9 @@ def _lowers_forward(args: LinearFwdArgs) -> bool:
     new scale."""
     bias_ok = args.bias is None or (args.input_quantizer is not None
                                     and _has_fast_kernel("bias_add", args))
-    return bias_ok and args.amax_history_fwd is None and _lowerable_formats(args)
+    out_dtype = None if args.inp is None else args.inp.dtype
+    return (bias_ok and args.amax_history_fwd is None and _lowerable_formats(args)
+            and not mxfp8_converted_output(args.input_quantizer, out_dtype))
 
 
 def _lowers_backward(args: LinearBwdArgs) -> bool:
@@ -495,7 +498,26 @@ def _lowers_backward(args: LinearBwdArgs) -> bool:
     (its amax slots are dtype views of one buffer, which inductor cannot
     lower as kernel arguments on torch 2.11)."""
     bias_ok = not args.bias_requires_grad or _has_fast_kernel("column_sum", args)
-    return bias_ok and args.amax_history_bwd is None and _lowerable_formats(args)
+    q = args.grad_output_quantizer
+    wgrad_dtype = None
+    if args.weight_requires_grad:
+        wgrad_dtype = args.weight_dtype if args.main_grad is None else args.main_grad.dtype
+    dgrad_dtype = None if args.grad_output is None else args.grad_output.dtype
+    return (bias_ok and args.amax_history_bwd is None and _lowerable_formats(args)
+            and not mxfp8_converted_output(q, wgrad_dtype)
+            and not mxfp8_converted_output(q, dgrad_dtype))
+
+
+def mxfp8_converted_output(quantizer, out_dtype) -> bool:
+    """An MXFP8 GEMM whose output is not bf16.  Hopper emulates MXFP8 with
+    bf16 GEMMs (kernels/cuda_gemm.py): an fp16 output is the bf16 product
+    converted, which inductor fuses with the conversions after it and drops
+    (GPU, torch.autocast fp16: x's gradient kept bf16 bits where eager
+    rounds to fp16); an fp32 output takes the reference GEMM on operands
+    dequantized by torch ops, which inductor lays out so that cuBLAS picks
+    another algorithm than eager.  Such calls stay ops."""
+    return (isinstance(quantizer, MXFP8Quantizer) and out_dtype is not None
+            and out_dtype != torch.bfloat16)
 
 
 def _has_fast_kernel(name: str, args) -> bool:
