@@ -44,7 +44,7 @@ def cuda_kernels_on_meta():
     call) although nothing is compiled."""
     import triton
 
-    from transformer_engine_compile.kernels import cuda_gemm, triton_norm
+    from transformer_engine_compile.kernels import cuda_gemm, triton_launch
     kernels._load("cuda")
     added = [(name, "meta") for (name, dev) in list(kernels._FAST) if dev == "cuda"]
     for name, _ in added:
@@ -54,7 +54,7 @@ def cuda_kernels_on_meta():
     lowered = lowering.set_lowered_devices({"meta"})
     try:
         with mock.patch.object(triton.runtime.driver, "_active", _Hopper()), \
-                mock.patch.object(triton_norm, "_sm_count", lambda device: 132), \
+                mock.patch.object(triton_launch, "sm_count", lambda device: 132), \
                 mock.patch.object(cuda_gemm, "_capability", lambda index: (9, 0)), \
                 mock.patch("torch.compiler.is_compiling", lambda: True):
             yield

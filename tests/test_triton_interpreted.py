@@ -19,7 +19,7 @@ import pytest
 _CHECKS = r'''
 import torch
 from unittest import mock
-from transformer_engine_compile.kernels import reference as ref, triton_bias as tb, triton_norm as tn
+from transformer_engine_compile.kernels import reference as ref, triton_bias as tb, triton_launch, triton_norm as tn
 
 g = torch.Generator().manual_seed(0)
 
@@ -30,7 +30,7 @@ def trunc_bf16(t):
     return (t.float().view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
 
 
-with mock.patch.object(tn, "_sm_count", lambda device: 4):
+with mock.patch.object(triton_launch, "sm_count", lambda device: 4):
     for m, n in ((1, 1), (7, 200), (64, 128), (300, 257), (1000, 96)):
         for out_dtype, bias_dtype in ((torch.bfloat16, torch.bfloat16),
                                       (torch.bfloat16, torch.float32),

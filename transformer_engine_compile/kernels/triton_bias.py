@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from . import reference as ref
+from . import triton_launch
 from .triton_launch import Launcher, cdiv, int_key, ptr_key
 
 # column sums: programs per multiprocessor over the row blocks (each writes
@@ -102,10 +103,8 @@ def column_sum(x2d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return ref.column_sum(x2d, dtype)
     if not x2d.is_contiguous():
         x2d = x2d.contiguous()
-    from .triton_norm import _sm_count
-
     col_blocks = cdiv(n, _BN)
-    groups = max(1, min(cdiv(m, _BM), COLSUM_PROGRAMS_PER_SM * _sm_count(x2d.device)
+    groups = max(1, min(cdiv(m, _BM), COLSUM_PROGRAMS_PER_SM * triton_launch.sm_count(x2d.device)
                         // col_blocks))
     parts = torch.empty((groups, n), dtype=torch.float32, device=x2d.device)
     _row_sums_launch((groups, col_blocks),

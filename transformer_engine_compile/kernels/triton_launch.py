@@ -47,6 +47,19 @@ def ptr_key(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0
 
 
+_SM_COUNT: dict = {}
+
+
+def sm_count(device) -> int:
+    """Multiprocessors of a CUDA device (cached): the grids that stride over
+    rows size themselves by it."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    n = _SM_COUNT.get(idx)
+    if n is None:
+        n = _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return n
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for grids.  ``triton.cdiv`` is a ``ConstexprFunction`` in
     Triton 3.6 whose Python call costs ~2-3 us; a quantize call needs several."""

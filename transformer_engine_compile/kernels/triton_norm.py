@@ -31,6 +31,7 @@ import triton.language as tl
 
 from . import reference as ref
 from .triton_bias import col_sums
+from . import triton_launch
 from .triton_launch import Launcher, cdiv, int_key, ptr_key
 from .triton_quant import _MAX_GIVEN_PARTS, _absent
 
@@ -156,17 +157,6 @@ class _ByWarps:
 
 _fwd = _ByWarps(_norm_fwd_kernel)
 _bwd = _ByWarps(_norm_bwd_kernel)
-_SM_COUNT: dict = {}
-
-
-def _sm_count(device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    n = _SM_COUNT.get(idx)
-    if n is None:
-        n = _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return n
-
-
 _BLOCKS: dict = {}
 
 
@@ -193,7 +183,7 @@ def norm_forward(x2d, weight, bias, eps: float, rms: bool, with_amax: bool = Fal
     dev = x2d.device
     bm, bk, warps = _blocks(k)
     n_blk = cdiv(m, bm)
-    grid = (min(n_blk, _MAX_GIVEN_PARTS, FWD_AMAX_PROGRAMS_PER_SM * _sm_count(dev))
+    grid = (min(n_blk, _MAX_GIVEN_PARTS, FWD_AMAX_PROGRAMS_PER_SM * triton_launch.sm_count(dev))
             if with_amax else n_blk)
     y = torch.empty((m, k), dtype=x2d.dtype, device=dev)
     # two allocations, not views of one: an op may not return aliases of each other
@@ -228,7 +218,7 @@ def norm_backward(dy2d, x2d, mean, rstd, weight, rms: bool, need_dx: bool,
     dev = x2d.device
     bm, bk, warps = _blocks(k)
     n_blk = cdiv(m, bm)
-    grid = min(n_blk, BWD_PROGRAMS_PER_SM * _sm_count(dev))
+    grid = min(n_blk, BWD_PROGRAMS_PER_SM * triton_launch.sm_count(dev))
     n_sums = int(need_dweight) + int(need_dbias)
     dx = torch.empty((m, k), dtype=x2d.dtype, device=dev) if need_dx else _absent(x2d)
     parts = torch.empty((max(n_sums, 1) * grid, k), dtype=torch.float32, device=dev)

@@ -42,7 +42,7 @@ from . import norm_ops as N
 from .layernorm_linear_ops import _amax_fused_quantizer
 from .linear_ops import (LINEAR_OPS, LinearBwdArgs, LinearFwdArgs, _lowers_backward,
                          _lowers_forward, linear_backward, linear_backward_fake, linear_forward,
-                         linear_forward_fake, linear_setup_context, mxfp8_converted_output)
+                         linear_forward_fake, linear_setup_context)
 
 GEMMS = ("fc1_", "fc2_")  # field prefixes of the two GEMMs
 GATED = tuple(name for name, (_, gated) in ACTIVATIONS.items() if gated)
@@ -218,15 +218,16 @@ def layernorm_mlp_backward_fake(args) -> dict:
 
 # -- lowering into inductor (dynamo/lowering.py) ------------------------------------
 def _lowers_mlp_forward(args) -> bool:
-    """Each GEMM on Linear's conditions; the norm and activation kernels
-    produce their outputs in their final dtypes."""
-    return (all(_lowers_forward(args.gemm(prefix, None)) for prefix in GEMMS)
-            and not any(mxfp8_converted_output(getattr(args, prefix + "input_quantizer"),
-                                          args.inp.dtype) for prefix in GEMMS))
+    """Each GEMM on Linear's conditions, seen with the module input (whose
+    dtype each GEMM's input and output have: the norm and activation
+    kernels produce their outputs in it)."""
+    return all(_lowers_forward(args.gemm(prefix, args.inp)) for prefix in GEMMS)
 
 
 def _lowers_mlp_backward(args) -> bool:
-    return (all(_lowers_backward(field_view(args, LinearBwdArgs, prefix, grad_output=None))
+    """Each GEMM with fc2's output gradient standing for its own (same dtype)."""
+    return (all(_lowers_backward(field_view(args, LinearBwdArgs, prefix,
+                                            grad_output=args.fc2_grad_output))
                 for prefix in GEMMS) and N.lowers_norm_backward(_norm_args(args)))
 
 
