@@ -66,3 +66,32 @@ def test_layernorm_modules_keep_ops_for_cuda_graphs(module):
     assert _train("fp8_current", bias=False, steps=3, device="cuda", mode="reduce-overhead",
                   module=module, normalization="RMSNorm") == {"fwd": 1, "bwd": 1}
     assert counters["inductor"].get("cudagraph_skips", 0) == 0
+
+
+
+@pytest.mark.parametrize("module, options", [LN_CASES[0], LN_CASES[3]])  # gamma as given
+def test_norm_kernels_read_their_inputs_uncopied(module, options):
+    """torch's mutation analysis of the norm kernels succeeds, so inductor
+    hands them the layer's input and weights as they are.  When it failed
+    (torch 2.11 on ``eps.to``), every input counted as written and was
+    copied before each launch."""
+    import re
+
+    import test_lowering
+    from torch._inductor.utils import run_and_get_code
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = test_lowering.MODULES[module](64, False, "cuda", **options)
+    x = torch.randn(32, 64, dtype=torch.bfloat16, device="cuda")
+    fwd = torch.compile(test_lowering._forward(test_lowering.RECIPES["fp8_current"]()),
+                        fullgraph=True)
+    _, code = run_and_get_code(test_lowering._step, layer, x, fwd)
+    text = "\n".join(code)
+    # (kernel, positions of the graph inputs it reads: x and the norm weight;
+    # the backward's dy is a buffer of its graph)
+    for kernel, positions in (("_norm_fwd_kernel", (0, 1)), ("_norm_bwd_kernel", (1, 2))):
+        calls = re.findall(rf"\b{kernel}_\d+\.run\(([^)]*)\)", text)
+        assert calls, f"{kernel} not lowered"
+        for call in calls:
+            args = [a.strip() for a in call.split(",")]
+            assert all(args[i].startswith("primals_") for i in positions), (kernel, args)

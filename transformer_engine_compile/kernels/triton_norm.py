@@ -73,9 +73,12 @@ def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, M
             tl.store(mean_ptr + rm, mean, mask=row_ok)
             xc = tl.where(mask, x - mean[:, None], 0.0)
         var = tl.math.div_rn(tl.sum(xc * xc, axis=1), kf)
-        # eps arrives as fp32 from a launch, as fp64 from inductor's code
+        # eps arrives as fp32 from a launch, as fp64 from inductor's code and as
+        # a Python float in torch's mutation analysis (tl.cast takes all three;
+        # with ``eps.to`` the analysis failed on torch 2.11, which then took
+        # every input as written and inductor copied x and the weights first)
         rstd = tl.math.div_rn(tl.full(var.shape, 1.0, tl.float32),
-                              tl.sqrt_rn(var + eps.to(tl.float32)))
+                              tl.sqrt_rn(var + tl.cast(eps, tl.float32)))
         tl.store(rstd_ptr + rm, rstd, mask=row_ok)
         y = xc * rstd[:, None] * w[None, :]
         if HAS_BIAS:
