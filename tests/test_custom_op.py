@@ -299,3 +299,25 @@ def test_process_group_crosses_as_its_name(single_process_group):
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
     assert torch.equal(compiled, TOY.eager(ToyFwd(x, group=group, factor=2.0))["y"])
     assert math.isclose(compiled[0].item(), 2.0 * math.exp(x[0].item()), rel_tol=1e-6)
+
+
+def test_compiled_call_guards_hold_no_dataclass_internals():
+    """Tracing the ops reads the argument dataclasses' field names, not
+    ``dataclasses.replace`` (which reads every field's private ``_field_type``
+    and makes Dynamo add a Python identity check per field to the guards run
+    on every call of the compiled function)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    torch._dynamo.reset()
+    layer = te.Linear(32, 32, bias=False, params_dtype=torch.bfloat16)
+    rec = te.recipe.Float8CurrentScaling()
+
+    def f(x):
+        with te.autocast(recipe=rec):
+            return layer(x).float().sum()
+
+    x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+    torch.compile(f, backend="aot_eager", fullgraph=True)(x).backward()
+    (entry,) = _debug_get_cache_entry_list(f.__code__)
+    guards = str(entry.guard_manager)
+    assert "LinearFwdArgs" in guards  # the guards do see the argument class
+    assert "_field_type" not in guards and "__dataclass_fields__" not in guards

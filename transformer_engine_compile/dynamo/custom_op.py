@@ -232,8 +232,11 @@ class ArgPlan:
 
     def to_protos(self, args):
         """``args`` with every tensor field replaced by its TensorProto."""
-        return dataclasses.replace(args, **{
-            n: _proto(getattr(args, n)) for n in self.tensor_fields})
+        # with_fields, not dataclasses.replace: traced, replace reads every
+        # field's private _field_type, and Dynamo then guards that they are one
+        # object, in a Python guard run on every call of the compiled function
+        return arg_views.with_fields(args, **{n: _proto(getattr(args, n))
+                                              for n in self.tensor_fields})
 
 
 def _proto(value):
