@@ -201,3 +201,39 @@ def test_bench_bias_flag_builds_layers_with_a_bias(tmp_path):
                    .modules() if hasattr(layer, "weight"))
         assert all(layer.bias is None for layer in factory(64, 64, 2, "cpu")
                    .modules() if hasattr(layer, "weight"))
+
+
+def test_llama_interleaved_rounds_take_turns(monkeypatch):
+    """--rounds: every candidate is built first, then the rounds time each in
+    turn (the calls of one candidate are spread over the whole run)."""
+    from transformer_engine_compile import bench_llama as bl
+    calls, made = [], []
+    make_step = bl.make_step
+
+    def recording(model, rec, mode, **kw):
+        step = make_step(model, rec, mode, **kw)
+        made.append(mode)
+        name = f"{type(rec).__name__}/{mode}"
+
+        def wrapped(x, target, timings=None):
+            calls.append(name)
+            return step(x, target, timings)
+        return wrapped
+
+    monkeypatch.setattr(bl, "make_step", recording)
+    from transformer_engine_compile import recipe
+    rows = bl.run(bl.TINY_LLAMA, {"fp8_current": recipe.Float8CurrentScaling()},
+                  ["eager", "default"], torch.device("cpu"), with_torchao=False,
+                  only=["torch bf16", "te fp8_current"], steps=1, log=lambda *a: None,
+                  rounds=2)
+    assert [(r["candidate"], r["mode"], r["rounds"]) for r in rows] == [
+        (c, m, 2) for c in ("torch bf16", "te fp8_current") for m in ("eager", "default")]
+    for r in rows:
+        assert "error" not in r and 0 < r["host_ms"] <= r["ms"] and r["loss"] == r["loss"]
+    names = ["NoneType/eager", "NoneType/default", "Float8CurrentScaling/eager",
+             "Float8CurrentScaling/default"]
+    first, rest = calls[:4], calls[4:]
+    assert first == names  # built and compiled (one step each) before any timing
+    one_round = [n for n in names for _ in range(3)]  # 2 warm-up + 1 timed step each
+    assert rest[:24] == one_round * 2
+    assert rest[24:] == names  # the final loss read

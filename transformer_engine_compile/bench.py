@@ -269,6 +269,9 @@ def main(argv=None):
                    help="llama configs: run only these candidates (e.g. 'torch bf16' "
                         "'te fp8_current')")
     p.add_argument("--steps", type=int, default=10, help="llama configs: timed steps")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="llama configs: build every candidate first, then time them in this "
+                        "many rounds that take turns (robust ratios on a drifting host)")
     p.add_argument("--fused", action="store_true",
                    help="llama configs: also the packed-projection model from te.LayerNormLinear "
                         "+ te.LayerNormMLP ('fused') and from separate norms + te.Linear "
@@ -303,7 +306,7 @@ def main(argv=None):
         print("\n" + bench_llama.HEADER)
         llama_rows = bench_llama.run(llama_cfgs, {r: RECIPES[r] for r in args.recipes}, modes,
                                      device, with_torchao, only=args.candidates,
-                                     steps=args.steps, fused=args.fused)
+                                     steps=args.steps, fused=args.fused, rounds=args.rounds)
         print("\n" + bench_llama.HEADER)
         for row in llama_rows:
             print(bench_llama.format_row(row, llama_rows))

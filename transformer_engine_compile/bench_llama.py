@@ -289,9 +289,13 @@ def peak_gib(step, x, target, device):
 
 
 def run(configs, recipes, modes, device, with_torchao, only=None, steps=10, log=print,
-        fused=False):
+        fused=False, rounds=1):
     """One row per (config, candidate, mode); a failing candidate gets an
-    ``error`` entry and the others still run."""
+    ``error`` entry and the others still run.  ``rounds > 1``: interleaved
+    (:func:`run_interleaved`)."""
+    if rounds > 1:
+        return run_interleaved(configs, recipes, modes, device, with_torchao, only, steps, log,
+                               fused, rounds)
     import gc
 
     rows = []
@@ -321,6 +325,72 @@ def run(configs, recipes, modes, device, with_torchao, only=None, steps=10, log=
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+    return rows
+
+
+def run_interleaved(configs, recipes, modes, device, with_torchao, only=None, steps=10,
+                    log=print, fused=False, rounds=5):
+    """:func:`run`'s rows, timed in ``rounds`` rounds that take turns.
+
+    The host's speed drifts over minutes (the H200 machines' host time per
+    step moved by 1.5x between runs of the same candidate), and a host-bound
+    step follows it, so candidates timed one after the other can differ by
+    more than what they are compared for.  Here every candidate is built and
+    compiled first (all stay resident), then each round times ``steps``
+    steps of each in turn; the medians are over all rounds.  Peak memory is
+    each candidate's own: measured at its first step, less what the
+    candidates built before it held."""
+    import gc
+
+    # the candidates' step functions share one code object: keep every entry
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    if hasattr(torch._dynamo.config, "accumulated_cache_size_limit"):
+        torch._dynamo.config.accumulated_cache_size_limit = max(
+            torch._dynamo.config.accumulated_cache_size_limit, 512)
+    rows, live = [], []
+    for cname, cfg in configs.items():
+        x, target = inputs(cfg, device)
+        for label, kind, rec in candidates(recipes, with_torchao, fused):
+            if only and not any(label == o for o in only):
+                continue
+            for mode in modes:
+                row = {"config": cname, "candidate": label, "mode": mode, "rounds": rounds}
+                rows.append(row)
+                try:
+                    base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+                    if device.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats()
+                    step = make_step(build(cfg, kind, device), rec, mode)
+                    t0 = time.perf_counter()
+                    step(x, target)
+                    row["first_step_s"] = time.perf_counter() - t0  # compile included
+                    row["peak_gib"] = peak_gib(step, x, target, device) - base / 2 ** 30
+                    live.append((row, step, x, target))
+                except Exception as e:  # one failing candidate must not hide the others
+                    row["error"] = error_text(e)
+                    log(format_row(row, rows))
+    timings = {id(row): [] for row, *_ in live}
+    for _ in range(rounds):
+        for row, step, x, target in live:
+            try:
+                for _ in range(2):  # warm-up after the other candidates ran
+                    step(x, target)
+                for _ in range(steps):
+                    step(x, target, timings[id(row)])
+            except Exception as e:
+                row["error"] = error_text(e)
+    for row, step, x, target in live:
+        if "error" not in row:
+            t = timings[id(row)]
+            row["ms"] = statistics.median(a for _, a in t) * 1e3
+            row["host_ms"] = statistics.median(h for h, _ in t) * 1e3
+            row["tokens_per_s"] = configs[row["config"]].tokens / row["ms"] * 1e3
+            row["loss"] = step(x, target)
+    for row in rows:
+        if "ms" in row or "error" in row:
+            log(format_row(row, rows))
+    live.clear()
+    gc.collect()
     return rows
 
 
