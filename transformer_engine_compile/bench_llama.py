@@ -299,33 +299,41 @@ def run(configs, recipes, modes, device, with_torchao, only=None, steps=10, log=
     import gc
 
     rows = []
+    for cfg, x, target, kind, rec, row in _entries(configs, recipes, modes, device,
+                                                   with_torchao, only, fused):
+        try:
+            model = build(cfg, kind, device)
+            step = make_step(model, rec, row["mode"])
+            t0 = time.perf_counter()
+            step(x, target)
+            row["first_step_s"] = time.perf_counter() - t0  # compile included
+            row["ms"], row["host_ms"] = time_steps(step, x, target, steps=steps)
+            row["tokens_per_s"] = cfg.tokens / row["ms"] * 1e3
+            row["peak_gib"] = peak_gib(step, x, target, device)
+            row["loss"] = step(x, target)
+        except Exception as e:  # one failing candidate must not hide the others
+            row["error"] = error_text(e)
+        rows.append(row)
+        log(format_row(row, rows))
+        model = step = None
+        torch._dynamo.reset()
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _entries(configs, recipes, modes, device, with_torchao, only, fused):
+    """(config, x, target, model kind, recipe, row) for each timed
+    (config, candidate, mode), in table order."""
     for cname, cfg in configs.items():
         x, target = inputs(cfg, device)
         for label, kind, rec in candidates(recipes, with_torchao, fused):
             if only and not any(label == o for o in only):
                 continue
             for mode in modes:
-                row = {"config": cname, "candidate": label, "mode": mode}
-                try:
-                    model = build(cfg, kind, device)
-                    step = make_step(model, rec, mode)
-                    t0 = time.perf_counter()
-                    step(x, target)
-                    row["first_step_s"] = time.perf_counter() - t0  # compile included
-                    row["ms"], row["host_ms"] = time_steps(step, x, target, steps=steps)
-                    row["tokens_per_s"] = cfg.tokens / row["ms"] * 1e3
-                    row["peak_gib"] = peak_gib(step, x, target, device)
-                    row["loss"] = step(x, target)
-                except Exception as e:  # one failing candidate must not hide the others
-                    row["error"] = error_text(e)
-                rows.append(row)
-                log(format_row(row, rows))
-                model = step = None
-                torch._dynamo.reset()
-                gc.collect()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-    return rows
+                yield cfg, x, target, kind, rec, {"config": cname, "candidate": label,
+                                                  "mode": mode}
 
 
 def run_interleaved(configs, recipes, modes, device, with_torchao, only=None, steps=10,
@@ -348,27 +356,21 @@ def run_interleaved(configs, recipes, modes, device, with_torchao, only=None, st
         torch._dynamo.config.accumulated_cache_size_limit = max(
             torch._dynamo.config.accumulated_cache_size_limit, 512)
     rows, live = [], []
-    for cname, cfg in configs.items():
-        x, target = inputs(cfg, device)
-        for label, kind, rec in candidates(recipes, with_torchao, fused):
-            if only and not any(label == o for o in only):
-                continue
-            for mode in modes:
-                row = {"config": cname, "candidate": label, "mode": mode, "rounds": rounds}
-                rows.append(row)
-                try:
-                    base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-                    if device.type == "cuda":
-                        torch.cuda.reset_peak_memory_stats()
-                    step = make_step(build(cfg, kind, device), rec, mode)
-                    t0 = time.perf_counter()
-                    step(x, target)
-                    row["first_step_s"] = time.perf_counter() - t0  # compile included
-                    row["peak_gib"] = peak_gib(step, x, target, device) - base / 2 ** 30
-                    live.append((row, step, x, target))
-                except Exception as e:  # one failing candidate must not hide the others
-                    row["error"] = error_text(e)
-                    log(format_row(row, rows))
+    for cfg, x, target, kind, rec, row in _entries(configs, recipes, modes, device,
+                                                   with_torchao, only, fused):
+        row["rounds"] = rounds
+        rows.append(row)
+        try:
+            base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+            step = make_step(build(cfg, kind, device), rec, row["mode"])
+            t0 = time.perf_counter()
+            step(x, target)
+            row["first_step_s"] = time.perf_counter() - t0  # compile included
+            row["peak_gib"] = peak_gib(step, x, target, device) - base / 2 ** 30
+            live.append((row, step, x, target))
+        except Exception as e:  # one failing candidate must not hide the others
+            row["error"] = error_text(e)
+            log(format_row(row, rows))
     timings = {id(row): [] for row, *_ in live}
     for _ in range(rounds):
         for row, step, x, target in live:
