@@ -374,6 +374,8 @@ def run_interleaved(configs, recipes, modes, device, with_torchao, only=None, st
     timings = {id(row): [] for row, *_ in live}
     for _ in range(rounds):
         for row, step, x, target in live:
+            if "error" in row:  # failed in an earlier round: no more of its steps
+                continue
             try:
                 for _ in range(2):  # warm-up after the other candidates ran
                     step(x, target)
