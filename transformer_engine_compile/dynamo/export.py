@@ -139,6 +139,18 @@ def _inline_left(ep) -> list[str]:
     return left
 
 
+def _require_saveable() -> None:
+    """Raise ``NotImplementedError`` on a torch that cannot keep value-opaque
+    constants in a saved program (before 2.13)."""
+    if not compat.export_keeps_opaque_constants():
+        raise NotImplementedError(
+            f"te: torch {torch.__version__} cannot save the te layers' value-opaque "
+            "arguments (its torch.export archive refuses them; torch.export.save of a plain "
+            "torch.export.export program fails at save time): a saveable program needs "
+            "torch >= 2.13. The program of torch.export.export runs in this process; to "
+            "move a model elsewhere, save its state_dict and export it there")
+
+
 def lift_value_opaque(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """Lift the inline value-opaque arguments of ``ep`` (in place) into
     custom-object inputs with their values in ``ep.constants``, so that
@@ -149,13 +161,7 @@ def lift_value_opaque(ep: torch.export.ExportedProgram) -> torch.export.Exported
     when one sits inside a higher-order op
     other than the ``torch.no_grad()`` / ``torch.autocast`` wrappers
     (``torch.cond``, ...): saving that program would lose it."""
-    if not compat.export_keeps_opaque_constants():
-        raise NotImplementedError(
-            f"te: torch {torch.__version__} cannot save the te layers' value-opaque "
-            "arguments (its torch.export archive refuses them; torch.export.save of a plain "
-            "torch.export.export program fails at save time): a saveable program needs "
-            "torch >= 2.13. The program of torch.export.export runs in this process; to "
-            "move a model elsewhere, save its state_dict and export it there")
+    _require_saveable()
     gm = ep.graph_module
     specs = ep.graph_signature.input_specs
     nodes = list(gm.graph.nodes)
@@ -201,8 +207,7 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     """``torch.export.export(module, args, kwargs, **export_kwargs)`` whose
     program ``torch.export.save`` can store and ``torch.export.load`` run:
     the te layers' value-opaque arguments are lifted (:func:`lift_value_opaque`)."""
-    if not compat.export_keeps_opaque_constants():
-        lift_value_opaque(None)  # raises, naming the limit
+    _require_saveable()
     with _lifting():
         ep = torch.export.export(module, args, kwargs, **export_kwargs)
     return lift_value_opaque(ep)

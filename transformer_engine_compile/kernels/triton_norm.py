@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from . import reference as ref
-from .triton_bias import col_sums
 from . import triton_launch
+from .triton_bias import col_sums
 from .triton_launch import Launcher, cdiv, int_key, ptr_key
 from .triton_quant import _MAX_GIVEN_PARTS, _absent
 
