@@ -293,3 +293,26 @@ def test_mxfp8_outputs_other_than_bf16_keep_the_ops(dtype, lowered):
                                      grad_output_quantizer=q, weight_requires_grad=True,
                                      weight_dtype=dtype)
     assert linear_ops._lowers_backward(wgrad) is lowered
+
+
+@pytest.mark.parametrize("module, options", LN_CASES)
+def test_cuda_lowering_norm_hands_both_amaxes_to_one_cast(module, options):
+    """FP8 current scaling, weight quantized by the call: the norm kernel also
+    writes the weight's partial maxima (``side``), and one pair-cast launch
+    quantizes the norm's output and the weight, where a separate weight
+    quantize would take an amax launch and a cast launch of its own."""
+    pytest.importorskip("triton")
+    from cuda_trace import lowered_cuda_traces
+    layer, x = _meta_module(module, options)
+    (op, _, gm), _ = lowered_cuda_traces(layer, x, RECIPES["fp8_current"]())
+    assert op.name().endswith("_fwd")
+    kernels_run = [set(n.kwargs["kwargs"]) for n in gm.graph.nodes
+                   if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
+    norm, cast = kernels_run[:2]
+    assert {"x_ptr", "s_ptr", "amax_ptr"} <= norm
+    assert {"a_ptr", "b_ptr", "part_ptr", "a_data", "b_data"} <= cast
+    first_gemm = next(i for i, n in enumerate(gm.graph.nodes)
+                      if n.target is torch.ops.aten._scaled_mm.default)
+    launches_before = [n for n in list(gm.graph.nodes)[:first_gemm]
+                       if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
+    assert len(launches_before) == 2

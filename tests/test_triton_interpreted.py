@@ -5,7 +5,9 @@ checks run in a fresh process (``_CHECKS``).  Covered: the bias kernels
 (kernels/triton_bias.py: the add equals torch's ``out.add_(bias)`` bit for
 bit in fp32 and fp16, and in bf16 up to the interpreter's conversion to bf16,
 which truncates where the GPU rounds to nearest; the column sums equal an fp64 sum within fp32 summation error and are
-deterministic) and the norm backward's partial sums, which moved there.
+deterministic), the norm backward's partial sums, which moved there, and
+the norm forward's partial maxima of y and of the weight it reads beside
+(``side``), exact.
 The quantize kernels' FP8 casts differ from the GPU's in the interpreter,
 so their numerics are left to tests/gpu.  Needs Triton.
 """
@@ -62,6 +64,19 @@ with mock.patch.object(triton_launch, "sm_count", lambda device: 4):
         want = ref.norm_backward(dy, x, mean, rstd, w, False, True, True, True)
         for a, b in zip(got[1:], want[1:]):  # dgamma, dbeta
             assert torch.allclose(a, b, rtol=1e-4, atol=1e-3 * (b.abs().max().item() + 1)), (m, n)
+    # the forward's partial maxima, of y and of a side matrix (the weight) in the same launch
+    for m, n, side_shape in ((7, 200, (96, 200)), (300, 257, (257, 1000)), (64, 128, (1, 1))):
+        x = (torch.randn(m, n, generator=g) * 3).to(torch.bfloat16)
+        w = torch.randn(n, generator=g)
+        side = (torch.randn(*side_shape, generator=g) * 5).to(torch.bfloat16)
+        side[-1, -1] = 40.0  # the largest |value| in the last tile
+        for rms in (False, True):
+            y, mean, rstd, parts = tn.norm_forward(x, w, None, 1e-5, rms, True)
+            y2, mean2, rstd2, parts2, n_y = tn.norm_forward(x, w, None, 1e-5, rms, True, side)
+            assert torch.equal(y2, y) and torch.equal(rstd2, rstd) and n_y == parts.numel()
+            assert torch.equal(parts2[:n_y], parts)
+            assert parts2[:n_y].max() == y.float().abs().max(), (m, n, rms)
+            assert parts2[n_y:].max() == side.float().abs().max(), (m, n, side_shape)
 print("ok")
 '''
 

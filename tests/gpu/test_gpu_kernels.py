@@ -106,6 +106,36 @@ def test_fast_quantize_pair_equals_two_reference_quantizes(shapes, fmt, pow2, ep
                 assert f[k].shape == s_[k].shape and _same_bits(f[k], s_[k]), (k, a_usage, b_usage)
 
 
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("shapes", [((384, 640), (640, 640)), ((4097, 2048), (2048, 2048)),
+                                    ((3, 200), (5632, 200))], ids=str)
+def test_norm_side_amax_then_pair_cast_equals_two_quantizes(shapes, rms):
+    """The norm kernel with ``side=W`` (W's partial maxima after y's, same
+    launch) and the pair cast from those partials: y, mean, rstd as without
+    ``side``, and both quantized tensors bit for bit as two reference
+    quantizes of y and W, the weight holding NaN / Inf in a second run."""
+    from transformer_engine_compile.kernels import triton_norm as tn, triton_quant as tq
+    (m, k), wshape = shapes
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
+    gamma = torch.randn(k, device="cuda")
+    for special in (False, True):
+        w = torch.randn(wshape, device="cuda", dtype=torch.bfloat16) * 7
+        if special:
+            w[0, 1], w[-1, -1] = float("inf"), float("nan")
+        y, mean, rstd = tn.norm_forward(x, gamma, None, 1e-5, rms)
+        y2, mean2, rstd2, parts, n_y = tn.norm_forward(x, gamma, None, 1e-5, rms, True, w)
+        assert _same_bits(y2, y) and _same_bits(rstd2, rstd)
+        for usage in [((True, True), (True, True)), ((True, False), (True, True))]:
+            fast = tq.quantize_fp8_current_pair_from_parts(y2, w, parts, n_y, "e4m3", False,
+                                                           0.0, *usage)
+            slow = ref.quantize_fp8_current_pair(y, w, "e4m3", False, 0.0, *usage)
+            for f, s_ in zip(fast, slow):
+                assert sorted(f) == sorted(s_)
+                for key in f:
+                    assert f[key].shape == s_[key].shape and _same_bits(f[key], s_[key]), \
+                        (key, usage, special)
+
+
 def test_fast_amax_and_delayed_scaling_equal_reference():
     x = _special((256, 512), torch.bfloat16)
     assert torch.isnan(kernels.get("amax", x)(x))

@@ -23,6 +23,7 @@ OPS = (
     "quantize_fp8_tensorwise",
     "quantize_fp8_current",
     "quantize_fp8_current_pair",
+    "quantize_fp8_current_pair_from_parts",
     "quantize_mxfp8",
     "quantize_fp8_blockwise",
     "quantize_nvfp4",

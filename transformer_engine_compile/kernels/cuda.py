@@ -25,7 +25,7 @@ def register() -> None:
         return
     from . import triton_quant as tq
     for name in ("amax", "quantize_fp8_tensorwise", "quantize_fp8_current",
-                 "quantize_fp8_current_pair",
+                 "quantize_fp8_current_pair", "quantize_fp8_current_pair_from_parts",
                  "quantize_fp8_blockwise", "quantize_mxfp8", "dequantize_mxfp8",
                  "delayed_scaling_step", "transpose_bytes"):
         register_fast(name, "cuda", getattr(tq, name))

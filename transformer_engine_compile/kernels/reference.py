@@ -119,6 +119,16 @@ def quantize_fp8_current_pair(a2d, b2d, fmt, pow2, eps, a_usage, b_usage) -> tup
             quantize_fp8_current(b2d, fmt, pow2, eps, *b_usage))
 
 
+def quantize_fp8_current_pair_from_parts(a2d, b2d, parts, n_a, fmt, pow2, eps, a_usage,
+                                         b_usage) -> tuple:
+    """:func:`quantize_fp8_current_pair` with the amaxes given: ``parts`` holds
+    1-D fp32 partial maxima, a's first ``n_a``, then b's (a normalisation that
+    also read the weight: ``norm_forward(..., side=)``).  Fast kernels run the
+    cast pass alone, one launch for both."""
+    return (quantize_fp8_current(a2d, fmt, pow2, eps, *a_usage, parts[:n_a]),
+            quantize_fp8_current(b2d, fmt, pow2, eps, *b_usage, parts[n_a:]))
+
+
 def dequantize_fp8_tensorwise(data, scale_inv) -> torch.Tensor:
     return data.float() * scale_inv.float()
 
@@ -389,7 +399,8 @@ def dequantize_nvfp4(packed, scale_q, amax_) -> torch.Tensor:
 
 
 # -- normalisation (LayerNormLinear, LayerNormMLP) ---------------------------------
-def norm_forward(x2d, weight, bias, eps: float, rms: bool, with_amax: bool = False) -> tuple:
+def norm_forward(x2d, weight, bias, eps: float, rms: bool, with_amax: bool = False,
+                 side=None) -> tuple:
     """``(y, mean, rstd)`` of LayerNorm (``rms`` False) or RMSNorm over the
     rows of an (M, K) view: computed in fp32 (x, weight and bias upcast) and
     rounded once to x's dtype.  ``mean`` (None for RMSNorm) and ``rstd`` are
@@ -397,7 +408,12 @@ def norm_forward(x2d, weight, bias, eps: float, rms: bool, with_amax: bool = Fal
 
     ``with_amax``: a fourth element, a 1-D fp32 tensor of partial maxima of
     ``|y|`` whose max is ``amax(y)`` (one element here; a fast kernel returns
-    one per program), for ``quantize_fp8_current(..., amax=...)``."""
+    one per program), for ``quantize_fp8_current(..., amax=...)``.
+    ``side`` (needs ``with_amax``): another tensor, the layer's weight; the
+    partial maxima of ``|side|`` follow y's and a fifth element gives the
+    count of y's, for :func:`quantize_fp8_current_pair_from_parts`."""
+    if side is not None and not with_amax:
+        raise ValueError("norm_forward: side needs with_amax")
     xf, wf = x2d.float(), weight.float()
     if rms:
         rstd = torch.rsqrt(xf.square().mean(-1) + eps)
@@ -406,6 +422,8 @@ def norm_forward(x2d, weight, bias, eps: float, rms: bool, with_amax: bool = Fal
         y, mean, rstd = torch.native_layer_norm(xf, [x2d.shape[-1]], wf,
                                                 None if bias is None else bias.float(), eps)
         out = y.to(x2d.dtype), mean.reshape(-1), rstd.reshape(-1)
+    if side is not None:
+        return (*out, torch.stack([amax(out[0]), amax(side)]), 1)
     return (*out, amax(out[0]).reshape(1)) if with_amax else out
 
 

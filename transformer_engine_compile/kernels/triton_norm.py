@@ -13,7 +13,10 @@ differences).  Every row is held whole in registers (hidden sizes up to
   multiprocessor that stride over the rows: FP8
   current scaling then quantizes ``y`` with that amax
   (``quantize_fp8_current(..., amax=parts)``), skipping its own amax pass
-  over ``y`` and needing no zero-filled slot.
+  over ``y`` and needing no zero-filled slot.  ``side=W`` adds programs that
+  write the partial maxima of the layer's weight after y's (the same launch),
+  so x and W are then cast together in one launch
+  (``quantize_fp8_current_pair_from_parts``).
 * Backward, two launches: dx per row (in the input's dtype), and per
   program the partial sums of dgamma / dbeta over the rows it strides
   over; then one small kernel sums the partials per column (fixed order:
@@ -33,7 +36,7 @@ from . import reference as ref
 from . import triton_launch
 from .triton_bias import col_sums
 from .triton_launch import Launcher, cdiv, int_key, ptr_key
-from .triton_quant import _MAX_GIVEN_PARTS, _absent
+from .triton_quant import _MAX_GIVEN_PARTS, _absent, _amax_partials, _n_amax_parts
 
 MAX_K = 16384  # widest row held in registers
 # Programs per multiprocessor of the grids that stride over the rows: the
@@ -47,12 +50,32 @@ BWD_PROGRAMS_PER_SM = 2
 
 
 @triton.jit
-def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, M, K, eps, G,
-                     RMS: tl.constexpr, HAS_BIAS: tl.constexpr, AMAX: tl.constexpr,
-                     BM: tl.constexpr, BK: tl.constexpr):
-    """Program p normalises row blocks p, p + G, ...; with AMAX it writes the
-    max |y| bits of those rows to amax_ptr[p]."""
+def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, s_ptr, M, K, eps,
+                     G, Ms, Ks, Ps, RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     AMAX: tl.constexpr, SIDE: tl.constexpr, BM: tl.constexpr,
+                     BK: tl.constexpr, SBM: tl.constexpr, SBK: tl.constexpr):
+    """Programs [0, G) normalise the rows (:func:`_norm_fwd_rows`).  SIDE:
+    programs [G, G + Ps) write the partial maxima of |s| (Ms, Ks), another
+    matrix the caller quantizes with y (the layer's weight), to
+    amax_ptr[G:G + Ps], so one cast launch can then quantize both."""
     pid = tl.program_id(0)
+    if SIDE:
+        if pid < G:
+            _norm_fwd_rows(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, M, K, eps,
+                           G, pid, RMS, HAS_BIAS, AMAX, BM, BK)
+        else:
+            _amax_partials(s_ptr, Ms, Ks, amax_ptr + G, pid - G, Ps, SBM, SBK)
+    else:
+        _norm_fwd_rows(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, M, K, eps, G,
+                       pid, RMS, HAS_BIAS, AMAX, BM, BK)
+
+
+@triton.jit
+def _norm_fwd_rows(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, M, K, eps, G, pid,
+                   RMS: tl.constexpr, HAS_BIAS: tl.constexpr, AMAX: tl.constexpr,
+                   BM: tl.constexpr, BK: tl.constexpr):
+    """Program pid normalises row blocks pid, pid + G, ...; with AMAX it writes
+    the max |y| bits of those rows to amax_ptr[pid]."""
     rk = tl.arange(0, BK)
     col_ok = rk < K
     w = tl.load(w_ptr + rk, mask=col_ok, other=0.0).to(tl.float32)
@@ -177,11 +200,15 @@ def _matrix(t):
     return t if t.is_contiguous() else t.contiguous()
 
 
-def norm_forward(x2d, weight, bias, eps: float, rms: bool, with_amax: bool = False) -> tuple:
+def norm_forward(x2d, weight, bias, eps: float, rms: bool, with_amax: bool = False,
+                 side=None) -> tuple:
+    if side is not None and not with_amax:
+        raise ValueError("norm_forward: side needs with_amax")
     m, k = x2d.shape
     if m == 0 or k > MAX_K or not weight.is_contiguous() or (
-            bias is not None and not bias.is_contiguous()):
-        return ref.norm_forward(x2d, weight, bias, eps, rms, with_amax)
+            bias is not None and not bias.is_contiguous()) or (side is not None and (
+            side.dim() != 2 or side.numel() == 0)):
+        return ref.norm_forward(x2d, weight, bias, eps, rms, with_amax, side)
     x2d = _matrix(x2d)
     dev = x2d.device
     bm, bk, warps = _blocks(k)
@@ -192,19 +219,32 @@ def norm_forward(x2d, weight, bias, eps: float, rms: bool, with_amax: bool = Fal
     # two allocations, not views of one: an op may not return aliases of each other
     rstd = torch.empty((m,), dtype=torch.float32, device=dev)
     mean = None if rms else torch.empty((m,), dtype=torch.float32, device=dev)
-    # absent outputs (never written: RMS / AMAX are constexpr) point at rstd
-    parts = torch.empty((grid,), dtype=torch.int32, device=dev) if with_amax else _absent(rstd)
+    ms, ks = (0, 0) if side is None else side.shape
+    n_side = 0 if side is None else _n_amax_parts(ms, ks)
+    # absent outputs (never written: RMS / AMAX / SIDE are constexpr) point at rstd
+    parts = (torch.empty((grid + n_side,), dtype=torch.int32, device=dev) if with_amax
+             else _absent(rstd))
     has_bias = bias is not None and not rms
     b = bias if has_bias else weight
-    key = (x2d.dtype, weight.dtype, b.dtype, ptr_key(x2d), ptr_key(weight), ptr_key(b),
-           ptr_key(rstd), int_key(m), int_key(k), int_key(grid), bool(rms), has_bias,
-           bool(with_amax), bm, bk)
+    s = _absent(rstd) if side is None else _matrix(side)
+    key = (x2d.dtype, weight.dtype, b.dtype, s.dtype, ptr_key(x2d), ptr_key(weight), ptr_key(b),
+           ptr_key(rstd), ptr_key(s), int_key(m), int_key(k), int_key(grid), int_key(ms),
+           int_key(ks), int_key(n_side), bool(rms), has_bias, bool(with_amax), side is not None,
+           bm, bk)
     mean_arg = _absent(rstd) if mean is None else mean
-    _fwd.get(warps)((grid,), key, x2d, weight, b, y, mean_arg, rstd, parts, m, k, float(eps),
-                    grid, bool(rms), has_bias, bool(with_amax), bm, bk)
+    _fwd.get(warps)((grid + n_side,), key, x2d, weight, b, y, mean_arg, rstd, parts, s, m, k,
+                    float(eps), grid, ms, ks, n_side, bool(rms), has_bias, bool(with_amax),
+                    side is not None, bm, bk, _SIDE_BM, _SIDE_BK)
+    if side is not None:
+        return y, mean, rstd, parts.view(torch.float32), grid
     if with_amax:
         return y, mean, rstd, parts.view(torch.float32)
     return y, mean, rstd
+
+
+# tile of the side matrix's amax programs: as many elements as a norm block
+# (register use); the count of partials follows triton_quant's amax pass
+_SIDE_BM, _SIDE_BK = 16, 256
 
 
 def norm_backward(dy2d, x2d, mean, rstd, weight, rms: bool, need_dx: bool,

@@ -408,20 +408,50 @@ def quantize_fp8_current_pair(a2d, b2d, fmt, pow2, eps, a_usage, b_usage) -> tup
                 quantize_fp8_current(b2d, fmt, pow2, eps, *b_usage))
     a2d, b2d = _matrix(a2d), _matrix(b2d)
     (ma, ka), (mb, kb) = a2d.shape, b2d.shape
-    dt, dev = ref.FP8_DTYPE[fmt], a2d.device
-    out_a = _fp8_outputs(dev, dt, ma, ka, *a_usage)
-    out_b = _fp8_outputs(dev, dt, mb, kb, *b_usage)
     pa, pb = _n_amax_parts(ma, ka), _n_amax_parts(mb, kb)
-    parts = torch.empty(pa + pb, dtype=torch.int32, device=dev)
+    parts = torch.empty(pa + pb, dtype=torch.int32, device=a2d.device)
     key = (_x_key(a2d, ma, ka), _x_key(b2d, mb, kb), int_key(pa), int_key(pb))
     _amax_partials_pair_launch((pa + pb,), key, a2d, ma, ka, b2d, mb, kb, parts, pa, pb,
                                _AMAX_BM, _AMAX_BK)
+    return _fp8_current_pair_cast(a2d, b2d, parts, pa, pb, fmt, pow2, eps, a_usage, b_usage, key,
+                                  _MAX_PARTS)
+
+
+def quantize_fp8_current_pair_from_parts(a2d, b2d, parts, n_a, fmt, pow2, eps, a_usage,
+                                         b_usage) -> tuple:
+    """reference.quantize_fp8_current_pair_from_parts: the cast pass of
+    :func:`quantize_fp8_current_pair` alone, one launch for both matrices
+    (the partial maxima came from the normalisation that produced a2d)."""
+    n_b = parts.shape[0] - n_a
+    if (a2d.numel() == 0 or b2d.numel() == 0 or parts.dim() != 1 or not parts.is_contiguous()
+            or parts.dtype != torch.float32 or max(n_a, n_b) > _MAX_GIVEN_PARTS
+            or min(n_a, n_b) < 1):
+        return ref.quantize_fp8_current_pair_from_parts(a2d, b2d, parts, n_a, fmt, pow2, eps,
+                                                        a_usage, b_usage)
+    a2d, b2d = _matrix(a2d), _matrix(b2d)
+    (ma, ka), (mb, kb) = a2d.shape, b2d.shape
+    parts = parts.view(torch.int32)
+    key = (_x_key(a2d, ma, ka), _x_key(b2d, mb, kb), int_key(n_a), int_key(n_b),
+           ptr_key(parts), _MAX_GIVEN_PARTS)
+    return _fp8_current_pair_cast(a2d, b2d, parts, n_a, n_b, fmt, pow2, eps, a_usage, b_usage,
+                                  key, _MAX_GIVEN_PARTS)
+
+
+def _fp8_current_pair_cast(a2d, b2d, parts, pa, pb, fmt, pow2, eps, a_usage, b_usage, key,
+                           n_load) -> tuple:
+    """The one cast launch of a pair: a's scale from the int32 bits of
+    parts[:pa], b's from the pb after them (``n_load``: a power of two >= both;
+    a constant, so a symbolic token count needs no guard on it)."""
+    (ma, ka), (mb, kb) = a2d.shape, b2d.shape
+    dt, dev = ref.FP8_DTYPE[fmt], a2d.device
+    out_a = _fp8_outputs(dev, dt, ma, ka, *a_usage)
+    out_b = _fp8_outputs(dev, dt, mb, kb, *b_usage)
     flags = (fmt, float(eps), bool(pow2), bool(a_usage[0]), bool(a_usage[1]),
              bool(b_usage[0]), bool(b_usage[1]))
     tiles = cdiv(ma, _TW_BM) * cdiv(ka, _TW_BK) + cdiv(mb, _TW_BM) * cdiv(kb, _TW_BK)
     _fp8_current_pair_launch((tiles,), (key, flags), a2d, ma, ka, b2d, mb, kb, parts, pa, pb,
                              *_fp8_copy_args(out_a), *_fp8_copy_args(out_b), ref.FP8_MAX[fmt],
-                             *flags[1:], _TL_FP8[fmt], _TW_BM, _TW_BK, _MAX_PARTS)
+                             *flags[1:], _TL_FP8[fmt], _TW_BM, _TW_BK, n_load)
     return out_a, out_b
 
 

@@ -27,7 +27,8 @@ from ..dynamo.custom_op import OpResult, register_custom_op
 from . import norm_ops as N
 from ..quantization.float8 import Float8CurrentScalingQuantizer
 from .linear_ops import (LINEAR_OPS, LinearBwdArgs, LinearFwdArgs, _input_quantizer,
-                         _lowers_backward, _lowers_forward, _tp, linear_backward,
+                         _lowers_backward, _lowers_forward, _paired_weight_quantizer, _tp,
+                         linear_backward,
                          linear_backward_fake, linear_forward, linear_forward_fake,
                          linear_setup_context)
 
@@ -68,7 +69,7 @@ def _finish_forward(args, linear: OpResult, ln_out, mean, rstd) -> OpResult:
     return OpResult(outputs, saved)
 
 
-def _amax_fused_quantizer(args: LayerNormLinearFwdArgs):
+def _amax_fused_quantizer(args):
     """The input quantizer when the norm's kernel can hand it the amax of
     its output: FP8 current scaling without a gather of the input (under
     sequence parallelism the amax is reduced over the group first).  Delayed
@@ -81,16 +82,32 @@ def _amax_fused_quantizer(args: LayerNormLinearFwdArgs):
     return None if (mode == "column" and sp) else q
 
 
-def layernorm_linear_forward(args: LayerNormLinearFwdArgs) -> OpResult:
-    q = _amax_fused_quantizer(args)
-    norm = N.norm_forward(args.inp, args.ln_weight, args.ln_bias, args.eps,
-                          args.normalization, args.zero_centered_gamma, q is not None)
-    ln_out, mean, rstd = norm[:3]
+def norm_linear_forward(args, linear_args) -> tuple:
+    """``(linear OpResult, (ln_out, mean, rstd))``: the norm of ``args.inp``
+    (``args`` has the norm's fields), then ``linear_forward`` of
+    ``linear_args`` (``inp`` on the norm's device) on ``ln_out``.  Under FP8
+    current scaling the norm's kernel also produces the amax of its output
+    and, when this call quantizes the weight, the weight's; one cast launch
+    then quantizes both (the same bytes as quantizing them separately)."""
+    q = _amax_fused_quantizer(linear_args)
+    wq = None if q is None else _paired_weight_quantizer(linear_args, q)
+    norm = N.norm_forward(args.inp, args.ln_weight, args.ln_bias, args.eps, args.normalization,
+                          args.zero_centered_gamma, q is not None,
+                          None if wq is None else linear_args.weight)
+    ln_out = norm[0]
+    linear_args = with_fields(linear_args, inp=ln_out)
     if q is None:
-        linear = linear_forward(with_fields(args, inp=ln_out))
-    else:  # the same bytes as q quantizing ln_out itself, without its amax pass
-        xq = q.quantize_with_amax(ln_out, norm[3], checked=False)
-        linear = linear_forward(with_fields(args, inp=ln_out), xq)
+        linear = linear_forward(linear_args)
+    elif wq is None:  # the same bytes as q quantizing ln_out itself, without its amax pass
+        linear = linear_forward(linear_args, q.quantize_with_amax(ln_out, norm[3], checked=False))
+    else:
+        linear = linear_forward(linear_args, *q.quantize_pair_with_amax(
+            ln_out, wq, linear_args.weight, norm[3], norm[4]))
+    return linear, norm[:3]
+
+
+def layernorm_linear_forward(args: LayerNormLinearFwdArgs) -> OpResult:
+    linear, (ln_out, mean, rstd) = norm_linear_forward(args, args)
     return _finish_forward(args, linear, ln_out, mean, rstd)
 
 

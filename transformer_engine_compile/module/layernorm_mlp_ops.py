@@ -39,7 +39,7 @@ from ..dynamo.custom_op import OpResult, prefixed, register_custom_op
 from ..dynamo.tensor_proto import TensorProto
 from ..kernels.reference import ACTIVATIONS
 from . import norm_ops as N
-from .layernorm_linear_ops import _amax_fused_quantizer
+from .layernorm_linear_ops import norm_linear_forward
 from .linear_ops import (LINEAR_OPS, LinearBwdArgs, LinearFwdArgs, _lowers_backward,
                          _lowers_forward, linear_backward, linear_backward_fake, linear_forward,
                          linear_forward_fake, linear_setup_context)
@@ -137,14 +137,8 @@ def _finish_forward(args, ln_out, mean, rstd, fc1: OpResult, fc2: OpResult) -> O
 
 
 def layernorm_mlp_forward(args) -> OpResult:
-    fc1_args = args.gemm("fc1_", None)
-    q = _amax_fused_quantizer(fc1_args)  # as LayerNormLinear: the norm kernel's amax
-    norm = N.norm_forward(args.inp, args.ln_weight, args.ln_bias, args.eps,
-                          args.normalization, args.zero_centered_gamma, q is not None)
-    ln_out, mean, rstd = norm[:3]
-    fc1_args.inp = ln_out
-    xq = None if q is None else q.quantize_with_amax(ln_out, norm[3], checked=False)
-    fc1 = linear_forward(fc1_args, xq)
+    # as LayerNormLinear: the norm kernel's amaxes for fc1's input and weight
+    fc1, (ln_out, mean, rstd) = norm_linear_forward(args, args.gemm("fc1_", args.inp))
     act = activation_forward(fc1.outputs["out"], args.activation)
     fc2 = linear_forward(args.gemm("fc2_", act))
     return _finish_forward(args, ln_out, mean, rstd, fc1, fc2)

@@ -254,11 +254,13 @@ def _input_quantizer(args: LinearFwdArgs):
     return q.usage_variant(**_input_usage(args))
 
 
-def linear_forward(args: LinearFwdArgs, xq=None) -> OpResult:
+def linear_forward(args: LinearFwdArgs, xq=None, wq=None) -> OpResult:
     """``xq``: ``args.inp`` already quantized by the caller with
     ``_input_quantizer(args)`` (LayerNormLinear quantizes the norm's output
     with the amax its kernel produced); only without a gather of the input
-    and without delayed scaling, where nothing else reads x's amax."""
+    and without delayed scaling, where nothing else reads x's amax.  ``wq``
+    (with ``xq``): ``args.weight`` quantized by the caller with the quantizer
+    :func:`_paired_weight_quantizer` returns (cast in the same launch as x)."""
     check_forward_op_in_backward(args)
     x = args.inp
     mode, sp = _tp(args)
@@ -267,8 +269,12 @@ def linear_forward(args: LinearFwdArgs, xq=None) -> OpResult:
     if xq is not None and ((mode == "column" and sp) or amaxes is not None):
         raise ValueError("linear_forward: a pre-quantized input needs no gather and no "
                          "delayed scaling")
+    if wq is not None and xq is None:
+        raise ValueError("linear_forward: a pre-quantized weight comes with the input's")
     pair = None if xq is not None or (mode == "column" and sp) else _paired_weight_quantizer(args, q)
-    if pair is not None:
+    if wq is not None:
+        x_total, w, workspace = x, wq, (wq if args.cache_weight else None)
+    elif pair is not None:
         xq, w = q.quantize_pair_unchecked(x, pair, args.weight)
         x_total, workspace = x, (w if args.cache_weight else None)
     else:

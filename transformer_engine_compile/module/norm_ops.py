@@ -31,16 +31,19 @@ def _gamma(weight, zero_centered_gamma: bool):
 
 
 def norm_forward(x, weight, bias, eps: float, normalization: str,
-                 zero_centered_gamma: bool, with_amax: bool = False) -> tuple:
+                 zero_centered_gamma: bool, with_amax: bool = False, side=None) -> tuple:
     """``(y, mean, rstd)``: y shaped like x; mean (None for RMSNorm) and rstd (rows,) fp32.
     ``with_amax``: also the partial maxima of ``|y|`` (1-D fp32; their max is
     amax(y)), which FP8 current scaling quantizes y with
     (``Float8CurrentScalingQuantizer.quantize_with_amax``): on CUDA the
-    norm kernel produces them, so quantizing y skips its amax pass."""
+    norm kernel produces them, so quantizing y skips its amax pass.
+    ``side``: the weight quantized with y; its partial maxima follow y's in
+    the same tensor and a fifth element counts y's
+    (``Float8CurrentScalingQuantizer.quantize_pair_with_amax``)."""
     x2d = x.reshape(-1, x.shape[-1])
     out = kernels.get("norm_forward", x2d)(
         x2d, _gamma(weight, zero_centered_gamma), bias, eps, normalization == "RMSNorm",
-        with_amax)
+        with_amax, side)
     return (out[0].view(x.shape), *out[1:])
 
 

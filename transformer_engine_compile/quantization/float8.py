@@ -168,6 +168,21 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
         return (self._from_buffers(x.shape, x.dtype, bx),
                 other._from_buffers(w.shape, w.dtype, bw))
 
+    def quantize_pair_with_amax(self, x: torch.Tensor, other, w: torch.Tensor,
+                                parts: torch.Tensor, n_x: int) -> tuple:
+        """:meth:`quantize_pair_unchecked` with both amaxes given as partial
+        maxima, x's the first ``n_x`` of ``parts`` (1-D fp32), then W's: the
+        normalisation of ``te.LayerNormLinear`` / ``te.LayerNormMLP`` computes
+        them in its own launch (``norm_forward(..., side=W)``), so x and W take
+        one more launch, the cast.  The same bytes as quantizing each alone."""
+        x2d, w2d = rows_2d(x), rows_2d(w)
+        bx, bw = kernels.get("quantize_fp8_current_pair_from_parts", x2d)(
+            x2d, w2d, parts, n_x, self.fp8_format, self.force_pow_2_scales, self.amax_epsilon,
+            (self.rowwise_usage, self.columnwise_usage),
+            (other.rowwise_usage, other.columnwise_usage))
+        return (self._from_buffers(x.shape, x.dtype, bx),
+                other._from_buffers(w.shape, w.dtype, bw))
+
     def quantize_with_amax(self, x: torch.Tensor, amax: torch.Tensor, checked: bool = True):
         """Quantize ``x`` with the scale of a given amax instead of its own.
 
