@@ -160,13 +160,7 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
         quantizer ``other`` that :meth:`pairs_with` this one, the same
         buffers made in one amax and one cast launch on the GPU (a layer's
         input and weight: two launches and their host time saved)."""
-        x2d, w2d = rows_2d(x), rows_2d(w)
-        bx, bw = kernels.get("quantize_fp8_current_pair", x2d)(
-            x2d, w2d, self.fp8_format, self.force_pow_2_scales, self.amax_epsilon,
-            (self.rowwise_usage, self.columnwise_usage),
-            (other.rowwise_usage, other.columnwise_usage))
-        return (self._from_buffers(x.shape, x.dtype, bx),
-                other._from_buffers(w.shape, w.dtype, bw))
+        return self._pair(other, x, w, "quantize_fp8_current_pair")
 
     def quantize_pair_with_amax(self, x: torch.Tensor, other, w: torch.Tensor,
                                 parts: torch.Tensor, n_x: int) -> tuple:
@@ -175,9 +169,13 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
         normalisation of ``te.LayerNormLinear`` / ``te.LayerNormMLP`` computes
         them in its own launch (``norm_forward(..., side=W)``), so x and W take
         one more launch, the cast.  The same bytes as quantizing each alone."""
+        return self._pair(other, x, w, "quantize_fp8_current_pair_from_parts", parts, n_x)
+
+    def _pair(self, other, x, w, kernel: str, *amaxes) -> tuple:
+        """The quantized x and W of one pair kernel (``amaxes``: given partial maxima)."""
         x2d, w2d = rows_2d(x), rows_2d(w)
-        bx, bw = kernels.get("quantize_fp8_current_pair_from_parts", x2d)(
-            x2d, w2d, parts, n_x, self.fp8_format, self.force_pow_2_scales, self.amax_epsilon,
+        bx, bw = kernels.get(kernel, x2d)(
+            x2d, w2d, *amaxes, self.fp8_format, self.force_pow_2_scales, self.amax_epsilon,
             (self.rowwise_usage, self.columnwise_usage),
             (other.rowwise_usage, other.columnwise_usage))
         return (self._from_buffers(x.shape, x.dtype, bx),
