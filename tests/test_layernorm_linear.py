@@ -2,9 +2,11 @@
 followed by te.Linear, fakes mirror the real layout, opcheck, TP/SP (gloo),
 and the training patterns te.Linear supports."""
 
+import contextlib
 import copy
 import io
 import itertools
+from unittest import mock
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import transformer_engine_compile as te
-from transformer_engine_compile import recipe
+from transformer_engine_compile import kernels, recipe
 from transformer_engine_compile.module import layernorm_linear_ops as LN
 
 from test_linear import RECIPES, _reset
@@ -108,6 +110,113 @@ def test_delayed_scaling_compiled_equals_eager_with_state():
     compare_compiled(layer, recipe.DelayedScaling(amax_history_len=4),
                      torch.randn(128, 128, dtype=torch.bfloat16))
     assert layer.fp8_amax_history_fwd.shape == (4, 2) and layer.fp8_scale_bwd.shape == (2,)
+
+
+# -- delayed scaling: the norm writes FP8 itself ----------------------------------------
+DELAYED_FUSION_CASES = [  # (module, options)
+    ("LayerNormLinear", {"normalization": "LayerNorm"}),
+    ("LayerNormLinear", {"normalization": "RMSNorm", "return_layernorm_output": True}),
+    ("LayerNormLinear", {"normalization": "LayerNorm", "zero_centered_gamma": True}),
+    ("LayerNormMLP", {"normalization": "RMSNorm", "activation": "swiglu"}),
+]
+
+
+def _delayed_fusion_module(module, options, device):
+    torch.manual_seed(0)
+    cls = getattr(te, module)
+    n = 128
+    layer = cls(n, 192, params_dtype=torch.bfloat16, device=device, **options)
+    with torch.no_grad():
+        layer.layer_norm_weight.normal_(0.0 if layer.zero_centered_gamma else 1.0, 0.5)
+    return layer
+
+
+@contextlib.contextmanager
+def _kernel_calls():
+    """Records (kernel op, shape of its first argument) of each kernel run."""
+    calls, real_get = [], kernels.get
+
+    def get(name, x):
+        fn = real_get(name, x)
+
+        def run(*args, **kw):
+            calls.append((name, tuple(args[0].shape)))
+            return fn(*args, **kw)
+        return run
+    with mock.patch.object(kernels, "get", get):
+        yield calls
+
+
+def delayed_norm_fusion_runs(module, options, device="cpu", compiled=False, steps=3):
+    """Train under DelayedScaling with the norm writing FP8 itself and with that
+    turned off (the norm's output quantized by ``te.Linear``'s path): both
+    runs' outputs, gradients, delayed-scaling buffers and the kernels a
+    forward after them runs."""
+    rec = recipe.DelayedScaling(amax_history_len=4)
+    x0 = torch.randn(2, 64, 128, dtype=torch.bfloat16, device=device)
+    runs = []
+    for fused in (True, False):
+        _reset()
+        layer = _delayed_fusion_module(module, options, device)
+        step = _step(layer, rec)
+        if compiled:
+            step = torch.compile(step, backend="inductor" if device == "cuda" else "aot_eager",
+                                 fullgraph=True)
+        with contextlib.ExitStack() as stack:
+            if not fused:
+                stack.enter_context(mock.patch.object(LN, "_fp8_writing_quantizer",
+                                                      lambda args: None))
+            results = _run(layer, step, x0, steps)
+            with _kernel_calls() as calls:  # one more forward: which kernels it runs
+                step(x0.clone().requires_grad_())
+        buffers = [b.clone() for b in layer.buffers()]
+        runs.append((results, buffers, calls))
+    return runs
+
+
+def assert_delayed_norm_fusion_exact(module, options, runs):
+    (fused, fused_state, calls), (plain, plain_state, plain_calls) = runs
+    ln_shape = (128, 128)  # the norm's output, (tokens, in_features)
+    assert ("norm_forward_fp8", ln_shape) in calls
+    assert ("norm_forward_fp8", ln_shape) not in plain_calls
+    # te.Linear's path quantizes the norm's output; the fused one leaves nothing to quantize
+    assert ("quantize_fp8_tensorwise", ln_shape) in plain_calls
+    assert ("quantize_fp8_tensorwise", ln_shape) not in calls
+    assert not any(name == "norm_forward" for name, _ in calls)
+    assert len(fused) == len(plain) and len(fused_state) == len(plain_state) > 0
+    for step, (a, b) in enumerate(zip(fused, plain)):
+        assert len(a) == len(b)
+        for i, (u, v) in enumerate(zip(a, b)):
+            assert torch.equal(u, v), f"{module} {options}: step {step}, result {i} differs"
+    for u, v in zip(fused_state, plain_state):
+        assert torch.equal(u, v), f"{module} {options}: delayed-scaling state differs"
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("module, options", DELAYED_FUSION_CASES)
+def test_delayed_scaling_norm_writes_fp8_itself(module, options, compiled):
+    """Under DelayedScaling the scale is known before the norm runs, so the
+    norm's kernel op writes its output's FP8 copy and records its amax: no
+    quantize of the norm's output follows, and outputs, gradients, amax histories and scales equal the unfused path's bit for bit
+    over several steps (the returned norm output included)."""
+    assert_delayed_norm_fusion_exact(module, options,
+                                     delayed_norm_fusion_runs(module, options, compiled=compiled))
+
+
+def test_linear_forward_checks_a_prequantized_input_against_delayed_scaling():
+    """linear_forward's callers under delayed scaling hand over the recorded
+    amaxes with the quantized input, and only then."""
+    from transformer_engine_compile.module import linear_ops
+    args = _fwd_args("delayed")
+    q = linear_ops._input_quantizer(args)
+    xq = q.quantize_with_scale(args.inp.detach(), args.scale_fwd[0])
+    with pytest.raises(ValueError, match="amaxes"):
+        linear_ops.linear_forward(args, xq)
+    with pytest.raises(ValueError, match="amaxes"):
+        linear_ops.linear_forward(args, None, amaxes=torch.zeros(2))
+    bf16 = _fwd_args("bf16")
+    with pytest.raises(ValueError, match="amaxes"):
+        linear_ops.linear_forward(bf16, bf16.inp, amaxes=torch.zeros(2))
 
 
 # -- against torch's normalisation followed by te.Linear ---------------------------------

@@ -7,7 +7,9 @@ bit in fp32 and fp16, and in bf16 up to the interpreter's conversion to bf16,
 which truncates where the GPU rounds to nearest; the column sums equal an fp64 sum within fp32 summation error and are
 deterministic), the norm backward's partial sums, which moved there, and
 the norm forward's partial maxima of y and of the weight it reads beside
-(``side``), exact.
+(``side``), exact, and its delayed-scaling mode: the FP8 copies it writes
+equal the quantize kernel's of its y (both cast by the interpreter), its
+amax is exact, and y is written only when asked.
 The quantize kernels' FP8 casts differ from the GPU's in the interpreter,
 so their numerics are left to tests/gpu.  Needs Triton.
 """
@@ -22,6 +24,7 @@ _CHECKS = r'''
 import torch
 from unittest import mock
 from transformer_engine_compile.kernels import reference as ref, triton_bias as tb, triton_launch, triton_norm as tn
+from transformer_engine_compile.kernels import triton_quant as tq
 
 g = torch.Generator().manual_seed(0)
 
@@ -77,6 +80,31 @@ with mock.patch.object(triton_launch, "sm_count", lambda device: 4):
             assert torch.equal(parts2[:n_y], parts)
             assert parts2[:n_y].max() == y.float().abs().max(), (m, n, rms)
             assert parts2[n_y:].max() == side.float().abs().max(), (m, n, side_shape)
+    # delayed scaling: the FP8 copies cast as the rows are normalised, y's amax into a
+    # given slot (slot 1 of the layer's vectors: pointers off 16-byte alignment), y
+    # written only when asked; the same bytes as the quantize kernel gives the norm's y
+    scales = torch.tensor([3.0, 7.5])
+    for m, n in ((7, 200), (300, 257), (64, 128)):
+        x = (torch.randn(m, n, generator=g) * 3).to(torch.bfloat16)
+        w, b = torch.randn(n, generator=g), torch.randn(n, generator=g)
+        for rms, fmt, columnwise in ((False, "e4m3", True), (True, "e5m2", True),
+                                     (True, "e4m3", False)):
+            y, mean, rstd = tn.norm_forward(x, w, b, 1e-5, rms)
+            want_amax = torch.zeros(2)
+            want = tq.quantize_fp8_tensorwise(y, scales[1], fmt, True, columnwise, want_amax[1])
+            assert want_amax[1] == y.float().abs().max()
+            for with_y in (True, False):
+                amaxes = torch.zeros(2)
+                y2, mean2, rstd2, got = tn.norm_forward_fp8(x, w, b, 1e-5, rms, scales[1], fmt,
+                                                            columnwise, amaxes[1], with_y)
+                assert (y2 is not None) == with_y and (y2 is None or torch.equal(y2, y))
+                assert torch.equal(rstd2, rstd) and (mean2 is None) == rms
+                assert rms or torch.equal(mean2, mean)
+                assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+                for key in want:
+                    assert torch.equal(got[key].view(torch.uint8), want[key].view(torch.uint8)), \
+                        (m, n, rms, fmt, key)
+                assert torch.equal(amaxes, want_amax), (amaxes, want_amax)
 print("ok")
 '''
 

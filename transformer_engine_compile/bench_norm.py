@@ -8,7 +8,8 @@ call and GPU time of the norm kernels (CUDA only).
 * GPU time (``triton.testing.do_bench``, median) at 8192 x 4096 bf16: the
   Triton forward / backward against the reference (torch ops in fp32) and
   torch's own bf16 ``layer_norm`` / ``rms_norm``; FP8 current scaling of the
-  norm's output with its own amax pass against the norm kernel's amax.
+  norm's output with its own amax pass against the norm kernel's amax;
+  delayed scaling's norm then cast against the norm writing FP8 itself.
 
     python -m transformer_engine_compile.bench_norm
 """
@@ -58,28 +59,37 @@ def host_times(n=300, size=256, tokens=256, rounds=3, log=print) -> list:
     dt = torch.bfloat16
     x = torch.randn(tokens, size, device=dev, dtype=dt, requires_grad=True)
     dy = torch.randn(tokens, size, device=dev, dtype=dt)
-    real_fused = LO._amax_fused_quantizer
+    # what a label's "no ..." turns off: the norm's amax handed to the cast,
+    # and under delayed scaling the norm writing FP8 itself
+    turned_off = {"no amax fusion": "_amax_fused_quantizer", "no FP8 norm": "_fp8_writing_quantizer"}
     cases = [("Linear", "bf16", Linear, {}), ("LayerNormLinear", "bf16", LayerNormLinear, {}),
              ("LayerNormLinear RMSNorm", "bf16", LayerNormLinear, {"normalization": "RMSNorm"}),
              ("Linear", "fp8_current", Linear, {}),
              ("LayerNormLinear", "fp8_current", LayerNormLinear, {}),
              ("LayerNormLinear RMSNorm", "fp8_current", LayerNormLinear,
               {"normalization": "RMSNorm"}),
-             ("LayerNormLinear no amax fusion", "fp8_current", LayerNormLinear, {})]
+             ("LayerNormLinear no amax fusion", "fp8_current", LayerNormLinear, {}),
+             ("Linear", "fp8_delayed", Linear, {}),
+             ("LayerNormLinear", "fp8_delayed", LayerNormLinear, {}),
+             ("LayerNormLinear no FP8 norm", "fp8_delayed", LayerNormLinear, {})]
     calls = []
     for label, rname, cls, kw in cases:
         torch.manual_seed(0)
         layer = cls(size, size, bias=False, params_dtype=dt, device=dev, **kw)
-        calls.append((label, rname, _op_calls(layer, R.by_name(rname), x, dy)))
+        rec = R.DelayedScaling() if rname == "fp8_delayed" else R.by_name(rname)
+        calls.append((label, rname, _op_calls(layer, rec, x, dy)))
 
     def measured(label, fn):
-        if "no amax" in label:
-            LO._amax_fused_quantizer = lambda args: None
+        off = [name for tag, name in turned_off.items() if tag in label]
+        real = {name: getattr(LO, name) for name in off}
+        for name in off:
+            setattr(LO, name, lambda args: None)
         try:
             _busy_gpu(dev, 0.2)
             return _per_call_us(fn, dev, n)
         finally:
-            LO._amax_fused_quantizer = real_fused
+            for name, fn_ in real.items():
+                setattr(LO, name, fn_)
 
     samples = {(label, rname): {"fwd": [], "bwd": []} for label, rname, _ in calls}
     mm = []
@@ -167,6 +177,21 @@ def gpu_times(m=8192, k=4096, log=print) -> dict:
 
     t("LayerNorm + fp8 quantize, separate amax", separate, 2 * io + io)
     t("LayerNorm + fp8 quantize, norm's amax", fused, 2 * io + io)
+    # delayed scaling (scale known in advance), both FP8 copies as a layer with
+    # a trainable weight needs them: norm then cast, against the norm casting
+    scale, amax = torch.full((1,), 0.5, device=dev), torch.zeros(1, device=dev)
+
+    def delayed_separate():
+        yy = tn.norm_forward(x, w, b, 1e-5, False)[0]
+        tq.quantize_fp8_tensorwise(yy, scale, "e4m3", True, True, amax)
+
+    t("LayerNorm + fp8 delayed quantize, separate", delayed_separate, 2 * io + io)
+    t("LayerNorm writing fp8 (delayed) + byte transpose",
+      lambda: tn.norm_forward_fp8(x, w, b, 1e-5, False, scale, "e4m3", True, amax, False),
+      io + io)
+    t("LayerNorm writing fp8 (delayed), rowwise only",
+      lambda: tn.norm_forward_fp8(x, w, b, 1e-5, False, scale, "e4m3", False, amax, False),
+      io)
     return out
 
 

@@ -136,6 +136,42 @@ def test_norm_side_amax_then_pair_cast_equals_two_quantizes(shapes, rms):
                         (key, usage, special)
 
 
+@pytest.mark.parametrize("norm", ["layernorm_bias", "rmsnorm"])
+@pytest.mark.parametrize("shape", [(384, 640), (4097, 2048), (3, 200), (1000, 4096)], ids=str)
+def test_norm_writing_fp8_equals_norm_then_quantize(shape, norm):
+    """Delayed scaling's fused norm (``norm_forward_fp8``): y when asked, mean,
+    rstd, the FP8 copies, scale_inv and the recorded amax bit for bit as the
+    norm kernel followed by the reference quantize of its y, in both FP8
+    formats, with the scale and amax in slot 1 of the layer's vectors (off
+    16-byte alignment), columnwise or not, and with Inf / NaN in x."""
+    from transformer_engine_compile.kernels import triton_norm as tn
+    m, k = shape
+    rms = norm == "rmsnorm"
+    gamma = torch.randn(k, device="cuda")
+    beta = None if rms else torch.randn(k, device="cuda")
+    for special in (False, True):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
+        if special:
+            x[0, 1], x[-1, -1] = float("inf"), float("nan")
+        y, mean, rstd = tn.norm_forward(x, gamma, beta, 1e-5, rms)
+        for fmt, columnwise, with_y in (("e4m3", True, False), ("e5m2", True, True),
+                                        ("e4m3", False, True)):
+            scales = torch.tensor([2.0, 0.75 if fmt == "e4m3" else 96.0], device="cuda")
+            want_amax = torch.zeros(2, device="cuda")
+            want = ref.quantize_fp8_tensorwise(y, scales[1], fmt, True, columnwise,
+                                               want_amax[1])
+            amaxes = torch.zeros(2, device="cuda")
+            y2, mean2, rstd2, got = tn.norm_forward_fp8(x, gamma, beta, 1e-5, rms, scales[1],
+                                                        fmt, columnwise, amaxes[1], with_y)
+            assert (y2 is not None) == with_y and (y2 is None or _same_bits(y2, y))
+            assert _same_bits(rstd2, rstd) and (rms or _same_bits(mean2, mean))
+            assert sorted(got) == sorted(want)
+            for key in want:
+                assert got[key].shape == want[key].shape and _same_bits(got[key], want[key]), \
+                    (key, fmt, special)
+            assert _same_bits(amaxes, want_amax), (amaxes, want_amax)
+
+
 def test_fast_amax_and_delayed_scaling_equal_reference():
     x = _special((256, 512), torch.bfloat16)
     assert torch.isnan(kernels.get("amax", x)(x))

@@ -31,6 +31,7 @@ OPS = (
     "delayed_scaling_step",
     "gemm",
     "norm_forward",
+    "norm_forward_fp8",
     "norm_backward",
     "activation_forward",
     "activation_backward",

@@ -34,7 +34,7 @@ def register() -> None:
     register_fast("quantize_nvfp4", "cuda", quantize_nvfp4)
     _REGISTERED.append("quantize_nvfp4")
     from . import triton_norm as tn
-    for name in ("norm_forward", "norm_backward"):
+    for name in ("norm_forward", "norm_forward_fp8", "norm_backward"):
         register_fast(name, "cuda", getattr(tn, name))
         _REGISTERED.append(name)
     from . import triton_bias as tb

@@ -427,6 +427,19 @@ def norm_forward(x2d, weight, bias, eps: float, rms: bool, with_amax: bool = Fal
     return (*out, amax(out[0]).reshape(1)) if with_amax else out
 
 
+def norm_forward_fp8(x2d, weight, bias, eps: float, rms: bool, scale, fmt: str,
+                     columnwise: bool, amax_out, with_y: bool) -> tuple:
+    """``(y or None, mean, rstd, buffers)``: :func:`norm_forward`, then y (as
+    rounded to x's dtype) quantized to FP8 with the given fp32 ``scale`` (one
+    element; delayed scaling knows it before y exists), its amax raised into
+    ``amax_out`` (:func:`quantize_fp8_tensorwise`'s buffers, rowwise always).
+    A fast kernel writes the FP8 copy in the norm's pass over x, and y only
+    when ``with_y``: the same bytes, fewer of them moved."""
+    y, mean, rstd = norm_forward(x2d, weight, bias, eps, rms)
+    buffers = quantize_fp8_tensorwise(y.detach(), scale, fmt, True, columnwise, amax_out)
+    return (y if with_y else None), mean, rstd, buffers
+
+
 def norm_backward(dy2d, x2d, mean, rstd, weight, rms: bool, need_dx: bool,
                   need_dweight: bool, need_dbias: bool, grad_dtype=None) -> tuple:
     """``(dx, dweight, dbias)`` of :func:`norm_forward` (None where not

@@ -17,6 +17,10 @@ differences).  Every row is held whole in registers (hidden sizes up to
   write the partial maxima of the layer's weight after y's (the same launch),
   so x and W are then cast together in one launch
   (``quantize_fp8_current_pair_from_parts``).
+* ``norm_forward_fp8`` (delayed scaling: the scale is known before y
+  exists): the same launch casts y to FP8 as it goes, records its amax, and
+  writes y itself only when asked, so y is never read back; a byte
+  transpose then makes the columnwise copy.
 * Backward, two launches: dx per row (in the input's dtype), and per
   program the partial sums of dgamma / dbeta over the rows it strides
   over; then one small kernel sums the partials per column (fixed order:
@@ -36,7 +40,8 @@ from . import reference as ref
 from . import triton_launch
 from .triton_bias import col_sums
 from .triton_launch import Launcher, cdiv, int_key, ptr_key
-from .triton_quant import _MAX_GIVEN_PARTS, _absent, _amax_partials, _n_amax_parts
+from .triton_quant import (_MAX_GIVEN_PARTS, _TL_FP8, _abs_bits, _absent, _amax_partials,
+                           _cast_fp8, _n_amax_parts, _recip, transpose_bytes)
 
 MAX_K = 16384  # widest row held in registers
 # Programs per multiprocessor of the grids that stride over the rows: the
@@ -50,9 +55,11 @@ BWD_PROGRAMS_PER_SM = 2
 
 
 @triton.jit
-def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, s_ptr, M, K, eps,
-                     G, Ms, Ks, Ps, RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     AMAX: tl.constexpr, SIDE: tl.constexpr, BM: tl.constexpr,
+def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, s_ptr,
+                     scale_ptr, q_ptr, sinv_ptr, M, K, eps, G, Ms, Ks, Ps,
+                     RMS: tl.constexpr, HAS_BIAS: tl.constexpr, AMAX: tl.constexpr,
+                     SIDE: tl.constexpr, FP8: tl.constexpr, WRITE_Y: tl.constexpr,
+                     FMT_MAX: tl.constexpr, OUT: tl.constexpr, BM: tl.constexpr,
                      BK: tl.constexpr, SBM: tl.constexpr, SBK: tl.constexpr):
     """Programs [0, G) normalise the rows (:func:`_norm_fwd_rows`).  SIDE:
     programs [G, G + Ps) write the partial maxima of |s| (Ms, Ks), another
@@ -61,26 +68,35 @@ def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, s
     pid = tl.program_id(0)
     if SIDE:
         if pid < G:
-            _norm_fwd_rows(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, M, K, eps,
-                           G, pid, RMS, HAS_BIAS, AMAX, BM, BK)
+            _norm_fwd_rows(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, scale_ptr,
+                           q_ptr, sinv_ptr, M, K, eps, G, pid, RMS, HAS_BIAS, AMAX, FP8,
+                           WRITE_Y, FMT_MAX, OUT, BM, BK)
         else:
             _amax_partials(s_ptr, Ms, Ks, amax_ptr + G, pid - G, Ps, SBM, SBK)
     else:
-        _norm_fwd_rows(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, M, K, eps, G,
-                       pid, RMS, HAS_BIAS, AMAX, BM, BK)
+        _norm_fwd_rows(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, scale_ptr,
+                       q_ptr, sinv_ptr, M, K, eps, G, pid, RMS, HAS_BIAS, AMAX, FP8, WRITE_Y,
+                       FMT_MAX, OUT, BM, BK)
 
 
 @triton.jit
-def _norm_fwd_rows(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, M, K, eps, G, pid,
-                   RMS: tl.constexpr, HAS_BIAS: tl.constexpr, AMAX: tl.constexpr,
-                   BM: tl.constexpr, BK: tl.constexpr):
-    """Program pid normalises row blocks pid, pid + G, ...; with AMAX it writes
-    the max |y| bits of those rows to amax_ptr[pid]."""
+def _norm_fwd_rows(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, scale_ptr, q_ptr,
+                   sinv_ptr, M, K, eps, G, pid, RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   AMAX: tl.constexpr, FP8: tl.constexpr, WRITE_Y: tl.constexpr,
+                   FMT_MAX: tl.constexpr, OUT: tl.constexpr, BM: tl.constexpr,
+                   BK: tl.constexpr):
+    """Program pid normalises row blocks pid, pid + G, ... and writes y
+    (rounded to x's dtype) when WRITE_Y.  AMAX: the max |y| bits of those
+    rows to amax_ptr[pid].  FP8 (needs AMAX): y's FP8 copy cast with the
+    fp32 scale at scale_ptr to q_ptr, the max |y| bits atomically into the
+    zeroed slot amax_ptr[0] instead, and 1 / scale to sinv_ptr (program 0)."""
     rk = tl.arange(0, BK)
     col_ok = rk < K
     w = tl.load(w_ptr + rk, mask=col_ok, other=0.0).to(tl.float32)
     if HAS_BIAS:
         b = tl.load(b_ptr + rk, mask=col_ok, other=0.0).to(tl.float32)
+    if FP8:
+        s = tl.load(scale_ptr).to(tl.float32)
     kf = K * 1.0
     acc = tl.zeros((BM, BK), dtype=tl.int32)
     for blk in range(pid, tl.cdiv(M, BM), G):
@@ -106,13 +122,22 @@ def _norm_fwd_rows(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, M, 
         y = xc * rstd[:, None] * w[None, :]
         if HAS_BIAS:
             y = y + b[None, :]
-        yo = y.to(y_ptr.dtype.element_ty)
-        tl.store(y_ptr + offs, yo, mask=mask)
+        yo = y.to(x_ptr.dtype.element_ty)  # y's dtype is x's
+        if WRITE_Y:
+            tl.store(y_ptr + offs, yo, mask=mask)
+        if FP8:
+            tl.store(q_ptr + offs, _cast_fp8(yo, s, FMT_MAX, OUT), mask=mask)
         if AMAX:  # int32 bits of |y| order like the floats, NaN above Inf
-            bits = yo.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
-            acc = tl.maximum(acc, tl.where(mask, bits, 0))
+            acc = tl.maximum(acc, tl.where(mask, _abs_bits(yo), 0))
     if AMAX:
-        tl.store(amax_ptr + pid, tl.max(tl.max(acc, axis=1), axis=0))
+        part = tl.max(tl.max(acc, axis=1), axis=0)
+        if FP8:
+            tl.atomic_max(amax_ptr, part)
+        else:
+            tl.store(amax_ptr + pid, part)
+    if FP8:
+        if pid == 0:
+            tl.store(sinv_ptr, _recip(s))
 
 
 @triton.jit
@@ -204,42 +229,81 @@ def norm_forward(x2d, weight, bias, eps: float, rms: bool, with_amax: bool = Fal
                  side=None) -> tuple:
     if side is not None and not with_amax:
         raise ValueError("norm_forward: side needs with_amax")
-    m, k = x2d.shape
-    if m == 0 or k > MAX_K or not weight.is_contiguous() or (
-            bias is not None and not bias.is_contiguous()) or (side is not None and (
+    if not _fast_case(x2d, weight, bias) or (side is not None and (
             side.dim() != 2 or side.numel() == 0)):
         return ref.norm_forward(x2d, weight, bias, eps, rms, with_amax, side)
-    x2d = _matrix(x2d)
-    dev = x2d.device
-    bm, bk, warps = _blocks(k)
-    n_blk = cdiv(m, bm)
-    grid = (min(n_blk, _MAX_GIVEN_PARTS, FWD_AMAX_PROGRAMS_PER_SM * triton_launch.sm_count(dev))
-            if with_amax else n_blk)
-    y = torch.empty((m, k), dtype=x2d.dtype, device=dev)
-    # two allocations, not views of one: an op may not return aliases of each other
-    rstd = torch.empty((m,), dtype=torch.float32, device=dev)
-    mean = None if rms else torch.empty((m,), dtype=torch.float32, device=dev)
-    ms, ks = (0, 0) if side is None else side.shape
-    n_side = 0 if side is None else _n_amax_parts(ms, ks)
-    # absent outputs (never written: RMS / AMAX / SIDE are constexpr) point at rstd
-    parts = (torch.empty((grid + n_side,), dtype=torch.int32, device=dev) if with_amax
-             else _absent(rstd))
-    has_bias = bias is not None and not rms
-    b = bias if has_bias else weight
-    s = _absent(rstd) if side is None else _matrix(side)
-    key = (x2d.dtype, weight.dtype, b.dtype, s.dtype, ptr_key(x2d), ptr_key(weight), ptr_key(b),
-           ptr_key(rstd), ptr_key(s), int_key(m), int_key(k), int_key(grid), int_key(ms),
-           int_key(ks), int_key(n_side), bool(rms), has_bias, bool(with_amax), side is not None,
-           bm, bk)
-    mean_arg = _absent(rstd) if mean is None else mean
-    _fwd.get(warps)((grid + n_side,), key, x2d, weight, b, y, mean_arg, rstd, parts, s, m, k,
-                    float(eps), grid, ms, ks, n_side, bool(rms), has_bias, bool(with_amax),
-                    side is not None, bm, bk, _SIDE_BM, _SIDE_BK)
+    y, mean, rstd, parts, grid = _launch_fwd(x2d, weight, bias, eps, rms, with_amax, side)
     if side is not None:
         return y, mean, rstd, parts.view(torch.float32), grid
     if with_amax:
         return y, mean, rstd, parts.view(torch.float32)
     return y, mean, rstd
+
+
+def norm_forward_fp8(x2d, weight, bias, eps: float, rms: bool, scale, fmt: str,
+                     columnwise: bool, amax_out, with_y: bool) -> tuple:
+    """``reference.norm_forward_fp8``: one launch writes the FP8 copy (and y
+    only ``with_y``); the columnwise copy is then the transpose of its bytes."""
+    if not _fast_case(x2d, weight, bias):
+        return ref.norm_forward_fp8(x2d, weight, bias, eps, rms, scale, fmt, columnwise,
+                                    amax_out, with_y)
+    m, k = x2d.shape
+    dev = x2d.device
+    buffers = {"data": torch.empty((m, k), dtype=ref.FP8_DTYPE[fmt], device=dev),
+               "scale_inv": torch.empty(1, dtype=torch.float32, device=dev)}
+    if scale.dtype != torch.float32:
+        scale = scale.float()
+    y, mean, rstd, _, _ = _launch_fwd(x2d, weight, bias, eps, rms, True, None,
+                                      (scale, fmt, amax_out.view(torch.int32), with_y, buffers))
+    if columnwise:
+        buffers["transpose"] = transpose_bytes(buffers["data"])
+    return y, mean, rstd, buffers
+
+
+def _fast_case(x2d, weight, bias) -> bool:
+    return (x2d.shape[0] > 0 and x2d.shape[1] <= MAX_K and weight.is_contiguous()
+            and (bias is None or bias.is_contiguous()))
+
+
+def _launch_fwd(x2d, weight, bias, eps, rms, with_amax, side, fp8=None) -> tuple:
+    """The forward launch: ``(y or None, mean, rstd, int32 partial maxima
+    or None, programs that wrote y's)``.  ``fp8``: (scale, format, int32
+    amax slot, write y, buffers with data and scale_inv)."""
+    x2d = _matrix(x2d)
+    m, k = x2d.shape
+    dev = x2d.device
+    bm, bk, warps = _blocks(k)
+    n_blk = cdiv(m, bm)
+    grid = (min(n_blk, _MAX_GIVEN_PARTS, FWD_AMAX_PROGRAMS_PER_SM * triton_launch.sm_count(dev))
+            if with_amax else n_blk)
+    write_y = fp8 is None or fp8[3]
+    y = torch.empty((m, k), dtype=x2d.dtype, device=dev) if write_y else None
+    # separate allocations, not views of one: an op may not return aliases of each other
+    rstd = torch.empty((m,), dtype=torch.float32, device=dev)
+    mean = None if rms else torch.empty((m,), dtype=torch.float32, device=dev)
+    ms, ks = (0, 0) if side is None else side.shape
+    n_side = 0 if side is None else _n_amax_parts(ms, ks)
+    # absent arguments (never read or written: the flags are constexpr) point at rstd
+    absent = lambda: _absent(rstd)  # noqa: E731
+    if fp8 is not None:
+        scale, fmt, parts, _, buffers = fp8
+        q, sinv = buffers["data"], buffers["scale_inv"]
+    else:
+        scale, fmt, q, sinv = absent(), "e4m3", absent(), absent()
+        parts = (torch.empty((grid + n_side,), dtype=torch.int32, device=dev) if with_amax
+                 else absent())
+    has_bias = bias is not None and not rms
+    b = bias if has_bias else weight
+    s = absent() if side is None else _matrix(side)
+    flags = (bool(rms), has_bias, bool(with_amax), side is not None, fp8 is not None, write_y)
+    key = (x2d.dtype, weight.dtype, b.dtype, s.dtype, ptr_key(x2d), ptr_key(weight), ptr_key(b),
+           ptr_key(rstd), ptr_key(s), ptr_key(scale), ptr_key(parts), int_key(m), int_key(k),
+           int_key(grid), int_key(ms), int_key(ks), int_key(n_side), flags, fmt, bm, bk)
+    _fwd.get(warps)((grid + n_side,), key, x2d, weight, b, absent() if y is None else y,
+                    absent() if mean is None else mean, rstd, parts, s, scale, q, sinv, m, k,
+                    float(eps), grid, ms, ks, n_side, *flags, ref.FP8_MAX[fmt], _TL_FP8[fmt],
+                    bm, bk, _SIDE_BM, _SIDE_BK)
+    return y, mean, rstd, (parts if with_amax else None), grid
 
 
 # tile of the side matrix's amax programs: as many elements as a norm block

@@ -25,9 +25,10 @@ import torch
 from ..dynamo.arg_views import with_fields
 from ..dynamo.custom_op import OpResult, register_custom_op
 from . import norm_ops as N
-from ..quantization.float8 import Float8CurrentScalingQuantizer
+from ..quantization.float8 import Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer
 from .linear_ops import (LINEAR_OPS, LinearBwdArgs, LinearFwdArgs, _input_quantizer,
                          _lowers_backward, _lowers_forward, _paired_weight_quantizer, _tp,
+                         _zero_amaxes,
                          linear_backward,
                          linear_backward_fake, linear_forward, linear_forward_fake,
                          linear_setup_context)
@@ -72,11 +73,22 @@ def _finish_forward(args, linear: OpResult, ln_out, mean, rstd) -> OpResult:
 def _amax_fused_quantizer(args):
     """The input quantizer when the norm's kernel can hand it the amax of
     its output: FP8 current scaling without a gather of the input (under
-    sequence parallelism the amax is reduced over the group first).  Delayed
-    scaling could have the norm write FP8 directly (its scale is known in
-    advance); not done yet."""
+    sequence parallelism the amax is reduced over the group first)."""
     q = _input_quantizer(args)
     if not isinstance(q, Float8CurrentScalingQuantizer) or args.scale_fwd is not None:
+        return None
+    mode, sp = _tp(args)
+    return None if (mode == "column" and sp) else q
+
+
+def _fp8_writing_quantizer(args):
+    """The input quantizer when the norm's kernel can write its output in
+    FP8 itself: delayed scaling (the scale is known before the norm runs),
+    without a gather of the input (sequence parallelism quantizes the local
+    shard inside the gather) and without saving the high-precision input."""
+    q = _input_quantizer(args)
+    if (not isinstance(q, Float8DelayedScalingQuantizer) or args.scale_fwd is None
+            or args.save_original_input):
         return None
     mode, sp = _tp(args)
     return None if (mode == "column" and sp) else q
@@ -88,7 +100,18 @@ def norm_linear_forward(args, linear_args) -> tuple:
     ``linear_args`` (``inp`` on the norm's device) on ``ln_out``.  Under FP8
     current scaling the norm's kernel also produces the amax of its output
     and, when this call quantizes the weight, the weight's; one cast launch
-    then quantizes both (the same bytes as quantizing them separately)."""
+    then quantizes both (the same bytes as quantizing them separately).
+    Under delayed scaling the norm's kernel writes ``ln_out``'s FP8 copy
+    itself, and ``ln_out`` only when the module returns it (else None)."""
+    dq = _fp8_writing_quantizer(linear_args)
+    if dq is not None:
+        amaxes = _zero_amaxes(linear_args.amax_history_fwd)
+        ln_out, mean, rstd, xq = N.norm_forward_fp8(
+            args.inp, args.ln_weight, args.ln_bias, args.eps, args.normalization,
+            args.zero_centered_gamma, dq, linear_args.scale_fwd[0], amaxes[0],
+            args.return_layernorm_output)
+        linear = linear_forward(with_fields(linear_args, inp=ln_out), xq, amaxes=amaxes)
+        return linear, (ln_out, mean, rstd)
     q = _amax_fused_quantizer(linear_args)
     wq = None if q is None else _paired_weight_quantizer(linear_args, q)
     norm = N.norm_forward(args.inp, args.ln_weight, args.ln_bias, args.eps, args.normalization,

@@ -254,21 +254,27 @@ def _input_quantizer(args: LinearFwdArgs):
     return q.usage_variant(**_input_usage(args))
 
 
-def linear_forward(args: LinearFwdArgs, xq=None, wq=None) -> OpResult:
+def linear_forward(args: LinearFwdArgs, xq=None, wq=None, amaxes=None) -> OpResult:
     """``xq``: ``args.inp`` already quantized by the caller with
-    ``_input_quantizer(args)`` (LayerNormLinear quantizes the norm's output
-    with the amax its kernel produced); only without a gather of the input
-    and without delayed scaling, where nothing else reads x's amax.  ``wq``
-    (with ``xq``): ``args.weight`` quantized by the caller with the quantizer
+    ``_input_quantizer(args)`` (LayerNormLinear's norm kernel gives it the
+    amax of its output, or under delayed scaling writes FP8 itself); only
+    without a gather of the input.  Under delayed scaling ``xq`` comes with
+    ``amaxes``, this call's zeroed amax vector (``_zero_amaxes``) with x's
+    amax recorded in ``amaxes[0]``, and ``args.inp`` may be None (then
+    ``save_original_input`` is off: nothing reads it).  ``wq`` (with ``xq``):
+    ``args.weight`` quantized by the caller with the quantizer
     :func:`_paired_weight_quantizer` returns (cast in the same launch as x)."""
     check_forward_op_in_backward(args)
     x = args.inp
     mode, sp = _tp(args)
     q = _input_quantizer(args)
-    amaxes = _zero_amaxes(args.amax_history_fwd)  # delayed scaling: x, W
-    if xq is not None and ((mode == "column" and sp) or amaxes is not None):
-        raise ValueError("linear_forward: a pre-quantized input needs no gather and no "
-                         "delayed scaling")
+    delayed = args.amax_history_fwd is not None
+    if (xq is not None and ((mode == "column" and sp) or delayed != (amaxes is not None))) or (
+            xq is None and amaxes is not None):
+        raise ValueError("linear_forward: a pre-quantized input needs no gather, and comes "
+                         "with its amaxes exactly under delayed scaling")
+    if amaxes is None:
+        amaxes = _zero_amaxes(args.amax_history_fwd)  # delayed scaling: x, W
     if wq is not None and xq is None:
         raise ValueError("linear_forward: a pre-quantized weight comes with the input's")
     pair = None if xq is not None or (mode == "column" and sp) else _paired_weight_quantizer(args, q)
@@ -280,7 +286,8 @@ def linear_forward(args: LinearFwdArgs, xq=None, wq=None) -> OpResult:
     else:
         x_total, xq = _input_for_gemm(args, q, xq, amaxes)
         w, workspace = _weight_for_gemm(args, amaxes)
-    y = gemm(xq, "rowwise", w, "rowwise", x.dtype, None if mode == "row" else args.bias,
+    y = gemm(xq, "rowwise", w, "rowwise", (xq if x is None else x).dtype,
+             None if mode == "row" else args.bias,
              fast_accum=True).view(_out_shape(xq.shape, w.shape))
     if mode == "row":  # partial sums over in_features: reduce, then add the bias once
         y = (D.reduce_scatter_first_dim(y, args.tp_group, args.tp_size) if sp

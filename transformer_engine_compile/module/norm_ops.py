@@ -47,6 +47,22 @@ def norm_forward(x, weight, bias, eps: float, normalization: str,
     return (out[0].view(x.shape), *out[1:])
 
 
+def norm_forward_fp8(x, weight, bias, eps: float, normalization: str, zero_centered_gamma: bool,
+                     quantizer, scale, amax_out, with_y: bool) -> tuple:
+    """``(y or None, mean, rstd, y quantized)`` under delayed scaling: y as
+    :func:`norm_forward` gives it, quantized by the FP8 ``quantizer`` with the
+    layer's ``scale``, its amax raised into ``amax_out``, exactly as
+    ``quantizer.quantize_with_scale(y, scale, amax_out=amax_out)`` would.  On
+    CUDA the norm's kernel writes the FP8 bytes as it normalises and y
+    only ``with_y``, so y is not read back (3 of 8 bytes per element moved)."""
+    x2d = x.reshape(-1, x.shape[-1])
+    y, mean, rstd, buffers = kernels.get("norm_forward_fp8", x2d)(
+        x2d, _gamma(weight, zero_centered_gamma), bias, eps, normalization == "RMSNorm", scale,
+        quantizer.fp8_format, quantizer.columnwise_usage, amax_out, with_y)
+    return ((None if y is None else y.view(x.shape)), mean, rstd,
+            quantizer.from_buffers(x.shape, x.dtype, buffers))
+
+
 def norm_forward_fake(x, normalization: str) -> tuple:
     rows = (_rows(x.shape),)
     stat = lambda: TensorProto(rows, torch.float32, device=x.device)  # noqa: E731

@@ -344,6 +344,12 @@ class Quantizer(OpaqueBase):
         traced by Dynamo (op impls run at run time)."""
         return self._from_buffers(x.shape, x.dtype, self._quantize_rows(rows_2d(x)))
 
+    def from_buffers(self, shape, dtype, buffers: dict):
+        """The quantized tensor from buffers a fused kernel made in this
+        quantizer's layout on the (M, K) view (the normalisation that writes
+        FP8 directly), unchecked like :meth:`quantize_unchecked`."""
+        return self._from_buffers(shape, dtype, buffers)
+
     def _from_buffers(self, shape, dtype, buffers: dict):
         """The quantized tensor from kernel buffers made on the (M, K) view,
         without re-deriving the layout: only the rowwise data buffer carries
