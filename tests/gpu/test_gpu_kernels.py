@@ -136,21 +136,23 @@ def test_norm_side_amax_then_pair_cast_equals_two_quantizes(shapes, rms):
                         (key, usage, special)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("norm", ["layernorm_bias", "rmsnorm"])
 @pytest.mark.parametrize("shape", [(384, 640), (4097, 2048), (3, 200), (1000, 4096)], ids=str)
-def test_norm_writing_fp8_equals_norm_then_quantize(shape, norm):
+def test_norm_writing_fp8_equals_norm_then_quantize(shape, norm, dtype):
     """Delayed scaling's fused norm (``norm_forward_fp8``): y when asked, mean,
     rstd, the FP8 copies, scale_inv and the recorded amax bit for bit as the
     norm kernel followed by the reference quantize of its y, in both FP8
     formats, with the scale and amax in slot 1 of the layer's vectors (off
-    16-byte alignment), columnwise or not, and with Inf / NaN in x."""
+    16-byte alignment), columnwise or not, with Inf / NaN in x, for bf16 and
+    fp32 input (the FP8 store's vector width follows x's, see the kernel)."""
     from transformer_engine_compile.kernels import triton_norm as tn
     m, k = shape
     rms = norm == "rmsnorm"
     gamma = torch.randn(k, device="cuda")
     beta = None if rms else torch.randn(k, device="cuda")
     for special in (False, True):
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
+        x = torch.randn(m, k, device="cuda", dtype=dtype) * 3
         if special:
             x[0, 1], x[-1, -1] = float("inf"), float("nan")
         y, mean, rstd = tn.norm_forward(x, gamma, beta, 1e-5, rms)

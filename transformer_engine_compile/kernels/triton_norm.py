@@ -59,8 +59,9 @@ def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, s
                      scale_ptr, q_ptr, sinv_ptr, M, K, eps, G, Ms, Ks, Ps,
                      RMS: tl.constexpr, HAS_BIAS: tl.constexpr, AMAX: tl.constexpr,
                      SIDE: tl.constexpr, FP8: tl.constexpr, WRITE_Y: tl.constexpr,
-                     FMT_MAX: tl.constexpr, OUT: tl.constexpr, BM: tl.constexpr,
-                     BK: tl.constexpr, SBM: tl.constexpr, SBK: tl.constexpr):
+                     FMT_MAX: tl.constexpr, OUT: tl.constexpr, VEC: tl.constexpr,
+                     BM: tl.constexpr, BK: tl.constexpr, SBM: tl.constexpr,
+                     SBK: tl.constexpr):
     """Programs [0, G) normalise the rows (:func:`_norm_fwd_rows`).  SIDE:
     programs [G, G + Ps) write the partial maxima of |s| (Ms, Ks), another
     matrix the caller quantizes with y (the layer's weight), to
@@ -70,21 +71,21 @@ def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, s
         if pid < G:
             _norm_fwd_rows(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, scale_ptr,
                            q_ptr, sinv_ptr, M, K, eps, G, pid, RMS, HAS_BIAS, AMAX, FP8,
-                           WRITE_Y, FMT_MAX, OUT, BM, BK)
+                           WRITE_Y, FMT_MAX, OUT, VEC, BM, BK)
         else:
             _amax_partials(s_ptr, Ms, Ks, amax_ptr + G, pid - G, Ps, SBM, SBK)
     else:
         _norm_fwd_rows(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, scale_ptr,
                        q_ptr, sinv_ptr, M, K, eps, G, pid, RMS, HAS_BIAS, AMAX, FP8, WRITE_Y,
-                       FMT_MAX, OUT, BM, BK)
+                       FMT_MAX, OUT, VEC, BM, BK)
 
 
 @triton.jit
 def _norm_fwd_rows(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, scale_ptr, q_ptr,
                    sinv_ptr, M, K, eps, G, pid, RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
                    AMAX: tl.constexpr, FP8: tl.constexpr, WRITE_Y: tl.constexpr,
-                   FMT_MAX: tl.constexpr, OUT: tl.constexpr, BM: tl.constexpr,
-                   BK: tl.constexpr):
+                   FMT_MAX: tl.constexpr, OUT: tl.constexpr, VEC: tl.constexpr,
+                   BM: tl.constexpr, BK: tl.constexpr):
     """Program pid normalises row blocks pid, pid + G, ... and writes y
     (rounded to x's dtype) when WRITE_Y.  AMAX: the max |y| bits of those
     rows to amax_ptr[pid].  FP8 (needs AMAX): y's FP8 copy cast with the
@@ -126,7 +127,14 @@ def _norm_fwd_rows(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, sca
         if WRITE_Y:
             tl.store(y_ptr + offs, yo, mask=mask)
         if FP8:
-            tl.store(q_ptr + offs, _cast_fp8(yo, s, FMT_MAX, OUT), mask=mask)
+            # Offsets whose known contiguity is x's vector width (VEC elements of
+            # 16 bytes), not BK: Triton lays the row block out for its widest store,
+            # and a 16-wide one-byte store changed the reductions' order (rstd 1-2
+            # ulp off in ~20% of the rows on sm_90, Triton 3.6), so y, mean and rstd
+            # would no longer equal the plain forward's.
+            rkv = (rk // VEC) * VEC + rk % VEC
+            tl.store(q_ptr + rm[:, None].to(tl.int64) * K + rkv[None, :],
+                     _cast_fp8(yo, s, FMT_MAX, OUT), mask=mask)
         if AMAX:  # int32 bits of |y| order like the floats, NaN above Inf
             acc = tl.maximum(acc, tl.where(mask, _abs_bits(yo), 0))
     if AMAX:
@@ -302,7 +310,7 @@ def _launch_fwd(x2d, weight, bias, eps, rms, with_amax, side, fp8=None) -> tuple
     _fwd.get(warps)((grid + n_side,), key, x2d, weight, b, absent() if y is None else y,
                     absent() if mean is None else mean, rstd, parts, s, scale, q, sinv, m, k,
                     float(eps), grid, ms, ks, n_side, *flags, ref.FP8_MAX[fmt], _TL_FP8[fmt],
-                    bm, bk, _SIDE_BM, _SIDE_BK)
+                    16 // x2d.element_size(), bm, bk, _SIDE_BM, _SIDE_BK)
     return y, mean, rstd, (parts if with_amax else None), grid
 
 
