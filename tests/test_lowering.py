@@ -134,6 +134,11 @@ def test_bias_keeps_the_ops(lowered_on_cpu, name):
 
 @pytest.mark.parametrize("name", ["fp8_delayed", "nvfp4"])
 def test_stateful_and_random_recipes_stay_ops(lowered_on_cpu, name):
+    """NVFP4 always; DelayedScaling where its casts are torch ops (the
+    reference, as on CPU): the forward reads the scale buffer it updates, and
+    AOT's partitioner could recompute a cast in the backward from the
+    updated buffer.  With Triton casts it lowers
+    (test_cuda_lowering_traces_without_copies, tests/gpu/test_gpu_lowering.py)."""
     assert _train(name, bias=False, steps=3) == {"fwd": 1, "bwd": 1}
 
 
@@ -223,9 +228,11 @@ def _graph_input(node) -> bool:
 
 @pytest.mark.parametrize("module, options", TRACE_CASES)
 @pytest.mark.parametrize("name, bias", [*((n, False) for n in ("bf16", "fp8_current",
-                                                                "fp8_block", "mxfp8")),
+                                                                "fp8_delayed", "fp8_block",
+                                                                "mxfp8")),
                                         *((n, True) for n in ("bf16", "fp8_current",
-                                                              "fp8_block", "mxfp8"))])
+                                                              "fp8_delayed", "fp8_block",
+                                                              "mxfp8"))])
 def test_cuda_lowering_traces_without_copies(module, options, name, bias):
     """Each op call's CUDA impl traces into Triton kernels and GEMMs with
     the fake impl's output layout, and no kernel copies an input: torch's

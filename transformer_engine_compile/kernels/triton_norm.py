@@ -41,7 +41,7 @@ from . import triton_launch
 from .triton_bias import col_sums
 from .triton_launch import Launcher, cdiv, int_key, ptr_key
 from .triton_quant import (_MAX_GIVEN_PARTS, _TL_FP8, _abs_bits, _absent, _amax_partials,
-                           _cast_fp8, _n_amax_parts, _recip, transpose_bytes)
+                           _cast_fp8, _int_slot, _n_amax_parts, _recip, transpose_bytes)
 
 MAX_K = 16384  # widest row held in registers
 # Programs per multiprocessor of the grids that stride over the rows: the
@@ -90,7 +90,8 @@ def _norm_fwd_rows(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, sca
     (rounded to x's dtype) when WRITE_Y.  AMAX: the max |y| bits of those
     rows to amax_ptr[pid].  FP8 (needs AMAX): y's FP8 copy cast with the
     fp32 scale at scale_ptr to q_ptr, the max |y| bits atomically into the
-    zeroed slot amax_ptr[0] instead, and 1 / scale to sinv_ptr (program 0)."""
+    zeroed fp32 slot amax_ptr[0] instead, and 1 / scale to sinv_ptr
+    (program 0)."""
     rk = tl.arange(0, BK)
     col_ok = rk < K
     w = tl.load(w_ptr + rk, mask=col_ok, other=0.0).to(tl.float32)
@@ -140,7 +141,7 @@ def _norm_fwd_rows(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, sca
     if AMAX:
         part = tl.max(tl.max(acc, axis=1), axis=0)
         if FP8:
-            tl.atomic_max(amax_ptr, part)
+            tl.atomic_max(_int_slot(amax_ptr), part)
         else:
             tl.store(amax_ptr + pid, part)
     if FP8:
@@ -262,7 +263,7 @@ def norm_forward_fp8(x2d, weight, bias, eps: float, rms: bool, scale, fmt: str,
     if scale.dtype != torch.float32:
         scale = scale.float()
     y, mean, rstd, _, _ = _launch_fwd(x2d, weight, bias, eps, rms, True, None,
-                                      (scale, fmt, amax_out.view(torch.int32), with_y, buffers))
+                                      (scale, fmt, amax_out, with_y, buffers))
     if columnwise:
         buffers["transpose"] = transpose_bytes(buffers["data"])
     return y, mean, rstd, buffers
@@ -275,7 +276,7 @@ def _fast_case(x2d, weight, bias) -> bool:
 
 def _launch_fwd(x2d, weight, bias, eps, rms, with_amax, side, fp8=None) -> tuple:
     """The forward launch: ``(y or None, mean, rstd, int32 partial maxima
-    or None, programs that wrote y's)``.  ``fp8``: (scale, format, int32
+    or None, programs that wrote y's)``.  ``fp8``: (scale, format, fp32
     amax slot, write y, buffers with data and scale_inv)."""
     x2d = _matrix(x2d)
     m, k = x2d.shape

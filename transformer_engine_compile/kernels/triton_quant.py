@@ -52,6 +52,15 @@ def _abs_bits(x):
 
 
 @triton.jit
+def _int_slot(fp32_ptr):
+    """An fp32 amax slot as int32, for an atomic max of ``_abs_bits``.  The
+    cast is here, not a torch dtype view of the slot: inductor cannot lower a
+    dtype view of one element of a buffer as a kernel argument (torch 2.11),
+    which delayed scaling's per-tensor amax slots are."""
+    return fp32_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+
+
+@triton.jit
 def _recip(x):
     return tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), x)
 
@@ -255,9 +264,10 @@ def _fp8_tensorwise_kernel(x_ptr, M, K, amax_ptr, n_parts, scale_ptr, data_ptr, 
                            FROM_AMAX: tl.constexpr, RECORD_AMAX: tl.constexpr,
                            ROW: tl.constexpr, COL: tl.constexpr, OUT: tl.constexpr,
                            BM: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr):
-    """FROM_AMAX: the scale from the n_parts partial maxima at amax_ptr;
-    else the fp32 scale at scale_ptr, and RECORD_AMAX adds this tensor's
-    max |x| to the zeroed int32 slot at amax_ptr (atomic max)."""
+    """FROM_AMAX: the scale from the n_parts int32 partial maxima at
+    amax_ptr; else the fp32 scale at scale_ptr, and RECORD_AMAX raises the
+    zeroed fp32 slot at amax_ptr to this tensor's max |x| (atomic max of
+    the bits)."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     if FROM_AMAX:
         s = _scale_from_parts(amax_ptr, n_parts, FMT_MAX, EPS, POW2, NP)
@@ -266,7 +276,7 @@ def _fp8_tensorwise_kernel(x_ptr, M, K, amax_ptr, n_parts, scale_ptr, data_ptr, 
     rm, rk, mask = _tile_index(M, K, pid_m, pid_k, BM, BK)
     x = _load_tile(x_ptr, rm, rk, mask, K)
     if RECORD_AMAX:
-        tl.atomic_max(amax_ptr, tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
+        tl.atomic_max(_int_slot(amax_ptr), tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
     _store_fp8_copies(x, s, rm, rk, mask, x_ptr, M, K, pid_m, pid_k, data_ptr, t_ptr, sinv_ptr,
                       FMT_MAX, ROW, COL, OUT, BM, BK)
 
@@ -367,7 +377,7 @@ def _fp8_tensorwise(x2d, fmt, rowwise, columnwise, *, scale=None, amax_out=None,
         amax_arg, scale_arg = parts, out["scale_inv"]
     else:
         n_parts = 0
-        amax_arg = out["scale_inv"] if amax_out is None else amax_out.view(torch.int32)
+        amax_arg = out["scale_inv"] if amax_out is None else amax_out  # fp32, cast in the kernel
         scale_arg = scale
         key = (xkey, ptr_key(scale), ptr_key(amax_arg))
     grid = (cdiv(m, _TW_BM), cdiv(k, _TW_BK))

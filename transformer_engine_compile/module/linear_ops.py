@@ -494,29 +494,36 @@ def _lowers_forward(args: LinearFwdArgs) -> bool:
     adds it in a kernel (``_scaled_mm``'s epilogue, else ``bias_add``): as a
     torch op inductor would fuse the add with its neighbours, rounding
     otherwise than eager; the unquantized GEMM adds it in ``F.linear``,
-    which inductor may split into ``mm`` + add.  Not under DelayedScaling:
-    the forward reads the scale it also updates, and the partitioner may
-    recompute a cast in the backward from the buffer, which then holds the
-    new scale."""
+    which inductor may split into ``mm`` + add.  Under DelayedScaling only
+    where the casts are Triton kernels: the forward reads the scale buffer
+    it also updates, and AOT's partitioner may recompute torch ops (the
+    reference casts) in the backward, which would then read the new scale;
+    it never recomputes a ``wrap_triton`` kernel (not on its allowlist)."""
     bias_ok = args.bias is None or (args.input_quantizer is not None
                                     and _has_fast_kernel("bias_add", args))
     out_dtype = None if args.inp is None else args.inp.dtype
-    return (bias_ok and args.amax_history_fwd is None and _lowerable_formats(args)
+    delayed_ok = (args.amax_history_fwd is None
+                  or _has_fast_kernel("quantize_fp8_tensorwise", args))
+    return (bias_ok and delayed_ok and _lowerable_formats(args)
             and not mxfp8_converted_output(args.input_quantizer, out_dtype))
 
 
 def _lowers_backward(args: LinearBwdArgs) -> bool:
     """A bias gradient only where a kernel sums it (``column_sum``: inductor
-    would order a torch reduction its own way).  Not under DelayedScaling
-    (its amax slots are dtype views of one buffer, which inductor cannot
-    lower as kernel arguments on torch 2.11)."""
+    would order a torch reduction its own way).  DelayedScaling as the
+    forward: where the casts are Triton kernels (they take each amax slot as
+    an fp32 element and cast the pointer themselves: inductor cannot lower
+    a dtype view of one element of a buffer as a kernel argument, torch
+    2.11)."""
     bias_ok = not args.bias_requires_grad or _has_fast_kernel("column_sum", args)
     q = args.grad_output_quantizer
     wgrad_dtype = None
     if args.weight_requires_grad:
         wgrad_dtype = args.weight_dtype if args.main_grad is None else args.main_grad.dtype
     dgrad_dtype = None if args.grad_output is None else args.grad_output.dtype
-    return (bias_ok and args.amax_history_bwd is None and _lowerable_formats(args)
+    delayed_ok = (args.amax_history_bwd is None
+                  or _has_fast_kernel("quantize_fp8_tensorwise", args))
+    return (bias_ok and delayed_ok and _lowerable_formats(args)
             and not mxfp8_converted_output(q, wgrad_dtype)
             and not mxfp8_converted_output(q, dgrad_dtype))
 
