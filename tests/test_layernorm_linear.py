@@ -163,6 +163,9 @@ def delayed_norm_fusion_runs(module, options, device="cpu", compiled=False, step
             step = torch.compile(step, backend="inductor" if device == "cuda" else "aot_eager",
                                  fullgraph=True)
         with contextlib.ExitStack() as stack:
+            # both runs compile one graph: no compile cache may serve the first's code
+            stack.enter_context(torch._inductor.config.patch(fx_graph_cache=False))
+            stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
             if not fused:
                 stack.enter_context(mock.patch.object(LN, "_fp8_writing_quantizer",
                                                       lambda args: None))
