@@ -70,28 +70,31 @@ def _finish_forward(args, linear: OpResult, ln_out, mean, rstd) -> OpResult:
     return OpResult(outputs, saved)
 
 
+def _ungathered_input_quantizer(args):
+    """The input quantizer when the norm's output is the GEMM's input as it
+    is: not column-parallel with sequence parallelism, where the gather
+    quantizes the local shard (current scaling: with the amax reduced over
+    the group first)."""
+    mode, sp = _tp(args)
+    return None if (mode == "column" and sp) else _input_quantizer(args)
+
+
 def _amax_fused_quantizer(args):
     """The input quantizer when the norm's kernel can hand it the amax of
-    its output: FP8 current scaling without a gather of the input (under
-    sequence parallelism the amax is reduced over the group first)."""
-    q = _input_quantizer(args)
-    if not isinstance(q, Float8CurrentScalingQuantizer) or args.scale_fwd is not None:
-        return None
-    mode, sp = _tp(args)
-    return None if (mode == "column" and sp) else q
+    its output: FP8 current scaling without a gather of the input."""
+    q = _ungathered_input_quantizer(args)
+    return q if isinstance(q, Float8CurrentScalingQuantizer) and args.scale_fwd is None else None
 
 
 def _fp8_writing_quantizer(args):
     """The input quantizer when the norm's kernel can write its output in
     FP8 itself: delayed scaling (the scale is known before the norm runs),
-    without a gather of the input (sequence parallelism quantizes the local
-    shard inside the gather) and without saving the high-precision input."""
-    q = _input_quantizer(args)
-    if (not isinstance(q, Float8DelayedScalingQuantizer) or args.scale_fwd is None
-            or args.save_original_input):
-        return None
-    mode, sp = _tp(args)
-    return None if (mode == "column" and sp) else q
+    without a gather of the input and without saving the high-precision
+    input."""
+    q = _ungathered_input_quantizer(args)
+    ok = (isinstance(q, Float8DelayedScalingQuantizer) and args.scale_fwd is not None
+          and not args.save_original_input)
+    return q if ok else None
 
 
 def norm_linear_forward(args, linear_args) -> tuple:

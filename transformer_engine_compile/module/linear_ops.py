@@ -502,10 +502,14 @@ def _lowers_forward(args: LinearFwdArgs) -> bool:
     bias_ok = args.bias is None or (args.input_quantizer is not None
                                     and _has_fast_kernel("bias_add", args))
     out_dtype = None if args.inp is None else args.inp.dtype
-    delayed_ok = (args.amax_history_fwd is None
-                  or _has_fast_kernel("quantize_fp8_tensorwise", args))
-    return (bias_ok and delayed_ok and _lowerable_formats(args)
+    return (bias_ok and _delayed_lowers(args.amax_history_fwd, args)
+            and _lowerable_formats(args)
             and not mxfp8_converted_output(args.input_quantizer, out_dtype))
+
+
+def _delayed_lowers(history, args) -> bool:
+    """No delayed scaling (``history`` None), or its casts are Triton kernels."""
+    return history is None or _has_fast_kernel("quantize_fp8_tensorwise", args)
 
 
 def _lowers_backward(args: LinearBwdArgs) -> bool:
@@ -521,9 +525,7 @@ def _lowers_backward(args: LinearBwdArgs) -> bool:
     if args.weight_requires_grad:
         wgrad_dtype = args.weight_dtype if args.main_grad is None else args.main_grad.dtype
     dgrad_dtype = None if args.grad_output is None else args.grad_output.dtype
-    delayed_ok = (args.amax_history_bwd is None
-                  or _has_fast_kernel("quantize_fp8_tensorwise", args))
-    return (bias_ok and delayed_ok and _lowerable_formats(args)
+    return (bias_ok and _delayed_lowers(args.amax_history_bwd, args) and _lowerable_formats(args)
             and not mxfp8_converted_output(q, wgrad_dtype)
             and not mxfp8_converted_output(q, dgrad_dtype))
 
