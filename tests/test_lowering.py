@@ -217,6 +217,11 @@ _COLUMN_SUMS = {"x_ptr", "part_ptr", "M", "N", "G", "BM", "BN"}
 _BIAS_ADD = {"y_ptr", "b_ptr", "M", "N", "BM", "BN"}
 
 
+def _kernel_name(node) -> str:
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    return kernel_side_table.get_kernel(node.kwargs["kernel_idx"]).fn.__name__
+
+
 def _graph_input(node) -> bool:
     """Whether ``node`` is a graph input or a view of one: a kernel that
     writes it makes inductor copy it first (a buffer the graph made is
@@ -265,6 +270,14 @@ def test_cuda_lowering_traces_without_copies(module, options, name, bias):
         for n in kernels_run:
             args = n.kwargs["kwargs"]
             copied = [k for k in n.kwargs["tensors_to_clone"] if _graph_input(args[k])]
+            if _kernel_name(n) == "_delayed_step_kernel":
+                # traced as writing over the history and scale buffers it
+                # updates: inductor then writes them in place (the update's
+                # copy matches), so the buffers themselves, not views
+                assert copied == ["new_hist_ptr", "new_scale_ptr"], (op, copied)
+                assert all(args[k].op == "placeholder" for k in copied), op
+                assert args["hist_ptr"] is args["new_hist_ptr"], op
+                continue
             assert copied == [], f"{op}: a kernel copies its inputs {copied}"
         if bias:
             names = [set(n.kwargs["kwargs"]) for n in kernels_run]

@@ -9,7 +9,8 @@ deterministic), the norm backward's partial sums, which moved there, and
 the norm forward's partial maxima of y and of the weight it reads beside
 (``side``), exact, and its delayed-scaling mode: the FP8 copies it writes
 equal the quantize kernel's of its y (both cast by the interpreter), its
-amax is exact, and y is written only when asked.
+amax is exact (into a slot of a vector), and y is written only when
+asked; the delayed-scaling step written over its own history.
 The quantize kernels' FP8 casts differ from the GPU's in the interpreter,
 so their numerics are left to tests/gpu.  Needs Triton.
 """
@@ -91,12 +92,14 @@ with mock.patch.object(triton_launch, "sm_count", lambda device: 4):
                                      (True, "e4m3", False)):
             y, mean, rstd = tn.norm_forward(x, w, b, 1e-5, rms)
             want_amax = torch.zeros(2)
-            want = tq.quantize_fp8_tensorwise(y, scales[1], fmt, True, columnwise, want_amax[1])
-            assert want_amax[1] == y.float().abs().max()
+            want = tq.quantize_fp8_tensorwise(y, scales[1], fmt, True, columnwise,
+                                              ref.AmaxSlot(want_amax, 1))
+            assert want_amax[1] == y.float().abs().max() and want_amax[0] == 0
             for with_y in (True, False):
                 amaxes = torch.zeros(2)
                 y2, mean2, rstd2, got = tn.norm_forward_fp8(x, w, b, 1e-5, rms, scales[1], fmt,
-                                                            columnwise, amaxes[1], with_y)
+                                                            columnwise, ref.AmaxSlot(amaxes, 1),
+                                                            with_y)
                 assert (y2 is not None) == with_y and (y2 is None or torch.equal(y2, y))
                 assert torch.equal(rstd2, rstd) and (mean2 is None) == rms
                 assert rms or torch.equal(mean2, mean)
@@ -105,6 +108,15 @@ with mock.patch.object(triton_launch, "sm_count", lambda device: 4):
                     assert torch.equal(got[key].view(torch.uint8), want[key].view(torch.uint8)), \
                         (m, n, rms, fmt, key)
                 assert torch.equal(amaxes, want_amax), (amaxes, want_amax)
+# the delayed-scaling step written over its own history and scale, as a lowered
+# op runs it once inductor reinplaces the update
+for algo in ("max", "most_recent"):
+    hist = torch.rand(1024, 2, generator=g) * 100
+    amaxes = torch.tensor([5.0, 300.0])
+    want_hist, want_scale = ref.delayed_scaling_step(hist, amaxes, "e4m3", 1, algo)
+    scale = torch.full((2,), 7.0)
+    tq._step_into(hist, amaxes, hist, scale, "e4m3", 1, algo)
+    assert torch.equal(hist, want_hist) and torch.equal(scale, want_scale), algo
 print("ok")
 '''
 

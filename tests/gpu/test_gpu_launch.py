@@ -56,6 +56,26 @@ def test_delayed_scaling_step_equals_reference(algo, margin):
         assert f.shape == s.shape and _bits_equal(f, s)
 
 
+@pytest.mark.parametrize("n_len", [1024, 16384])
+def test_delayed_scaling_step_in_place_equals_reference(n_len):
+    """The step kernel written over its own history (what a lowered op does
+    once inductor reinplaces it): each column is read before it is rolled."""
+    hist = torch.rand(n_len, 2, device="cuda") * 100
+    amaxes = torch.tensor([5.0, 300.0], device="cuda")
+    want_hist, want_scale = ref.delayed_scaling_step(hist, amaxes, "e4m3", 0, "max")
+    scale = torch.full((2,), 7.0, device="cuda")
+    tq._step_into(hist, amaxes, hist, scale, "e4m3", 0, "max")
+    assert _bits_equal(hist, want_hist) and _bits_equal(scale, want_scale)
+
+
+def test_given_scale_records_amax_into_a_slot_of_a_vector():
+    x = torch.randn(300, 512, device="cuda") * 5
+    amaxes = torch.zeros(3, device="cuda")
+    tq.quantize_fp8_tensorwise(x, torch.tensor([2.0], device="cuda"), "e4m3", True, False,
+                               amax_out=ref.AmaxSlot(amaxes, 1))
+    assert torch.equal(amaxes, torch.stack([amaxes[0] * 0, x.abs().amax(), amaxes[0] * 0]))
+
+
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("rowwise", [True, False])
 def test_mxfp8_dequantize_equals_reference(rowwise, out_dtype):

@@ -57,6 +57,34 @@ def test_delayed_scaling_lowered_on_cuda(bias):
     assert _train("fp8_delayed", bias=bias, steps=4, device="cuda") == {"fwd": 0, "bwd": 0}
 
 
+@pytest.mark.parametrize("module", ["linear", "layernorm_linear"])
+def test_delayed_scaling_writes_its_buffers_in_place(module):
+    """Lowered, each op's step kernel writes the layer's amax history and
+    scale buffers themselves (traced as writing over them, which inductor
+    reinplaces against the update's copy), and the amax slots are no views
+    of the amax vector: no copy kernel in the forward or backward graph
+    (before: two write-back copies per op and a copy and scatter per slot)."""
+    import re
+
+    import test_lowering
+    from torch._inductor.utils import run_and_get_code
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = test_lowering.MODULES[module](64, False, "cuda")
+    x = torch.randn(32, 64, dtype=torch.bfloat16, device="cuda")
+    fwd = torch.compile(test_lowering._forward(test_lowering.RECIPES["fp8_delayed"]()),
+                        fullgraph=True)
+    _, code = run_and_get_code(test_lowering._step, layer, x, fwd)
+    text = "\n".join(code)
+    steps = re.findall(r"\b_delayed_step_kernel_\d+\.run\(([^)]*)\)", text)
+    assert len(steps) == 2, steps  # forward and backward
+    for call in steps:
+        args = [a.strip() for a in call.split(",")]
+        assert args[0] == args[2], f"history not written in place: {args}"
+    copies = re.findall(r"def (triton_\w*copy_\w*)\(", text)
+    assert copies == [], copies
+
+
 @pytest.mark.parametrize("module, options", LN_CASES)
 def test_layernorm_modules_lowered_on_cuda_under_delayed_scaling(module, options):
     torch._dynamo.reset()

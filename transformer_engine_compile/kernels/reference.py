@@ -13,6 +13,7 @@ such a block a NaN scale, so the whole block reads back NaN (OCP MX rule).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -42,6 +43,29 @@ def transpose_bytes(x2d: torch.Tensor, out=None) -> torch.Tensor:
 
 
 # -- scales ----------------------------------------------------------------------
+class AmaxSlot(NamedTuple):
+    """Where a delayed-scaling quantization records its amax: element
+    ``index`` of the fp32 vector ``amaxes`` (zeroed by the caller), raised
+    in place.  Fast kernels take the vector and the index, never the
+    one-element view ``amaxes[index]``: traced into inductor (the lowered
+    ops), a kernel that writes a view makes the functionalized graph copy
+    the element out and scatter it back around the launch (two kernels),
+    while a write to the whole vector is done in place."""
+
+    amaxes: torch.Tensor
+    index: int = 0
+
+    def element(self) -> torch.Tensor:
+        return self.amaxes[self.index]
+
+
+def amax_slot(amax_out):
+    """``amax_out`` as an :class:`AmaxSlot` (a one-element tensor is slot 0 of itself)."""
+    if amax_out is None or isinstance(amax_out, AmaxSlot):
+        return amax_out
+    return AmaxSlot(amax_out.view(-1), 0)
+
+
 def amax(x: torch.Tensor) -> torch.Tensor:
     """max |x| as a 0-dim fp32 tensor (0 for an empty tensor; NaN propagates)."""
     if x.numel() == 0:
@@ -79,11 +103,12 @@ def cast_fp8(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
 # -- FP8 per-tensor ----------------------------------------------------------------
 def quantize_fp8_tensorwise(x2d, scale, fmt, rowwise, columnwise, amax_out=None) -> dict:
     """data (M, K) and/or transpose (K, M) with one fp32 scale; scale_inv = 1/scale.
-    ``amax_out`` (one fp32 element, in place): raised to the amax of x2d
-    (delayed scaling records it while quantizing)."""
+    ``amax_out`` (an :class:`AmaxSlot` or one fp32 element, in place): raised
+    to the amax of x2d (delayed scaling records it while quantizing)."""
     scale = scale.reshape(1).float()
     if amax_out is not None:
-        amax_out.copy_(torch.maximum(amax_out, amax(x2d).reshape(amax_out.shape)))
+        slot = amax_slot(amax_out).element()
+        slot.copy_(torch.maximum(slot, amax(x2d)))
     out = {}
     if rowwise:
         out["data"] = cast_fp8(x2d, scale, fmt)
@@ -133,21 +158,23 @@ def dequantize_fp8_tensorwise(data, scale_inv) -> torch.Tensor:
     return data.float() * scale_inv.float()
 
 
-def delayed_scaling_step(amax_history, amaxes, fmt: str, margin: int, algo: str) -> tuple:
+def delayed_scaling_step(amax_history, amaxes, fmt: str, margin: int, algo: str,
+                         scale=None) -> tuple:
     """One delayed-scaling update, functional: ``(new history, new scale)``.
 
     ``amax_history`` is ``(L, n)`` (one column per tensor) or ``(L,)``,
     ``amaxes`` the ``(n,)`` amaxes of this step, recorded in row 0.  The
     scale comes from the history (``"max"`` over all rows or
     ``"most_recent"`` = this step); then the history rolls down one row and
-    row 0 is zeroed for the next step."""
+    row 0 is zeroed for the next step.  ``scale`` (the current scale buffer)
+    is not read: a fast kernel may trace its update over it."""
     shape = amax_history.shape
     history = amax_history.reshape(shape[0], -1)
     hist = torch.cat([amaxes.reshape(1, -1).to(history.dtype), history[1:]])
     amax_ = hist.amax(dim=0) if algo == "max" else hist[0]
-    scale = compute_scale(amax_, FP8_MAX[fmt], margin)
+    new_scale = compute_scale(amax_, FP8_MAX[fmt], margin)
     rolled = torch.cat([torch.zeros_like(hist[:1]), hist[:-1]])
-    return rolled.reshape(shape), scale.reshape(shape[1:])
+    return rolled.reshape(shape), new_scale.reshape(shape[1:])
 
 
 # -- MXFP8 -----------------------------------------------------------------------------

@@ -26,3 +26,14 @@ def fast_kernels_traced():
         yield
     finally:
         active = previous
+
+
+def functional(*tensors) -> bool:
+    """Whether ``tensors`` are the functionalized tensors of a lowered trace:
+    a kernel traced as writing one of them then becomes a functional node
+    (the tensor keeps its value, the write yields a new one), and inductor
+    may do the write in place where that is safe (its reinplacing pass)."""
+    if not active:
+        return False
+    from torch._subclasses.functional_tensor import FunctionalTensor
+    return all(isinstance(t, FunctionalTensor) for t in tensors)

@@ -61,7 +61,7 @@ def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, s
                      SIDE: tl.constexpr, FP8: tl.constexpr, WRITE_Y: tl.constexpr,
                      FMT_MAX: tl.constexpr, OUT: tl.constexpr, VEC: tl.constexpr,
                      BM: tl.constexpr, BK: tl.constexpr, SBM: tl.constexpr,
-                     SBK: tl.constexpr):
+                     SBK: tl.constexpr, SLOT: tl.constexpr):
     """Programs [0, G) normalise the rows (:func:`_norm_fwd_rows`).  SIDE:
     programs [G, G + Ps) write the partial maxima of |s| (Ms, Ks), another
     matrix the caller quantizes with y (the layer's weight), to
@@ -71,13 +71,13 @@ def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, s
         if pid < G:
             _norm_fwd_rows(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, scale_ptr,
                            q_ptr, sinv_ptr, M, K, eps, G, pid, RMS, HAS_BIAS, AMAX, FP8,
-                           WRITE_Y, FMT_MAX, OUT, VEC, BM, BK)
+                           WRITE_Y, FMT_MAX, OUT, VEC, BM, BK, SLOT)
         else:
             _amax_partials(s_ptr, Ms, Ks, amax_ptr + G, pid - G, Ps, SBM, SBK)
     else:
         _norm_fwd_rows(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, scale_ptr,
                        q_ptr, sinv_ptr, M, K, eps, G, pid, RMS, HAS_BIAS, AMAX, FP8, WRITE_Y,
-                       FMT_MAX, OUT, VEC, BM, BK)
+                       FMT_MAX, OUT, VEC, BM, BK, SLOT)
 
 
 @triton.jit
@@ -85,12 +85,12 @@ def _norm_fwd_rows(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, sca
                    sinv_ptr, M, K, eps, G, pid, RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
                    AMAX: tl.constexpr, FP8: tl.constexpr, WRITE_Y: tl.constexpr,
                    FMT_MAX: tl.constexpr, OUT: tl.constexpr, VEC: tl.constexpr,
-                   BM: tl.constexpr, BK: tl.constexpr):
+                   BM: tl.constexpr, BK: tl.constexpr, SLOT: tl.constexpr):
     """Program pid normalises row blocks pid, pid + G, ... and writes y
     (rounded to x's dtype) when WRITE_Y.  AMAX: the max |y| bits of those
     rows to amax_ptr[pid].  FP8 (needs AMAX): y's FP8 copy cast with the
     fp32 scale at scale_ptr to q_ptr, the max |y| bits atomically into the
-    zeroed fp32 slot amax_ptr[0] instead, and 1 / scale to sinv_ptr
+    zeroed fp32 slot amax_ptr[SLOT] instead, and 1 / scale to sinv_ptr
     (program 0)."""
     rk = tl.arange(0, BK)
     col_ok = rk < K
@@ -141,7 +141,7 @@ def _norm_fwd_rows(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, amax_ptr, sca
     if AMAX:
         part = tl.max(tl.max(acc, axis=1), axis=0)
         if FP8:
-            tl.atomic_max(_int_slot(amax_ptr), part)
+            tl.atomic_max(_int_slot(amax_ptr + SLOT), part)
         else:
             tl.store(amax_ptr + pid, part)
     if FP8:
@@ -276,8 +276,9 @@ def _fast_case(x2d, weight, bias) -> bool:
 
 def _launch_fwd(x2d, weight, bias, eps, rms, with_amax, side, fp8=None) -> tuple:
     """The forward launch: ``(y or None, mean, rstd, int32 partial maxima
-    or None, programs that wrote y's)``.  ``fp8``: (scale, format, fp32
-    amax slot, write y, buffers with data and scale_inv)."""
+    or None, programs that wrote y's)``.  ``fp8``: (scale, format, amax slot
+    (``reference.AmaxSlot`` or one fp32 element), write y, buffers with data
+    and scale_inv)."""
     x2d = _matrix(x2d)
     m, k = x2d.shape
     dev = x2d.device
@@ -294,8 +295,11 @@ def _launch_fwd(x2d, weight, bias, eps, rms, with_amax, side, fp8=None) -> tuple
     n_side = 0 if side is None else _n_amax_parts(ms, ks)
     # absent arguments (never read or written: the flags are constexpr) point at rstd
     absent = lambda: _absent(rstd)  # noqa: E731
+    slot = 0
     if fp8 is not None:
-        scale, fmt, parts, _, buffers = fp8
+        scale, fmt, amax_out, _, buffers = fp8
+        amax_out = ref.amax_slot(amax_out)  # the whole vector: see AmaxSlot
+        parts, slot = amax_out.amaxes, amax_out.index
         q, sinv = buffers["data"], buffers["scale_inv"]
     else:
         scale, fmt, q, sinv = absent(), "e4m3", absent(), absent()
@@ -307,11 +311,11 @@ def _launch_fwd(x2d, weight, bias, eps, rms, with_amax, side, fp8=None) -> tuple
     flags = (bool(rms), has_bias, bool(with_amax), side is not None, fp8 is not None, write_y)
     key = (x2d.dtype, weight.dtype, b.dtype, s.dtype, ptr_key(x2d), ptr_key(weight), ptr_key(b),
            ptr_key(rstd), ptr_key(s), ptr_key(scale), ptr_key(parts), int_key(m), int_key(k),
-           int_key(grid), int_key(ms), int_key(ks), int_key(n_side), flags, fmt, bm, bk)
+           int_key(grid), int_key(ms), int_key(ks), int_key(n_side), flags, fmt, bm, bk, slot)
     _fwd.get(warps)((grid + n_side,), key, x2d, weight, b, absent() if y is None else y,
                     absent() if mean is None else mean, rstd, parts, s, scale, q, sinv, m, k,
                     float(eps), grid, ms, ks, n_side, *flags, ref.FP8_MAX[fmt], _TL_FP8[fmt],
-                    16 // x2d.element_size(), bm, bk, _SIDE_BM, _SIDE_BK)
+                    16 // x2d.element_size(), bm, bk, _SIDE_BM, _SIDE_BK, slot)
     return y, mean, rstd, (parts if with_amax else None), grid
 
 

@@ -263,10 +263,11 @@ def _fp8_tensorwise_kernel(x_ptr, M, K, amax_ptr, n_parts, scale_ptr, data_ptr, 
                            FMT_MAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr,
                            FROM_AMAX: tl.constexpr, RECORD_AMAX: tl.constexpr,
                            ROW: tl.constexpr, COL: tl.constexpr, OUT: tl.constexpr,
-                           BM: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr):
+                           BM: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr,
+                           SLOT: tl.constexpr):
     """FROM_AMAX: the scale from the n_parts int32 partial maxima at
     amax_ptr; else the fp32 scale at scale_ptr, and RECORD_AMAX raises the
-    zeroed fp32 slot at amax_ptr to this tensor's max |x| (atomic max of
+    zeroed fp32 slot amax_ptr[SLOT] to this tensor's max |x| (atomic max of
     the bits)."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     if FROM_AMAX:
@@ -276,7 +277,8 @@ def _fp8_tensorwise_kernel(x_ptr, M, K, amax_ptr, n_parts, scale_ptr, data_ptr, 
     rm, rk, mask = _tile_index(M, K, pid_m, pid_k, BM, BK)
     x = _load_tile(x_ptr, rm, rk, mask, K)
     if RECORD_AMAX:
-        tl.atomic_max(_int_slot(amax_ptr), tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
+        tl.atomic_max(_int_slot(amax_ptr + SLOT),
+                      tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
     _store_fp8_copies(x, s, rm, rk, mask, x_ptr, M, K, pid_m, pid_k, data_ptr, t_ptr, sinv_ptr,
                       FMT_MAX, ROW, COL, OUT, BM, BK)
 
@@ -365,6 +367,7 @@ def _fp8_tensorwise(x2d, fmt, rowwise, columnwise, *, scale=None, amax_out=None,
     out = _fp8_outputs(x2d.device, ref.FP8_DTYPE[fmt], m, k, rowwise, columnwise)
     dev = x2d.device
     xkey = _x_key(x2d, m, k)
+    index = 0  # the amax slot's index in amax_arg (delayed scaling)
     if scale is None and amax_parts is not None:
         n_parts = amax_parts.shape[0]
         amax_arg, scale_arg = amax_parts.view(torch.int32), out["scale_inv"]
@@ -377,16 +380,19 @@ def _fp8_tensorwise(x2d, fmt, rowwise, columnwise, *, scale=None, amax_out=None,
         amax_arg, scale_arg = parts, out["scale_inv"]
     else:
         n_parts = 0
-        amax_arg = out["scale_inv"] if amax_out is None else amax_out  # fp32, cast in the kernel
+        slot = ref.amax_slot(amax_out)
+        # fp32 (the kernel casts the slot's pointer); the whole vector, see AmaxSlot
+        amax_arg = out["scale_inv"] if slot is None else slot.amaxes
+        index = 0 if slot is None else slot.index
         scale_arg = scale
         key = (xkey, ptr_key(scale), ptr_key(amax_arg))
     grid = (cdiv(m, _TW_BM), cdiv(k, _TW_BK))
     flags = (fmt, float(eps), bool(pow2), scale is None, amax_out is not None, bool(rowwise),
              bool(columnwise))
     n_load = _MAX_PARTS if n_parts <= _MAX_PARTS else 1 << (n_parts - 1).bit_length()
-    _fp8_tensorwise_launch(grid, (key, flags, n_load), x2d, m, k, amax_arg, n_parts, scale_arg,
-                           *_fp8_copy_args(out), ref.FP8_MAX[fmt], *flags[1:], _TL_FP8[fmt],
-                           _TW_BM, _TW_BK, n_load)
+    _fp8_tensorwise_launch(grid, (key, flags, n_load, index), x2d, m, k, amax_arg, n_parts,
+                           scale_arg, *_fp8_copy_args(out), ref.FP8_MAX[fmt], *flags[1:],
+                           _TL_FP8[fmt], _TW_BM, _TW_BK, n_load, index)
     return out
 
 
@@ -472,7 +478,8 @@ def _delayed_step_kernel(hist_ptr, amax_ptr, new_hist_ptr, new_scale_ptr, L, N,
                          MOST_RECENT: tl.constexpr, BL: tl.constexpr):
     """reference.delayed_scaling_step for column j = program_id(0) of the
     (L, N) history: row 0 becomes amax[j], the scale comes from the max of
-    the column (or row 0), then the column rolls down and row 0 is zeroed."""
+    the column (or row 0), then the column rolls down and row 0 is zeroed.
+    new_hist_ptr may be hist_ptr (in place): every load precedes the barrier."""
     j = tl.program_id(0)
     rows = tl.arange(0, BL)
     a = tl.load(amax_ptr + j)
@@ -485,30 +492,53 @@ def _delayed_step_kernel(hist_ptr, amax_ptr, new_hist_ptr, new_scale_ptr, L, N,
     s = _recip(top) * FMT_MAX * MARGIN_FACTOR
     s = tl.where(s == float("inf"), _FP32_MAX, s)
     s = tl.where((top > 0) & (top == top) & (top != float("inf")), s, 1.0)
-    tl.store(new_scale_ptr + j, s)
     # rolled: new[i] = h[i - 1] for i >= 1, new[0] = 0
     prev = tl.load(hist_ptr + (rows - 1) * N + j, mask=(rows > 1) & (rows < L), other=0.0)
     prev = tl.where(rows == 1, a, prev)
+    tl.debug_barrier()  # all of the column read before any of it is overwritten
+    tl.store(new_scale_ptr + j, s)
     tl.store(new_hist_ptr + rows * N + j, prev, mask=rows < L)
 
 
 _delayed_step_launch = Launcher(_delayed_step_kernel, num_warps=4)
 
 
-def delayed_scaling_step(amax_history, amaxes, fmt, margin, algo) -> tuple:
+def delayed_scaling_step(amax_history, amaxes, fmt, margin, algo, scale=None) -> tuple:
+    """``reference.delayed_scaling_step`` as one launch.  ``scale``: the
+    buffer the new scale goes back into (optional).  Lowered into inductor
+    (kernels/tracing.py), the kernel is traced as writing the new history
+    and scale over ``amax_history`` and ``scale`` themselves: functionalized,
+    so both keep their values, but inductor sees a write of the buffers the
+    op's updates copy into and does it in place (its reinplacing pass),
+    which saves the two copy kernels per op call that fresh outputs cost."""
     shape = amax_history.shape
     hist = amax_history.reshape(shape[0], -1)
     n_len, n_cols = hist.shape
     if n_len > 65536 or not hist.is_contiguous():
         return ref.delayed_scaling_step(amax_history, amaxes, fmt, margin, algo)
     amaxes = amaxes.reshape(-1).float().contiguous()
-    new_hist = torch.empty_like(hist)
-    new_scale = torch.empty(n_cols, dtype=torch.float32, device=hist.device)
-    block = triton.next_power_of_2(n_len)
-    consts = (ref.FP8_MAX[fmt], 2.0 ** -margin, algo == "most_recent", block)
+    in_place = (scale is not None and amax_history.dim() == 2 and tuple(scale.shape) == (n_cols,)
+                and scale.dtype == torch.float32 and scale.is_contiguous()
+                and tracing.functional(amax_history, scale))
+    if in_place:  # the buffers themselves (no views), which inductor matches
+        hist, new_hist, new_scale = amax_history, amax_history, scale
+    else:
+        new_hist = torch.empty_like(hist)
+        new_scale = torch.empty(n_cols, dtype=torch.float32, device=hist.device)
+    _step_into(hist, amaxes, new_hist, new_scale, fmt, margin, algo)
+    # new objects (an op returns none of its inputs); a view of the same shape
+    # is a no-op inductor removes before reinplacing
+    return new_hist.reshape(shape), new_scale.reshape(shape[1:])
+
+
+def _step_into(hist, amaxes, new_hist, new_scale, fmt, margin, algo) -> None:
+    """One step launch over the contiguous (L, n) ``hist`` into ``new_hist``
+    (which may be ``hist``) and ``new_scale``."""
+    n_len, n_cols = hist.shape
+    consts = (ref.FP8_MAX[fmt], 2.0 ** -margin, algo == "most_recent",
+              triton.next_power_of_2(n_len))
     _delayed_step_launch((n_cols,), (ptr_key(amaxes), int_key(n_len), int_key(n_cols), consts),
                          hist, amaxes, new_hist, new_scale, n_len, n_cols, *consts)
-    return new_hist.reshape(shape), new_scale.reshape(shape[1:])
 
 
 # -- FP8 blockwise ---------------------------------------------------------------------

@@ -24,6 +24,7 @@ import torch
 
 from ..dynamo.arg_views import with_fields
 from ..dynamo.custom_op import OpResult, register_custom_op
+from ..kernels.reference import AmaxSlot
 from . import norm_ops as N
 from ..quantization.float8 import Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer
 from .linear_ops import (LINEAR_OPS, LinearBwdArgs, LinearFwdArgs, _input_quantizer,
@@ -111,7 +112,7 @@ def norm_linear_forward(args, linear_args) -> tuple:
         amaxes = _zero_amaxes(linear_args.amax_history_fwd)
         ln_out, mean, rstd, xq = N.norm_forward_fp8(
             args.inp, args.ln_weight, args.ln_bias, args.eps, args.normalization,
-            args.zero_centered_gamma, dq, linear_args.scale_fwd[0], amaxes[0],
+            args.zero_centered_gamma, dq, linear_args.scale_fwd[0], AmaxSlot(amaxes, 0),
             args.return_layernorm_output)
         linear = linear_forward(with_fields(linear_args, inp=ln_out), xq, amaxes=amaxes)
         return linear, (ln_out, mean, rstd)

@@ -34,6 +34,7 @@ from ..dynamo.custom_op import OpResult, register_custom_op
 from ..dynamo.opaque import is_value_opaque
 from ..dynamo.tensor_proto import TensorProto, to_tensor_proto
 from ..kernels.gemm import gemm
+from ..kernels.reference import AmaxSlot
 from ..quantization.base import QuantizedTensorStorage, Quantizer
 from ..quantization.mxfp8 import MXFP8Quantizer
 from ..quantization.nvfp4 import NVFP4Quantizer
@@ -141,7 +142,7 @@ def _quantize(q, x, scales, slot: int, amaxes=None):
     if scales is None:
         return q.quantize_unchecked(x)
     return q.quantize_with_scale(x, scales[slot], checked=False,
-                                 amax_out=None if amaxes is None else amaxes[slot])
+                                 amax_out=None if amaxes is None else AmaxSlot(amaxes, slot))
 
 
 def _amax(x) -> torch.Tensor:
@@ -155,14 +156,15 @@ def _zero_amaxes(history):
                                                     device=history.device)
 
 
-def _delayed_updates(q, history, amaxes, prefix: str, group=None) -> dict:
-    """Outputs that update the delayed-scaling buffers (LINEAR_OPS's ``*_updates``),
-    with the amaxes reduced over ``group`` first."""
+def _delayed_updates(q, history, scale, amaxes, prefix: str, group=None) -> dict:
+    """Outputs that update the delayed-scaling buffers ``history`` and
+    ``scale`` (LINEAR_OPS's ``*_updates``), with the amaxes reduced over
+    ``group`` first."""
     if history is None:
         return {}
     if group is not None:
         amaxes = D.all_reduce_max(amaxes, group)
-    new_history, new_scale = q.step(history, amaxes)
+    new_history, new_scale = q.step(history, amaxes, scale=scale)
     return {f"amax_history_{prefix}": new_history, f"scale_{prefix}": new_scale}
 
 
@@ -303,8 +305,8 @@ def linear_forward(args: LinearFwdArgs, xq=None, wq=None, amaxes=None) -> OpResu
             xq.update_usage(rowwise_usage=False)  # wgrad reads the columnwise copy only
             saved_x = xq
     saved_w = w if args.input_requires_grad else None
-    state = _delayed_updates(args.input_quantizer, args.amax_history_fwd, amaxes, "fwd",
-                             args.amax_group)
+    state = _delayed_updates(args.input_quantizer, args.amax_history_fwd, args.scale_fwd,
+                             amaxes, "fwd", args.amax_group)
     return OpResult({"out": y, "weight_workspace": workspace, **state},
                     {"inputmat": saved_x, "weightmat": saved_w, **_saved_for_updates(args)})
 
@@ -444,7 +446,8 @@ def linear_backward(args: LinearBwdArgs) -> dict:
         if args.grad_input_quantizer is not None:  # fp8_grad: the previous layer's dy
             dgrad = _quantize(args.grad_input_quantizer, dgrad, args.scale_bwd, 1, amaxes)
     state = ({} if not delayed else
-             _delayed_updates(q, args.amax_history_bwd, amaxes, "bwd", args.amax_group))
+             _delayed_updates(q, args.amax_history_bwd, args.scale_bwd, amaxes, "bwd",
+                              args.amax_group))
     if args.weight_requires_grad:
         x = args.inputmat
         if _needs_requantized_input(args, x):

@@ -85,7 +85,8 @@ class _Float8QuantizerBase(Quantizer):
                                    checked: bool = True, amax_out=None):
         """Quantize ``x`` with an fp32 scale computed elsewhere (one element);
         ``checked=False`` is the op impls' lean path (see ``quantize_unchecked``);
-        ``amax_out`` (one zeroed fp32 element) receives the amax of ``x``."""
+        ``amax_out`` (one zeroed fp32 element, or a ``kernels.reference.AmaxSlot``)
+        receives the amax of ``x``."""
         if checked:
             self._check_input(x)
         x2d = x.detach().reshape(flat_2d(x.shape))
@@ -235,19 +236,21 @@ class Float8DelayedScalingQuantizer(_Float8QuantizerBase):
     def quantize_with_scale(self, x: torch.Tensor, scale: torch.Tensor, checked: bool = True,
                             amax_out=None):
         """Quantize ``x`` with the layer's fp32 scale (one element); ``amax_out``
-        (one fp32 element, zeroed by the caller) records ``x``'s amax on the way."""
+        (one fp32 element zeroed by the caller, or a ``kernels.reference.AmaxSlot``
+        of a zeroed vector) records ``x``'s amax on the way."""
         return self._quantize_with_given_scale(x, scale, checked, amax_out)
 
-    def step(self, amax_history: torch.Tensor, amaxes: torch.Tensor) -> tuple:
+    def step(self, amax_history: torch.Tensor, amaxes: torch.Tensor, scale=None) -> tuple:
         """``(new history, new scale)`` after recording ``amaxes``, see
         :func:`delayed_scaling_step`."""
         return delayed_scaling_step(amax_history, amaxes, fp8_format=self.fp8_format,
-                                    margin=self.margin, amax_compute_algo=self.amax_compute_algo)
+                                    margin=self.margin, amax_compute_algo=self.amax_compute_algo,
+                                    scale=scale)
 
 
 def delayed_scaling_step(amax_history: torch.Tensor, amaxes: torch.Tensor, *,
                          fp8_format="e4m3", margin: int = 0,
-                         amax_compute_algo: str = "max") -> tuple:
+                         amax_compute_algo: str = "max", scale=None) -> tuple:
     """One delayed-scaling update, functional: ``(new history, new scale)``.
 
     ``amax_history`` is ``(L, n)`` (one column per tensor), ``amaxes`` the
@@ -255,13 +258,16 @@ def delayed_scaling_step(amax_history: torch.Tensor, amaxes: torch.Tensor, *,
     history (``"max"`` over all rows or ``"most_recent"`` = this step); then
     the history rolls down one row and row 0 is zeroed for the next step.
     (``kernels.reference.delayed_scaling_step`` defines it; CUDA runs it as
-    one kernel.)
+    one kernel.)  ``scale``: the buffer the new scale will be copied into, if
+    any; it is not read (a lowered trace may write the update there in place,
+    ``kernels.triton_quant.delayed_scaling_step``).
     """
     if amax_compute_algo not in ("max", "most_recent"):
         raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', "
                          f"got {amax_compute_algo!r}")
     fn = kernels.get("delayed_scaling_step", amax_history)
-    return fn(amax_history, amaxes, fp8_format_name(fp8_format), int(margin), amax_compute_algo)
+    return fn(amax_history, amaxes, fp8_format_name(fp8_format), int(margin), amax_compute_algo,
+              scale)
 
 
 def update_delayed_scaling(amax_history: torch.Tensor, scale: torch.Tensor, *,
