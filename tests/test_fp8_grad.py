@@ -142,9 +142,9 @@ def _count_quantize_calls(monkeypatch) -> list:
 
     calls, original, pair = [], L._quantize, Q.quantize_pair_unchecked
 
-    def spy(q, x, scales, slot, amaxes=None):
+    def spy(q, x, scales, slot, amaxes=None, step=None):
         calls.append((tuple(x.shape), q.internal))
-        return original(q, x, scales, slot, amaxes)
+        return original(q, x, scales, slot, amaxes, step)
 
     def pair_spy(q, x, other, w):
         calls.extend([(tuple(x.shape), q.internal), (tuple(w.shape), other.internal)])

@@ -267,18 +267,24 @@ def test_cuda_lowering_traces_without_copies(module, options, name, bias):
         kernels_run = [n for n in nodes
                        if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
         assert kernels_run or (name == "bf16" and not bias), f"{op}: no Triton kernel traced"
+        steps = []
         for n in kernels_run:
             args = n.kwargs["kwargs"]
             copied = [k for k in n.kwargs["tensors_to_clone"] if _graph_input(args[k])]
-            if _kernel_name(n) == "_delayed_step_kernel":
-                # traced as writing over the history and scale buffers it
-                # updates: inductor then writes them in place (the update's
-                # copy matches), so the buffers themselves, not views
+            if "new_hist_ptr" in copied:
+                # the delayed-scaling step (its own kernel, or run by the op's
+                # last cast): traced as writing over the history and scale
+                # buffers it updates, which inductor then writes in place (the
+                # update's copy matches), so the buffers themselves, not views
+                steps.append(_kernel_name(n))
                 assert copied == ["new_hist_ptr", "new_scale_ptr"], (op, copied)
                 assert all(args[k].op == "placeholder" for k in copied), op
                 assert args["hist_ptr"] is args["new_hist_ptr"], op
                 continue
             assert copied == [], f"{op}: a kernel copies its inputs {copied}"
+        if name == "fp8_delayed":  # the casts of the weight and of dy run the steps
+            gemms = 2 if module == "layernorm_mlp" else 1
+            assert steps == ["_fp8_tensorwise_kernel"] * gemms, (op, steps)
         if bias:
             names = [set(n.kwargs["kwargs"]) for n in kernels_run]
             if op.name().endswith("_bwd"):

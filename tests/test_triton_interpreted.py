@@ -10,7 +10,8 @@ the norm forward's partial maxima of y and of the weight it reads beside
 (``side``), exact, and its delayed-scaling mode: the FP8 copies it writes
 equal the quantize kernel's of its y (both cast by the interpreter), its
 amax is exact (into a slot of a vector), and y is written only when
-asked; the delayed-scaling step written over its own history.
+asked; the delayed-scaling step written over its own history, alone and
+run by the cast that records an op call's last amax.
 The quantize kernels' FP8 casts differ from the GPU's in the interpreter,
 so their numerics are left to tests/gpu.  Needs Triton.
 """
@@ -117,6 +118,33 @@ for algo in ("max", "most_recent"):
     scale = torch.full((2,), 7.0)
     tq._step_into(hist, amaxes, hist, scale, "e4m3", 1, algo)
     assert torch.equal(hist, want_hist) and torch.equal(scale, want_scale), algo
+# a cast that records the op call's last amax runs the step in its last program
+# (counted in amaxes[STEP_COUNTER]), also over its own history and the scale it casts with;
+# a history longer than one tile gets a step launch of its own
+for in_place, algo, n_len, max_programs in ((False, "max", 1024, 2048),
+                                            (True, "max", 1024, 2048),
+                                            (True, "most_recent", 1024, 2048),
+                                            (True, "max", 4096, 2048),
+                                            (True, "max", 1024, 10)):
+    tq._MAX_STEP_PROGRAMS = max_programs  # fewer than the grid's 20: a step launch of its own
+    x = torch.randn(300, 512, generator=g) * 5
+    hist = torch.rand(n_len, 2, generator=g) * 100
+    scale = torch.tensor([3.0, 0.5])
+    amaxes = torch.zeros(ref.STEP_COUNTER + 1)
+    amaxes[0] = 40.0
+    want_bytes = tq.quantize_fp8_tensorwise(x, scale[1].clone(), "e4m3", True, True)
+    want_hist, want_scale = ref.delayed_scaling_step(
+        hist, torch.stack([amaxes[0], x.abs().max()]), "e4m3", 2, algo)
+    new_hist, new_scale = (hist, scale) if in_place else (torch.empty_like(hist),
+                                                          torch.empty_like(scale))
+    got = tq.quantize_fp8_tensorwise(x, scale[1], "e4m3", True, True, ref.AmaxSlot(
+        amaxes, 1, ref.StepAfter(hist, new_hist, new_scale, "e4m3", 2, algo)))
+    for key in want_bytes:
+        assert torch.equal(got[key].view(torch.uint8), want_bytes[key].view(torch.uint8)), key
+    assert torch.equal(new_hist, want_hist) and torch.equal(new_scale, want_scale), (in_place,
+                                                                                     algo)
+    counted = 20 if n_len == 1024 and max_programs > 20 else 0  # the (5, 4) grid, if fused
+    assert amaxes[ref.STEP_COUNTER].view(torch.int32) == counted, (amaxes, n_len)
 print("ok")
 '''
 

@@ -68,6 +68,31 @@ def test_delayed_scaling_step_in_place_equals_reference(n_len):
     assert _bits_equal(hist, want_hist) and _bits_equal(scale, want_scale)
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("shape", [(300, 512), (8192, 4096)], ids=str)
+def test_cast_runs_the_delayed_step_after_the_last_amax(shape, in_place):
+    """The cast recording an op call's last amax runs the step in the program
+    that finishes last: the other programs' maxima are all in (a large grid,
+    the max in the last tile), and with the step written over the history and
+    the scale the cast reads, every program still casts with the old scale."""
+    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 5
+    x[-1, -1] = 900.0
+    hist = torch.rand(1024, 2, device="cuda") * 100
+    scale = torch.tensor([3.0, 0.25], device="cuda")
+    amaxes = torch.zeros(ref.STEP_COUNTER + 1, device="cuda")
+    amaxes[0] = 40.0
+    want_bytes = tq.quantize_fp8_tensorwise(x, scale[1].clone(), "e4m3", True, True)
+    want_hist, want_scale = ref.delayed_scaling_step(
+        hist, torch.stack([amaxes[0], x.float().abs().max()]), "e4m3", 0, "max")
+    new_hist, new_scale = ((hist, scale) if in_place else
+                           (torch.empty_like(hist), torch.empty_like(scale)))
+    got = tq.quantize_fp8_tensorwise(x, scale[1], "e4m3", True, True, ref.AmaxSlot(
+        amaxes, 1, ref.StepAfter(hist, new_hist, new_scale, "e4m3", 0, "max")))
+    for key in want_bytes:
+        assert _bits_equal(got[key], want_bytes[key]), key
+    assert _bits_equal(new_hist, want_hist) and _bits_equal(new_scale, want_scale)
+
+
 def test_given_scale_records_amax_into_a_slot_of_a_vector():
     x = torch.randn(300, 512, device="cuda") * 5
     amaxes = torch.zeros(3, device="cuda")

@@ -57,16 +57,23 @@ def test_delayed_scaling_lowered_on_cuda(bias):
     assert _train("fp8_delayed", bias=bias, steps=4, device="cuda") == {"fwd": 0, "bwd": 0}
 
 
-@pytest.mark.parametrize("module", ["linear", "layernorm_linear"])
+@pytest.mark.parametrize("module", ["linear", "layernorm_linear", "layernorm_mlp"])
 def test_delayed_scaling_writes_its_buffers_in_place(module):
-    """Lowered, each op's step kernel writes the layer's amax history and
-    scale buffers themselves (traced as writing over them, which inductor
-    reinplaces against the update's copy), and the amax slots are no views
-    of the amax vector: no copy kernel in the forward or backward graph
-    (before: two write-back copies per op and a copy and scatter per slot)."""
+    """Lowered, the delayed-scaling step runs inside the weight's (forward)
+    and dy's (backward) cast, traced as writing over the layer's history and
+    scale buffers, and inductor does those writes in place: no step or
+    write-back copy kernel is left in the generated code (before: a step
+    kernel, two write-back copies per op and a copy and scatter per amax
+    slot).  Its reinplacing pass may miss only amax vectors: inductor folds
+    every op's zeroed vector into one constant ``full``, so a second GEMM
+    in one graph (LayerNormMLP's fc2) gets its zeros filled by a copy of
+    that constant, the same one fill per op as an unshared vector."""
     import re
 
     import test_lowering
+    from torch._dynamo.utils import ReinplaceCounters
+
+    from transformer_engine_compile.kernels import reference as ref
     from torch._inductor.utils import run_and_get_code
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -74,15 +81,16 @@ def test_delayed_scaling_writes_its_buffers_in_place(module):
     x = torch.randn(32, 64, dtype=torch.bfloat16, device="cuda")
     fwd = torch.compile(test_lowering._forward(test_lowering.RECIPES["fp8_delayed"]()),
                         fullgraph=True)
+    ReinplaceCounters.clear()
     _, code = run_and_get_code(test_lowering._step, layer, x, fwd)
+    missed = dict(ReinplaceCounters._values)
+    vector_bytes = 4 * (ref.STEP_COUNTER + 1)
+    assert missed.get("missed_bytes_TRITON_OPS", 0) == vector_bytes * missed.get(
+        "missed_tensors_TRITON_OPS", 0), missed
     text = "\n".join(code)
-    steps = re.findall(r"\b_delayed_step_kernel_\d+\.run\(([^)]*)\)", text)
-    assert len(steps) == 2, steps  # forward and backward
-    for call in steps:
-        args = [a.strip() for a in call.split(",")]
-        assert args[0] == args[2], f"history not written in place: {args}"
-    copies = re.findall(r"def (triton_\w*copy_\w*)\(", text)
-    assert copies == [], copies
+    assert re.search(r"\b_fp8_tensorwise_kernel_\d+\.run\(", text)
+    assert not re.search(r"\b_delayed_step_kernel_\d+\.run\(", text)
+    assert re.findall(r"def (triton_\w*copy_\w*)\(", text) == []
 
 
 @pytest.mark.parametrize("module, options", LN_CASES)

@@ -43,17 +43,45 @@ def transpose_bytes(x2d: torch.Tensor, out=None) -> torch.Tensor:
 
 
 # -- scales ----------------------------------------------------------------------
+STEP_COUNTER = 32  # index of a StepAfter's program counter in the amax vector
+
+
+class StepAfter(NamedTuple):
+    """The delayed-scaling step (:func:`delayed_scaling_step`) that a
+    quantization recording the last amax of an op call runs when it is
+    done: over the ``(L, n)`` ``history`` with the amaxes ``amaxes[:n]`` of
+    its :class:`AmaxSlot`, into ``new_history`` and ``new_scale``.  A fast
+    cast kernel runs it in the program that finishes last (counted in the
+    zeroed ``amaxes[STEP_COUNTER]``, a cache line of its own), which saves
+    the step's own launch."""
+
+    history: torch.Tensor
+    new_history: torch.Tensor
+    new_scale: torch.Tensor
+    fmt: str
+    margin: int
+    algo: str
+
+    def run(self, amaxes: torch.Tensor) -> None:
+        hist, scale = delayed_scaling_step(self.history, amaxes[:self.history.shape[1]],
+                                           self.fmt, self.margin, self.algo)
+        self.new_history.copy_(hist)
+        self.new_scale.copy_(scale)
+
+
 class AmaxSlot(NamedTuple):
     """Where a delayed-scaling quantization records its amax: element
     ``index`` of the fp32 vector ``amaxes`` (zeroed by the caller), raised
-    in place.  Fast kernels take the vector and the index, never the
-    one-element view ``amaxes[index]``: traced into inductor (the lowered
-    ops), a kernel that writes a view makes the functionalized graph copy
-    the element out and scatter it back around the launch (two kernels),
-    while a write to the whole vector is done in place."""
+    in place; then ``step``, if given.  Fast kernels take the vector and the
+    index, never the one-element view ``amaxes[index]``: traced into
+    inductor (the lowered ops), a kernel that writes a view makes the
+    functionalized graph copy the element out and scatter it back around
+    the launch (two kernels), while a write to the whole vector is done in
+    place."""
 
     amaxes: torch.Tensor
     index: int = 0
+    step: StepAfter | None = None
 
     def element(self) -> torch.Tensor:
         return self.amaxes[self.index]
@@ -106,9 +134,11 @@ def quantize_fp8_tensorwise(x2d, scale, fmt, rowwise, columnwise, amax_out=None)
     ``amax_out`` (an :class:`AmaxSlot` or one fp32 element, in place): raised
     to the amax of x2d (delayed scaling records it while quantizing)."""
     scale = scale.reshape(1).float()
-    if amax_out is not None:
-        slot = amax_slot(amax_out).element()
-        slot.copy_(torch.maximum(slot, amax(x2d)))
+    slot = amax_slot(amax_out)
+    if slot is not None:
+        slot.element().copy_(torch.maximum(slot.element(), amax(x2d)))
+        if slot.step is not None:
+            slot.step.run(slot.amaxes)
     out = {}
     if rowwise:
         out["data"] = cast_fp8(x2d, scale, fmt)

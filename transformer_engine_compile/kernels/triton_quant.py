@@ -260,15 +260,24 @@ def _store_fp8_copies(x, s, rm, rk, mask, x_ptr, M, K, pid_m, pid_k, data_ptr, t
 
 @triton.jit
 def _fp8_tensorwise_kernel(x_ptr, M, K, amax_ptr, n_parts, scale_ptr, data_ptr, t_ptr, sinv_ptr,
+                           hist_ptr, new_hist_ptr, new_scale_ptr, L, N,
                            FMT_MAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr,
                            FROM_AMAX: tl.constexpr, RECORD_AMAX: tl.constexpr,
                            ROW: tl.constexpr, COL: tl.constexpr, OUT: tl.constexpr,
                            BM: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr,
-                           SLOT: tl.constexpr):
+                           SLOT: tl.constexpr, STEP: tl.constexpr, STEP_MAX: tl.constexpr,
+                           MARGIN_FACTOR: tl.constexpr, MOST_RECENT: tl.constexpr,
+                           BL: tl.constexpr, BN: tl.constexpr):
     """FROM_AMAX: the scale from the n_parts int32 partial maxima at
     amax_ptr; else the fp32 scale at scale_ptr, and RECORD_AMAX raises the
     zeroed fp32 slot amax_ptr[SLOT] to this tensor's max |x| (atomic max of
-    the bits)."""
+    the bits).  STEP (with RECORD_AMAX, the last amax of an op call): the
+    program that finishes last (counted in amax_ptr[STEP_COUNTER], zeroed)
+    then runs the delayed-scaling step over the (L, N) history with the N
+    amaxes, as ``_delayed_step_kernel`` does, so the step needs no launch
+    of its own; all N columns in one (BL, BN) tile, which keeps the last
+    program's tail short.  Every program reads the scale before it is
+    counted, so new_scale_ptr may hold the scale read here."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     if FROM_AMAX:
         s = _scale_from_parts(amax_ptr, n_parts, FMT_MAX, EPS, POW2, NP)
@@ -281,6 +290,12 @@ def _fp8_tensorwise_kernel(x_ptr, M, K, amax_ptr, n_parts, scale_ptr, data_ptr, 
                       tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
     _store_fp8_copies(x, s, rm, rk, mask, x_ptr, M, K, pid_m, pid_k, data_ptr, t_ptr, sinv_ptr,
                       FMT_MAX, ROW, COL, OUT, BM, BK)
+    if STEP:  # counted after the stores (before them the wait on the count delays them)
+        tl.debug_barrier()  # the scale is read and the amax raised before the count
+        done = tl.atomic_add(_int_slot(amax_ptr + _STEP_COUNTER), 1)  # acq_rel
+        if done == tl.num_programs(0) * tl.num_programs(1) - 1:
+            _step_tile(hist_ptr, amax_ptr, new_hist_ptr, new_scale_ptr, L, N, STEP_MAX,
+                       MARGIN_FACTOR, MOST_RECENT, BL, BN)
 
 
 @triton.jit
@@ -314,6 +329,7 @@ def _fp8_current_pair_kernel(a_ptr, Ma, Ka, b_ptr, Mb, Kb, part_ptr, Pa, Pb,
 
 
 _TW_BM, _TW_BK = 64, 128
+_STEP_COUNTER = tl.constexpr(ref.STEP_COUNTER)
 _AMAX_BM, _AMAX_BK = 64, 256
 _MAX_PARTS = 256  # programs of the amax pass (a power of two: the cast pass loads them all)
 _MAX_GIVEN_PARTS = 1024  # partial maxima a caller may give quantize_fp8_current
@@ -367,7 +383,7 @@ def _fp8_tensorwise(x2d, fmt, rowwise, columnwise, *, scale=None, amax_out=None,
     out = _fp8_outputs(x2d.device, ref.FP8_DTYPE[fmt], m, k, rowwise, columnwise)
     dev = x2d.device
     xkey = _x_key(x2d, m, k)
-    index = 0  # the amax slot's index in amax_arg (delayed scaling)
+    slot, index = None, 0  # delayed scaling's amax slot and its index in amax_arg
     if scale is None and amax_parts is not None:
         n_parts = amax_parts.shape[0]
         amax_arg, scale_arg = amax_parts.view(torch.int32), out["scale_inv"]
@@ -390,10 +406,45 @@ def _fp8_tensorwise(x2d, fmt, rowwise, columnwise, *, scale=None, amax_out=None,
     flags = (fmt, float(eps), bool(pow2), scale is None, amax_out is not None, bool(rowwise),
              bool(columnwise))
     n_load = _MAX_PARTS if n_parts <= _MAX_PARTS else 1 << (n_parts - 1).bit_length()
-    _fp8_tensorwise_launch(grid, (key, flags, n_load, index), x2d, m, k, amax_arg, n_parts,
-                           scale_arg, *_fp8_copy_args(out), ref.FP8_MAX[fmt], *flags[1:],
-                           _TL_FP8[fmt], _TW_BM, _TW_BK, n_load, index)
+    step = None if scale is None or slot is None else slot.step
+    step_args, step_consts = _step_args(step, x2d, grid[0] * grid[1])
+    step_key = step_consts + tuple(int_key(v) for v in step_args[3:])
+    _fp8_tensorwise_launch(grid, (key, flags, n_load, index, step_key), x2d, m, k, amax_arg,
+                           n_parts, scale_arg, *_fp8_copy_args(out), *step_args,
+                           ref.FP8_MAX[fmt], *flags[1:], _TL_FP8[fmt], _TW_BM, _TW_BK, n_load,
+                           index, *step_consts)
+    if step is not None and not step_consts[0]:
+        _step_into(step.history, amax_arg, step.new_history, step.new_scale, step.fmt,
+                   step.margin, step.algo)
     return out
+
+
+_MAX_STEP_TILE = 4096  # history elements the cast kernel's last program steps over
+# Cast programs beyond which the step is a launch of its own: every program's
+# count is an atomic on one address, ~1.8 ns of GPU time each on an H200
+# (docs/benchmarks.md, twelfth session), against ~2 us for the step kernel
+# and ~20 us of host time for its launch.
+_MAX_STEP_PROGRAMS = 2048
+
+
+def _step_args(step, x2d, programs: int) -> tuple:
+    """(history, new history, new scale, L, N), (STEP, STEP_MAX, MARGIN_FACTOR,
+    MOST_RECENT, BL, BN) of the cast kernel of ``programs`` programs for a
+    ``reference.StepAfter`` it runs, or for none (a history longer than one
+    tile, or a large grid: then the step is a launch of its own).  Without a
+    step the pointers are the kernel's input: read only, so no spare buffers
+    (``_absent``) are needed while traced."""
+    if (step is None or _step_tile_size(step.history) > _MAX_STEP_TILE
+            or step.history.shape[1] > ref.STEP_COUNTER or programs > _MAX_STEP_PROGRAMS):
+        return (x2d, x2d, x2d, 0, 0), (False, 1.0, 1.0, False, 1, 1)
+    n_len, n_cols = step.history.shape
+    return ((step.history, step.new_history, step.new_scale, n_len, n_cols),
+            (True, ref.FP8_MAX[step.fmt], 2.0 ** -step.margin, step.algo == "most_recent",
+             triton.next_power_of_2(n_len), triton.next_power_of_2(n_cols)))
+
+
+def _step_tile_size(history) -> int:
+    return triton.next_power_of_2(history.shape[0]) * triton.next_power_of_2(history.shape[1])
 
 
 def quantize_fp8_tensorwise(x2d, scale, fmt, rowwise, columnwise, amax_out=None) -> dict:
@@ -473,31 +524,68 @@ def _fp8_current_pair_cast(a2d, b2d, parts, pa, pb, fmt, pow2, eps, a_usage, b_u
 
 # -- delayed scaling ---------------------------------------------------------------------
 @triton.jit
-def _delayed_step_kernel(hist_ptr, amax_ptr, new_hist_ptr, new_scale_ptr, L, N,
-                         FMT_MAX: tl.constexpr, MARGIN_FACTOR: tl.constexpr,
-                         MOST_RECENT: tl.constexpr, BL: tl.constexpr):
-    """reference.delayed_scaling_step for column j = program_id(0) of the
-    (L, N) history: row 0 becomes amax[j], the scale comes from the max of
+def _step_scale(top, FMT_MAX: tl.constexpr, MARGIN_FACTOR: tl.constexpr):
+    """reference.compute_scale of the history's max ``top``."""
+    s = _recip(top) * FMT_MAX * MARGIN_FACTOR
+    s = tl.where(s == float("inf"), _FP32_MAX, s)
+    return tl.where((top > 0) & (top == top) & (top != float("inf")), s, 1.0)
+
+
+@triton.jit
+def _step_column(hist_ptr, a, new_hist_ptr, new_scale_ptr, L, N, j, FMT_MAX: tl.constexpr,
+                 MARGIN_FACTOR: tl.constexpr, MOST_RECENT: tl.constexpr, BL: tl.constexpr):
+    """reference.delayed_scaling_step for column j of the (L, N) history with
+    this step's amax ``a``: row 0 becomes a, the scale comes from the max of
     the column (or row 0), then the column rolls down and row 0 is zeroed.
     new_hist_ptr may be hist_ptr (in place): every load precedes the barrier."""
-    j = tl.program_id(0)
     rows = tl.arange(0, BL)
-    a = tl.load(amax_ptr + j)
     h = tl.load(hist_ptr + rows * N + j, mask=(rows > 0) & (rows < L), other=0.0)
     h = tl.where(rows == 0, a, h)
     if MOST_RECENT:
         top = a
     else:  # max over the bits of non-negative floats: NaN wins, as torch.amax
         top = tl.max(h.to(tl.int32, bitcast=True), axis=0).to(tl.float32, bitcast=True)
-    s = _recip(top) * FMT_MAX * MARGIN_FACTOR
-    s = tl.where(s == float("inf"), _FP32_MAX, s)
-    s = tl.where((top > 0) & (top == top) & (top != float("inf")), s, 1.0)
+    s = _step_scale(top, FMT_MAX, MARGIN_FACTOR)
     # rolled: new[i] = h[i - 1] for i >= 1, new[0] = 0
     prev = tl.load(hist_ptr + (rows - 1) * N + j, mask=(rows > 1) & (rows < L), other=0.0)
     prev = tl.where(rows == 1, a, prev)
     tl.debug_barrier()  # all of the column read before any of it is overwritten
     tl.store(new_scale_ptr + j, s)
     tl.store(new_hist_ptr + rows * N + j, prev, mask=rows < L)
+
+
+@triton.jit
+def _step_tile(hist_ptr, amax_ptr, new_hist_ptr, new_scale_ptr, L, N, FMT_MAX: tl.constexpr,
+               MARGIN_FACTOR: tl.constexpr, MOST_RECENT: tl.constexpr, BL: tl.constexpr,
+               BN: tl.constexpr):
+    """:func:`_step_column` for all N columns at once, a (BL, BN) tile (one
+    round of loads instead of one per column), the amaxes read past L1."""
+    rows = tl.arange(0, BL)[:, None]
+    cols = tl.arange(0, BN)[None, :]
+    col_ok = cols < N
+    a = tl.load(amax_ptr + cols, mask=col_ok, other=0.0, volatile=True)
+    h = tl.load(hist_ptr + rows * N + cols, mask=(rows > 0) & (rows < L) & col_ok, other=0.0)
+    prev = tl.load(hist_ptr + (rows - 1) * N + cols, mask=(rows > 1) & (rows < L) & col_ok,
+                   other=0.0)
+    h = tl.where(rows == 0, a, h)
+    if MOST_RECENT:
+        h = a
+    top = tl.max(h.to(tl.int32, bitcast=True), axis=0).to(tl.float32, bitcast=True)
+    s = _step_scale(top, FMT_MAX, MARGIN_FACTOR)
+    prev = tl.where(rows == 1, a, prev)
+    tl.debug_barrier()  # all of the history read before any of it is overwritten
+    tl.store(new_scale_ptr + tl.arange(0, BN), s, mask=tl.arange(0, BN) < N)
+    tl.store(new_hist_ptr + rows * N + cols, prev, mask=(rows < L) & col_ok)
+
+
+@triton.jit
+def _delayed_step_kernel(hist_ptr, amax_ptr, new_hist_ptr, new_scale_ptr, L, N,
+                         FMT_MAX: tl.constexpr, MARGIN_FACTOR: tl.constexpr,
+                         MOST_RECENT: tl.constexpr, BL: tl.constexpr):
+    """The delayed-scaling step of column j = program_id(0) (:func:`_step_column`)."""
+    j = tl.program_id(0)
+    _step_column(hist_ptr, tl.load(amax_ptr + j), new_hist_ptr, new_scale_ptr, L, N, j,
+                 FMT_MAX, MARGIN_FACTOR, MOST_RECENT, BL)
 
 
 _delayed_step_launch = Launcher(_delayed_step_kernel, num_warps=4)

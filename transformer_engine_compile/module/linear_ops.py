@@ -34,7 +34,7 @@ from ..dynamo.custom_op import OpResult, register_custom_op
 from ..dynamo.opaque import is_value_opaque
 from ..dynamo.tensor_proto import TensorProto, to_tensor_proto
 from ..kernels.gemm import gemm
-from ..kernels.reference import AmaxSlot
+from ..kernels.reference import STEP_COUNTER, AmaxSlot
 from ..quantization.base import QuantizedTensorStorage, Quantizer
 from ..quantization.mxfp8 import MXFP8Quantizer
 from ..quantization.nvfp4 import NVFP4Quantizer
@@ -135,14 +135,17 @@ def _tp(args) -> tuple:
 
 
 # -- delayed scaling ------------------------------------------------------------------
-def _quantize(q, x, scales, slot: int, amaxes=None):
+def _quantize(q, x, scales, slot: int, amaxes=None, step=None):
     """``q.quantize(x)``, or with the layer's delayed-scaling scale
-    ``scales[slot]``, recording ``x``'s amax into ``amaxes[slot]`` on the way.
-    Unchecked (the lean path): ``Linear`` validated the shapes before the ops."""
+    ``scales[slot]``, recording ``x``'s amax into ``amaxes[slot]`` on the way
+    (then running ``step``, a ``StepAfter``, when this is the op call's last
+    amax).  Unchecked (the lean path): ``Linear`` validated the shapes
+    before the ops."""
     if scales is None:
         return q.quantize_unchecked(x)
-    return q.quantize_with_scale(x, scales[slot], checked=False,
-                                 amax_out=None if amaxes is None else AmaxSlot(amaxes, slot))
+    return q.quantize_with_scale(
+        x, scales[slot], checked=False,
+        amax_out=None if amaxes is None else AmaxSlot(amaxes, slot, step))
 
 
 def _amax(x) -> torch.Tensor:
@@ -151,8 +154,10 @@ def _amax(x) -> torch.Tensor:
 
 
 def _zero_amaxes(history):
-    """This step's amaxes (one per history column, zeroed), or None without state."""
-    return None if history is None else torch.zeros(2, dtype=torch.float32,
+    """This step's amaxes, zeroed: one per history column, and at
+    ``STEP_COUNTER`` the counter of a step the last quantization runs
+    (``StepAfter``); None without state."""
+    return None if history is None else torch.zeros(STEP_COUNTER + 1, dtype=torch.float32,
                                                     device=history.device)
 
 
@@ -162,6 +167,7 @@ def _delayed_updates(q, history, scale, amaxes, prefix: str, group=None) -> dict
     ``group`` first."""
     if history is None:
         return {}
+    amaxes = amaxes[:history.shape[1]]
     if group is not None:
         amaxes = D.all_reduce_max(amaxes, group)
     new_history, new_scale = q.step(history, amaxes, scale=scale)
@@ -175,6 +181,26 @@ def _delayed_updates_fake(history, prefix: str) -> dict:
                                                   device=history.device),
             f"scale_{prefix}": TensorProto(history.shape[1:], history.dtype,
                                            device=history.device)}
+
+
+def _step_after(q, history, scale, group):
+    """The delayed-scaling step for the op call's last quantization to run
+    (``StepAfter``, one launch fewer), or None: without state, with an amax
+    group (the amaxes are all-reduced between the two), or while a CUDA
+    graph is captured (a replay costs no launches, and on the GPU the fused
+    step is the slower: docs/benchmarks.md, twelfth session)."""
+    if history is None or group is not None or (
+            history.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    return q.step_after(history, scale)
+
+
+def _step_updates(step, prefix: str) -> dict:
+    """``_delayed_updates``' outputs for a step a quantization ran: new
+    objects (an op returns none of its inputs; inside a lowered trace the
+    step writes over the buffers themselves, see ``step_after``)."""
+    return {f"amax_history_{prefix}": step.new_history.view(step.history.shape),
+            f"scale_{prefix}": step.new_scale.view(step.new_scale.shape)}
 
 
 # -- forward ------------------------------------------------------------------------
@@ -204,9 +230,10 @@ def _quantizes_weight(args: LinearFwdArgs) -> bool:
                 or isinstance(args.weight, QuantizedTensorStorage))
 
 
-def _weight_for_gemm(args: LinearFwdArgs, amaxes=None):
+def _weight_for_gemm(args: LinearFwdArgs, amaxes=None, step=None):
     """(weight operand, freshly cached workspace or None); under delayed
-    scaling the weight's amax goes to ``amaxes[1]`` (zero for an FP8 weight)."""
+    scaling the weight's amax goes to ``amaxes[1]`` (zero for an FP8 weight),
+    and its quantization runs ``step`` when given (only if it quantizes)."""
     w = args.weight
     if _reuses_workspace(args):
         if amaxes is not None and not isinstance(w, QuantizedTensorStorage):
@@ -214,7 +241,7 @@ def _weight_for_gemm(args: LinearFwdArgs, amaxes=None):
         return args.weight_workspace, None
     if not _quantizes_weight(args):
         return w, None
-    wq = _quantize(_weight_quantizer(args), w, args.scale_fwd, 1, amaxes)
+    wq = _quantize(_weight_quantizer(args), w, args.scale_fwd, 1, amaxes, step)
     return wq, (wq if args.cache_weight else None)
 
 
@@ -280,14 +307,18 @@ def linear_forward(args: LinearFwdArgs, xq=None, wq=None, amaxes=None) -> OpResu
     if wq is not None and xq is None:
         raise ValueError("linear_forward: a pre-quantized weight comes with the input's")
     pair = None if xq is not None or (mode == "column" and sp) else _paired_weight_quantizer(args, q)
+    step = None  # a StepAfter the weight's quantization runs
     if wq is not None:
         x_total, w, workspace = x, wq, (wq if args.cache_weight else None)
     elif pair is not None:
         xq, w = q.quantize_pair_unchecked(x, pair, args.weight)
         x_total, workspace = x, (w if args.cache_weight else None)
-    else:
+    else:  # under delayed scaling the weight's cast (the last amax) runs the step
         x_total, xq = _input_for_gemm(args, q, xq, amaxes)
-        w, workspace = _weight_for_gemm(args, amaxes)
+        if _quantizes_weight(args):
+            step = _step_after(args.input_quantizer, args.amax_history_fwd, args.scale_fwd,
+                               args.amax_group)
+        w, workspace = _weight_for_gemm(args, amaxes, step)
     y = gemm(xq, "rowwise", w, "rowwise", (xq if x is None else x).dtype,
              None if mode == "row" else args.bias,
              fast_accum=True).view(_out_shape(xq.shape, w.shape))
@@ -305,8 +336,9 @@ def linear_forward(args: LinearFwdArgs, xq=None, wq=None, amaxes=None) -> OpResu
             xq.update_usage(rowwise_usage=False)  # wgrad reads the columnwise copy only
             saved_x = xq
     saved_w = w if args.input_requires_grad else None
-    state = _delayed_updates(args.input_quantizer, args.amax_history_fwd, args.scale_fwd,
-                             amaxes, "fwd", args.amax_group)
+    state = (_step_updates(step, "fwd") if step is not None else
+             _delayed_updates(args.input_quantizer, args.amax_history_fwd, args.scale_fwd,
+                              amaxes, "fwd", args.amax_group))
     return OpResult({"out": y, "weight_workspace": workspace, **state},
                     {"inputmat": saved_x, "weightmat": saved_w, **_saved_for_updates(args)})
 
@@ -419,6 +451,7 @@ def linear_backward(args: LinearBwdArgs) -> dict:
     q = _grad_output_quantizer(args)
     delayed = q is not None and args.amax_history_bwd is not None
     amaxes = _zero_amaxes(args.amax_history_bwd) if delayed else None  # dy, dgrad (fp8_grad)
+    step = None  # a StepAfter dy's quantization runs
     if _uses_quantized_grad(args, q):
         dyq = dy  # its amax (delayed scaling) and bias gradient: from its values
         dy = dy_total = dy.dequantize() if args.bias_requires_grad or delayed else None
@@ -431,9 +464,11 @@ def linear_backward(args: LinearBwdArgs) -> dict:
             dy_total, dyq = D.gather_and_quantize(
                 dy, q, args.tp_group, args.tp_size,
                 quantize=lambda t: _quantize(q, t, args.scale_bwd, 0, amaxes))
-        else:
+        else:  # dy's cast runs the step when it records the last amax (no fp8_grad)
+            if delayed and args.grad_input_quantizer is None:
+                step = _step_after(q, args.amax_history_bwd, args.scale_bwd, args.amax_group)
             dy_total, dyq = dy, (dy if q is None else
-                                 _quantize(q, dy, args.scale_bwd, 0, amaxes))
+                                 _quantize(q, dy, args.scale_bwd, 0, amaxes, step))
     dtype, n_out = args.grad_output.dtype, args.grad_output.shape[-1]
     dgrad = wgrad = dbias = None
     if args.input_requires_grad:
@@ -445,7 +480,7 @@ def linear_backward(args: LinearBwdArgs) -> dict:
                      else D.all_reduce_sum(dgrad, args.tp_group))
         if args.grad_input_quantizer is not None:  # fp8_grad: the previous layer's dy
             dgrad = _quantize(args.grad_input_quantizer, dgrad, args.scale_bwd, 1, amaxes)
-    state = ({} if not delayed else
+    state = ({} if not delayed else _step_updates(step, "bwd") if step is not None else
              _delayed_updates(q, args.amax_history_bwd, args.scale_bwd, amaxes, "bwd",
                               args.amax_group))
     if args.weight_requires_grad:

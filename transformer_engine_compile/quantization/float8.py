@@ -13,6 +13,7 @@ import torch
 from .. import kernels
 from ..dynamo.opaque import register_value_opaque_quantizer
 from ..kernels import reference as ref
+from ..kernels import tracing
 from .base import BufferSpec, Quantizer, QuantizedTensorStorage, flat_2d, rows_2d
 from .wrapper import QuantizedTensor
 
@@ -239,6 +240,19 @@ class Float8DelayedScalingQuantizer(_Float8QuantizerBase):
         (one fp32 element zeroed by the caller, or a ``kernels.reference.AmaxSlot``
         of a zeroed vector) records ``x``'s amax on the way."""
         return self._quantize_with_given_scale(x, scale, checked, amax_out)
+
+    def step_after(self, amax_history: torch.Tensor, scale: torch.Tensor):
+        """This quantizer's :meth:`step` for a quantization to run after it
+        records the last amax of an op call (``kernels.reference.StepAfter``),
+        into new buffers; inside a lowered trace over ``amax_history`` and
+        ``scale`` themselves, as ``kernels.triton_quant.delayed_scaling_step``
+        explains (functionalized: both keep their values)."""
+        if tracing.functional(amax_history, scale):
+            new_history, new_scale = amax_history, scale
+        else:
+            new_history, new_scale = torch.empty_like(amax_history), torch.empty_like(scale)
+        return ref.StepAfter(amax_history, new_history, new_scale, self.fp8_format, self.margin,
+                         self.amax_compute_algo)
 
     def step(self, amax_history: torch.Tensor, amaxes: torch.Tensor, scale=None) -> tuple:
         """``(new history, new scale)`` after recording ``amaxes``, see
