@@ -299,6 +299,9 @@ def _launch_fwd(x2d, weight, bias, eps, rms, with_amax, side, fp8=None) -> tuple
     if fp8 is not None:
         scale, fmt, amax_out, _, buffers = fp8
         amax_out = ref.amax_slot(amax_out)  # the whole vector: see AmaxSlot
+        if amax_out.step is not None:
+            raise ValueError("norm_forward_fp8 runs no delayed-scaling step (StepAfter): "
+                             "give it to the op call's last quantization")
         parts, slot = amax_out.amaxes, amax_out.index
         q, sinv = buffers["data"], buffers["scale_inv"]
     else:
