@@ -11,7 +11,7 @@ from transformer_engine_compile.kernels import reference as ref
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 if torch.cuda.is_available():
     pytest.importorskip("triton")
-    from transformer_engine_compile.kernels import triton_quant as tq
+    from transformer_engine_compile.kernels import triton_block as tbk, triton_quant as tq
     from transformer_engine_compile.kernels.triton_launch import Launcher, _Handle
 
 
@@ -110,10 +110,10 @@ def test_mxfp8_dequantize_equals_reference(rowwise, out_dtype):
     q = ref.quantize_mxfp8(x, "e4m3", True, True)
     key = "rowwise" if rowwise else "columnwise"
     data, scale = q[f"{key}_data"], q[f"{key}_scale_inv"]
-    fast = tq.dequantize_mxfp8(data, scale, rowwise, out_dtype)
+    fast = tbk.dequantize_mxfp8(data, scale, rowwise, out_dtype)
     slow = ref.dequantize_mxfp8(data, scale, rowwise).to(out_dtype)
     assert fast.dtype == out_dtype and _bits_equal(fast, slow)
-    assert kernels.get("dequantize_mxfp8", data) is tq.dequantize_mxfp8
+    assert kernels.get("dequantize_mxfp8", data) is tbk.dequantize_mxfp8
 
 
 def test_launcher_caches_a_handle_and_check_mode_catches_a_wrong_key():

@@ -26,9 +26,12 @@ def register() -> None:
     from . import triton_quant as tq
     for name in ("amax", "quantize_fp8_tensorwise", "quantize_fp8_current",
                  "quantize_fp8_current_pair", "quantize_fp8_current_pair_from_parts",
-                 "quantize_fp8_blockwise", "quantize_mxfp8", "dequantize_mxfp8",
                  "delayed_scaling_step", "transpose_bytes"):
         register_fast(name, "cuda", getattr(tq, name))
+        _REGISTERED.append(name)
+    from . import triton_block as tbk
+    for name in ("quantize_fp8_blockwise", "quantize_mxfp8", "dequantize_mxfp8"):
+        register_fast(name, "cuda", getattr(tbk, name))
         _REGISTERED.append(name)
     from .triton_nvfp4 import quantize_nvfp4
     register_fast("quantize_nvfp4", "cuda", quantize_nvfp4)

@@ -1,0 +1,206 @@
+"""FP8 blockwise and MXFP8 quantization kernels for CUDA, in Triton.
+
+Same contract as ``triton_quant`` (whose device helpers they use): each
+wrapper has the signature of the same-named function in
+``kernels.reference`` and returns bit-identical buffers.  FP8 blockwise
+(1x128 and 128x128) and MXFP8 (1x32 / 32x1) take one pass over the tiles
+that writes both copies and their block scales; MXFP8 dequantization to
+bf16 (the emulated GEMM's operands) is one pass too.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from . import reference as ref
+from .triton_launch import Launcher, cdiv, ptr_key
+from .triton_quant import (_TL_FP8, _abs_bits, _absent, _cast_fp8, _load_tile, _matrix, _recip,
+                           _scale_from_amax, _store_rows, _store_transposed, _tile_index, _tile_t,
+                           _x_key)
+
+_COPY_BUFFERS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
+
+
+def _alloc_copies(device, rowwise, columnwise, row_data, row_scale, col_data, col_scale) -> dict:
+    """Output buffers of a two-copy format; each spec is (shape, dtype)."""
+    specs = zip(_COPY_BUFFERS, (row_data, row_scale, col_data, col_scale))
+    return {name: torch.empty(shape, dtype=dt, device=device) for name, (shape, dt) in specs
+            if (rowwise if name.startswith("row") else columnwise)}
+
+
+def _copy_args(out: dict) -> tuple:
+    """The four buffer arguments of a two-copy kernel.  An absent copy's slot
+    gets some present buffer: ROW / COL are constexpr, so it is never touched."""
+    first = next(iter(out.values()))
+    return tuple(out[name] if name in out else _absent(first) for name in _COPY_BUFFERS)
+
+
+
+# -- FP8 blockwise ---------------------------------------------------------------------
+@triton.jit
+def _fp8_block_kernel(x_ptr, M, K, rd_ptr, rs_ptr, cd_ptr, cs_ptr,
+                      FMT_MAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr,
+                      TWO_D: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
+                      OUT: tl.constexpr, B: tl.constexpr):
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    rm, rk, mask = _tile_index(M, K, pid_m, pid_k, B, B)
+    x = _load_tile(x_ptr, rm, rk, mask, K)
+    bits = _abs_bits(x)
+    nkb = tl.cdiv(K, B)
+    if TWO_D:
+        a = tl.max(tl.max(bits, axis=1), axis=0).to(tl.float32, bitcast=True)
+        s = _scale_from_amax(a, FMT_MAX, EPS, POW2)
+        if ROW:
+            _store_rows(rd_ptr, _cast_fp8(x, s, FMT_MAX, OUT), rm, rk, mask, K)
+            tl.store(rs_ptr + pid_m * nkb + pid_k, _recip(s))
+        if COL:
+            xt, mask_t = _tile_t(x_ptr, M, K, pid_m, pid_k, B, B)
+            _store_transposed(cd_ptr, xt, s, rm, rk, mask_t, M, FMT_MAX, OUT)
+            tl.store(cs_ptr + pid_k * tl.cdiv(M, B) + pid_m, _recip(s))
+    else:
+        if ROW:  # blocks of 128 along K: one scale per row of the tile
+            s = _scale_from_amax(tl.max(bits, axis=1).to(tl.float32, bitcast=True),
+                                 FMT_MAX, EPS, POW2)
+            _store_rows(rd_ptr, _cast_fp8(x, s[:, None], FMT_MAX, OUT), rm, rk, mask, K)
+            tl.store(rs_ptr + rm.to(tl.int64) * nkb + pid_k, _recip(s), mask=rm < M)
+        if COL:  # blocks of 128 along M: one scale per row of the transposed tile
+            xt, mask_t = _tile_t(x_ptr, M, K, pid_m, pid_k, B, B)
+            s = _scale_from_amax(tl.max(_abs_bits(xt), axis=1).to(tl.float32, bitcast=True),
+                                 FMT_MAX, EPS, POW2)
+            _store_transposed(cd_ptr, xt, s[:, None], rm, rk, mask_t, M, FMT_MAX, OUT)
+            tl.store(cs_ptr + rk.to(tl.int64) * tl.cdiv(M, B) + pid_m, _recip(s), mask=rk < K)
+
+
+_fp8_block_launch = Launcher(_fp8_block_kernel)
+
+
+def quantize_fp8_blockwise(x2d, fmt, block_2d, pow2, eps, rowwise, columnwise) -> dict:
+    if x2d.numel() == 0:
+        return ref.quantize_fp8_blockwise(x2d, fmt, block_2d, pow2, eps, rowwise, columnwise)
+    x2d = _matrix(x2d)
+    m, k = x2d.shape
+    b = ref.FP8_BLOCK
+    dt = ref.FP8_DTYPE[fmt]
+    row_s, col_s = ((m // b, k // b), (k // b, m // b)) if block_2d else ((m, k // b), (k, m // b))
+    out = _alloc_copies(x2d.device, rowwise, columnwise, ((m, k), dt), (row_s, torch.float32),
+                        ((k, m), dt), (col_s, torch.float32))
+    flags = (fmt, float(eps), bool(pow2), bool(block_2d), bool(rowwise), bool(columnwise))
+    _fp8_block_launch((cdiv(m, b), cdiv(k, b)), (_x_key(x2d, m, k), flags),
+                      x2d, m, k, *_copy_args(out), ref.FP8_MAX[fmt], *flags[1:], _TL_FP8[fmt], b)
+    return out
+
+
+# -- MXFP8 -------------------------------------------------------------------------------
+@triton.jit
+def _mx_biased_exponent(bits, FRAC_MAX: tl.constexpr, EXP_MAX: tl.constexpr):
+    """reference.mx_biased_exponent from the int32 bits of a block amax (>= 0)."""
+    sub = bits < 0x00800000  # zero or subnormal: normalise by 2^64 first
+    a = bits.to(tl.float32, bitcast=True)
+    nb = tl.where(sub, a * 18446744073709551616.0, a).to(tl.int32, bitcast=True)
+    exp = ((nb >> 23) & 0xFF) - 126 - tl.where(sub, 64, 0)  # frexp exponent
+    e = exp - EXP_MAX + ((nb & 0x7FFFFF) > FRAC_MAX).to(tl.int32)
+    e = tl.where(bits > 0, e, -127)
+    e = tl.minimum(tl.maximum(e, -127), 127)
+    return tl.where(bits < 0x7F800000, e + 127, 255)
+
+
+@triton.jit
+def _mx_inverse_scale(biased):
+    """2^(127 - min(biased, 254)) in fp32 (2^-127 is subnormal)."""
+    e = 127 - tl.minimum(biased, 254)
+    normal = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    return tl.where(e >= -126, normal, (tl.zeros_like(e) + 0x00400000).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _e8m0_value(biased):
+    """reference.e8m0_to_float: 2^(b - 127), NaN for 255 (2^-127 is subnormal)."""
+    b = biased.to(tl.int32)
+    v = tl.where(b == 0, tl.zeros_like(b) + 0x00400000, b << 23).to(tl.float32, bitcast=True)
+    return tl.where(b == 255, float("nan"), v)
+
+
+@triton.jit
+def _mxfp8_kernel(x_ptr, M, K, rd_ptr, rs_ptr, cd_ptr, cs_ptr,
+                  FMT_MAX: tl.constexpr, FRAC_MAX: tl.constexpr, EXP_MAX: tl.constexpr,
+                  ROW: tl.constexpr, COL: tl.constexpr, OUT: tl.constexpr,
+                  BM: tl.constexpr, BK: tl.constexpr, MX: tl.constexpr):
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    rm, rk, mask = _tile_index(M, K, pid_m, pid_k, BM, BK)
+    x = _load_tile(x_ptr, rm, rk, mask, K)
+    bits = _abs_bits(x)
+    if ROW:  # blocks of MX along K
+        biased = _mx_biased_exponent(tl.max(tl.reshape(bits, (BM, BK // MX, MX)), axis=2),
+                                     FRAC_MAX, EXP_MAX)
+        inv = tl.reshape(tl.broadcast_to(_mx_inverse_scale(biased)[:, :, None], (BM, BK // MX, MX)),
+                         (BM, BK))
+        _store_rows(rd_ptr, _cast_fp8(x, inv, FMT_MAX, OUT), rm, rk, mask, K)
+        sk_idx = pid_k * (BK // MX) + tl.arange(0, BK // MX)
+        tl.store(rs_ptr + rm[:, None].to(tl.int64) * (K // MX) + sk_idx[None, :],
+                 biased.to(tl.uint8), mask=(rm[:, None] < M) & (sk_idx[None, :] < K // MX))
+    if COL:  # blocks of MX along M, stored in the (M, K) orientation
+        biased = _mx_biased_exponent(tl.max(tl.reshape(bits, (BM // MX, MX, BK)), axis=1),
+                                     FRAC_MAX, EXP_MAX)
+        inv = tl.reshape(tl.broadcast_to(_mx_inverse_scale(biased)[:, None, :], (BM // MX, MX, BK)),
+                         (BM, BK))
+        _store_rows(cd_ptr, _cast_fp8(x, inv, FMT_MAX, OUT), rm, rk, mask, K)
+        sm_idx = pid_m * (BM // MX) + tl.arange(0, BM // MX)
+        tl.store(cs_ptr + sm_idx[:, None].to(tl.int64) * K + rk[None, :],
+                 biased.to(tl.uint8), mask=(sm_idx[:, None] < M // MX) & (rk[None, :] < K))
+
+
+@triton.jit
+def _mxfp8_dequantize_kernel(d_ptr, s_ptr, out_ptr, M, K, ROWWISE: tl.constexpr,
+                             OUT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                             MX: tl.constexpr):
+    """One MXFP8 copy in its (M, K) orientation times its block scales, in OUT."""
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    rm, rk, mask = _tile_index(M, K, pid_m, pid_k, BM, BK)
+    d = _load_tile(d_ptr, rm, rk, mask, K)
+    if ROWWISE:
+        s_ptrs = s_ptr + rm[:, None].to(tl.int64) * (K // MX) + rk[None, :] // MX
+    else:
+        s_ptrs = s_ptr + (rm[:, None] // MX).to(tl.int64) * K + rk[None, :]
+    scale = _e8m0_value(tl.load(s_ptrs, mask=mask, other=127))
+    _store_rows(out_ptr, (d * scale).to(OUT), rm, rk, mask, K)
+
+
+_MX_BM, _MX_BK = 64, 128
+_mxfp8_launch = Launcher(_mxfp8_kernel)
+_mxfp8_dequantize_launch = Launcher(_mxfp8_dequantize_kernel)
+_TL_OUT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def quantize_mxfp8(x2d, fmt, rowwise, columnwise) -> dict:
+    if x2d.numel() == 0:
+        return ref.quantize_mxfp8(x2d, fmt, rowwise, columnwise)
+    x2d = _matrix(x2d)
+    m, k = x2d.shape
+    b = ref.MX_BLOCK
+    dt = ref.FP8_DTYPE[fmt]
+    out = _alloc_copies(x2d.device, rowwise, columnwise, ((m, k), dt), ((m, k // b), torch.uint8),
+                        ((m, k), dt), ((m // b, k), torch.uint8))
+    max_frac, max_exp = math.frexp(ref.FP8_MAX[fmt])
+    flags = (fmt, bool(rowwise), bool(columnwise))
+    _mxfp8_launch((cdiv(m, _MX_BM), cdiv(k, _MX_BK)), (_x_key(x2d, m, k), flags),
+                  x2d, m, k, *_copy_args(out), ref.FP8_MAX[fmt], int((max_frac - 0.5) * 2 ** 24),
+                  max_exp, *flags[1:], _TL_FP8[fmt], _MX_BM, _MX_BK, b)
+    return out
+
+
+def dequantize_mxfp8(data2d, biased, rowwise: bool, out_dtype=torch.float32) -> torch.Tensor:
+    """reference.dequantize_mxfp8 (then ``.to(out_dtype)``) in one pass."""
+    if data2d.numel() == 0 or out_dtype not in _TL_OUT:
+        return ref.dequantize_mxfp8(data2d, biased, rowwise).to(out_dtype)
+    data2d, biased = _matrix(data2d), _matrix(biased)
+    m, k = data2d.shape
+    out = torch.empty((m, k), dtype=out_dtype, device=data2d.device)
+    _mxfp8_dequantize_launch((cdiv(m, _MX_BM), cdiv(k, _MX_BK)),
+                             (_x_key(data2d, m, k), ptr_key(biased), bool(rowwise), out_dtype),
+                             data2d, biased, out, m, k, bool(rowwise), _TL_OUT[out_dtype],
+                             _MX_BM, _MX_BK, ref.MX_BLOCK)
+    return out
