@@ -103,6 +103,26 @@ def test_llama_smoke_run_prints_every_candidate(tmp_path, capsys):
     assert "tokens/s" in capsys.readouterr().out
 
 
+def test_autograd_threads_off_holds_for_the_run_only(tmp_path, monkeypatch):
+    """``--autograd-threads off``: the timed steps run with the engine's
+    device threads off, the setting comes back after, the JSON says so."""
+    from transformer_engine_compile import bench_llama
+    seen = []
+
+    def fake_run(*args, **kwargs):
+        seen.append(torch.autograd.is_multithreading_enabled())
+        return []
+
+    monkeypatch.setattr(bench_llama, "run", fake_run)
+    out = tmp_path / "rows.json"
+    for flag, expected in (("off", False), ("on", True)):
+        assert bench.main(["--device", "cpu", "--configs", "llama-tiny", "--modes", "eager",
+                           "--autograd-threads", flag, "--json", str(out)]) == 0
+        assert seen[-1] is expected
+        assert json.loads(out.read_text())["autograd_threads"] == flag
+        assert torch.autograd.is_multithreading_enabled()
+
+
 def test_llama_model_on_te_linear_is_the_torch_model():
     """Same weights: te.Linear in bf16 runs the same GEMMs as torch.nn.Linear."""
     from transformer_engine_compile import bench_llama as bl
@@ -122,7 +142,9 @@ def test_host_benchmark_times_the_real_ops():
                              log=lambda *_: None)
     assert [r["recipe"] for r in out["rows"]] == ["bf16", "fp8_current"]
     assert {"torch.mm", "torch.empty", "nn.Linear fwd+bwd"} <= set(out["baselines"])
-    assert all(r["fwd_us"] > 0 and r["bwd_us"] > 0 and r["eager_us"] > 0 for r in out["rows"])
+    assert all(r["fwd_us"] > 0 and r["bwd_us"] > 0 and r["eager_us"] > 0
+               and r["eager_1thread_us"] > 0 for r in out["rows"])
+    assert torch.autograd.is_multithreading_enabled()  # the 1-thread rows restore it
     # the timed closures call the layer's ops: the forward op returns the layer's output
     rec = bench_host.host_recipe("fp8_current")
     layer = te.Linear(128, 128, bias=False, params_dtype=torch.bfloat16)

@@ -278,8 +278,18 @@ def main(argv=None):
                         "('unfused')")
     p.add_argument("--bias", action="store_true",
                    help="single-layer configs: layers with a bias (te.Linear's default)")
+    p.add_argument("--autograd-threads", choices=("on", "off"), default="on",
+                   help="off: torch.autograd.set_multithreading_enabled(False) for the whole "
+                        "run, so backward functions run on the calling thread instead of the "
+                        "autograd engine's device thread (eager te.Linear's Python backward "
+                        "runs faster there; docs/linear.md, 'Eager speed')")
     p.add_argument("--json", help="also write the rows to this file")
     args = p.parse_args(argv)
+    with torch.autograd.set_multithreading_enabled(args.autograd_threads == "on"):
+        return _main(args)
+
+
+def _main(args) -> int:
     device = torch.device(args.device)
     names = args.configs or (ALL_CONFIGS if device.type == "cuda" else ["tiny"])
     modes = [m for m in args.modes if device.type == "cuda" or m != "reduce-overhead"]
@@ -288,7 +298,10 @@ def main(argv=None):
     print(f"torch {torch.__version__}, device {gpu or 'cpu'}")
     if device.type != "cuda":
         print("(on a CPU the times say little about a GPU: this is a smoke run)")
-    result = {"torch": torch.__version__, "device": str(device), "gpu": gpu}
+    if args.autograd_threads == "off":
+        print("autograd engine threads off: backward runs on the calling thread")
+    result = {"torch": torch.__version__, "device": str(device), "gpu": gpu,
+              "autograd_threads": args.autograd_threads}
     layer_cfgs = {c: {**CONFIGS, **TINY}[c] for c in names if c in CONFIGS or c in TINY}
     llama_cfgs = {c: {**bench_llama.LLAMA_CONFIGS, **bench_llama.TINY_LLAMA}[c] for c in names
                   if c.startswith("llama")}

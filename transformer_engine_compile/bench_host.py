@@ -16,7 +16,10 @@ each row is also given in units of that run's ``torch.mm`` call.  Rows:
   autograd engine's backward both run so; with grad mode torch.library's
   autograd layer adds a pytree pass over the arguments, ~80 us here).
 * ``eager fwd+bwd``: ``layer(x).backward(dy)`` under ``te.autocast``, the
-  eager user path; compared with the sum of the two ops.
+  eager user path; compared with the sum of the two ops.  ``1 thread``: the
+  same with ``torch.autograd.set_multithreading_enabled(False)``, where the
+  backward's Python runs on the calling thread instead of the autograd
+  engine's device thread (docs/linear.md, "Eager speed").
 * baselines: ``torch.mm``, ``torch._scaled_mm`` (CUDA), ``torch.empty``,
   ``torch.zeros`` and ``torch.nn.Linear`` forward + backward.
 
@@ -93,7 +96,8 @@ def _op_calls(layer, rec, x, dy):
 
 
 def measure(recipes=HOST_RECIPES, device="cuda", n=200, size=256, tokens=256, log=print):
-    """Rows ``{"recipe", "fwd_us", "bwd_us", "eager_us", "eager_ratio"}`` and baselines."""
+    """Rows ``{"recipe", "fwd_us", "bwd_us", "eager_us", "eager_1thread_us",
+    "eager_ratio"}`` and baselines."""
     from .autocast import autocast
     from .module.linear import Linear
 
@@ -115,6 +119,12 @@ def measure(recipes=HOST_RECIPES, device="cuda", n=200, size=256, tokens=256, lo
     base["torch.zeros"] = _per_call_us(lambda: torch.zeros(size, size, device=device), device, n)
     lin = torch.nn.Linear(size, size, bias=False, device=device, dtype=dt)
     base["nn.Linear fwd+bwd"] = _per_call_us(lambda: lin(x).backward(dy), device, n)
+
+    def lin_one_thread():
+        with torch.autograd.set_multithreading_enabled(False):
+            lin(x).backward(dy)
+
+    base["nn.Linear fwd+bwd 1 thread"] = _per_call_us(lin_one_thread, device, n)
     for name, us in base.items():
         log(f"{'baseline':>12} {name:>22} {us:9.1f} us")
     rows = []
@@ -129,15 +139,21 @@ def measure(recipes=HOST_RECIPES, device="cuda", n=200, size=256, tokens=256, lo
                 y = layer(x)
             y.backward(dy)
 
+        def eager_one_thread():
+            with torch.autograd.set_multithreading_enabled(False):
+                eager()
+
         row = {"recipe": name}
-        for key, fn in (("fwd", fwd), ("bwd", bwd), ("eager", eager)):
+        for key, fn in (("fwd", fwd), ("bwd", bwd), ("eager", eager),
+                        ("eager_1thread", eager_one_thread)):
             _busy_gpu(device)
             row[key + "_us"] = _per_call_us(fn, device, n)
         row["eager_ratio"] = row["eager_us"] / (row["fwd_us"] + row["bwd_us"])
         mm = base["torch.mm"]
         rows.append(row)
         log(f"{name:>12} fwd op {row['fwd_us']:8.1f} us  bwd op {row['bwd_us']:8.1f} us  "
-            f"eager fwd+bwd {row['eager_us']:8.1f} us ({row['eager_ratio']:.2f}x the ops)  "
+            f"eager fwd+bwd {row['eager_us']:8.1f} us ({row['eager_ratio']:.2f}x the ops; "
+            f"1 thread {row['eager_1thread_us']:.1f})  "
             f"in torch.mm calls: {row['fwd_us'] / mm:.1f} / {row['bwd_us'] / mm:.1f} / "
             f"{row['eager_us'] / mm:.1f}")
     ref = next((r for r in rows if r["recipe"] == "fp8_current"), None)
