@@ -78,16 +78,17 @@ class _RecordOps(TorchDispatchMode):
         return out
 
 
-def lowered_cuda_traces(module, x, recipe=None) -> list:
+def lowered_cuda_traces(module, x, recipe=None, **call_kwargs) -> list:
     """``[(op, op_outputs, graph_module)]`` for each op call of one forward
-    and backward of ``module`` (built on the meta device) on ``x`` (meta):
-    the fake impl's outputs and the graph the lowering traces for the call
-    (which returns None where the call is not lowered)."""
+    (``module(x, **call_kwargs)``) and backward of ``module`` (built on the
+    meta device) on ``x`` (meta): the fake impl's outputs and the graph the
+    lowering traces for the call (which returns None where the call is not
+    lowered)."""
     from torch._inductor.decomposition import decompositions
     with cuda_kernels_on_meta():
         record = _RecordOps()
         with record, te.autocast(enabled=recipe is not None, recipe=recipe):
-            y = module(x)
+            y = module(x, **call_kwargs)
             ys = y if isinstance(y, tuple) else (y,)
             sum(t.float().sum() for t in ys).backward()
 

@@ -231,6 +231,57 @@ def _graph_input(node) -> bool:
     return node.op == "placeholder"
 
 
+def _step_kernels(op, kernels_run) -> list:
+    """Names of the kernels that run a delayed-scaling step, checking that
+    no kernel copies an input.  A step (its own kernel, or run by the op's
+    last cast) is traced as writing over the history and scale buffers it
+    updates, which inductor then writes in place (the update's copy
+    matches), so the buffers themselves, not views."""
+    steps = []
+    for n in kernels_run:
+        args = n.kwargs["kwargs"]
+        copied = [k for k in n.kwargs["tensors_to_clone"] if _graph_input(args[k])]
+        if "new_hist_ptr" in copied:
+            steps.append(_kernel_name(n))
+            assert copied == ["new_hist_ptr", "new_scale_ptr"], (op, copied)
+            assert all(args[k].op == "placeholder" for k in copied), op
+            assert args["hist_ptr"] is args["new_hist_ptr"], op
+            continue
+        assert copied == [], f"{op}: a kernel copies its inputs {copied}"
+    return steps
+
+
+def test_next_pow2_is_tritons():
+    """``triton_launch.next_pow2`` stands in for ``triton.next_power_of_2``
+    (a slow ``ConstexprFunction``) in the launch paths."""
+    triton = pytest.importorskip("triton")
+    from transformer_engine_compile.kernels.triton_launch import next_pow2
+    for n in [*range(0, 4100), 65535, 65536, 65537, 2 ** 31 - 1]:
+        assert next_pow2(n) == triton.next_power_of_2(n), n
+
+
+def test_cuda_lowering_step_of_its_own_writes_the_buffers():
+    """DelayedScaling with the weight cached (``is_first_microbatch=False``):
+    no cast in the forward records the weight's amax, so the forward's step
+    is a launch of its own (``run_step``); it writes over the buffers as the
+    step that dy's cast runs in the backward does."""
+    pytest.importorskip("triton")
+    from cuda_trace import lowered_cuda_traces
+    layer, x = _meta_module("linear", {})
+    recipe = RECIPES["fp8_delayed"]()
+    lowered_cuda_traces(layer, x, recipe, is_first_microbatch=True)  # fills the cache
+    traces = lowered_cuda_traces(layer, x, recipe, is_first_microbatch=False)
+    steps = []
+    for op, _, gm in traces:
+        nodes = list(gm.graph.nodes)
+        assert nodes[-1].args[0] not in (None, [None]), f"{op}: not lowered"
+        kernels_run = [n for n in nodes
+                       if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
+        steps.append((op.name(), _step_kernels(op, kernels_run)))
+    assert steps == [("te_compile::linear_fwd", ["_delayed_step_kernel"]),
+                     ("te_compile::linear_bwd", ["_fp8_tensorwise_kernel"])]
+
+
 @pytest.mark.parametrize("module, options", TRACE_CASES)
 @pytest.mark.parametrize("name, bias", [*((n, False) for n in ("bf16", "fp8_current",
                                                                 "fp8_delayed", "fp8_block",
@@ -267,21 +318,7 @@ def test_cuda_lowering_traces_without_copies(module, options, name, bias):
         kernels_run = [n for n in nodes
                        if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
         assert kernels_run or (name == "bf16" and not bias), f"{op}: no Triton kernel traced"
-        steps = []
-        for n in kernels_run:
-            args = n.kwargs["kwargs"]
-            copied = [k for k in n.kwargs["tensors_to_clone"] if _graph_input(args[k])]
-            if "new_hist_ptr" in copied:
-                # the delayed-scaling step (its own kernel, or run by the op's
-                # last cast): traced as writing over the history and scale
-                # buffers it updates, which inductor then writes in place (the
-                # update's copy matches), so the buffers themselves, not views
-                steps.append(_kernel_name(n))
-                assert copied == ["new_hist_ptr", "new_scale_ptr"], (op, copied)
-                assert all(args[k].op == "placeholder" for k in copied), op
-                assert args["hist_ptr"] is args["new_hist_ptr"], op
-                continue
-            assert copied == [], f"{op}: a kernel copies its inputs {copied}"
+        steps = _step_kernels(op, kernels_run)
         if name == "fp8_delayed":  # the casts of the weight and of dy run the steps
             gemms = 2 if module == "layernorm_mlp" else 1
             assert steps == ["_fp8_tensorwise_kernel"] * gemms, (op, steps)

@@ -118,6 +118,18 @@ for algo in ("max", "most_recent"):
     scale = torch.full((2,), 7.0)
     tq._step_into(hist, amaxes, hist, scale, "e4m3", 1, algo)
     assert torch.equal(hist, want_hist) and torch.equal(scale, want_scale), algo
+# a StepAfter run on its own (no cast records the last amax), into new buffers
+# and over its own (amaxes: the op's vector, longer than the history's columns)
+for in_place in (False, True):
+    hist = torch.rand(16, 2, generator=g) * 100
+    amaxes = torch.zeros(ref.STEP_COUNTER + 1)
+    amaxes[:2] = torch.tensor([5.0, 300.0])
+    want_hist, want_scale = ref.delayed_scaling_step(hist, amaxes[:2], "e5m2", 0, "max")
+    scale = torch.full((2,), 7.0)
+    new_hist, new_scale = (hist, scale) if in_place else (torch.empty_like(hist),
+                                                          torch.empty_like(scale))
+    tq.run_step(ref.StepAfter(hist, new_hist, new_scale, "e5m2", 0, "max"), amaxes)
+    assert torch.equal(new_hist, want_hist) and torch.equal(new_scale, want_scale), in_place
 # a cast that records the op call's last amax runs the step in its last program
 # (counted in amaxes[STEP_COUNTER]), also over its own history and the scale it casts with;
 # a history longer than one tile gets a step launch of its own

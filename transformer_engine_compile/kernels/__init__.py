@@ -29,6 +29,7 @@ OPS = (
     "quantize_nvfp4",
     "dequantize_mxfp8",
     "delayed_scaling_step",
+    "run_step",
     "gemm",
     "norm_forward",
     "norm_forward_fp8",

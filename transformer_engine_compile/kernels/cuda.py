@@ -26,7 +26,7 @@ def register() -> None:
     from . import triton_quant as tq
     for name in ("amax", "quantize_fp8_tensorwise", "quantize_fp8_current",
                  "quantize_fp8_current_pair", "quantize_fp8_current_pair_from_parts",
-                 "delayed_scaling_step", "transpose_bytes"):
+                 "delayed_scaling_step", "run_step", "transpose_bytes"):
         register_fast(name, "cuda", getattr(tq, name))
         _REGISTERED.append(name)
     from . import triton_block as tbk

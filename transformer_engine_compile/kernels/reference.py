@@ -69,6 +69,11 @@ class StepAfter(NamedTuple):
         self.new_scale.copy_(scale)
 
 
+def run_step(step: StepAfter, amaxes: torch.Tensor) -> None:
+    """Run ``step`` on its own (not after a quantization) with ``amaxes``."""
+    step.run(amaxes)
+
+
 class AmaxSlot(NamedTuple):
     """Where a delayed-scaling quantization records its amax: element
     ``index`` of the fp32 vector ``amaxes`` (zeroed by the caller), raised
@@ -188,16 +193,14 @@ def dequantize_fp8_tensorwise(data, scale_inv) -> torch.Tensor:
     return data.float() * scale_inv.float()
 
 
-def delayed_scaling_step(amax_history, amaxes, fmt: str, margin: int, algo: str,
-                         scale=None) -> tuple:
+def delayed_scaling_step(amax_history, amaxes, fmt: str, margin: int, algo: str) -> tuple:
     """One delayed-scaling update, functional: ``(new history, new scale)``.
 
     ``amax_history`` is ``(L, n)`` (one column per tensor) or ``(L,)``,
     ``amaxes`` the ``(n,)`` amaxes of this step, recorded in row 0.  The
     scale comes from the history (``"max"`` over all rows or
     ``"most_recent"`` = this step); then the history rolls down one row and
-    row 0 is zeroed for the next step.  ``scale`` (the current scale buffer)
-    is not read: a fast kernel may trace its update over it."""
+    row 0 is zeroed for the next step."""
     shape = amax_history.shape
     history = amax_history.reshape(shape[0], -1)
     hist = torch.cat([amaxes.reshape(1, -1).to(history.dtype), history[1:]])

@@ -66,6 +66,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (0 for 0), as ``triton.next_power_of_2``,
+    another ``ConstexprFunction`` (~6 us a call)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 class _Handle:
     """The launch entry of one compiled kernel (Triton 3.x ``CompiledKernel``).
 

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from . import reference as ref
 from . import tracing
-from .triton_launch import Launcher, cdiv, int_key, ptr_key
+from .triton_launch import Launcher, cdiv, int_key, next_pow2, ptr_key
 
 _TL_FP8 = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
 _FP32_MAX = tl.constexpr(ref.FP32_MAX)
@@ -421,11 +421,11 @@ def _step_args(step, x2d, programs: int) -> tuple:
     n_len, n_cols = step.history.shape
     return ((step.history, step.new_history, step.new_scale, n_len, n_cols),
             (True, ref.FP8_MAX[step.fmt], 2.0 ** -step.margin, step.algo == "most_recent",
-             triton.next_power_of_2(n_len), triton.next_power_of_2(n_cols)))
+             next_pow2(n_len), next_pow2(n_cols)))
 
 
 def _step_tile_size(history) -> int:
-    return triton.next_power_of_2(history.shape[0]) * triton.next_power_of_2(history.shape[1])
+    return next_pow2(history.shape[0]) * next_pow2(history.shape[1])
 
 
 def quantize_fp8_tensorwise(x2d, scale, fmt, rowwise, columnwise, amax_out=None) -> dict:
@@ -572,32 +572,33 @@ def _delayed_step_kernel(hist_ptr, amax_ptr, new_hist_ptr, new_scale_ptr, L, N,
 _delayed_step_launch = Launcher(_delayed_step_kernel, num_warps=4)
 
 
-def delayed_scaling_step(amax_history, amaxes, fmt, margin, algo, scale=None) -> tuple:
-    """``reference.delayed_scaling_step`` as one launch.  ``scale``: the
-    buffer the new scale goes back into (optional).  Lowered into inductor
-    (kernels/tracing.py), the kernel is traced as writing the new history
-    and scale over ``amax_history`` and ``scale`` themselves: functionalized,
-    so both keep their values, but inductor sees a write of the buffers the
-    op's updates copy into and does it in place (its reinplacing pass),
-    which saves the two copy kernels per op call that fresh outputs cost."""
+def delayed_scaling_step(amax_history, amaxes, fmt, margin, algo) -> tuple:
+    """``reference.delayed_scaling_step`` as one launch, into new buffers."""
     shape = amax_history.shape
     hist = amax_history.reshape(shape[0], -1)
-    n_len, n_cols = hist.shape
-    if n_len > 65536 or not hist.is_contiguous():
+    if hist.shape[0] > 65536 or not hist.is_contiguous():
         return ref.delayed_scaling_step(amax_history, amaxes, fmt, margin, algo)
-    amaxes = amaxes.reshape(-1).float().contiguous()
-    in_place = (scale is not None and amax_history.dim() == 2 and tuple(scale.shape) == (n_cols,)
-                and scale.dtype == torch.float32 and scale.is_contiguous()
-                and tracing.functional(amax_history, scale))
-    if in_place:  # the buffers themselves (no views), which inductor matches
-        hist, new_hist, new_scale = amax_history, amax_history, scale
-    else:
-        new_hist = torch.empty_like(hist)
-        new_scale = torch.empty(n_cols, dtype=torch.float32, device=hist.device)
-    _step_into(hist, amaxes, new_hist, new_scale, fmt, margin, algo)
-    # new objects (an op returns none of its inputs); a view of the same shape
-    # is a no-op inductor removes before reinplacing
+    new_hist = torch.empty_like(hist)
+    new_scale = torch.empty(hist.shape[1], dtype=torch.float32, device=hist.device)
+    _step_into(hist, amaxes.reshape(-1).float().contiguous(), new_hist, new_scale, fmt, margin,
+               algo)
     return new_hist.reshape(shape), new_scale.reshape(shape[1:])
+
+
+def run_step(step, amaxes) -> None:
+    """``reference.run_step``: the :class:`reference.StepAfter` as a launch of
+    its own.  Inside a lowered trace its outputs are the history and scale
+    buffers themselves (``Float8DelayedScalingQuantizer.step_after``): the
+    kernel is traced as writing over them, functionalized, and inductor's
+    reinplacing pass then drops the two copies that fresh outputs cost."""
+    hist = step.history
+    n_cols = hist.shape[1]
+    if (hist.shape[0] > 65536 or not hist.is_contiguous() or not step.new_history.is_contiguous()
+            or not step.new_scale.is_contiguous() or step.new_scale.dtype != torch.float32):
+        ref.run_step(step, amaxes)
+        return
+    _step_into(hist, amaxes[:n_cols].reshape(-1).float().contiguous(), step.new_history,
+               step.new_scale, step.fmt, step.margin, step.algo)
 
 
 def _step_into(hist, amaxes, new_hist, new_scale, fmt, margin, algo) -> None:
@@ -605,6 +606,6 @@ def _step_into(hist, amaxes, new_hist, new_scale, fmt, margin, algo) -> None:
     (which may be ``hist``) and ``new_scale``."""
     n_len, n_cols = hist.shape
     consts = (ref.FP8_MAX[fmt], 2.0 ** -margin, algo == "most_recent",
-              triton.next_power_of_2(n_len))
+              next_pow2(n_len))
     _delayed_step_launch((n_cols,), (ptr_key(amaxes), int_key(n_len), int_key(n_cols), consts),
                          hist, amaxes, new_hist, new_scale, n_len, n_cols, *consts)

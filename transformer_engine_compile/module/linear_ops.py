@@ -164,14 +164,16 @@ def _zero_amaxes(history):
 def _delayed_updates(q, history, scale, amaxes, prefix: str, group=None) -> dict:
     """Outputs that update the delayed-scaling buffers ``history`` and
     ``scale`` (LINEAR_OPS's ``*_updates``), with the amaxes reduced over
-    ``group`` first."""
+    ``group`` first: the step as a launch of its own (``_step_after`` when
+    a quantization runs it)."""
     if history is None:
         return {}
     amaxes = amaxes[:history.shape[1]]
     if group is not None:
         amaxes = D.all_reduce_max(amaxes, group)
-    new_history, new_scale = q.step(history, amaxes, scale=scale)
-    return {f"amax_history_{prefix}": new_history, f"scale_{prefix}": new_scale}
+    step = q.step_after(history, scale)
+    kernels.get("run_step", history)(step, amaxes)
+    return _step_updates(step, prefix)
 
 
 def _delayed_updates_fake(history, prefix: str) -> dict:
@@ -196,9 +198,10 @@ def _step_after(q, history, scale, group):
 
 
 def _step_updates(step, prefix: str) -> dict:
-    """``_delayed_updates``' outputs for a step a quantization ran: new
-    objects (an op returns none of its inputs; inside a lowered trace the
-    step writes over the buffers themselves, see ``step_after``)."""
+    """The delayed-scaling outputs of a step that ran (in a quantization or
+    on its own): new objects (an op returns none of its inputs; inside a
+    lowered trace the step writes over the buffers themselves, see
+    ``step_after``)."""
     return {f"amax_history_{prefix}": step.new_history.view(step.history.shape),
             f"scale_{prefix}": step.new_scale.view(step.new_scale.shape)}
 

@@ -244,9 +244,10 @@ class Float8DelayedScalingQuantizer(_Float8QuantizerBase):
     def step_after(self, amax_history: torch.Tensor, scale: torch.Tensor):
         """This quantizer's :meth:`step` for a quantization to run after it
         records the last amax of an op call (``kernels.reference.StepAfter``),
-        into new buffers; inside a lowered trace over ``amax_history`` and
-        ``scale`` themselves, as ``kernels.triton_quant.delayed_scaling_step``
-        explains (functionalized: both keep their values)."""
+        or to run on its own (``kernels.get("run_step")``), into new buffers;
+        inside a lowered trace over ``amax_history`` and ``scale`` themselves,
+        as ``kernels.triton_quant.run_step`` explains (functionalized: both
+        keep their values)."""
         if tracing.functional(amax_history, scale):
             new_history, new_scale = amax_history, scale
         else:
@@ -254,17 +255,16 @@ class Float8DelayedScalingQuantizer(_Float8QuantizerBase):
         return ref.StepAfter(amax_history, new_history, new_scale, self.fp8_format, self.margin,
                          self.amax_compute_algo)
 
-    def step(self, amax_history: torch.Tensor, amaxes: torch.Tensor, scale=None) -> tuple:
+    def step(self, amax_history: torch.Tensor, amaxes: torch.Tensor) -> tuple:
         """``(new history, new scale)`` after recording ``amaxes``, see
         :func:`delayed_scaling_step`."""
         return delayed_scaling_step(amax_history, amaxes, fp8_format=self.fp8_format,
-                                    margin=self.margin, amax_compute_algo=self.amax_compute_algo,
-                                    scale=scale)
+                                    margin=self.margin, amax_compute_algo=self.amax_compute_algo)
 
 
 def delayed_scaling_step(amax_history: torch.Tensor, amaxes: torch.Tensor, *,
                          fp8_format="e4m3", margin: int = 0,
-                         amax_compute_algo: str = "max", scale=None) -> tuple:
+                         amax_compute_algo: str = "max") -> tuple:
     """One delayed-scaling update, functional: ``(new history, new scale)``.
 
     ``amax_history`` is ``(L, n)`` (one column per tensor), ``amaxes`` the
@@ -272,16 +272,13 @@ def delayed_scaling_step(amax_history: torch.Tensor, amaxes: torch.Tensor, *,
     history (``"max"`` over all rows or ``"most_recent"`` = this step); then
     the history rolls down one row and row 0 is zeroed for the next step.
     (``kernels.reference.delayed_scaling_step`` defines it; CUDA runs it as
-    one kernel.)  ``scale``: the buffer the new scale will be copied into, if
-    any; it is not read (a lowered trace may write the update there in place,
-    ``kernels.triton_quant.delayed_scaling_step``).
+    one kernel.)
     """
     if amax_compute_algo not in ("max", "most_recent"):
         raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', "
                          f"got {amax_compute_algo!r}")
     fn = kernels.get("delayed_scaling_step", amax_history)
-    return fn(amax_history, amaxes, fp8_format_name(fp8_format), int(margin), amax_compute_algo,
-              scale)
+    return fn(amax_history, amaxes, fp8_format_name(fp8_format), int(margin), amax_compute_algo)
 
 
 def update_delayed_scaling(amax_history: torch.Tensor, scale: torch.Tensor, *,
