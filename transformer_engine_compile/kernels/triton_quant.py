@@ -592,11 +592,12 @@ def run_step(step, amaxes) -> None:
     kernel is traced as writing over them, functionalized, and inductor's
     reinplacing pass then drops the two copies that fresh outputs cost."""
     hist = step.history
-    n_cols = hist.shape[1]
-    if (hist.shape[0] > 65536 or not hist.is_contiguous() or not step.new_history.is_contiguous()
-            or not step.new_scale.is_contiguous() or step.new_scale.dtype != torch.float32):
+    if (hist.dim() != 2 or hist.shape[0] > 65536 or not hist.is_contiguous()
+            or not step.new_history.is_contiguous() or not step.new_scale.is_contiguous()
+            or step.new_scale.dtype != torch.float32 or step.new_scale.numel() != hist.shape[1]):
         ref.run_step(step, amaxes)
         return
+    n_cols = hist.shape[1]
     _step_into(hist, amaxes[:n_cols].reshape(-1).float().contiguous(), step.new_history,
                step.new_scale, step.fmt, step.margin, step.algo)
 
