@@ -573,16 +573,14 @@ _delayed_step_launch = Launcher(_delayed_step_kernel, num_warps=4)
 
 
 def delayed_scaling_step(amax_history, amaxes, fmt, margin, algo) -> tuple:
-    """``reference.delayed_scaling_step`` as one launch, into new buffers."""
+    """``reference.delayed_scaling_step`` as one launch (:func:`run_step`), into new buffers."""
     shape = amax_history.shape
     hist = amax_history.reshape(shape[0], -1)
-    if hist.shape[0] > 65536 or not hist.is_contiguous():
-        return ref.delayed_scaling_step(amax_history, amaxes, fmt, margin, algo)
-    new_hist = torch.empty_like(hist)
-    new_scale = torch.empty(hist.shape[1], dtype=torch.float32, device=hist.device)
-    _step_into(hist, amaxes.reshape(-1).float().contiguous(), new_hist, new_scale, fmt, margin,
-               algo)
-    return new_hist.reshape(shape), new_scale.reshape(shape[1:])
+    step = ref.StepAfter(hist, torch.empty_like(hist),
+                         torch.empty(hist.shape[1], dtype=torch.float32, device=hist.device),
+                         fmt, margin, algo)
+    run_step(step, amaxes.reshape(-1))
+    return step.new_history.reshape(shape), step.new_scale.reshape(shape[1:])
 
 
 def run_step(step, amaxes) -> None:

@@ -161,19 +161,23 @@ def _zero_amaxes(history):
                                                     device=history.device)
 
 
-def _delayed_updates(q, history, scale, amaxes, prefix: str, group=None) -> dict:
+def _delayed_updates(q, history, scale, amaxes, prefix: str, group=None, step=None) -> dict:
     """Outputs that update the delayed-scaling buffers ``history`` and
-    ``scale`` (LINEAR_OPS's ``*_updates``), with the amaxes reduced over
-    ``group`` first: the step as a launch of its own (``_step_after`` when
-    a quantization runs it)."""
+    ``scale`` (LINEAR_OPS's ``*_updates``): those of ``step`` when a
+    quantization ran it (``_step_after``), else of a step launched here,
+    with the amaxes reduced over ``group`` first.  New objects (an op
+    returns none of its inputs; inside a lowered trace the step writes over
+    the buffers themselves, see ``step_after``)."""
     if history is None:
         return {}
-    amaxes = amaxes[:history.shape[1]]
-    if group is not None:
-        amaxes = D.all_reduce_max(amaxes, group)
-    step = q.step_after(history, scale)
-    kernels.get("run_step", history)(step, amaxes)
-    return _step_updates(step, prefix)
+    if step is None:
+        amaxes = amaxes[:history.shape[1]]
+        if group is not None:
+            amaxes = D.all_reduce_max(amaxes, group)
+        step = q.step_after(history, scale)
+        kernels.get("run_step", history)(step, amaxes)
+    return {f"amax_history_{prefix}": step.new_history.view(step.history.shape),
+            f"scale_{prefix}": step.new_scale.view(step.new_scale.shape)}
 
 
 def _delayed_updates_fake(history, prefix: str) -> dict:
@@ -195,15 +199,6 @@ def _step_after(q, history, scale, group):
             history.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
     return q.step_after(history, scale)
-
-
-def _step_updates(step, prefix: str) -> dict:
-    """The delayed-scaling outputs of a step that ran (in a quantization or
-    on its own): new objects (an op returns none of its inputs; inside a
-    lowered trace the step writes over the buffers themselves, see
-    ``step_after``)."""
-    return {f"amax_history_{prefix}": step.new_history.view(step.history.shape),
-            f"scale_{prefix}": step.new_scale.view(step.new_scale.shape)}
 
 
 # -- forward ------------------------------------------------------------------------
@@ -339,9 +334,8 @@ def linear_forward(args: LinearFwdArgs, xq=None, wq=None, amaxes=None) -> OpResu
             xq.update_usage(rowwise_usage=False)  # wgrad reads the columnwise copy only
             saved_x = xq
     saved_w = w if args.input_requires_grad else None
-    state = (_step_updates(step, "fwd") if step is not None else
-             _delayed_updates(args.input_quantizer, args.amax_history_fwd, args.scale_fwd,
-                              amaxes, "fwd", args.amax_group))
+    state = _delayed_updates(args.input_quantizer, args.amax_history_fwd, args.scale_fwd,
+                             amaxes, "fwd", args.amax_group, step)
     return OpResult({"out": y, "weight_workspace": workspace, **state},
                     {"inputmat": saved_x, "weightmat": saved_w, **_saved_for_updates(args)})
 
@@ -483,9 +477,9 @@ def linear_backward(args: LinearBwdArgs) -> dict:
                      else D.all_reduce_sum(dgrad, args.tp_group))
         if args.grad_input_quantizer is not None:  # fp8_grad: the previous layer's dy
             dgrad = _quantize(args.grad_input_quantizer, dgrad, args.scale_bwd, 1, amaxes)
-    state = ({} if not delayed else _step_updates(step, "bwd") if step is not None else
+    state = ({} if not delayed else
              _delayed_updates(q, args.amax_history_bwd, args.scale_bwd, amaxes, "bwd",
-                              args.amax_group))
+                              args.amax_group, step))
     if args.weight_requires_grad:
         x = args.inputmat
         if _needs_requantized_input(args, x):

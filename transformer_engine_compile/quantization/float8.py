@@ -242,9 +242,10 @@ class Float8DelayedScalingQuantizer(_Float8QuantizerBase):
         return self._quantize_with_given_scale(x, scale, checked, amax_out)
 
     def step_after(self, amax_history: torch.Tensor, scale: torch.Tensor):
-        """This quantizer's :meth:`step` for a quantization to run after it
-        records the last amax of an op call (``kernels.reference.StepAfter``),
-        or to run on its own (``kernels.get("run_step")``), into new buffers;
+        """This quantizer's delayed-scaling step (:func:`delayed_scaling_step`)
+        for a quantization to run after it records the last amax of an op
+        call (``kernels.reference.StepAfter``), or to run on its own
+        (``kernels.get("run_step")``), into new buffers;
         inside a lowered trace over ``amax_history`` and ``scale`` themselves,
         as ``kernels.triton_quant.run_step`` explains (functionalized: both
         keep their values)."""
@@ -253,13 +254,7 @@ class Float8DelayedScalingQuantizer(_Float8QuantizerBase):
         else:
             new_history, new_scale = torch.empty_like(amax_history), torch.empty_like(scale)
         return ref.StepAfter(amax_history, new_history, new_scale, self.fp8_format, self.margin,
-                         self.amax_compute_algo)
-
-    def step(self, amax_history: torch.Tensor, amaxes: torch.Tensor) -> tuple:
-        """``(new history, new scale)`` after recording ``amaxes``, see
-        :func:`delayed_scaling_step`."""
-        return delayed_scaling_step(amax_history, amaxes, fp8_format=self.fp8_format,
-                                    margin=self.margin, amax_compute_algo=self.amax_compute_algo)
+                             self.amax_compute_algo)
 
 
 def delayed_scaling_step(amax_history: torch.Tensor, amaxes: torch.Tensor, *,
