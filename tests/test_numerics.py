@@ -115,6 +115,34 @@ def test_fp8_blockwise_error_bound(name, dim, pow2, rowwise):
         assert torch.all(mant == 0.5)
 
 
+@pytest.mark.parametrize("rows", [256, 200])
+def test_fp8_blockwise_1d_scales_are_stored_as_the_gemm_reads_them(rows):
+    """1x128 scales are stored blocks outer (rowwise (K/128, M), columnwise
+    (Mp/128, K) flat), so the (rows, blocks) operand view the block-scaled
+    GEMM takes has stride (1, rows) and ``_outer_major`` passes it on
+    without a copy.  Values: the reciprocal scale of each row's block."""
+    from transformer_engine_compile.kernels.cuda_gemm import _outer_major
+
+    x = INPUTS["row_magnitudes"][:rows] * INPUTS["col_magnitudes"][:rows].sign()
+    t = te.Float8BlockQuantizer(block_scaling_dim=1).quantize(x)
+    k, mp = x.shape[1], -(-rows // 128) * 128
+
+    def expected(mat):  # (R, C) -> (R, C/128) scale_inv
+        r, c = mat.shape
+        bamax = mat.abs().reshape(r, c // 128, 128).amax(-1)
+        return torch.reciprocal(ref.compute_scale(bamax, 448.0, pow2=True))
+
+    assert t._rowwise_scale_inv.shape == (k // 128, rows)
+    assert torch.equal(t._rowwise_scale_inv, expected(x).t())
+    xt = torch.nn.functional.pad(x, (0, 0, 0, mp - rows)).t()
+    assert t._columnwise_scale_inv.shape == (mp // 128 * k,)
+    assert torch.equal(t._columnwise_scale_inv.view(mp // 128, k), expected(xt).t())
+    for usage, n in (("rowwise", rows), ("columnwise", k)):
+        data, scale = t.fp8_operand(usage)
+        assert scale.shape == (n, data.shape[1] // 128) and scale.stride() == (1, n)
+        assert _outer_major(scale).data_ptr() == scale.data_ptr()
+
+
 def _nvfp4_bound(x, bm, bk):
     amax_t = x.abs().max().item()
     g = 1.0 if amax_t == 0 else min(6 * 448 / amax_t, torch.finfo(torch.float32).max)

@@ -238,6 +238,35 @@ def test_fast_gemm_matches_reference(name):
         assert rel < 1e-2, (au, bu, rel)
 
 
+def test_block_scaled_gemms_read_the_stored_scales_without_copies():
+    """The 1x128 scales are stored as cuBLAS reads them (blocks outer), so
+    fprop, dgrad and wgrad are one ``scaled_mm`` call each: no copy of a
+    scale (each cost a kernel, an allocation and ~15 us of host time)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("cuBLAS block-scaled FP8 GEMM: sm_90 only")
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    xq, wq, gq = _operands(RECIPES["fp8_block"], m=256, k=512, n=512)  # K/128, N/128 % 4 == 0
+    for a, au, b, bu in ((xq, "rowwise", wq, "rowwise"), (gq, "rowwise", wq, "columnwise"),
+                         (gq, "columnwise", xq, "columnwise")):
+        with Ops() as ops:
+            gemm(a, au, b, bu, torch.bfloat16)
+        gemms = [n for n in ops.names if n.startswith("_scaled_mm")]
+        writes = [n for n in ops.names if n in ("clone", "copy_", "new_zeros", "zeros", "cat",
+                                                "fill_", "empty_like")]
+        assert len(gemms) == 1 and writes == [], (au, bu, ops.names)
+
+
 def test_fast_gemm_fp32_output_and_odd_shapes_fall_back_correctly():
     xq, wq, _ = _operands(RECIPES["fp8_current"], m=128, k=256, n=200)  # N not a multiple of 16
     out = gemm(xq, "rowwise", wq, "rowwise", torch.float32)

@@ -110,7 +110,9 @@ def _same_format(a, b) -> bool:
 
 
 def _outer_major(scale: torch.Tensor) -> torch.Tensor:
-    """The same (rows, blocks) values with stride (1, rows), as cuBLAS's 1x128 wants."""
+    """The same (rows, blocks) values with stride (1, rows), as cuBLAS's 1x128
+    wants: a view of the stored 1D scales as they are (no copy), a copy
+    only for scales padded by ``_rows_to_16``."""
     return scale.t().contiguous().t()
 
 

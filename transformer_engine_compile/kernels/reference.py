@@ -267,18 +267,21 @@ def _expand_blocks(scale: torch.Tensor, bm: int, bk: int) -> torch.Tensor:
 
 
 def _block_1d(x2d, fmt, pow2, eps):
+    """1x128 tiles along the last dim: the data and its scale_inv stored
+    blocks outer, (K/128, M), the layout the block-scaled GEMM reads."""
     m, k = x2d.shape
     blocks = x2d.float().reshape(m, k // FP8_BLOCK, FP8_BLOCK)
     bamax = torch.clamp_min(blocks.abs().amax(-1), eps) if eps > 0 else blocks.abs().amax(-1)
     scale = compute_scale(bamax, FP8_MAX[fmt], pow2=pow2)
     data = cast_fp8(blocks, scale.unsqueeze(-1), fmt).reshape(m, k).contiguous()
-    return data, torch.reciprocal(scale).contiguous()
+    return data, torch.reciprocal(scale).t().clone(memory_format=torch.contiguous_format)
 
 
 def quantize_fp8_blockwise(x2d, fmt, block_2d, pow2, eps, rowwise, columnwise) -> dict:
     """1x128 tiles (activations, gradients) or 128x128 blocks (weights); fp32
     scale_inv.  The columnwise copy is the transposed data (K, M), quantized
-    along M (1D) or the transposed rowwise copy (2D, same blocks)."""
+    along M (1D) or the transposed rowwise copy (2D, same blocks).  1D
+    scales are blocks outer: rowwise (K/128, M), columnwise (M/128, K)."""
     out = {}
     if block_2d:
         m, k = x2d.shape
@@ -305,7 +308,9 @@ def quantize_fp8_blockwise(x2d, fmt, block_2d, pow2, eps, rowwise, columnwise) -
 
 
 def dequantize_fp8_blockwise(data2d, scale_inv, block_2d: bool) -> torch.Tensor:
-    """Dequantize one copy in its stored orientation."""
+    """Dequantize one copy in its stored orientation; ``scale_inv``: one
+    scale per block of (rows, K), i.e. (M, K/128) for 1D (the transposed
+    view of the stored buffer) or (M/128, K/128) for 2D."""
     bm = FP8_BLOCK if block_2d else 1
     return data2d.float() * _expand_blocks(scale_inv, bm, FP8_BLOCK)
 

@@ -4,7 +4,8 @@ Same contract as ``triton_quant`` (whose device helpers they use): each
 wrapper has the signature of the same-named function in
 ``kernels.reference`` and returns bit-identical buffers.  FP8 blockwise
 (1x128 and 128x128) and MXFP8 (1x32 / 32x1) take one pass over the tiles
-that writes both copies and their block scales; MXFP8 dequantization to
+that writes both copies and their block scales (1x128 scales blocks outer,
+as the reference stores them); MXFP8 dequantization to
 bf16 (the emulated GEMM's operands) is one pass too.
 """
 
@@ -66,13 +67,13 @@ def _fp8_block_kernel(x_ptr, M, K, rd_ptr, rs_ptr, cd_ptr, cs_ptr,
             s = _scale_from_amax(tl.max(bits, axis=1).to(tl.float32, bitcast=True),
                                  FMT_MAX, EPS, POW2)
             _store_rows(rd_ptr, _cast_fp8(x, s[:, None], FMT_MAX, OUT), rm, rk, mask, K)
-            tl.store(rs_ptr + rm.to(tl.int64) * nkb + pid_k, _recip(s), mask=rm < M)
+            tl.store(rs_ptr + pid_k.to(tl.int64) * M + rm, _recip(s), mask=rm < M)
         if COL:  # blocks of 128 along M: one scale per row of the transposed tile
             xt, mask_t = _tile_t(x_ptr, M, K, pid_m, pid_k, B, B)
             s = _scale_from_amax(tl.max(_abs_bits(xt), axis=1).to(tl.float32, bitcast=True),
                                  FMT_MAX, EPS, POW2)
             _store_transposed(cd_ptr, xt, s[:, None], rm, rk, mask_t, M, FMT_MAX, OUT)
-            tl.store(cs_ptr + rk.to(tl.int64) * tl.cdiv(M, B) + pid_m, _recip(s), mask=rk < K)
+            tl.store(cs_ptr + pid_m.to(tl.int64) * K + rk, _recip(s), mask=rk < K)
 
 
 _fp8_block_launch = Launcher(_fp8_block_kernel)
@@ -85,7 +86,7 @@ def quantize_fp8_blockwise(x2d, fmt, block_2d, pow2, eps, rowwise, columnwise) -
     m, k = x2d.shape
     b = ref.FP8_BLOCK
     dt = ref.FP8_DTYPE[fmt]
-    row_s, col_s = ((m // b, k // b), (k // b, m // b)) if block_2d else ((m, k // b), (k, m // b))
+    row_s, col_s = ((m // b, k // b), (k // b, m // b)) if block_2d else ((k // b, m), (m // b, k))
     out = _alloc_copies(x2d.device, rowwise, columnwise, ((m, k), dt), (row_s, torch.float32),
                         ((k, m), dt), (col_s, torch.float32))
     flags = (fmt, float(eps), bool(pow2), bool(block_2d), bool(rowwise), bool(columnwise))

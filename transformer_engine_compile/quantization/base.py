@@ -100,6 +100,15 @@ def flat_2d(shape) -> tuple:
     return math.prod(shape[:-1]), shape[-1]
 
 
+def _cut_rows(t: torch.Tensor, m: int, name: str, storage_cls) -> torch.Tensor:
+    """Buffer ``name`` of a matrix quantized with padding rows, cut back to
+    its first ``m`` rows (contiguous, with the strides the fakes give: a
+    row-last buffer is copied, which only a ragged row count pays)."""
+    if name in storage_cls._ROWS_LAST:
+        return t[..., :m].clone(memory_format=torch.contiguous_format)
+    return t[:m] if name in storage_cls._ROW_BUFFERS else t
+
+
 def _usage_on(spec_usage: str, rowwise: bool, columnwise: bool) -> bool:
     if spec_usage == "both":
         return rowwise or columnwise
@@ -309,8 +318,7 @@ class Quantizer(OpaqueBase):
             out = self._quantize_2d(x2d)
         else:
             out = self._quantize_2d(torch.nn.functional.pad(x2d, (0, 0, 0, b - m % b)))
-            rows = self.storage_cls._ROW_BUFFERS
-            out = {name: (t[:m] if name in rows else t) for name, t in out.items()}
+            out = {name: _cut_rows(t, m, name, self.storage_cls) for name, t in out.items()}
         # one scale per block of rows: stored flat (see column_block)
         scales = out.get("columnwise_scale_inv")
         if scales is not None:
@@ -376,6 +384,8 @@ class QuantizedTensorStorage:
     _LOGICAL_BUFFER: ClassVar[str | None] = None
     # buffers with one row per row of the (M, K) matrix (cut back after padding)
     _ROW_BUFFERS: ClassVar[tuple] = ()
+    # those of them whose last dim counts the rows (FP8 blockwise 1D scales)
+    _ROWS_LAST: ClassVar[tuple] = ()
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -2,10 +2,14 @@
 (weights) with fp32 scales, optionally powers of two.
 
 Rowwise data keeps the logical shape; the columnwise copy is the (K, M)
-transpose.  Scale shapes: 1D rowwise (M, K/128), 1D columnwise (K, M/128);
-2D rowwise (M/128, K/128), 2D columnwise its transpose.  1D tiles take any
-M: the columnwise copy then holds Mp = M rounded up to 128 columns, the
-ones past M zero (``Quantizer.column_block``).
+transpose.  2D scales: rowwise (M/128, K/128), columnwise its transpose.
+1D scales are stored as the block-scaled GEMM reads them (as Transformer
+Engine keeps them, without its padding): one scale per (row, block of 128
+along the reduced dim), blocks outer, i.e. rowwise (K/128, M) and
+columnwise (Mp/128, K) (flat), so cuBLAS takes their transposed views as
+they are instead of a copy per GEMM.  1D tiles take any M: the columnwise
+copy then holds Mp = M rounded up to 128 columns, the ones past M zero
+(``Quantizer.column_block``).
 """
 
 from __future__ import annotations
@@ -23,23 +27,33 @@ from .wrapper import QuantizedTensor
 class Float8BlockwiseQTensorStorage(QuantizedTensorStorage):
     _BUFFERS = (
         BufferSpec("rowwise_data", "rowwise", "FP8 values in the logical shape (..., K)"),
-        BufferSpec("rowwise_scale_inv", "rowwise", "fp32 (M, K/128) for 1D, (M/128, K/128) for 2D"),
+        BufferSpec("rowwise_scale_inv", "rowwise",
+                   "fp32 (K/128, M) for 1D (blocks outer, as the GEMM reads it), "
+                   "(M/128, K/128) for 2D"),
         BufferSpec("columnwise_data", "columnwise", "FP8 values transposed: (K, Mp)"),
         BufferSpec("columnwise_scale_inv", "columnwise",
-                   "fp32 (K, Mp/128) stored flat for 1D, (K/128, M/128) for 2D"),
+                   "fp32 (Mp/128, K) stored flat for 1D (blocks outer), (K/128, M/128) for 2D"),
     )
     _ROW_BUFFERS = ("rowwise_data", "rowwise_scale_inv")
+    _ROWS_LAST = ("rowwise_scale_inv",)  # 1D: the rows are its last dim
+
+    def _row_scales(self):
+        """rowwise_scale_inv as (M, K/128) (1D: a view of the blocks-outer
+        buffer) or (M/128, K/128)."""
+        s = self._rowwise_scale_inv
+        return s if self._block_scaling_dim == 2 else s.t()
     _EXTRAS = ("fp8_format", "block_scaling_dim")
 
     def _rowwise_2d(self):
         m, k = flat_2d(self._te_shape)
         return ref.dequantize_fp8_blockwise(self._rowwise_data.reshape(m, k),
-                                            self._rowwise_scale_inv, self._block_scaling_dim == 2)
+                                            self._row_scales(), self._block_scaling_dim == 2)
 
     def _column_scales(self):
-        """columnwise_scale_inv as (K, Mp/128) (1D tiles store it flat) or (K/128, M/128)."""
+        """columnwise_scale_inv as (K, Mp/128) (1D: a view of the flat
+        blocks-outer buffer) or (K/128, M/128)."""
         s = self._columnwise_scale_inv
-        return s if self._block_scaling_dim == 2 else s.view(self._te_shape[-1], -1)
+        return s if self._block_scaling_dim == 2 else s.view(-1, self._te_shape[-1]).t()
 
     def _columnwise_2d(self):
         return ref.dequantize_fp8_blockwise(self._columnwise_data, self._column_scales(),
@@ -47,11 +61,13 @@ class Float8BlockwiseQTensorStorage(QuantizedTensorStorage):
 
     def fp8_operand(self, usage: str):
         """(FP8 data reduced along its last dim, its fp32 block scale_inv) of one
-        copy, without dequantizing: what a block-scaled GEMM takes."""
+        copy, without dequantizing: what a block-scaled GEMM takes.  1D
+        scales come as (rows, blocks) views with stride (1, rows), the
+        layout cuBLAS reads."""
         self.gemm_operand_check(usage)
         if usage == "rowwise":
             m, k = flat_2d(self._te_shape)
-            return self._rowwise_data.reshape(m, k), self._rowwise_scale_inv
+            return self._rowwise_data.reshape(m, k), self._row_scales()
         return self._columnwise_data, self._column_scales()
 
 
@@ -97,7 +113,7 @@ class Float8BlockQuantizer(Quantizer):
         if self.block_scaling_dim == 2:
             row_s, col_s = (m // b, k // b), (k // b, m // b)
         else:
-            row_s, col_s = (m, k // b), (k * (mp // b),)
+            row_s, col_s = (k // b, m), ((mp // b) * k,)
         return {
             "rowwise_data": (shape, dt),
             "rowwise_scale_inv": (row_s, torch.float32),
