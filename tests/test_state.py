@@ -189,6 +189,36 @@ def test_delayed_scaling_first_step_uses_scale_one():
     assert torch.equal(y, expect.to(torch.bfloat16))
 
 
+def test_eager_delayed_step_writes_the_buffers_itself(monkeypatch):
+    """Eager calls run the impls, not the ops, and the delayed-scaling step
+    writes the layer's amax histories and scales itself: no update output
+    is copied into them (two copies per op call before).  The op itself
+    stays functional (compiled: the updates are written after the op), and
+    the state equals the eager one."""
+    writes = []
+    real_write = custom_op._write
+
+    def spy(dst, new, how, where, detach=False):
+        writes.append(where)
+        return real_write(dst, new, how, where, detach)
+
+    monkeypatch.setattr(custom_op, "_write", spy)
+    rec = recipe.DelayedScaling(amax_history_len=3)
+    eager, compiled = _pair("cpu")
+    step = _step_fn(rec)
+    cstep = torch.compile(step, backend="aot_eager", fullgraph=True)
+    x0 = torch.randn(32, 128, dtype=torch.bfloat16)
+    for i in range(3):
+        _microbatch(eager, step, x0, None, i)
+    assert writes == []
+    for i in range(3):
+        _microbatch(compiled, cstep, x0, None, i)
+    assert any("amax_history_fwd" in w for w in writes)  # the forward op's, traced
+    assert _state(eager).keys() == _state(compiled).keys()
+    for name, value in _state(eager).items():
+        assert torch.equal(value, _state(compiled)[name]), name
+
+
 def test_delayed_scaling_refuses_what_it_cannot_do():
     # (tensor parallelism works: tests/test_tp.py::test_tp_delayed_scaling)
     layer = te.Linear(128, 128, save_original_input=True)

@@ -32,3 +32,35 @@ def test_delayed_scaling_22_steps_reduce_overhead(fuse):
 @pytest.mark.parametrize("name", ["fp8_current", "mxfp8"])
 def test_main_grad_reduce_overhead(name):
     _reduce_overhead(QUANTIZED[name], (None,) * 4, True)
+
+
+def test_eager_delayed_scaling_step_copies_nothing():
+    """Eager DelayedScaling: the step (fused into the last cast, or a launch
+    of its own when weights are cached) writes the layer's histories and
+    scales itself, so an eager forward + backward makes no device copy
+    (it made four: the updates copied into the buffers).  The first
+    microbatch of weight caching still copies the quantized weight into
+    the layer's cache (three copies, once per step): not tested here."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import transformer_engine_compile as te
+    from transformer_engine_compile import recipe
+
+    layer = te.Linear(256, 256, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    rec = recipe.DelayedScaling(amax_history_len=8)
+    with te.autocast(recipe=rec):
+        layer(x, is_first_microbatch=True).sum().backward()  # fills the cache
+    for first in (None, False, None):
+        with te.autocast(recipe=rec):
+            y = layer(x, is_first_microbatch=first)
+        y.sum().backward()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            with te.autocast(recipe=rec):
+                y = layer(x, is_first_microbatch=first)
+            y.sum().backward()
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        assert names and not [n for n in names if "Memcpy" in n], (
+            first, names)

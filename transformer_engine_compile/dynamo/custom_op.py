@@ -33,7 +33,11 @@ the new value as an output instead, and ``forward_updates`` /
 field it is written into, by ``copy_`` or ``add_``, right after the op, in
 eager and traced code alike.  The write is then an ordinary mutation of a
 graph input that PyTorch sees (AOTAutograd keeps it; a write in the
-backward is allowed on inputs that do not require grad).
+backward is allowed on inputs that do not require grad).  The eager path
+calls the impls themselves, not the ops, under
+``kernels.tracing.eager_buffers_in_place``: an impl may then write such
+state itself and leave its update output out (the delayed-scaling step
+does: module/linear_ops.py, ``_delayed_updates``).
 
 The fakes are the single source of truth for the flat layout: the op
 returns ``Tensor[]``, and whoever reads it (the traced caller, the autograd
@@ -49,6 +53,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..kernels.tracing import eager_buffers_in_place
 from ..quantization.base import QuantizedTensorStorage, storage_parts, storage_registry
 from ..quantization.wrapper import QuantizedTensor
 from . import arg_views
@@ -432,7 +437,9 @@ class CustomOpPair:
         diff_fields = [f for f, t in zip(self.fwd_plan.tensor_fields, diff)
                        if isinstance(t, torch.Tensor) and t.requires_grad]
         if not (torch.is_grad_enabled() and diff_fields):
-            return apply_updates(self.forward_updates, args, self.forward(args).outputs)
+            with eager_buffers_in_place():
+                outputs = self.forward(args).outputs
+            return apply_updates(self.forward_updates, args, outputs)
         keys = []  # filled by the Function's forward
         values = _EagerFunction.apply(self, args, diff_fields, keys,
                                       *[getattr(args, f) for f in diff_fields])
@@ -453,7 +460,8 @@ def _owning(t):
 class _EagerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, pair, args, diff_fields, keys, *diff_tensors):
-        result = pair.forward(args)
+        with eager_buffers_in_place():
+            result = pair.forward(args)
         saved, ctx.te_state = split_state(result.saved, pair.update_targets)
         tensors, spec = pack_saved(saved)
         ctx.save_for_backward(*tensors)
@@ -472,7 +480,9 @@ class _EagerFunction(torch.autograd.Function):
             return (None,) * (4 + len(ctx.te_fields))
         saved = {**unpack_saved(ctx.saved_tensors, ctx.te_spec), **ctx.te_state}
         bwd_args = pair.make_bwd_args(saved, ctx.te_values, grads_by_output)
-        result = apply_updates(pair.backward_updates, bwd_args, pair.backward(bwd_args))
+        with eager_buffers_in_place():
+            grads = pair.backward(bwd_args)
+        result = apply_updates(pair.backward_updates, bwd_args, grads)
         return (None,) * 4 + tuple(result.get(f) for f in ctx.te_fields)
 
 

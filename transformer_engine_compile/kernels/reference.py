@@ -137,19 +137,20 @@ def cast_fp8(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
 def quantize_fp8_tensorwise(x2d, scale, fmt, rowwise, columnwise, amax_out=None) -> dict:
     """data (M, K) and/or transpose (K, M) with one fp32 scale; scale_inv = 1/scale.
     ``amax_out`` (an :class:`AmaxSlot` or one fp32 element, in place): raised
-    to the amax of x2d (delayed scaling records it while quantizing)."""
+    to the amax of x2d (delayed scaling records it while quantizing); then
+    its ``step`` runs, after the cast, which may write over ``scale``."""
     scale = scale.reshape(1).float()
     slot = amax_slot(amax_out)
     if slot is not None:
         slot.element().copy_(torch.maximum(slot.element(), amax(x2d)))
-        if slot.step is not None:
-            slot.step.run(slot.amaxes)
     out = {}
     if rowwise:
         out["data"] = cast_fp8(x2d, scale, fmt)
     if columnwise:
         out["transpose"] = cast_fp8(x2d.t(), scale, fmt).contiguous()
     out["scale_inv"] = torch.reciprocal(scale)
+    if slot is not None and slot.step is not None:
+        slot.step.run(slot.amaxes)
     return out
 
 

@@ -14,8 +14,10 @@ Python.  Launch keys and data pointers do not exist on traced tensors:
 from __future__ import annotations
 
 import contextlib
+import threading
 
 active = False
+_eager = threading.local()
 
 
 @contextlib.contextmanager
@@ -37,3 +39,25 @@ def functional(*tensors) -> bool:
         return False
     from torch._subclasses.functional_tensor import FunctionalTensor
     return all(isinstance(t, FunctionalTensor) for t in tensors)
+
+
+@contextlib.contextmanager
+def eager_buffers_in_place():
+    """The ops' impls called eagerly (``CustomOpPair.eager``), not as ops:
+    a delayed-scaling step then writes the layer's amax history and scale
+    themselves, as it does in a lowered trace, instead of new buffers that
+    the op's updates copy back (two copies and two allocations per op
+    call).  An op must not write its inputs, so its real impl never does.
+    Thread-local: the autograd engine may run a backward on a thread of
+    its own."""
+    previous = getattr(_eager, "in_place", False)
+    _eager.in_place = True
+    try:
+        yield
+    finally:
+        _eager.in_place = previous
+
+
+def eager_in_place() -> bool:
+    """Whether :func:`eager_buffers_in_place` is active on this thread."""
+    return getattr(_eager, "in_place", False)

@@ -34,6 +34,7 @@ from ..dynamo.custom_op import OpResult, register_custom_op
 from ..dynamo.opaque import is_value_opaque
 from ..dynamo.tensor_proto import TensorProto, to_tensor_proto
 from ..kernels.gemm import gemm
+from ..kernels import tracing
 from ..kernels.reference import STEP_COUNTER, AmaxSlot
 from ..quantization.base import QuantizedTensorStorage, Quantizer
 from ..quantization.mxfp8 import MXFP8Quantizer
@@ -167,7 +168,8 @@ def _delayed_updates(q, history, scale, amaxes, prefix: str, group=None, step=No
     quantization ran it (``_step_after``), else of a step launched here,
     with the amaxes reduced over ``group`` first.  New objects (an op
     returns none of its inputs; inside a lowered trace the step writes over
-    the buffers themselves, see ``step_after``)."""
+    the buffers themselves, see ``step_after``); none in the eager path,
+    where the step wrote the buffers themselves."""
     if history is None:
         return {}
     if step is None:
@@ -176,6 +178,8 @@ def _delayed_updates(q, history, scale, amaxes, prefix: str, group=None, step=No
             amaxes = D.all_reduce_max(amaxes, group)
         step = q.step_after(history, scale)
         kernels.get("run_step", history)(step, amaxes)
+    if tracing.eager_in_place():
+        return {}
     return {f"amax_history_{prefix}": step.new_history.view(step.history.shape),
             f"scale_{prefix}": step.new_scale.view(step.new_scale.shape)}
 

@@ -245,11 +245,12 @@ class Float8DelayedScalingQuantizer(_Float8QuantizerBase):
         """This quantizer's delayed-scaling step (:func:`delayed_scaling_step`)
         for a quantization to run after it records the last amax of an op
         call (``kernels.reference.StepAfter``), or to run on its own
-        (``kernels.get("run_step")``), into new buffers;
-        inside a lowered trace over ``amax_history`` and ``scale`` themselves,
+        (``kernels.get("run_step")``), into new buffers; over
+        ``amax_history`` and ``scale`` themselves inside a lowered trace,
         as ``kernels.triton_quant.run_step`` explains (functionalized: both
-        keep their values)."""
-        if tracing.functional(amax_history, scale):
+        keep their values), and in the eager path
+        (``tracing.eager_buffers_in_place``)."""
+        if tracing.eager_in_place() or tracing.functional(amax_history, scale):
             new_history, new_scale = amax_history, scale
         else:
             new_history, new_scale = torch.empty_like(amax_history), torch.empty_like(scale)
