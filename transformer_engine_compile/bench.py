@@ -127,9 +127,13 @@ def _gemm_label(model, rec, device) -> str:
         return "bf16" if rec is None else "reference"
     from .quantization.factory import quantizer_for
     x = torch.randn(256, 256, device=device, dtype=torch.bfloat16)
-    xq = quantizer_for(rec, "input", internal=True).quantize(x)
-    wq = quantizer_for(rec, "weight", internal=True).quantize(x)
-    return cuda_gemm.gemm_path(xq, wq, torch.bfloat16)
+    one = torch.ones(1, device=device)
+
+    def quantized(role):  # DelayedScaling's quantizers take the layer's scale
+        q = quantizer_for(rec, role, internal=True)
+        return q.quantize_with_scale(x, one) if rec.delayed() else q.quantize(x)
+
+    return cuda_gemm.gemm_path(quantized("input"), quantized("weight"), torch.bfloat16)
 
 
 def _make_step(model, rec, mode):
