@@ -33,8 +33,8 @@ from ..dynamo.buckets import TensorOrQuantized
 from ..dynamo.custom_op import OpResult, register_custom_op
 from ..dynamo.opaque import is_value_opaque
 from ..dynamo.tensor_proto import TensorProto, to_tensor_proto
-from ..kernels.gemm import gemm
 from ..kernels import tracing
+from ..kernels.gemm import gemm
 from ..kernels.reference import STEP_COUNTER, AmaxSlot
 from ..quantization.base import QuantizedTensorStorage, Quantizer
 from ..quantization.mxfp8 import MXFP8Quantizer
