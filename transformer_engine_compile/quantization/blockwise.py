@@ -36,13 +36,13 @@ class Float8BlockwiseQTensorStorage(QuantizedTensorStorage):
     )
     _ROW_BUFFERS = ("rowwise_data", "rowwise_scale_inv")
     _ROWS_LAST = ("rowwise_scale_inv",)  # 1D: the rows are its last dim
+    _EXTRAS = ("fp8_format", "block_scaling_dim")
 
     def _row_scales(self):
         """rowwise_scale_inv as (M, K/128) (1D: a view of the blocks-outer
         buffer) or (M/128, K/128)."""
         s = self._rowwise_scale_inv
         return s if self._block_scaling_dim == 2 else s.t()
-    _EXTRAS = ("fp8_format", "block_scaling_dim")
 
     def _rowwise_2d(self):
         m, k = flat_2d(self._te_shape)
