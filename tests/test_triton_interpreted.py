@@ -6,7 +6,8 @@ checks run in a fresh process (``_CHECKS``).  Covered: the bias kernels
 bit in fp32 and fp16, and in bf16 up to the interpreter's conversion to bf16,
 which truncates where the GPU rounds to nearest; the column sums equal an fp64 sum within fp32 summation error and are
 deterministic), the norm backward's partial sums, which moved there, and
-the norm forward's partial maxima of y and of the weight it reads beside
+the amax kernel, alone and into a slot of a vector (exact), the norm
+forward's partial maxima of y and of the weight it reads beside
 (``side``), exact, and its delayed-scaling mode: the FP8 copies it writes
 equal the quantize kernel's of its y (both cast by the interpreter), its
 amax is exact (into a slot of a vector), and y is written only when
@@ -109,6 +110,16 @@ with mock.patch.object(triton_launch, "sm_count", lambda device: 4):
                     assert torch.equal(got[key].view(torch.uint8), want[key].view(torch.uint8)), \
                         (m, n, rms, fmt, key)
                 assert torch.equal(amaxes, want_amax), (amaxes, want_amax)
+# the amax kernel: alone, and raised into a slot of a zeroed vector (a cached
+# weight's, or a quantized incoming dy's, under delayed scaling), exact
+x = torch.randn(300, 384, generator=g).to(torch.bfloat16) * 3
+want = x.float().abs().max()
+assert torch.equal(tq.amax(x), want)
+vector = torch.zeros(ref.STEP_COUNTER + 1)
+vector[0] = 1.0
+got = tq.amax(x, ref.AmaxSlot(vector, 1))
+assert torch.equal(got, want) and vector[1] == want and vector[0] == 1.0
+assert torch.count_nonzero(vector) == 2
 # the delayed-scaling step written over its own history and scale, as a lowered
 # op runs it once inductor reinplaces the update
 for algo in ("max", "most_recent"):

@@ -122,15 +122,15 @@ def test_launcher_caches_a_handle_and_check_mode_catches_a_wrong_key():
     key = tq._x_key(x, 64, 256)
     outs = []
     for _ in range(2):  # first call compiles through kernel[grid], second through the handle
-        out = torch.zeros(1, dtype=torch.int32, device="cuda")
-        launch((1, 1), key, x, 64, 256, out, 64, 256)
-        outs.append(out.view(torch.float32))
+        out = torch.zeros(1, dtype=torch.float32, device="cuda")
+        launch((1, 1), key, x, 64, 256, out, 0, 64, 256)
+        outs.append(out)
     assert all(torch.equal(o, x.abs().amax().float().reshape(1)) for o in outs)
     handle = launch.handles[(torch.cuda.current_device(), key)]
     assert isinstance(handle, _Handle)  # no Triton launch hooks in the test run
     checked = Launcher(tq._amax_kernel)
     checked.check = True
-    out = torch.zeros(1, dtype=torch.int32, device="cuda")
-    checked((1, 1), key, x, 64, 256, out, 64, 256)
+    out = torch.zeros(1, dtype=torch.float32, device="cuda")
+    checked((1, 1), key, x, 64, 256, out, 0, 64, 256)
     with pytest.raises(RuntimeError, match="two compiled kernels"):
-        checked((1, 1), key, x.float(), 64, 256, out, 64, 256)  # same key, other dtype
+        checked((1, 1), key, x.float(), 64, 256, out, 0, 64, 256)  # same key, other dtype

@@ -99,11 +99,17 @@ def amax_slot(amax_out):
     return AmaxSlot(amax_out.view(-1), 0)
 
 
-def amax(x: torch.Tensor) -> torch.Tensor:
-    """max |x| as a 0-dim fp32 tensor (0 for an empty tensor; NaN propagates)."""
-    if x.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=x.device)
-    return x.detach().abs().amax().float()
+def amax(x: torch.Tensor, out=None) -> torch.Tensor:
+    """max |x| as a 0-dim fp32 tensor (0 for an empty tensor; NaN propagates).
+    ``out``: an :class:`AmaxSlot` raised to it in place instead (delayed
+    scaling records an amax without quantizing), whose element is returned."""
+    a = (torch.zeros((), dtype=torch.float32, device=x.device) if x.numel() == 0
+         else x.detach().abs().amax().float())
+    if out is None:
+        return a
+    element = out.element()
+    element.copy_(torch.maximum(element, a))
+    return element
 
 
 _amax = amax  # for functions whose ``amax`` argument shadows it

@@ -179,11 +179,13 @@ def transpose_bytes(x2d: torch.Tensor, out=None) -> torch.Tensor:
 
 # -- FP8 per-tensor ------------------------------------------------------------------
 @triton.jit
-def _amax_kernel(x_ptr, M, K, out_ptr, BM: tl.constexpr, BK: tl.constexpr):
-    """Atomic max of |x| into the zeroed int32 slot at out_ptr (one tile a program)."""
+def _amax_kernel(x_ptr, M, K, out_ptr, index, BM: tl.constexpr, BK: tl.constexpr):
+    """Atomic max of |x| into the fp32 slot ``out_ptr[index]`` (zero or
+    another amax: non-negative, so its bits order as its values; one tile a
+    program)."""
     rm, rk, mask = _tile_index(M, K, tl.program_id(0), tl.program_id(1), BM, BK)
     x = _load_tile(x_ptr, rm, rk, mask, K)
-    tl.atomic_max(out_ptr, tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
+    tl.atomic_max(_int_slot(out_ptr + index), tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
 
 
 @triton.jit
@@ -321,16 +323,21 @@ _amax_partials_pair_launch = Launcher(_amax_partials_pair_kernel)
 _fp8_current_pair_launch = Launcher(_fp8_current_pair_kernel)
 
 
-def amax(x: torch.Tensor) -> torch.Tensor:
-    """max |x| as a 0-dim fp32 tensor, like reference.amax."""
+def amax(x: torch.Tensor, out=None) -> torch.Tensor:
+    """reference.amax: max |x| as a 0-dim fp32 tensor, or raised into the
+    ``AmaxSlot`` ``out`` (the kernel takes the whole vector, see AmaxSlot)."""
     if x.numel() == 0 or x.dim() == 0:
-        return ref.amax(x)
+        return ref.amax(x, out)
     x2d = _matrix(x.detach().reshape(-1, x.shape[-1]))
     m, k = x2d.shape
-    out = torch.zeros(1, dtype=torch.int32, device=x2d.device)
-    _amax_launch((cdiv(m, _AMAX_BM), cdiv(k, _AMAX_BK)), _x_key(x2d, m, k),
-                 x2d, m, k, out, _AMAX_BM, _AMAX_BK)
-    return out.view(torch.float32).reshape(())
+    if out is None:
+        vector, index = torch.zeros(1, dtype=torch.float32, device=x2d.device), 0
+    else:
+        vector, index = out.amaxes, out.index
+    _amax_launch((cdiv(m, _AMAX_BM), cdiv(k, _AMAX_BK)),
+                 (_x_key(x2d, m, k), ptr_key(vector), int_key(index)),
+                 x2d, m, k, vector, index, _AMAX_BM, _AMAX_BK)
+    return vector.reshape(()) if out is None else out.element()
 
 
 def _fp8_outputs(dev, dt, m, k, rowwise, columnwise) -> dict:

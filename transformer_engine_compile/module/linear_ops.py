@@ -149,9 +149,11 @@ def _quantize(q, x, scales, slot: int, amaxes=None, step=None):
         amax_out=None if amaxes is None else AmaxSlot(amaxes, slot, step))
 
 
-def _amax(x) -> torch.Tensor:
+def _record_amax(x, amaxes, index: int) -> None:
+    """Delayed scaling: ``x``'s amax into the zeroed ``amaxes[index]``, by
+    the kernel itself (no copy), for a tensor this op call does not quantize."""
     x2d = x.detach().reshape(-1, x.shape[-1])
-    return kernels.get("amax", x2d)(x2d).reshape(()).float()
+    kernels.get("amax", x2d)(x2d, AmaxSlot(amaxes, index))
 
 
 def _zero_amaxes(history):
@@ -239,7 +241,7 @@ def _weight_for_gemm(args: LinearFwdArgs, amaxes=None, step=None):
     w = args.weight
     if _reuses_workspace(args):
         if amaxes is not None and not isinstance(w, QuantizedTensorStorage):
-            amaxes[1].copy_(_amax(w))
+            _record_amax(w, amaxes, 1)
         return args.weight_workspace, None
     if not _quantizes_weight(args):
         return w, None
@@ -457,7 +459,7 @@ def linear_backward(args: LinearBwdArgs) -> dict:
         dyq = dy  # its amax (delayed scaling) and bias gradient: from its values
         dy = dy_total = dy.dequantize() if args.bias_requires_grad or delayed else None
         if delayed:
-            amaxes[0].copy_(_amax(dy))
+            _record_amax(dy, amaxes, 0)
     else:
         if isinstance(dy, QuantizedTensorStorage):
             dy = dy.dequantize()
