@@ -12,7 +12,8 @@ forward's partial maxima of y and of the weight it reads beside
 equal the quantize kernel's of its y (both cast by the interpreter), its
 amax is exact (into a slot of a vector), and y is written only when
 asked; the delayed-scaling step written over its own history, alone and
-run by the cast that records an op call's last amax.
+run by the cast that records an op call's last amax; the emulated NVFP4
+GEMM's operand kernel (exact, every byte pattern) and epilogue.
 The quantize kernels' FP8 casts differ from the GPU's in the interpreter,
 so their numerics are left to tests/gpu.  Needs Triton.
 """
@@ -168,6 +169,32 @@ for in_place, algo, n_len, max_programs in ((False, "max", 1024, 2048),
                                                                                      algo)
     counted = 20 if n_len == 1024 and max_programs > 20 else 0  # the (5, 4) grid, if fused
     assert amaxes[ref.STEP_COUNTER].view(torch.int32) == counted, (amaxes, n_len)
+# the emulated NVFP4 GEMM's pieces (kernels/cuda_gemm.py): a copy's E2M1 values times its
+# E4M3 block scales, exact in bf16 (so the interpreter's truncation to bf16 loses
+# nothing), every code and every scale byte (subnormal, -0) but NaN, which the
+# interpreter converts to 480 (tests/gpu covers it)
+from transformer_engine_compile.kernels import triton_nvfp4 as tn4
+
+
+for r, c in ((16, 32), (48, 160), (130, 256)):
+    packed = torch.randint(0, 256, (r, c // 2), generator=g, dtype=torch.uint8)
+    scales = torch.randint(0, 256, (r, c // 16), generator=g, dtype=torch.uint8)
+    scales = torch.where(scales & 0x7F == 0x7F, scales - 1, scales).view(torch.float8_e4m3fn)
+    want = ref.dequantize_nvfp4_blocks(packed, scales, torch.float32)
+    assert torch.equal(want.to(torch.bfloat16).float(), want)  # exact in bf16
+    for dt in (torch.bfloat16, torch.float32):
+        got = tn4.dequantize_nvfp4_blocks(packed, scales, dt)
+        assert got.dtype == dt and torch.equal(got.float(), want), (r, c, dt)
+# its epilogue: the fp32 product divided by both per-tensor scales (edge amaxes: 0 and
+# Inf give scale 1), plus the bias, rounded once (truncated to bf16 by the interpreter)
+acc = torch.randn(70, 300, generator=g) * 1000
+for amax_a, amax_b in ((3.5, 0.02), (0.0, 7.0), (float("inf"), 1e-30)):
+    aa, ab = torch.tensor([amax_a]), torch.tensor([amax_b])
+    for bias in (None, torch.randn(300, generator=g), torch.randn(300, generator=g).bfloat16()):
+        want = ref.nvfp4_gemm_epilogue(acc, aa, ab, bias, torch.float32)
+        assert torch.equal(tn4.nvfp4_gemm_epilogue(acc, aa, ab, bias, torch.float32), want)
+        got = tn4.nvfp4_gemm_epilogue(acc, aa, ab, bias, torch.bfloat16)
+        assert torch.equal(got, trunc_bf16(want)), (amax_a, amax_b)
 print("ok")
 '''
 

@@ -28,6 +28,8 @@ OPS = (
     "quantize_fp8_blockwise",
     "quantize_nvfp4",
     "dequantize_mxfp8",
+    "dequantize_nvfp4_blocks",
+    "nvfp4_gemm_epilogue",
     "delayed_scaling_step",
     "run_step",
     "gemm",

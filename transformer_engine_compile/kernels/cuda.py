@@ -33,9 +33,10 @@ def register() -> None:
     for name in ("quantize_fp8_blockwise", "quantize_mxfp8", "dequantize_mxfp8"):
         register_fast(name, "cuda", getattr(tbk, name))
         _REGISTERED.append(name)
-    from .triton_nvfp4 import quantize_nvfp4
-    register_fast("quantize_nvfp4", "cuda", quantize_nvfp4)
-    _REGISTERED.append("quantize_nvfp4")
+    from . import triton_nvfp4 as tn4
+    for name in ("quantize_nvfp4", "dequantize_nvfp4_blocks", "nvfp4_gemm_epilogue"):
+        register_fast(name, "cuda", getattr(tn4, name))
+        _REGISTERED.append(name)
     from . import triton_norm as tn
     for name in ("norm_forward", "norm_forward_fp8", "norm_backward"):
         register_fast(name, "cuda", getattr(tn, name))

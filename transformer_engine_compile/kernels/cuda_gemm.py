@@ -13,9 +13,13 @@ Which path a product takes (``gemm_path`` names it; docs/linear.md lists them):
 * ``"emulated_bf16"``: MXFP8 (Hopper has no MX tensor cores): each operand
   is dequantized to bf16, which holds every MXFP8 value exactly, then
   multiplied by the bf16 tensor cores with fp32 accumulation.
-* ``"emulated_fp32"``: NVFP4 (no Hopper FP4 tensor cores; its dequantized
-  values need more than bf16's exponent-scaled 8 bits once the per-tensor
-  scale is applied): the fp32 reference GEMM of the dequantized operands.
+* ``"emulated_nvfp4"``: NVFP4 (no Hopper FP4 tensor cores): each operand's
+  E2M1 values times their E4M3 block scales are exact in bf16 (at most 6
+  significant bits), so the bf16 tensor cores multiply them into fp32
+  (``torch.mm``'s ``out_dtype``), and one kernel divides the product by
+  both per-tensor scales (which bf16 could not hold exactly), adds the
+  bias and rounds once (``reference.nvfp4_gemm_epilogue``).  Without
+  ``torch.mm(..., out_dtype=)`` (torch before 2.8) the reference.
 * ``"reference"``: everything else (mixed formats, shapes cuBLAS refuses,
   fp32 outputs of MXFP8): the fp32 reference GEMM.
 
@@ -97,7 +101,7 @@ def gemm_path(a, b, out_dtype: torch.dtype) -> str:
     if isinstance(a, MXFP8TensorStorage) and out_dtype != torch.float32:
         return "emulated_bf16"
     if isinstance(a, NVFP4TensorStorage):
-        return "emulated_fp32"
+        return "emulated_nvfp4" if _has_mm_out_dtype() else "reference"
     return "reference"
 
 
@@ -180,6 +184,22 @@ def _emulated_bf16(a, a_usage, b, b_usage, out_dtype, bias):
     return _add_bias(out if out.dtype == out_dtype else out.to(out_dtype), bias)
 
 
+@functools.lru_cache(maxsize=None)
+def _has_mm_out_dtype() -> bool:
+    """Whether torch has ``aten::mm.dtype`` (bf16 operands, fp32 product)."""
+    return hasattr(torch.ops.aten.mm, "dtype")
+
+
+def _emulated_nvfp4(a, a_usage, b, b_usage, out_dtype, bias):
+    a.gemm_operand_check(a_usage)
+    b.gemm_operand_check(b_usage)
+    (ad, asc, aamax), (bd, bsc, bamax) = a.copy_parts(a_usage), b.copy_parts(b_usage)
+    a16 = get("dequantize_nvfp4_blocks", ad)(ad, asc)
+    b16 = get("dequantize_nvfp4_blocks", bd)(bd, bsc)
+    acc = torch.mm(a16, b16.t(), out_dtype=torch.float32)
+    return get("nvfp4_gemm_epilogue", acc)(acc, aamax, bamax, bias, out_dtype)
+
+
 def gemm_cuda(a, a_usage: str, b, b_usage: str, out_dtype: torch.dtype,
               bias: torch.Tensor | None = None, fast_accum: bool = False) -> torch.Tensor:
     """``A @ B^T (+ bias)`` in ``out_dtype`` on the fastest path for the operands."""
@@ -191,6 +211,8 @@ def gemm_cuda(a, a_usage: str, b, b_usage: str, out_dtype: torch.dtype,
         out = _fp8_blockwise(a, a_usage, b, b_usage, out_dtype, bias)
     elif path == "emulated_bf16":
         out = _emulated_bf16(a, a_usage, b, b_usage, out_dtype, bias)
-    if out is None:  # "bf16", "emulated_fp32", "reference", or a shape cuBLAS refuses
+    elif path == "emulated_nvfp4":
+        out = _emulated_nvfp4(a, a_usage, b, b_usage, out_dtype, bias)
+    if out is None:  # "bf16", "reference", or a shape cuBLAS refuses
         out = gemm_reference(a, a_usage, b, b_usage, out_dtype, bias)
     return out

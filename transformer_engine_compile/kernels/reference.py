@@ -470,6 +470,29 @@ def dequantize_nvfp4(packed, scale_q, amax_) -> torch.Tensor:
     return (vals.reshape(r, c // NVFP4_BLOCK, NVFP4_BLOCK) * dec.unsqueeze(-1)).reshape(r, c)
 
 
+def dequantize_nvfp4_blocks(packed, scale_q, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """One copy's E2M1 values times their E4M3 block scales, without the
+    per-tensor scale.  The products have at most 6 significant bits (2 of
+    E2M1, 4 of E4M3) within bf16's exponent range, so they are exact in
+    bf16: the bf16 tensor cores can multiply them exactly (the fast NVFP4
+    GEMM, kernels/cuda_gemm.py), and :func:`nvfp4_gemm_epilogue` applies the
+    per-tensor scales to the fp32 product."""
+    vals = e2m1_to_float(unpack_fp4(packed))
+    r, c = vals.shape
+    out = vals.reshape(r, c // NVFP4_BLOCK, NVFP4_BLOCK) * scale_q.float().unsqueeze(-1)
+    return out.reshape(r, c).to(out_dtype)
+
+
+def nvfp4_gemm_epilogue(acc, amax_a, amax_b, bias, out_dtype) -> torch.Tensor:
+    """``acc`` (fp32, the product of two :func:`dequantize_nvfp4_blocks`
+    operands) divided by both operands' per-tensor scales, plus ``bias``
+    (in fp32), rounded once to ``out_dtype``."""
+    out = acc / nvfp4_global_scale(amax_a.reshape(())) / nvfp4_global_scale(amax_b.reshape(()))
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
 # -- normalisation (LayerNormLinear, LayerNormMLP) ---------------------------------
 def norm_forward(x2d, weight, bias, eps: float, rms: bool, with_amax: bool = False,
                  side=None) -> tuple:

@@ -1,7 +1,7 @@
 """NVFP4 quantization in Triton: ``quantize_nvfp4`` with the signature of
 ``reference.quantize_nvfp4``, returning bit-identical buffers.
 
-Two launches (three or four with stochastic rounding, whose uniform draws
+Quantization: two launches (three or four with stochastic rounding, whose uniform draws
 come from ``torch.rand`` in the reference's order, rowwise copy first, so
 both paths round alike under one seed):
 
@@ -12,6 +12,11 @@ both paths round alike under one seed):
   the global scale on the device and writes both copies (data, E4M3 block
   scales, amax).  The columnwise copy re-reads its tile transposed from
   memory (see ``triton_quant._tile_t``).
+
+For the emulated GEMM (kernels/cuda_gemm.py), ``dequantize_nvfp4_blocks``
+writes a copy's values times their block scales in bf16 (exact) and
+``nvfp4_gemm_epilogue`` divides the fp32 product by both per-tensor scales
+and adds the bias, one pass each.
 
 The RHT is the reference's butterfly (``reference._fwht16``) in the same
 order of fp32 operations, so it matches bit for bit.  Nothing reads a value
@@ -25,8 +30,9 @@ import triton
 import triton.language as tl
 
 from . import reference as ref
-from .triton_launch import Launcher, cdiv, int_key
-from .triton_quant import _abs_bits, _load_tile, _matrix, _scale_from_amax, _tile_index, _x_key
+from .triton_launch import Launcher, cdiv, int_key, ptr_key
+from .triton_quant import (_abs_bits, _load_tile, _matrix, _scale_from_amax, _store_rows,
+                           _tile_index, _x_key)
 
 _RHT_NEG = tl.constexpr(ref.RHT_NEGATIVE)
 _INV_E2M1_MAX = tl.constexpr(1.0 / ref.E2M1_MAX)  # rounded to fp32 where used, as in torch
@@ -290,4 +296,69 @@ def quantize_nvfp4(x2d, block_2d, rht, stochastic, rowwise, columnwise) -> dict:
     flags = (bool(block_2d), bool(rht), bool(stochastic), bool(rowwise), bool(columnwise))
     _nvfp4_launch((cdiv(m, _BM), cdiv(k, _BK)), (xkey, int_key(n_parts), flags),
                   x2d, m, k, parts, n_parts, r_row, r_col, *bufs, *flags, _BM, _BK, _MAX_PARTS)
+    return out
+
+
+# -- the emulated GEMM's operands and epilogue ----------------------------------------
+@triton.jit
+def _nvfp4_blocks_kernel(d_ptr, s_ptr, out_ptr, R, C, OUT: tl.constexpr, BR: tl.constexpr,
+                         BC: tl.constexpr):
+    """reference.dequantize_nvfp4_blocks of one (BR, BC) tile of an (R, C) copy."""
+    rows, cols, mask = _tile_index(R, C, tl.program_id(0), tl.program_id(1), BR, BC)
+    r = rows[:, None].to(tl.int64)
+    byte = tl.load(d_ptr + r * (C // 2) + cols[None, :] // 2, mask=mask, other=0).to(tl.int32)
+    code = tl.where(cols[None, :] % 2 == 0, byte & 15, byte >> 4)
+    mag = _e2m1_value(code & 7)
+    s = tl.load(s_ptr + r * (C // 16) + cols[None, :] // 16, mask=mask, other=0.0)
+    _store_rows(out_ptr, (tl.where(code >= 8, -mag, mag) * s.to(tl.float32)).to(OUT), rows, cols,
+                mask, C)
+
+
+@triton.jit
+def _nvfp4_epilogue_kernel(acc_ptr, amax_a_ptr, amax_b_ptr, bias_ptr, out_ptr, M, N,
+                           HAS_BIAS: tl.constexpr, OUT: tl.constexpr, BM: tl.constexpr,
+                           BN: tl.constexpr):
+    """reference.nvfp4_gemm_epilogue of one (BM, BN) tile."""
+    rm, rn, mask = _tile_index(M, N, tl.program_id(0), tl.program_id(1), BM, BN)
+    ga = _scale_from_amax(tl.load(amax_a_ptr), _GLOBAL_MAX, 0.0, False)
+    gb = _scale_from_amax(tl.load(amax_b_ptr), _GLOBAL_MAX, 0.0, False)
+    y = _load_tile(acc_ptr, rm, rn, mask, N)
+    y = tl.math.div_rn(tl.math.div_rn(y, tl.zeros_like(y) + ga), tl.zeros_like(y) + gb)
+    if HAS_BIAS:
+        y = y + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    _store_rows(out_ptr, y.to(OUT), rm, rn, mask, N)
+
+
+_blocks_launch = Launcher(_nvfp4_blocks_kernel)
+_epilogue_launch = Launcher(_nvfp4_epilogue_kernel)
+_TL_OUT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def dequantize_nvfp4_blocks(packed, scale_q, out_dtype=torch.bfloat16) -> torch.Tensor:
+    r, c = packed.shape[0], packed.shape[1] * 2
+    if (packed.numel() == 0 or out_dtype not in _TL_OUT or scale_q.shape != (r, c // 16)
+            or packed.dtype != torch.uint8 or scale_q.dtype != torch.float8_e4m3fn):
+        return ref.dequantize_nvfp4_blocks(packed, scale_q, out_dtype)
+    packed, scale_q = _matrix(packed), _matrix(scale_q)
+    out = torch.empty((r, c), dtype=out_dtype, device=packed.device)
+    _blocks_launch((cdiv(r, _BM), cdiv(c, _BK)),
+                   (ptr_key(packed), ptr_key(scale_q), int_key(r), int_key(c), out_dtype),
+                   packed, scale_q, out, r, c, _TL_OUT[out_dtype], _BM, _BK)
+    return out
+
+
+def nvfp4_gemm_epilogue(acc, amax_a, amax_b, bias, out_dtype) -> torch.Tensor:
+    if (acc.numel() == 0 or acc.dim() != 2 or acc.dtype != torch.float32
+            or out_dtype not in _TL_OUT or (bias is not None and bias.dtype not in _TL_OUT)):
+        return ref.nvfp4_gemm_epilogue(acc, amax_a, amax_b, bias, out_dtype)
+    acc = _matrix(acc)
+    m, n = acc.shape
+    out = torch.empty((m, n), dtype=out_dtype, device=acc.device)
+    has_bias = bias is not None
+    bias_arg = _matrix(bias) if has_bias else acc
+    _epilogue_launch((cdiv(m, _BM), cdiv(n, _BK)),
+                     (_x_key(acc, m, n), amax_a.dtype, ptr_key(amax_a), amax_b.dtype, ptr_key(amax_b),
+                      bias_arg.dtype, ptr_key(bias_arg), has_bias, out_dtype),
+                     acc, amax_a, amax_b, bias_arg, out, m, n, has_bias, _TL_OUT[out_dtype],
+                     _BM, _BK)
     return out

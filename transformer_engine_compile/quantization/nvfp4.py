@@ -35,16 +35,23 @@ class NVFP4TensorStorage(QuantizedTensorStorage):
     _ROW_BUFFERS = ("rowwise_data", "rowwise_scale_inv")
     _EXTRAS = ("with_rht",)
 
+    def copy_parts(self, usage: str) -> tuple:
+        """``(packed, block scales, amax)`` of one copy as a 2-D GEMM operand
+        reduced along its last dim: rowwise (M, K/2), (M, K/16); columnwise
+        (K, Mp/2), (K, Mp/16)."""
+        if usage == "rowwise":
+            m, k = flat_2d(self._te_shape)
+            return (self._rowwise_data.reshape(m, k // 2), self._rowwise_scale_inv,
+                    self._rowwise_amax)
+        return self._columnwise_data, self._column_scales(), self._columnwise_amax
+
     def _rowwise_2d(self):
-        m, k = flat_2d(self._te_shape)
-        return ref.dequantize_nvfp4(self._rowwise_data.reshape(m, k // 2),
-                                    self._rowwise_scale_inv, self._rowwise_amax)
+        return ref.dequantize_nvfp4(*self.copy_parts("rowwise"))
 
     def _columnwise_2d(self):
         # in the RHT basis when with_rht: both wgrad operands share it, so the
         # GEMM dy^T x is unchanged; dequantize() undoes it
-        return ref.dequantize_nvfp4(self._columnwise_data, self._column_scales(),
-                                    self._columnwise_amax)
+        return ref.dequantize_nvfp4(*self.copy_parts("columnwise"))
 
     def _column_scales(self):
         """columnwise_scale_inv as (K, Mp/16) (stored flat for 1D blocks)."""
