@@ -134,11 +134,13 @@ def test_bias_keeps_the_ops(lowered_on_cpu, name):
 
 @pytest.mark.parametrize("name", ["fp8_delayed", "nvfp4"])
 def test_stateful_and_random_recipes_stay_ops(lowered_on_cpu, name):
-    """NVFP4 always; DelayedScaling where its casts are torch ops (the
-    reference, as on CPU): the forward reads the scale buffer it updates, and
-    AOT's partitioner could recompute a cast in the backward from the
-    updated buffer.  With Triton casts it lowers
-    (test_cuda_lowering_traces_without_copies, tests/gpu/test_gpu_lowering.py)."""
+    """Where the casts are torch ops (the reference, as on CPU).
+    DelayedScaling: the forward reads the scale buffer it updates, and AOT's
+    partitioner could recompute a cast in the backward from the updated
+    buffer; NVFP4: inductor would fuse the reference's torch ops and round
+    otherwise.  With Triton casts both lower (NVFP4 its forward only:
+    test_cuda_lowering_traces_without_copies,
+    test_cuda_lowering_nvfp4_forward_only, tests/gpu/test_gpu_lowering.py)."""
     assert _train(name, bias=False, steps=3) == {"fwd": 1, "bwd": 1}
 
 
@@ -335,6 +337,38 @@ def test_cuda_lowering_traces_without_copies(module, options, name, bias):
         for got, want in zip(traced, outputs):
             assert (got.shape, got.dtype, got.stride()) == (want.shape, want.dtype,
                                                             want.stride()), op
+
+
+@pytest.mark.parametrize("module, options, x_grad", [
+    *((m, o, True) for m, o in TRACE_CASES), ("linear", {}, False)])
+def test_cuda_lowering_nvfp4_forward_only(module, options, x_grad):
+    """NVFP4 (Transformer Engine's recipe rounds only gradients
+    stochastically): the forward's CUDA impl traces into Triton kernels
+    (quantize, the emulated GEMM's operand and epilogue kernels) and
+    bf16 GEMMs into fp32, with the fake impl's layout and no input copies;
+    the backward, whose gradient quantizer draws from torch's generator,
+    is refused and stays an op.  Without x's gradient the weight's
+    columnwise copy is not written: a spare buffer stands in for it."""
+    pytest.importorskip("triton")
+    from cuda_trace import lowered_cuda_traces
+    layer, x = _meta_module(module, options)
+    x.requires_grad_(x_grad)
+    (fwd, outputs, gm), (bwd, _, bwd_gm) = lowered_cuda_traces(layer, x,
+                                                                RECIPES["nvfp4"]())
+    assert (fwd.name(), bwd.name()) == (f"te_compile::{module}_fwd", f"te_compile::{module}_bwd")
+    assert list(bwd_gm.graph.nodes)[-1].args[0] in (None, [None]), "nvfp4 backward lowered"
+    nodes = list(gm.graph.nodes)
+    assert nodes[-1].args[0] not in (None, [None]), "nvfp4 forward not lowered"
+    assert not any(getattr(n.target, "namespace", None) == "te_compile" for n in nodes)
+    kernels_run = [n for n in nodes
+                   if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
+    assert _step_kernels(fwd, kernels_run) == []
+    names = {_kernel_name(n) for n in kernels_run}
+    assert {"_nvfp4_kernel", "_nvfp4_blocks_kernel", "_nvfp4_epilogue_kernel"} <= names, names
+    assert any(n.target is torch.ops.aten.mm.dtype for n in nodes)
+    traced = [n.meta["val"] for n in pytree_leaves(nodes[-1].args)]
+    assert [(t.shape, t.dtype, t.stride()) for t in traced] == [
+        (t.shape, t.dtype, t.stride()) for t in outputs]
 
 
 @pytest.mark.parametrize("dtype, lowered", [(torch.bfloat16, True), (torch.float16, False),

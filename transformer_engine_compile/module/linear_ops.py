@@ -543,8 +543,9 @@ def _lowers_forward(args: LinearFwdArgs) -> bool:
     bias_ok = args.bias is None or (args.input_quantizer is not None
                                     and _has_fast_kernel("bias_add", args))
     out_dtype = None if args.inp is None else args.inp.dtype
+    forward_quantizers = (args.input_quantizer, args.weight_quantizer, args.output_quantizer)
     return (bias_ok and _delayed_lowers(args.amax_history_fwd, args)
-            and _lowerable_formats(args)
+            and _lowerable_formats(forward_quantizers, args)
             and not mxfp8_converted_output(args.input_quantizer, out_dtype))
 
 
@@ -566,7 +567,9 @@ def _lowers_backward(args: LinearBwdArgs) -> bool:
     if args.weight_requires_grad:
         wgrad_dtype = args.weight_dtype if args.main_grad is None else args.main_grad.dtype
     dgrad_dtype = None if args.grad_output is None else args.grad_output.dtype
-    return (bias_ok and _delayed_lowers(args.amax_history_bwd, args) and _lowerable_formats(args)
+    quantizers = [getattr(args, f.name) for f in dataclasses.fields(args)]
+    return (bias_ok and _delayed_lowers(args.amax_history_bwd, args)
+            and _lowerable_formats(quantizers, args)
             and not mxfp8_converted_output(q, wgrad_dtype)
             and not mxfp8_converted_output(q, dgrad_dtype))
 
@@ -594,11 +597,17 @@ def _has_fast_kernel(name: str, args) -> bool:
     return False
 
 
-def _lowerable_formats(args) -> bool:
-    """NVFP4 stays an op: its stochastic rounding draws from torch's
-    generator, which inductor's random numbers replace."""
-    return not any(isinstance(getattr(args, f.name), NVFP4Quantizer)
-                   for f in dataclasses.fields(args))
+def _lowerable_formats(quantizers, args) -> bool:
+    """Whether the NVFP4 quantizers among those a call quantizes with (if
+    any) let it lower: only where NVFP4's quantization is a Triton kernel
+    (inductor would fuse the reference's torch ops and round otherwise),
+    and never with stochastic rounding, whose draws come from torch's
+    generator, which inductor's random numbers replace.  Transformer
+    Engine's NVFP4 recipe rounds only gradients stochastically, so its
+    forward lowers and its backward stays an op."""
+    nvfp4 = [q for q in quantizers if isinstance(q, NVFP4Quantizer)]
+    return not nvfp4 or (not any(q.stochastic_rounding for q in nvfp4)
+                         and _has_fast_kernel("quantize_nvfp4", args))
 
 
 LINEAR_OPS = register_custom_op(
