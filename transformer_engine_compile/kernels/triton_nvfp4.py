@@ -1,8 +1,9 @@
-"""NVFP4 quantization in Triton: ``quantize_nvfp4`` with the signature of
-``reference.quantize_nvfp4``, returning bit-identical buffers.
+"""NVFP4 in Triton: ``quantize_nvfp4`` with the signature of
+``reference.quantize_nvfp4``, returning bit-identical buffers, and the
+emulated GEMM's operand and epilogue kernels.
 
-Quantization: two launches (three or four with stochastic rounding, whose uniform draws
-come from ``torch.rand`` in the reference's order, rowwise copy first, so
+Quantization: two launches (three or four with stochastic rounding, whose
+uniform draws come from ``torch.rand`` in the reference's order, rowwise copy first, so
 both paths round alike under one seed):
 
 * an amax pass: each of at most 256 programs writes the max |x| bits of its
@@ -293,7 +294,8 @@ def quantize_nvfp4(x2d, block_2d, rht, stochastic, rowwise, columnwise) -> dict:
                  n_parts, x_amax, rht_amax, _AMAX_BM, _AMAX_BK)
     # the reference's draws: rand_like of the rowwise copy, then the columnwise one;
     # without them the kernel gets ``parts`` (read only), absent copies a spare each
-    r_row = torch.rand((m, k), dtype=torch.float32, device=dev) if stochastic and rowwise else parts
+    r_row = (torch.rand((m, k), dtype=torch.float32, device=dev) if stochastic and rowwise
+             else parts)
     r_col = (torch.rand((k, m), dtype=torch.float32, device=dev) if stochastic and columnwise
              else parts)
     bufs = tuple(out[name] if name in out else _absent(parts) for name in _BUFFERS)
@@ -371,8 +373,8 @@ def nvfp4_gemm_epilogue(acc, amax_a, amax_b, bias, out_dtype) -> torch.Tensor:
     has_bias = bias is not None
     bias_arg = _matrix(bias) if has_bias else acc
     _epilogue_launch((cdiv(m, _G_BM), cdiv(n, _G_BK)),
-                     (_x_key(acc, m, n), amax_a.dtype, ptr_key(amax_a), amax_b.dtype, ptr_key(amax_b),
-                      bias_arg.dtype, ptr_key(bias_arg), has_bias, out_dtype),
+                     (_x_key(acc, m, n), amax_a.dtype, ptr_key(amax_a), amax_b.dtype,
+                      ptr_key(amax_b), bias_arg.dtype, ptr_key(bias_arg), has_bias, out_dtype),
                      acc, amax_a, amax_b, bias_arg, out, m, n, has_bias, _TL_OUT[out_dtype],
                      _G_BM, _G_BK)
     return out
