@@ -462,12 +462,17 @@ def quantize_nvfp4(x2d, block_2d, rht, stochastic, rowwise, columnwise) -> dict:
     return out
 
 
-def dequantize_nvfp4(packed, scale_q, amax_) -> torch.Tensor:
-    """Dequantize one copy in its stored orientation (no inverse RHT)."""
+def _nvfp4_values_times(packed, per_block) -> torch.Tensor:
+    """One copy's E2M1 values (fp32), each block of 16 times its ``per_block`` factor."""
     vals = e2m1_to_float(unpack_fp4(packed))
     r, c = vals.shape
-    dec = scale_q.float() / nvfp4_global_scale(amax_.reshape(()))
-    return (vals.reshape(r, c // NVFP4_BLOCK, NVFP4_BLOCK) * dec.unsqueeze(-1)).reshape(r, c)
+    blocks = vals.reshape(r, c // NVFP4_BLOCK, NVFP4_BLOCK) * per_block.unsqueeze(-1)
+    return blocks.reshape(r, c)
+
+
+def dequantize_nvfp4(packed, scale_q, amax_) -> torch.Tensor:
+    """Dequantize one copy in its stored orientation (no inverse RHT)."""
+    return _nvfp4_values_times(packed, scale_q.float() / nvfp4_global_scale(amax_.reshape(())))
 
 
 def dequantize_nvfp4_blocks(packed, scale_q, out_dtype=torch.bfloat16) -> torch.Tensor:
@@ -477,10 +482,7 @@ def dequantize_nvfp4_blocks(packed, scale_q, out_dtype=torch.bfloat16) -> torch.
     bf16: the bf16 tensor cores can multiply them exactly (the fast NVFP4
     GEMM, kernels/cuda_gemm.py), and :func:`nvfp4_gemm_epilogue` applies the
     per-tensor scales to the fp32 product."""
-    vals = e2m1_to_float(unpack_fp4(packed))
-    r, c = vals.shape
-    out = vals.reshape(r, c // NVFP4_BLOCK, NVFP4_BLOCK) * scale_q.float().unsqueeze(-1)
-    return out.reshape(r, c).to(out_dtype)
+    return _nvfp4_values_times(packed, scale_q.float()).to(out_dtype)
 
 
 def nvfp4_gemm_epilogue(acc, amax_a, amax_b, bias, out_dtype) -> torch.Tensor:
