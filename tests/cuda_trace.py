@@ -78,12 +78,14 @@ class _RecordOps(TorchDispatchMode):
         return out
 
 
-def lowered_cuda_traces(module, x, recipe=None, **call_kwargs) -> list:
+def lowered_cuda_traces(module, x, recipe=None, computed_input=False, **call_kwargs) -> list:
     """``[(op, op_outputs, graph_module)]`` for each op call of one forward
     (``module(x, **call_kwargs)``) and backward of ``module`` (built on the
     meta device) on ``x`` (meta): the fake impl's outputs and the graph the
     lowering traces for the call (which returns None where the call is not
-    lowered)."""
+    lowered).  ``computed_input``: the op's first argument (x, dy) is
+    computed in the traced graph (``2 * t`` of a graph input ``t``), as a
+    fused kernel's result in a model's graph, instead of a graph input."""
     from torch._inductor.decomposition import decompositions
     with cuda_kernels_on_meta():
         record = _RecordOps()
@@ -96,6 +98,14 @@ def lowered_cuda_traces(module, x, recipe=None, **call_kwargs) -> list:
             def decomposed(*args):  # None where the call is not lowered
                 out = decompositions[op](*args)
                 return None if out is NotImplemented else out
-            return make_fx(decomposed, tracing_mode="fake")
+            if not computed_input:
+                return make_fx(decomposed, tracing_mode="fake")
+
+            def with_computed(t, *args):
+                first = args[0]
+                return decomposed([2 * t] if isinstance(first, list) else 2 * t, *args[1:])
+
+            return lambda *args: make_fx(with_computed, tracing_mode="fake")(
+                args[0][0] if isinstance(args[0], list) else args[0], *args)
 
         return [(op, out, traced(op)(*args)) for op, args, out in record.calls]

@@ -339,6 +339,45 @@ def test_cuda_lowering_traces_without_copies(module, options, name, bias):
                                                             want.stride()), op
 
 
+@pytest.mark.parametrize("module, options", TRACE_CASES)
+@pytest.mark.parametrize("name", ["fp8_current", "fp8_delayed", "mxfp8"])
+def test_cuda_lowering_realizes_a_computed_input_once(module, options, name):
+    """An input the graph computes (x, dy: a fused kernel's result in a
+    model) reaches every Triton kernel of the call through one
+    ``inductor_force_stride_order``.  Inductor fixes each user-kernel
+    argument's layout separately and copies an unrealized one per argument
+    (torch 2.11 on an H200: the SwiGLU backward stored dy five times, 153 us
+    against 62); a realized one it passes as it is.  Graph inputs (weights)
+    are not wrapped: they are buffers already."""
+    pytest.importorskip("triton")
+    from cuda_trace import lowered_cuda_traces
+    fixed = torch.ops.prims.inductor_force_stride_order.default
+    layer, x = _meta_module(module, options)
+    traces = lowered_cuda_traces(layer, x, RECIPES[name](), computed_input=True)
+    assert len(traces) == 2
+    for op, _, gm in traces:
+        nodes = list(gm.graph.nodes)
+        computed = next(n for n in nodes if n.target is torch.ops.aten.mul.Tensor)
+        anchors = [n for n in nodes if n.target is fixed]
+        assert [n.args[0] for n in anchors] == [computed], op  # only x / dy, once
+        readers = {user.op if user.op != "call_function" else user.target
+                   for user in computed.users}
+        assert readers == {fixed}, (op, readers)  # no kernel reads it unfixed
+        kernels_run = [n for n in nodes
+                       if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
+        assert any(_reads(n, anchors[0]) for n in kernels_run), op
+
+
+def _reads(kernel_node, source) -> bool:
+    """Whether a traced kernel takes ``source`` or a view of it."""
+    for arg in kernel_node.kwargs["kwargs"].values():
+        while isinstance(arg, torch.fx.Node) and arg is not source and arg.target in _VIEWS:
+            arg = arg.args[0]
+        if arg is source:
+            return True
+    return False
+
+
 @pytest.mark.parametrize("module, options, x_grad", [
     *((m, o, True) for m, o in TRACE_CASES), ("linear", {}, False)])
 def test_cuda_lowering_nvfp4_forward_only(module, options, x_grad):

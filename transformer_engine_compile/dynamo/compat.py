@@ -336,6 +336,43 @@ def functionalized(fn):
     return dispatch_functionalize(fn, FunctionalTensorMode())
 
 
+def fixed_layout(t: torch.Tensor) -> torch.Tensor:
+    """``t`` through inductor's ``inductor_force_stride_order`` with its own
+    strides (a no-op on values), so inductor realizes a fused producer's
+    result once, in one buffer, for every Triton kernel of a lowered call
+    that reads it.  Inductor fixes the layout of each user-kernel argument
+    separately, and an argument that is still a fusable expression then
+    becomes a copy of its own: with x or dy passed to an amax and a cast
+    kernel, the producer stored it up to five times (docs/custom_ops.md).
+    ``t`` itself where it is a graph input (realized already) and on a
+    torch without the prim."""
+    op = _force_stride_order()
+    return t if op is None or _traced_graph_input(t) else op(t, t.stride())
+
+
+def _traced_graph_input(t) -> bool:
+    """Whether ``t``, in the make_fx trace in progress (AOT's, seen through
+    its functionalization), is a placeholder of the graph."""
+    from torch._subclasses.functional_tensor import FunctionalTensor
+    from torch.fx.experimental import proxy_tensor
+    mode = proxy_tensor.get_proxy_mode()
+    if mode is None:
+        return False
+    inner = torch._from_functional_tensor(t.elem) if isinstance(t, FunctionalTensor) else t
+    slot = proxy_tensor.get_proxy_slot(inner, mode.tracer, None)
+    node = getattr(getattr(slot, "proxy", None), "node", None)
+    return node is not None and node.op == "placeholder"
+
+
+def _force_stride_order():
+    try:
+        from torch._inductor import inductor_prims  # noqa: F401 - registers the prims
+    except ImportError:  # pragma: no cover - a torch without inductor
+        return None
+    packet = getattr(torch.ops.prims, "inductor_force_stride_order", None)
+    return None if packet is None else packet.default
+
+
 def compiling_for_cuda_graphs() -> bool:
     """Whether the inductor compile in progress records CUDA graphs
     (``mode="reduce-overhead"`` patches this config for its compile)."""

@@ -205,6 +205,22 @@ class ArgPlan:
         out.append(flat[-1])
         return out
 
+    def with_fixed_layouts(self, flat, skip=()) -> list:
+        """``flat`` with each plain tensor argument, except those of the
+        fields in ``skip``, through :func:`compat.fixed_layout` (a lowered
+        call's inputs, so inductor realizes each once; lowering.py)."""
+        out = []
+        for name, bucket, op_args, entry in self._split(flat):
+            if name not in skip:
+                if bucket.kind in ("tensor", "optional_tensor") and isinstance(
+                        op_args[0], torch.Tensor):
+                    op_args = [compat.fixed_layout(op_args[0])]
+                elif bucket.kind == "tensor_or_quantized" and entry[0] == "tensor":
+                    op_args = [[compat.fixed_layout(op_args[0][0])], *op_args[1:]]
+            out.extend(op_args)
+        out.append(flat[-1])
+        return out
+
     def grad_template(self, flat) -> tuple:
         """What ``grads`` needs to know about one call's arguments (no tensors)."""
         out = []
@@ -349,10 +365,13 @@ class CustomOpPair:
                               self._autograd_backward, self._autograd_setup)
         self.bwd_op = _define(f"{name}_bwd", self.bwd_schema, self.bwd_plan,
                               self._bwd_real, self._bwd_fake, self._no_double_backward)
+        # buffers the ops update keep their identity in a lowered trace
+        written = {u.field for u in (*self.forward_updates.values(),
+                                     *self.backward_updates.values())}
         self.fwd_plan.lowered = lowering.register(self.fwd_op, self.fwd_plan, lower_forward,
-                                                  self._fwd_flat)
+                                                  self._fwd_flat, written)
         self.bwd_plan.lowered = lowering.register(self.bwd_op, self.bwd_plan, lower_backward,
-                                                  self._bwd_real)
+                                                  self._bwd_real, written)
 
     # -- layouts (run the fakes on protos) --------------------------------------------------
     def fwd_layout(self, args) -> Layout:

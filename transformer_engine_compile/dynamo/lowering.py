@@ -109,28 +109,40 @@ def lowerable(op, args, plan, predicate) -> bool:
     return bool(predicate(args))
 
 
-def trace_impl(impl: Callable, flat) -> list:
+def trace_impl(impl: Callable, flat, plan=None, written=()) -> list:
     """Run ``impl(*flat)`` (an op's impl on flat arguments) inside inductor's
     trace: fast kernels traced, and functionalized, because the table's
     decompositions run below AOTAutograd's functionalization while the
-    impls write into buffers they allocate (kernel outputs, amaxes)."""
+    impls write into buffers they allocate (kernel outputs, amaxes).  With
+    ``plan``, each plain tensor argument (but the fields in ``written``,
+    the buffers the op updates) first gets its layout fixed
+    (``compat.fixed_layout``): an activation or gradient that a fused
+    kernel produces is then realized once for all the Triton kernels that
+    read it, instead of copied for each of their arguments, and identical
+    calls on the same tensor (q, k and v on one input) merge in AOT's CSE."""
+    def run(*args):
+        if plan is not None:
+            args = plan.with_fixed_layouts(args, written)
+        return impl(*args)
+
     with fast_kernels_traced():
-        return compat.functionalized(impl)(*flat)
+        return compat.functionalized(run)(*flat)
 
 
-def register(op, plan, predicate, impl: Callable) -> bool:
+def register(op, plan, predicate, impl: Callable, written=()) -> bool:
     """Give ``op`` an inductor decomposition: ``impl(*flat)`` (the op's impl
     on flat arguments, returning its flat result) traced where
-    :func:`lowerable` accepts the call, else the op stays.  Returns whether
-    it was registered (not without a predicate, nor on a torch without
-    inductor's table)."""
+    :func:`lowerable` accepts the call, else the op stays.  ``written``:
+    the fields whose buffers the op pair updates.  Returns whether it was
+    registered (not without a predicate, nor on a torch without inductor's
+    table)."""
     if predicate is None:
         return False
 
     def decomposition(*flat):
         if not lowerable(op, plan.decode(flat), plan, predicate):
             return NotImplemented
-        return trace_impl(impl, flat)
+        return trace_impl(impl, flat, plan, frozenset(written))
 
     try:
         from torch._inductor import decomposition as inductor_decomp
