@@ -368,6 +368,31 @@ def test_cuda_lowering_realizes_a_computed_input_once(module, options, name):
         assert any(_reads(n, anchors[0]) for n in kernels_run), op
 
 
+def test_cuda_lowering_computed_input_when_the_mutation_analysis_fails(monkeypatch):
+    """Where torch cannot analyse a kernel (it then takes every input as
+    written: custom_ops.md, "Pitfalls seen"), a computed input still traces:
+    the kernels get copies of the fixed-layout tensor, not a view chain
+    that functionalization would have to write through."""
+    pytest.importorskip("triton")
+    from torch._higher_order_ops import triton_kernel_wrap
+
+    from cuda_trace import lowered_cuda_traces
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("no TTIR")
+    monkeypatch.setattr(triton_kernel_wrap, "generate_ttir", fail)
+    fixed = torch.ops.prims.inductor_force_stride_order.default
+    layer, x = _meta_module("linear", {})
+    traces = lowered_cuda_traces(layer, x, RECIPES["fp8_current"](), computed_input=True)
+    for op, _, gm in traces:
+        nodes = list(gm.graph.nodes)
+        anchor = next(n for n in nodes if n.target is fixed)
+        kernels_run = [n for n in nodes
+                       if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
+        assert kernels_run and all(n.kwargs["tensors_to_clone"] for n in kernels_run), op
+        assert any(_reads(n, anchor) for n in kernels_run), op
+
+
 def _reads(kernel_node, source) -> bool:
     """Whether a traced kernel takes ``source`` or a view of it."""
     for arg in kernel_node.kwargs["kwargs"].values():
