@@ -368,6 +368,31 @@ def test_cuda_lowering_realizes_a_computed_input_once(module, options, name):
         assert any(_reads(n, anchors[0]) for n in kernels_run), op
 
 
+def test_calls_on_one_computed_input_share_its_fixed_layout(lowered_on_cpu):
+    """q, k and v on one computed input: their lowered forward calls' fixed
+    layout nodes merge in AOT's CSE, so inductor realizes the input once
+    for all three (the forward graph inductor compiles)."""
+    layers = [te.Linear(64, 32, bias=False, params_dtype=torch.bfloat16) for _ in range(3)]
+    graphs = []
+
+    def record(graph):
+        graphs.append([n for n in graph.nodes
+                       if n.target is torch.ops.prims.inductor_force_stride_order.default])
+
+    def loss(a, b):
+        with te.autocast(recipe=te.recipe.Float8CurrentScaling()):
+            h = a * b
+            return sum(layer(h).float().square().sum() for layer in layers)
+
+    a = torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(16, 64, dtype=torch.bfloat16)
+    with torch._inductor.config.patch(post_grad_custom_post_pass=record):
+        torch.compile(loss, fullgraph=True)(a, b).backward()
+    forward, backward = graphs
+    assert [n.args[0].target for n in forward] == [torch.ops.aten.mul.Tensor]
+    assert len([n for n in backward if n.op == "call_function"]) == 3  # each dy
+
+
 def test_cuda_lowering_computed_input_when_the_mutation_analysis_fails(monkeypatch):
     """Where torch cannot analyse a kernel (it then takes every input as
     written: custom_ops.md, "Pitfalls seen"), a computed input still traces:

@@ -159,9 +159,10 @@ def test_norm_kernels_read_their_inputs_uncopied(module, options):
 @pytest.mark.parametrize("name", ["fp8_current", "fp8_delayed", "mxfp8"])
 def test_a_computed_input_is_stored_once(name):
     """x and dy computed by fused kernels (a product and the loss's
-    gradient, exact in both, unlike a SiLU) are stored once each, not once per Triton-kernel argument that reads
-    them (dynamo/lowering.py, ``trace_impl``): every generated kernel stores
-    each value it computes once.  Compiled equals eager bit for bit."""
+    gradient: exact in both, unlike a SiLU) are stored once each, not once
+    per Triton-kernel argument that reads them (dynamo/lowering.py,
+    ``trace_impl``): every generated kernel stores each value it computes
+    once.  Compiled equals eager bit for bit."""
     import re
 
     import test_lowering

@@ -355,11 +355,14 @@ def _traced_graph_input(t) -> bool:
     its functionalization), is a placeholder of the graph."""
     from torch._subclasses.functional_tensor import FunctionalTensor
     from torch.fx.experimental import proxy_tensor
-    mode = proxy_tensor.get_proxy_mode()
-    if mode is None:
+    try:
+        mode = proxy_tensor.get_proxy_mode()
+        if mode is None:
+            return False
+        inner = torch._from_functional_tensor(t.elem) if isinstance(t, FunctionalTensor) else t
+        slot = proxy_tensor.get_proxy_slot(inner, mode.tracer, None)
+    except (AttributeError, TypeError):  # another torch's internals: wrap it (harmless)
         return False
-    inner = torch._from_functional_tensor(t.elem) if isinstance(t, FunctionalTensor) else t
-    slot = proxy_tensor.get_proxy_slot(inner, mode.tracer, None)
     node = getattr(getattr(slot, "proxy", None), "node", None)
     return node is not None and node.op == "placeholder"
 
