@@ -8,6 +8,7 @@ and 2.14 / 2.15 where the API is renamed ``register_custom_class`` with
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 
@@ -367,6 +368,7 @@ def _traced_graph_input(t) -> bool:
     return node is not None and node.op == "placeholder"
 
 
+@functools.lru_cache(maxsize=None)
 def _force_stride_order():
     try:
         from torch._inductor import inductor_prims  # noqa: F401 - registers the prims

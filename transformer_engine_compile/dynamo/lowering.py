@@ -109,21 +109,19 @@ def lowerable(op, args, plan, predicate) -> bool:
     return bool(predicate(args))
 
 
-def trace_impl(impl: Callable, flat, plan=None, written=()) -> list:
+def trace_impl(impl: Callable, flat, plan, written=frozenset()) -> list:
     """Run ``impl(*flat)`` (an op's impl on flat arguments) inside inductor's
     trace: fast kernels traced, and functionalized, because the table's
     decompositions run below AOTAutograd's functionalization while the
-    impls write into buffers they allocate (kernel outputs, amaxes).  With
-    ``plan``, each plain tensor argument (but the fields in ``written``,
-    the buffers the op updates) first gets its layout fixed
+    impls write into buffers they allocate (kernel outputs, amaxes).  Each
+    plain tensor argument (by the op's ``plan``; but the fields in
+    ``written``, the buffers the op updates) first gets its layout fixed
     (``compat.fixed_layout``): an activation or gradient that a fused
     kernel produces is then realized once for all the Triton kernels that
     read it, instead of copied for each of their arguments, and identical
     calls on the same tensor (q, k and v on one input) merge in AOT's CSE."""
     def run(*args):
-        if plan is not None:
-            args = plan.with_fixed_layouts(args, written)
-        return impl(*args)
+        return impl(*plan.with_fixed_layouts(args, written))
 
     with fast_kernels_traced():
         return compat.functionalized(run)(*flat)
@@ -138,11 +136,12 @@ def register(op, plan, predicate, impl: Callable, written=()) -> bool:
     table)."""
     if predicate is None:
         return False
+    written = frozenset(written)
 
     def decomposition(*flat):
         if not lowerable(op, plan.decode(flat), plan, predicate):
             return NotImplemented
-        return trace_impl(impl, flat, plan, frozenset(written))
+        return trace_impl(impl, flat, plan, written)
 
     try:
         from torch._inductor import decomposition as inductor_decomp
