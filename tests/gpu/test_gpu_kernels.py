@@ -85,11 +85,30 @@ def test_fast_quantize_rowwise_odd_token_counts(name, shape):
         assert _same_bits(fast[k], slow[k]), k
 
 
+@pytest.fixture(params=["one_launch", "two_launches", "more_programs_than_fit"])
+def current_launch(request, monkeypatch):
+    """Current scaling in one launch (counter slots, kernels/grid_state.py),
+    in two (no slot), and in one whose grid far exceeds what the GPU holds
+    at once (64 programs of 8 warps per SM: most start only after others
+    finished, which the claimed amax tiles must survive).  Every slot is
+    left zeroed for the next kernel."""
+    from transformer_engine_compile.kernels import grid_state
+    from transformer_engine_compile.kernels import triton_quant as tq
+    if request.param == "two_launches":
+        monkeypatch.setattr(grid_state, "slot", lambda device: None)
+    elif request.param == "more_programs_than_fit":
+        monkeypatch.setattr(tq, "_CURRENT_PROGRAMS_PER_SM", 64)
+    yield request.param
+    torch.cuda.synchronize()
+    assert all(int(p.count_nonzero()) == 0 for p in grid_state._POOLS.values())
+
+
 @pytest.mark.parametrize("fmt,pow2,eps", [("e4m3", False, 0.0), ("e5m2", True, 1e-3)])
 @pytest.mark.parametrize("shapes", [((384, 640), (640, 640)), ((1, 128), (4096, 1024)),
                                     ((4097, 200), (7, 200)), ((300, 5632), (2048, 5632))],
                          ids=str)
-def test_fast_quantize_pair_equals_two_reference_quantizes(shapes, fmt, pow2, eps):
+def test_fast_quantize_pair_equals_two_reference_quantizes(shapes, fmt, pow2, eps,
+                                                           current_launch):
     """The x/W pair kernel: both matrices' buffers bit for bit as two reference
     quantizes, for mixed dtypes, every usage pairing and special values."""
     from transformer_engine_compile.kernels import triton_quant as tq
@@ -104,6 +123,40 @@ def test_fast_quantize_pair_equals_two_reference_quantizes(shapes, fmt, pow2, ep
             assert sorted(f) == sorted(s_)
             for k in f:
                 assert f[k].shape == s_[k].shape and _same_bits(f[k], s_[k]), (k, a_usage, b_usage)
+
+
+@pytest.mark.parametrize("shape", [(1, 16), (4097, 200), (4096, 2048), (300, 5632)], ids=str)
+def test_fast_current_scaling_equals_reference(shape, current_launch):
+    from transformer_engine_compile.kernels import triton_quant as tq
+    x = _special(shape, torch.bfloat16) if shape[0] > 5 and shape[1] > 100 \
+        else torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    for fmt, pow2, eps, usage in [("e4m3", False, 0.0, (True, True)),
+                                  ("e5m2", True, 1e-3, (True, False)),
+                                  ("e4m3", False, 0.0, (False, True))]:
+        fast = tq.quantize_fp8_current(x, fmt, pow2, eps, *usage)
+        slow = ref.quantize_fp8_current(x, fmt, pow2, eps, *usage)
+        assert sorted(fast) == sorted(slow)
+        for k in fast:
+            assert fast[k].shape == slow[k].shape and _same_bits(fast[k], slow[k]), (k, usage)
+
+
+def test_current_scaling_on_two_streams_at_once():
+    """Each stream has its own counter slot: one-launch quantizations queued
+    on two streams, which may run at the same time, stay exact."""
+    from transformer_engine_compile.kernels import triton_quant as tq
+    xs = [torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16) * s for s in (1, 100)]
+    want = [ref.quantize_fp8_current(x, "e4m3", False, 0.0, True, True) for x in xs]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    torch.cuda.synchronize()
+    got = [[], []]
+    for _ in range(20):
+        for i, (s, x) in enumerate(zip(streams, xs)):
+            with torch.cuda.stream(s):
+                got[i].append(tq.quantize_fp8_current(x, "e4m3", False, 0.0, True, True))
+    torch.cuda.synchronize()
+    for w, outs in zip(want, got):
+        for out in outs:
+            assert all(_same_bits(out[k], w[k]) for k in w)
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])

@@ -102,6 +102,34 @@ def test_delayed_scaling_writes_its_buffers_in_place(module):
     assert re.findall(r"def (triton_\w*copy_\w*)\(", text) == []
 
 
+def test_current_scaling_lowers_to_one_launch_per_quantization():
+    """Lowered, each current-scaling quantization (x with W, dy) is one
+    launch of the counter-slot kernel, whose slot lies in the pool the
+    ops' simple values name (kernels/grid_state.py); no amax pass is left."""
+    import re
+
+    import test_lowering
+    from torch._inductor.utils import run_and_get_code
+
+    from transformer_engine_compile.kernels import grid_state
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = test_lowering.MODULES["linear"](64, False, "cuda")
+    x = torch.randn(32, 64, dtype=torch.bfloat16, device="cuda")
+    fwd = torch.compile(test_lowering._forward(test_lowering.RECIPES["fp8_current"]()),
+                        fullgraph=True)
+    _, code = run_and_get_code(test_lowering._step, layer, x, fwd)
+    text = "\n".join(code)
+    calls = re.findall(r"\b_fp8_current_kernel_\d+\.run\(([^\n]*)\)", text)
+    assert len(calls) == 2  # x with W; dy
+    assert not re.search(r"\b_amax_partials\w*_\d+\.run\(", text)
+    base = grid_state.pool(torch.device("cuda", torch.cuda.current_device())).data_ptr()
+    for call in calls:  # the slot's high half, a constant of the call
+        assert str(base >> 31) in [a.strip() for a in call.split(",")], call
+    torch.cuda.synchronize()
+    assert all(int(p.count_nonzero()) == 0 for p in grid_state._POOLS.values())
+
+
 @pytest.mark.parametrize("module, options", LN_CASES)
 def test_layernorm_modules_lowered_on_cuda_under_delayed_scaling(module, options):
     torch._dynamo.reset()

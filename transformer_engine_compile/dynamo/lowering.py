@@ -45,6 +45,7 @@ from typing import Callable
 
 import torch
 
+from ..kernels import grid_state
 from ..kernels.tracing import fast_kernels_traced
 from . import compat
 
@@ -73,6 +74,19 @@ def cache_token() -> tuple:
     the graph) never serve code lowered by another version or setting.
     A plain global read: Dynamo traces it."""
     return _TOKEN
+
+
+@compat.run_at_trace_time
+def pool_token(device_type: str, index) -> int:
+    """The address of the device's counter pool (``kernels/grid_state.py``),
+    made now if need be, where its calls lower; else 0.  An op call puts it
+    into its simple values, so the compile caches key the graph by it: a
+    lowered graph keeps a counter slot's address as a constant, and no
+    cache may serve it to a process whose pool lies elsewhere.  Run at
+    trace time (a constant, no guard): a pool is never freed or moved."""
+    if device_type not in _DEVICES:
+        return 0
+    return grid_state.pool_address(device_type, index)
 
 
 def _source_digest() -> str:
@@ -141,7 +155,8 @@ def register(op, plan, predicate, impl: Callable, written=()) -> bool:
     def decomposition(*flat):
         if not lowerable(op, plan.decode(flat), plan, predicate):
             return NotImplemented
-        return trace_impl(impl, flat, plan, written)
+        with grid_state.traced_pool(flat[-1].as_dict().get("~pool")):
+            return trace_impl(impl, flat, plan, written)
 
     try:
         from torch._inductor import decomposition as inductor_decomp
