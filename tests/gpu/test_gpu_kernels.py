@@ -159,6 +159,24 @@ def test_current_scaling_on_two_streams_at_once():
             assert all(_same_bits(out[k], w[k]) for k in w)
 
 
+def test_current_scaling_keeps_two_launches_in_cuda_graphs():
+    """While a CUDA graph is captured no counter slot is handed out (a
+    replay costs no host time; two launches are the faster on the GPU),
+    and the captured quantization replays exactly."""
+    from transformer_engine_compile.kernels import grid_state
+    from transformer_engine_compile.kernels import triton_quant as tq
+    x = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16)
+    want = ref.quantize_fp8_current(x, "e4m3", False, 0.0, True, True)
+    tq.quantize_fp8_current(x, "e4m3", False, 0.0, True, True)  # compiled before capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        assert grid_state.slot(x.device) is None
+        out = tq.quantize_fp8_current(x, "e4m3", False, 0.0, True, True)
+    g.replay()
+    torch.cuda.synchronize()
+    assert all(_same_bits(out[k], want[k]) for k in want)
+
+
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("shapes", [((384, 640), (640, 640)), ((4097, 2048), (2048, 2048)),
                                     ((3, 200), (5632, 200))], ids=str)

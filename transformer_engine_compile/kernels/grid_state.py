@@ -13,8 +13,11 @@ pool per device, never freed, which every kernel leaves zeroed.  Each slot
 serves one kernel at a time; kernels queued on one stream run one after the
 other, so the slot a kernel uses is:
 
-* run eagerly (op impls, CUDA graph capture): one slot per CUDA stream, so
-  kernels on two streams (FSDP's all-gather stream) never share one;
+* run eagerly (op impls): one slot per CUDA stream, so kernels on two
+  streams (FSDP's all-gather stream) never share one.  Not while a CUDA
+  graph is captured: a replay costs no host time, and on the GPU the two
+  launches are the faster (llama-a: 1.41 against 1.85 ms of quantization
+  per step, docs/benchmarks.md);
 * traced into a lowered graph (``kernels/tracing.py``): a slot per traced
   call, cycling through the rest of the pool.  The graph keeps the slot's
   address as a constant, so the op call puts the pool's address into its
@@ -102,6 +105,8 @@ def slot(device: torch.device):
                 or _POOLS[(device.type, device.index)].data_ptr() != base:
             return None
         index = _next_traced_slot()
+    elif torch.cuda.is_current_stream_capturing():
+        return None  # a replay costs no host time, and two launches less GPU time
     else:
         base = pool(device).data_ptr()
         key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))

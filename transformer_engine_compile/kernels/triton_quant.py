@@ -316,8 +316,11 @@ def _fp8_current_pair_kernel(a_ptr, Ma, Ka, b_ptr, Mb, Kb, part_ptr, Pa, Pb,
 
 @triton.jit
 def _slot_ptr(lo, hi):
-    """The int32 counters at address ``hi * 2**31 + lo`` (grid_state.py)."""
-    return ((hi.to(tl.int64) << 31) | lo.to(tl.int64)).to(tl.pointer_type(tl.int32))
+    """The int32 counters at address ``hi * 2**31 + lo`` (grid_state.py).
+    ``tl.cast``, not ``.to``: torch's mutation analysis of a traced kernel
+    passes ints as Python constants, and a failed analysis counts every
+    input as written (inductor then copies each before the launch)."""
+    return ((tl.cast(hi, tl.int64) << 31) | tl.cast(lo, tl.int64)).to(tl.pointer_type(tl.int32))
 
 
 @triton.jit
