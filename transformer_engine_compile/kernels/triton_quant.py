@@ -352,11 +352,12 @@ def _fp8_current_kernel(a_ptr, Ma, Ka, b_ptr, Mb, Kb, lo, hi, a_data, a_t, a_sin
     [65] a's and b's max |x| bits, [96] programs gone (each on its own
     128-byte line, as the waiting programs poll [32]).
 
-    Programs claim tiles (a's, then b's) until none is left, so the amax
-    pass never waits for a program that is not running: any grid size is
-    safe.  Each then adds its count to [32] and waits for all tiles; the
-    last program to pass zeroes the slot for the next kernel.  The casts
-    go through the tiles in reverse, the last-read first (still in L2)."""
+    Programs claim tiles (a's, then b's; the next claim in flight while a
+    tile loads) until none is left, so the amax pass never waits for a
+    program that is not running: any grid size is safe.  Each then adds
+    its count to [32], waits for all tiles and casts its share, in reverse
+    (the last-read tiles first, still in L2); the last program to finish
+    zeroes the slot for the next kernel."""
     slot = _slot_ptr(lo, hi)
     nka = tl.cdiv(Ka, BK)
     ta = tl.cdiv(Ma, BM) * nka
@@ -369,13 +370,14 @@ def _fp8_current_kernel(a_ptr, Ma, Ka, b_ptr, Mb, Kb, lo, hi, a_data, a_t, a_sin
     done = 0
     t = tl.atomic_add(slot, 1, sem="relaxed")
     while t < total:
+        after = tl.atomic_add(slot, 1, sem="relaxed")  # claimed while tile t loads
         if t < ta:
             amax_a = tl.maximum(amax_a, _tile_max_bits(a_ptr, Ma, Ka, t, nka, BM, BK))
         else:
             if HAS_B:
                 amax_b = tl.maximum(amax_b, _tile_max_bits(b_ptr, Mb, Kb, t - ta, nkb, BM, BK))
         done += 1
-        t = tl.atomic_add(slot, 1, sem="relaxed")
+        t = after
     tl.atomic_max(slot + 64, amax_a, sem="relaxed")
     if HAS_B:
         tl.atomic_max(slot + 65, amax_b, sem="relaxed")
@@ -384,21 +386,13 @@ def _fp8_current_kernel(a_ptr, Ma, Ka, b_ptr, Mb, Kb, lo, hi, a_data, a_t, a_sin
     n = tl.load(slot + 32, volatile=True)
     while n < total:
         n = tl.load(slot + 32, volatile=True)
-    tl.atomic_add(slot + 32, 0, sem="acquire")
-    sa = _scale_from_amax(tl.atomic_add(slot + 64, 0, sem="acquire").to(tl.float32, bitcast=True),
+    tl.atomic_add(slot + 32, 0, sem="acquire")  # the loads below see every max raised
+    sa = _scale_from_amax(tl.load(slot + 64, volatile=True).to(tl.float32, bitcast=True),
                           FMT_MAX, EPS, POW2)
     sb = sa
     if HAS_B:
-        sb = _scale_from_amax(
-            tl.atomic_add(slot + 65, 0, sem="acquire").to(tl.float32, bitcast=True), FMT_MAX, EPS,
-            POW2)
-    tl.debug_barrier()
-    if tl.atomic_add(slot + 96, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-        tl.atomic_xchg(slot, 0, sem="relaxed")
-        tl.atomic_xchg(slot + 32, 0, sem="relaxed")
-        tl.atomic_xchg(slot + 64, 0, sem="relaxed")
-        tl.atomic_xchg(slot + 65, 0, sem="relaxed")
-        tl.atomic_xchg(slot + 96, 0, sem="relaxed")
+        sb = _scale_from_amax(tl.load(slot + 65, volatile=True).to(tl.float32, bitcast=True),
+                              FMT_MAX, EPS, POW2)
     for r in range(tl.program_id(0), total, tl.num_programs(0)):
         u = total - 1 - r
         if u < ta:
@@ -408,6 +402,13 @@ def _fp8_current_kernel(a_ptr, Ma, Ka, b_ptr, Mb, Kb, lo, hi, a_data, a_t, a_sin
             if HAS_B:
                 _cast_tile(b_ptr, Mb, Kb, u - ta, nkb, sb, b_data, b_t, b_sinv, FMT_MAX, B_ROW,
                            B_COL, OUT, BM, BK)
+    tl.debug_barrier()  # the scales are read (above) before this program counts as gone
+    if tl.atomic_add(slot + 96, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        tl.atomic_xchg(slot, 0, sem="relaxed")
+        tl.atomic_xchg(slot + 32, 0, sem="relaxed")
+        tl.atomic_xchg(slot + 64, 0, sem="relaxed")
+        tl.atomic_xchg(slot + 65, 0, sem="relaxed")
+        tl.atomic_xchg(slot + 96, 0, sem="relaxed")
 
 
 _TW_BM, _TW_BK = 64, 128
