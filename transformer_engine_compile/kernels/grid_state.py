@@ -26,6 +26,8 @@ other, so the slot a kernel uses is:
   caches then never serve code with another process's address, and a call
   whose graph does not name the pool (AOTInductor, whose code leaves the
   process; a pool made after Dynamo traced the call) keeps two launches.
+  One compiled graph run on two streams at the same time (two threads
+  calling it) would share its slots: the one case not covered.
 
 A slot's address reaches Triton as two ints below 2**31 (``lo``, ``hi``):
 inductor's launcher of user kernels takes no pointer that is not a tensor,
