@@ -93,11 +93,11 @@ def current_launch(request, monkeypatch):
     finished, which the claimed amax tiles must survive).  Every slot is
     left zeroed for the next kernel."""
     from transformer_engine_compile.kernels import grid_state
-    from transformer_engine_compile.kernels import triton_quant as tq
+    from transformer_engine_compile.kernels import triton_current as tc
     if request.param == "two_launches":
         monkeypatch.setattr(grid_state, "slot", lambda device: None)
     elif request.param == "more_programs_than_fit":
-        monkeypatch.setattr(tq, "_CURRENT_PROGRAMS_PER_SM", 64)
+        monkeypatch.setattr(tc, "_CURRENT_PROGRAMS_PER_SM", 64)
     yield request.param
     torch.cuda.synchronize()
     assert all(int(p.count_nonzero()) == 0 for p in grid_state._POOLS.values())
@@ -111,7 +111,7 @@ def test_fast_quantize_pair_equals_two_reference_quantizes(shapes, fmt, pow2, ep
                                                            current_launch):
     """The x/W pair kernel: both matrices' buffers bit for bit as two reference
     quantizes, for mixed dtypes, every usage pairing and special values."""
-    from transformer_engine_compile.kernels import triton_quant as tq
+    from transformer_engine_compile.kernels import triton_current as tq
     a = _special(shapes[0], torch.bfloat16) if shapes[0][0] > 5 and shapes[0][1] > 100 \
         else torch.randn(shapes[0], device="cuda", dtype=torch.bfloat16)
     b = torch.randn(shapes[1], device="cuda", dtype=torch.float32) * 7
@@ -127,7 +127,7 @@ def test_fast_quantize_pair_equals_two_reference_quantizes(shapes, fmt, pow2, ep
 
 @pytest.mark.parametrize("shape", [(1, 16), (4097, 200), (4096, 2048), (300, 5632)], ids=str)
 def test_fast_current_scaling_equals_reference(shape, current_launch):
-    from transformer_engine_compile.kernels import triton_quant as tq
+    from transformer_engine_compile.kernels import triton_current as tq
     x = _special(shape, torch.bfloat16) if shape[0] > 5 and shape[1] > 100 \
         else torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     for fmt, pow2, eps, usage in [("e4m3", False, 0.0, (True, True)),
@@ -143,7 +143,7 @@ def test_fast_current_scaling_equals_reference(shape, current_launch):
 def test_current_scaling_on_two_streams_at_once():
     """Each stream has its own counter slot: one-launch quantizations queued
     on two streams, which may run at the same time, stay exact."""
-    from transformer_engine_compile.kernels import triton_quant as tq
+    from transformer_engine_compile.kernels import triton_current as tq
     xs = [torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16) * s for s in (1, 100)]
     want = [ref.quantize_fp8_current(x, "e4m3", False, 0.0, True, True) for x in xs]
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
@@ -164,7 +164,7 @@ def test_current_scaling_keeps_two_launches_in_cuda_graphs():
     replay costs no host time; two launches are the faster on the GPU),
     and the captured quantization replays exactly."""
     from transformer_engine_compile.kernels import grid_state
-    from transformer_engine_compile.kernels import triton_quant as tq
+    from transformer_engine_compile.kernels import triton_current as tq
     x = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16)
     want = ref.quantize_fp8_current(x, "e4m3", False, 0.0, True, True)
     tq.quantize_fp8_current(x, "e4m3", False, 0.0, True, True)  # compiled before capture

@@ -24,10 +24,13 @@ def register() -> None:
     if not triton_available():
         return
     from . import triton_quant as tq
-    for name in ("amax", "quantize_fp8_tensorwise", "quantize_fp8_current",
-                 "quantize_fp8_current_pair", "quantize_fp8_current_pair_from_parts",
+    for name in ("amax", "quantize_fp8_tensorwise", "quantize_fp8_current_pair_from_parts",
                  "delayed_scaling_step", "run_step", "transpose_bytes"):
         register_fast(name, "cuda", getattr(tq, name))
+        _REGISTERED.append(name)
+    from . import triton_current as tc  # one launch where it may, else triton_quant's two
+    for name in ("quantize_fp8_current", "quantize_fp8_current_pair"):
+        register_fast(name, "cuda", getattr(tc, name))
         _REGISTERED.append(name)
     from . import triton_block as tbk
     for name in ("quantize_fp8_blockwise", "quantize_mxfp8", "dequantize_mxfp8"):

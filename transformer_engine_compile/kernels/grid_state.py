@@ -1,7 +1,7 @@
 """Zeroed counter slots for kernels whose programs wait for each other.
 
 Current scaling needs the amax of the whole tensor before any element is
-cast.  Done in one launch (``triton_quant._fp8_current_kernel``), the
+cast.  Done in one launch (``triton_current._fp8_current_kernel``), the
 programs share a few counters: they claim amax tiles from one counter, count
 the finished ones on another, wait until all are done, and the last program
 to leave zeroes the slot again.  A launch saved per quantization is ~11-13
@@ -36,7 +36,6 @@ and an int above int32 fails in its signature code (torch 2.11).
 
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import torch
@@ -73,16 +72,10 @@ def pool_address(device_type: str, index) -> int:
     return pool(torch.device("cuda", index)).data_ptr()
 
 
-@contextlib.contextmanager
 def traced_pool(address):
-    """While a lowered call is traced: the pool address its graph names
-    (None or 0: none, the call keeps two-launch kernels)."""
-    previous = getattr(_traced, "address", None)
-    _traced.address = address
-    try:
-        yield
-    finally:
-        _traced.address = previous
+    """Context: while a lowered call is traced, the pool address its graph
+    names (None or 0: none, the call keeps two-launch kernels)."""
+    return tracing.thread_local_value(_traced, "address", address)
 
 
 def _aot_compiling() -> bool:

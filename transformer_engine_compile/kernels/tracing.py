@@ -50,14 +50,22 @@ def eager_buffers_in_place():
     call).  An op must not write its inputs, so its real impl never does.
     Thread-local: the autograd engine may run a backward on a thread of
     its own."""
-    previous = getattr(_eager, "in_place", False)
-    _eager.in_place = True
+    with thread_local_value(_eager, "in_place", True):
+        yield
+
+
+@contextlib.contextmanager
+def thread_local_value(store: threading.local, name: str, value):
+    """``store.name = value`` for the block, the previous value (or its
+    absence) restored after."""
+    previous = getattr(store, name, None)
+    setattr(store, name, value)
     try:
         yield
     finally:
-        _eager.in_place = previous
+        setattr(store, name, previous)
 
 
 def eager_in_place() -> bool:
     """Whether :func:`eager_buffers_in_place` is active on this thread."""
-    return getattr(_eager, "in_place", False)
+    return bool(getattr(_eager, "in_place", False))

@@ -4,15 +4,14 @@ Each wrapper has the signature of the same-named function in
 ``kernels.reference`` and returns bit-identical buffers (tests/gpu check this
 on random and special values).  What is fused:
 
-* FP8 per-tensor, current scaling, of one tensor or of a layer's input and
-  weight together: one launch whose programs first claim amax tiles, wait
-  until every tile is counted, then compute the scale on the device and
-  write the rowwise copy, the transposed copy and ``scale_inv`` (the
-  counters: ``grid_state.py``).  Where no counter slot may be used, two
-  launches: an amax pass whose programs (at most 256) each write the max
-  of their tiles, then the cast pass, which reduces those partial maxima.
-  With a given scale (delayed scaling) the cast pass alone, optionally
-  recording the tensor's amax.
+* FP8 per-tensor, current scaling in two launches: an amax pass whose
+  programs (at most 256) each write the max of their tiles (no zero-filled
+  buffer, so no fill kernel), then one pass that reduces those partial
+  maxima, computes the scale on the device and writes the rowwise copy,
+  the transposed copy and ``scale_inv`` together (``triton_current.py``
+  does both in one launch where it may, and falls back to these).  With a
+  given scale (delayed scaling) the cast pass alone, optionally recording
+  the tensor's amax.
 * The delayed-scaling history/scale update: run by the cast that records
   an op call's last amax, or in one small kernel of its own.
 * The device helpers (casts, tiles, amax bits) the other Triton modules
@@ -38,8 +37,8 @@ import triton
 import triton.language as tl
 
 from . import reference as ref
-from . import grid_state, tracing
-from .triton_launch import Launcher, cdiv, int_key, next_pow2, ptr_key, sm_count
+from . import tracing
+from .triton_launch import Launcher, cdiv, int_key, next_pow2, ptr_key
 
 _TL_FP8 = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
 _FP32_MAX = tl.constexpr(ref.FP32_MAX)
@@ -314,103 +313,6 @@ def _fp8_current_pair_kernel(a_ptr, Ma, Ka, b_ptr, Mb, Kb, part_ptr, Pa, Pb,
                           FMT_MAX, B_ROW, B_COL, OUT, BM, BK)
 
 
-@triton.jit
-def _slot_ptr(lo, hi):
-    """The int32 counters at address ``hi * 2**31 + lo`` (grid_state.py).
-    ``tl.cast``, not ``.to``: torch's mutation analysis of a traced kernel
-    passes ints as Python constants, and a failed analysis counts every
-    input as written (inductor then copies each before the launch)."""
-    return ((tl.cast(hi, tl.int64) << 31) | tl.cast(lo, tl.int64)).to(tl.pointer_type(tl.int32))
-
-
-@triton.jit
-def _tile_max_bits(x_ptr, M, K, t, n_k, BM: tl.constexpr, BK: tl.constexpr):
-    """Max ``_abs_bits`` of tile t (row-major over the (M, K) tile grid)."""
-    rm, rk, mask = _tile_index(M, K, t // n_k, t % n_k, BM, BK)
-    return tl.max(tl.max(_abs_bits(_load_tile(x_ptr, rm, rk, mask, K)), axis=1), axis=0)
-
-
-@triton.jit
-def _cast_tile(x_ptr, M, K, t, n_k, s, data_ptr, t_ptr, sinv_ptr, FMT_MAX: tl.constexpr,
-               ROW: tl.constexpr, COL: tl.constexpr, OUT: tl.constexpr, BM: tl.constexpr,
-               BK: tl.constexpr):
-    pid_m, pid_k = t // n_k, t % n_k
-    rm, rk, mask = _tile_index(M, K, pid_m, pid_k, BM, BK)
-    x = _load_tile(x_ptr, rm, rk, mask, K)
-    _store_fp8_copies(x, s, rm, rk, mask, x_ptr, M, K, pid_m, pid_k, data_ptr, t_ptr, sinv_ptr,
-                      FMT_MAX, ROW, COL, OUT, BM, BK)
-
-
-@triton.jit
-def _fp8_current_kernel(a_ptr, Ma, Ka, b_ptr, Mb, Kb, lo, hi, a_data, a_t, a_sinv, b_data, b_t,
-                        b_sinv, FMT_MAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr,
-                        A_ROW: tl.constexpr, A_COL: tl.constexpr, B_ROW: tl.constexpr,
-                        B_COL: tl.constexpr, HAS_B: tl.constexpr, OUT: tl.constexpr,
-                        BM: tl.constexpr, BK: tl.constexpr):
-    """Current scaling of a (and b) in one launch, with the zeroed counters
-    of slot (lo, hi): [0] next amax tile to claim, [32] tiles done, [64] and
-    [65] a's and b's max |x| bits, [96] programs gone (each on its own
-    128-byte line, as the waiting programs poll [32]).
-
-    Programs claim tiles (a's, then b's; the next claim in flight while a
-    tile loads) until none is left, so the amax pass never waits for a
-    program that is not running: any grid size is safe.  Each then adds
-    its count to [32], waits for all tiles and casts its share, in reverse
-    (the last-read tiles first, still in L2); the last program to finish
-    zeroes the slot for the next kernel."""
-    slot = _slot_ptr(lo, hi)
-    nka = tl.cdiv(Ka, BK)
-    ta = tl.cdiv(Ma, BM) * nka
-    nkb = tl.cdiv(Kb, BK)
-    total = ta
-    if HAS_B:
-        total = ta + tl.cdiv(Mb, BM) * nkb
-    amax_a = tl.zeros((), dtype=tl.int32)
-    amax_b = tl.zeros((), dtype=tl.int32)
-    done = 0
-    t = tl.atomic_add(slot, 1, sem="relaxed")
-    while t < total:
-        after = tl.atomic_add(slot, 1, sem="relaxed")  # claimed while tile t loads
-        if t < ta:
-            amax_a = tl.maximum(amax_a, _tile_max_bits(a_ptr, Ma, Ka, t, nka, BM, BK))
-        else:
-            if HAS_B:
-                amax_b = tl.maximum(amax_b, _tile_max_bits(b_ptr, Mb, Kb, t - ta, nkb, BM, BK))
-        done += 1
-        t = after
-    tl.atomic_max(slot + 64, amax_a, sem="relaxed")
-    if HAS_B:
-        tl.atomic_max(slot + 65, amax_b, sem="relaxed")
-    tl.debug_barrier()
-    tl.atomic_add(slot + 32, done, sem="release")
-    n = tl.load(slot + 32, volatile=True)
-    while n < total:
-        n = tl.load(slot + 32, volatile=True)
-    tl.atomic_add(slot + 32, 0, sem="acquire")  # the loads below see every max raised
-    sa = _scale_from_amax(tl.load(slot + 64, volatile=True).to(tl.float32, bitcast=True),
-                          FMT_MAX, EPS, POW2)
-    sb = sa
-    if HAS_B:
-        sb = _scale_from_amax(tl.load(slot + 65, volatile=True).to(tl.float32, bitcast=True),
-                              FMT_MAX, EPS, POW2)
-    for r in range(tl.program_id(0), total, tl.num_programs(0)):
-        u = total - 1 - r
-        if u < ta:
-            _cast_tile(a_ptr, Ma, Ka, u, nka, sa, a_data, a_t, a_sinv, FMT_MAX, A_ROW, A_COL, OUT,
-                       BM, BK)
-        else:
-            if HAS_B:
-                _cast_tile(b_ptr, Mb, Kb, u - ta, nkb, sb, b_data, b_t, b_sinv, FMT_MAX, B_ROW,
-                           B_COL, OUT, BM, BK)
-    tl.debug_barrier()  # the scales are read (above) before this program counts as gone
-    if tl.atomic_add(slot + 96, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-        tl.atomic_xchg(slot, 0, sem="relaxed")
-        tl.atomic_xchg(slot + 32, 0, sem="relaxed")
-        tl.atomic_xchg(slot + 64, 0, sem="relaxed")
-        tl.atomic_xchg(slot + 65, 0, sem="relaxed")
-        tl.atomic_xchg(slot + 96, 0, sem="relaxed")
-
-
 _TW_BM, _TW_BK = 64, 128
 _STEP_COUNTER = tl.constexpr(ref.STEP_COUNTER)
 _AMAX_BM, _AMAX_BK = 64, 256
@@ -421,8 +323,6 @@ _amax_partials_launch = Launcher(_amax_partials_kernel)
 _fp8_tensorwise_launch = Launcher(_fp8_tensorwise_kernel)
 _amax_partials_pair_launch = Launcher(_amax_partials_pair_kernel)
 _fp8_current_pair_launch = Launcher(_fp8_current_pair_kernel)
-_fp8_current_launch = Launcher(_fp8_current_kernel)
-_CURRENT_PROGRAMS_PER_SM = 4  # of 8 warps (H200: the fastest of 2, 4, 8, 16; tiles 64 x 128)
 
 
 def amax(x: torch.Tensor, out=None) -> torch.Tensor:
@@ -553,25 +453,17 @@ def quantize_fp8_current(x2d, fmt, pow2, eps, rowwise, columnwise, amax=None) ->
             amax.dim() != 1 or amax.shape[0] > _MAX_GIVEN_PARTS or amax.dtype != torch.float32
             or not amax.is_contiguous())):
         return ref.quantize_fp8_current(x2d, fmt, pow2, eps, rowwise, columnwise, amax)
-    if amax is None:
-        x2d = _matrix(x2d)
-        out = _fp8_current_one_launch(x2d, None, fmt, pow2, eps, (rowwise, columnwise))
-        if out is not None:
-            return out[0]
     return _fp8_tensorwise(x2d, fmt, rowwise, columnwise, pow2=pow2, eps=eps, amax_parts=amax)
 
 
 def quantize_fp8_current_pair(a2d, b2d, fmt, pow2, eps, a_usage, b_usage) -> tuple:
-    """reference.quantize_fp8_current_pair in one launch instead of four (a
-    layer's input and weight), or where no counter slot may be used in two:
-    one amax pass over both matrices, one cast pass over both."""
+    """reference.quantize_fp8_current_pair in two launches instead of four:
+    one amax pass over both matrices, one cast pass over both (a layer's
+    input and weight; ``triton_current`` does it in one where it may)."""
     if a2d.numel() == 0 or b2d.numel() == 0:
         return (quantize_fp8_current(a2d, fmt, pow2, eps, *a_usage),
                 quantize_fp8_current(b2d, fmt, pow2, eps, *b_usage))
     a2d, b2d = _matrix(a2d), _matrix(b2d)
-    outs = _fp8_current_one_launch(a2d, b2d, fmt, pow2, eps, a_usage, b_usage)
-    if outs is not None:
-        return outs
     (ma, ka), (mb, kb) = a2d.shape, b2d.shape
     pa, pb = _n_amax_parts(ma, ka), _n_amax_parts(mb, kb)
     parts = torch.empty(pa + pb, dtype=torch.int32, device=a2d.device)
@@ -580,37 +472,6 @@ def quantize_fp8_current_pair(a2d, b2d, fmt, pow2, eps, a_usage, b_usage) -> tup
                                _AMAX_BM, _AMAX_BK)
     return _fp8_current_pair_cast(a2d, b2d, parts, pa, pb, fmt, pow2, eps, a_usage, b_usage, key,
                                   _MAX_PARTS)
-
-
-def _fp8_current_one_launch(a2d, b2d, fmt, pow2, eps, a_usage, b_usage=(False, False)):
-    """``(buffers of a2d, of b2d or None)`` by :func:`_fp8_current_kernel`
-    (contiguous, non-empty matrices), or None where no counter slot may be
-    used (``grid_state.slot``).  At most 4 programs of 8 warps per SM: the
-    amax pass claims its tiles, so more would only wait."""
-    slot = grid_state.slot(a2d.device)
-    if slot is None:
-        return None
-    dt, dev = ref.FP8_DTYPE[fmt], a2d.device
-    (ma, ka), has_b = a2d.shape, b2d is not None
-    out_a = _fp8_outputs(dev, dt, ma, ka, *a_usage)
-    tiles = cdiv(ma, _TW_BM) * cdiv(ka, _TW_BK)
-    if has_b:
-        mb, kb = b2d.shape
-        tiles += cdiv(mb, _TW_BM) * cdiv(kb, _TW_BK)
-        out_b = _fp8_outputs(dev, dt, mb, kb, *b_usage)
-        b_args, b_copies, b_key = (b2d, mb, kb), _fp8_copy_args(out_b), _x_key(b2d, mb, kb)
-    else:  # b's pointers are never read or written (HAS_B is a constexpr)
-        out_b, b_args, b_key = None, (a2d, 1, 1), None
-        b_copies = tuple(_absent(out_a["scale_inv"]) for _ in range(3))
-    flags = (fmt, float(eps), bool(pow2), bool(a_usage[0]), bool(a_usage[1]), bool(b_usage[0]),
-             bool(b_usage[1]), has_b)
-    lo, hi = slot
-    programs = min(tiles, sm_count(dev) * _CURRENT_PROGRAMS_PER_SM)
-    _fp8_current_launch((programs,), (_x_key(a2d, ma, ka), b_key, flags, int_key(lo),
-                                      int_key(hi)),
-                        a2d, ma, ka, *b_args, lo, hi, *_fp8_copy_args(out_a), *b_copies,
-                        ref.FP8_MAX[fmt], *flags[1:], _TL_FP8[fmt], _TW_BM, _TW_BK)
-    return out_a, out_b
 
 
 def quantize_fp8_current_pair_from_parts(a2d, b2d, parts, n_a, fmt, pow2, eps, a_usage,
