@@ -124,7 +124,8 @@ def test_current_scaling_lowers_to_one_launch_per_quantization():
     assert len(calls) == 2  # x with W; dy
     assert not re.search(r"\b_amax_partials\w*_\d+\.run\(", text)
     # torch's mutation analysis of the kernel succeeds: no input is copied
-    assert re.findall(r"def (triton_\w*(?:copy|clone)\w*)\(", text) == []
+    # (a failed analysis makes inductor copy x, W and dy in kernels of its own)
+    assert re.findall(r"def (triton_\w+)\(", text) == []
     base = grid_state.pool(torch.device("cuda", torch.cuda.current_device())).data_ptr()
     for call in calls:  # the slot's high half, a constant of the call
         assert str(base >> 31) in [a.strip() for a in call.split(",")], call

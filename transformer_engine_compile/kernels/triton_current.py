@@ -37,6 +37,22 @@ def _slot_ptr(lo, hi):
 
 
 @triton.jit
+def _wait_until_counted(counter, total):
+    """Spin until the int32 at ``counter`` reaches ``total``, read by one
+    thread of the program (the others hold masked lanes; the max shares
+    its value).  When every thread of every waiting program read it, the
+    loads queued at the counter's L2 slice ahead of the last programs'
+    atomic adds, and the wait took ~5 us longer on an H200
+    (docs/benchmarks.md, nineteenth session).  Plain Triton, no asm: torch
+    analyses a traced kernel's mutations, and inline asm with side effects
+    makes that analysis fail (inductor then copies every input)."""
+    lane = tl.arange(0, 256)  # one lane per thread of 8 warps: lane 0 is one thread's
+    n = total - total
+    while n < total:
+        n = tl.max(tl.load(counter + lane * 0, mask=lane == 0, other=0, volatile=True), axis=0)
+
+
+@triton.jit
 def _tile_max_bits(x_ptr, M, K, t, n_k, BM: tl.constexpr, BK: tl.constexpr):
     """Max ``_abs_bits`` of tile t (row-major over the (M, K) tile grid)."""
     rm, rk, mask = _tile_index(M, K, t // n_k, t % n_k, BM, BK)
@@ -96,10 +112,9 @@ def _fp8_current_kernel(a_ptr, Ma, Ka, b_ptr, Mb, Kb, lo, hi, a_data, a_t, a_sin
         tl.atomic_max(slot + 65, amax_b, sem="relaxed")
     tl.debug_barrier()
     tl.atomic_add(slot + 32, done, sem="release")
-    n = tl.load(slot + 32, volatile=True)
-    while n < total:
-        n = tl.load(slot + 32, volatile=True)
+    _wait_until_counted(slot + 32, total)
     tl.atomic_add(slot + 32, 0, sem="acquire")  # the loads below see every max raised
+    tl.debug_barrier()
     sa = _scale_from_amax(tl.load(slot + 64, volatile=True).to(tl.float32, bitcast=True),
                           FMT_MAX, EPS, POW2)
     sb = sa
