@@ -17,8 +17,8 @@ other, so the slot a kernel uses is:
 * run eagerly (op impls): one slot per CUDA stream, so kernels on two
   streams (FSDP's all-gather stream) never share one.  Not while a CUDA
   graph is captured: a replay costs no host time, and on the GPU the two
-  launches are the faster (llama-a: 1.41 against 1.85 ms of quantization
-  per step, docs/benchmarks.md);
+  launches are the faster (llama-a: 1.42 against 1.63 ms of quantization
+  per step, docs/benchmarks.md, nineteenth session);
 * traced into a lowered graph (``kernels/tracing.py``): a slot per traced
   call, cycling through the rest of the pool.  The graph keeps the slot's
   address as a constant, so the op call puts the pool's address into its

@@ -9,8 +9,9 @@ on the device and write the rowwise copy, the transposed copy and
 zeroed slot of ``grid_state.py``'s pool.  Where no slot may be used (CUDA
 graph capture, AOTInductor, a graph that does not name the pool) the
 two-launch kernels of ``triton_quant.py`` run instead.  One launch saves
-its host time (~11-13 us per call in a lowered llama-a step) for 5-10 us
-more GPU time (docs/benchmarks.md, eighteenth session).
+its host time (~11-13 us per call in a lowered llama-a step) for 0-4 us
+more GPU time per call (docs/benchmarks.md, eighteenth and nineteenth
+sessions).
 """
 
 from __future__ import annotations
