@@ -133,27 +133,6 @@ def test_current_scaling_lowers_to_one_launch_per_quantization():
     assert all(int(p.count_nonzero()) == 0 for p in grid_state._POOLS.values())
 
 
-def test_current_scaling_keeps_two_launches_lowered_for_cuda_graphs():
-    """Compiled for CUDA graphs (reduce-overhead's config), the lowered
-    quantizations are the amax pass and the cast: on the GPU the faster."""
-    import re
-
-    import test_lowering
-    from torch._inductor.utils import run_and_get_code
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    layer = test_lowering.MODULES["linear"](64, False, "cuda")
-    x = torch.randn(32, 64, dtype=torch.bfloat16, device="cuda")
-    fwd = torch.compile(test_lowering._forward(test_lowering.RECIPES["fp8_current"]()),
-                        fullgraph=True)
-    with torch._inductor.config.patch({"triton.cudagraphs": True}):
-        _, code = run_and_get_code(test_lowering._step, layer, x, fwd)
-    text = "\n".join(code)
-    assert not re.search(r"\b_fp8_current_kernel_\d+\.run\(", text)
-    assert len(re.findall(r"\b_amax_partials\w*_\d+\.run\(", text)) == 2  # x with W; dy
-    assert re.findall(r"def (triton_\w+)\(", text) == []
-
-
 @pytest.mark.parametrize("module, options", LN_CASES)
 def test_layernorm_modules_lowered_on_cuda_under_delayed_scaling(module, options):
     torch._dynamo.reset()
@@ -171,11 +150,11 @@ def test_layernorm_modules_lowered_on_cuda(module, options, name):
 
 
 @pytest.mark.parametrize("module", ["layernorm_linear", "layernorm_mlp"])
-def test_layernorm_modules_lowered_for_cuda_graphs(module):
+def test_layernorm_modules_keep_ops_for_cuda_graphs(module):
     torch._dynamo.reset()
     counters.clear()
     assert _train("fp8_current", bias=False, steps=3, device="cuda", mode="reduce-overhead",
-                  module=module, normalization="RMSNorm") == {"fwd": 0, "bwd": 0}
+                  module=module, normalization="RMSNorm") == {"fwd": 1, "bwd": 1}
     assert counters["inductor"].get("cudagraph_skips", 0) == 0
 
 

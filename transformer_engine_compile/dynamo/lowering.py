@@ -24,14 +24,11 @@ runs its impl at run time, as before):
 * the tensors live on a device in :func:`lowered_devices` (CUDA by default:
   elsewhere the impl would be traced through the reference kernels, which
   inductor is free to fuse and reorder);
+* the graph is not compiled for CUDA graphs (``mode="reduce-overhead"``):
+  a replay costs no host time either way, and the ops' own GPU work is
+  the smaller (llama-a on an H200: 8.5 ms per step as ops, 9.1-9.6 ms
+  lowered; docs/benchmarks.md);
 * ``TE_COMPILE_LOWER_OPS=0`` is not set.
-
-Graphs compiled for CUDA graphs (``mode="reduce-overhead"``) lower too: a
-replay costs no host time either way, but the lowered step does less GPU
-work (llama-a on an H200: 7.94 against 8.13 ms per step as ops; until the
-nineteenth session it was the other way round, docs/benchmarks.md).  Their
-current scaling keeps two launches: the decomposition names no counter
-pool there, and the one-launch kernel is the slower on the GPU.
 
 The registration goes into inductor's decomposition table, the one
 ``torch.compile``'s inductor backend passes to AOTAutograd; other backends
@@ -110,7 +107,7 @@ def lowerable(op, args, plan, predicate) -> bool:
     lowered.  Runs inside inductor's trace, so it is also where the op gets
     its fallback lowering for the calls that are not lowered."""
     compat.inductor_fallback(op)
-    if not _DEVICES:
+    if not _DEVICES or compat.compiling_for_cuda_graphs():
         return False
     device = None
     for name in plan.tensor_fields:
@@ -124,16 +121,6 @@ def lowerable(op, args, plan, predicate) -> bool:
         if bucket.kind == "process_group" and getattr(args, name) is not None:
             return False
     return bool(predicate(args))
-
-
-def named_pool(simple_values):
-    """The counter pool address a call's simple values name (``pool_token``),
-    or None: none named, or a graph compiled for CUDA graphs, where current
-    scaling keeps its two launches (the faster on the GPU; a replay costs
-    no host time either way)."""
-    if compat.compiling_for_cuda_graphs():
-        return None
-    return simple_values.as_dict().get("~pool")
 
 
 def trace_impl(impl: Callable, flat, plan, written=frozenset()) -> list:
@@ -168,7 +155,7 @@ def register(op, plan, predicate, impl: Callable, written=()) -> bool:
     def decomposition(*flat):
         if not lowerable(op, plan.decode(flat), plan, predicate):
             return NotImplemented
-        with grid_state.traced_pool(named_pool(flat[-1])):
+        with grid_state.traced_pool(flat[-1].as_dict().get("~pool")):
             return trace_impl(impl, flat, plan, written)
 
     try:
