@@ -115,7 +115,7 @@ def _fp8_current_kernel(a_ptr, Ma, Ka, b_ptr, Mb, Kb, lo, hi, a_data, a_t, a_sin
     tl.atomic_add(slot + 32, done, sem="release")
     _wait_until_counted(slot + 32, total)
     tl.atomic_add(slot + 32, 0, sem="acquire")  # the loads below see every max raised
-    tl.debug_barrier()
+    tl.debug_barrier()  # and those of the threads that did not take part in the acquire
     sa = _scale_from_amax(tl.load(slot + 64, volatile=True).to(tl.float32, bitcast=True),
                           FMT_MAX, EPS, POW2)
     sb = sa
