@@ -133,11 +133,14 @@ def _fp8_current_kernel(a_ptr, Ma, Ka, b_ptr, Mb, Kb, lo, hi, a_data, a_t, a_sin
                            B_COL, OUT, BM, BK)
     tl.debug_barrier()  # the scales are read (above) before this program counts as gone
     if tl.atomic_add(slot + 96, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-        tl.atomic_xchg(slot, 0, sem="relaxed")
-        tl.atomic_xchg(slot + 32, 0, sem="relaxed")
-        tl.atomic_xchg(slot + 64, 0, sem="relaxed")
-        tl.atomic_xchg(slot + 65, 0, sem="relaxed")
-        tl.atomic_xchg(slot + 96, 0, sem="relaxed")
+        # plain stores: every other program's atomics happen before this
+        # one's acquire, and nothing reads the slot until the next kernel
+        # (an atomic exchange waits for its old value, one after the other)
+        tl.store(slot, 0)
+        tl.store(slot + 32, 0)
+        tl.store(slot + 64, 0)
+        tl.store(slot + 65, 0)
+        tl.store(slot + 96, 0)
 
 
 _fp8_current_launch = Launcher(_fp8_current_kernel)
