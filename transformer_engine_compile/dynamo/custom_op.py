@@ -172,13 +172,13 @@ class ArgPlan:
                 simple.append((name, entry))
         if self.lowered:  # in the graph, so in the compile caches' keys
             simple.append(("~lowering", lowering.cache_token()))
-            device = self._device(args)
+            device = self.device_of(args)
             if device is not None and device.type == "cuda":
                 simple.append(("~pool", lowering.pool_token(device.type, device.index)))
         flat.append(B.SimpleValues(tuple(simple)))
         return flat
 
-    def _device(self, args):
+    def device_of(self, args):
         """The device of the call's first tensor argument, else None."""
         for name in self.tensor_fields:
             value = getattr(args, name)

@@ -43,7 +43,6 @@ import pathlib
 import warnings
 from typing import Callable
 
-import torch
 
 from ..kernels import grid_state
 from ..kernels.tracing import fast_kernels_traced
@@ -109,13 +108,8 @@ def lowerable(op, args, plan, predicate) -> bool:
     compat.inductor_fallback(op)
     if not _DEVICES or compat.compiling_for_cuda_graphs():
         return False
-    device = None
-    for name in plan.tensor_fields:
-        value = getattr(args, name)
-        if isinstance(value, torch.Tensor):
-            device = value.device.type
-            break
-    if device not in _DEVICES:
+    device = plan.device_of(args)
+    if device is None or device.type not in _DEVICES:
         return False
     for name, bucket in plan.fields:
         if bucket.kind == "process_group" and getattr(args, name) is not None:

@@ -22,9 +22,9 @@ import triton.language as tl
 from . import grid_state
 from . import reference as ref
 from . import triton_quant as tq
-from .triton_quant import (_TL_FP8, _TW_BK, _TW_BM, _abs_bits, _absent, _fp8_copy_args,
-                           _fp8_outputs, _load_tile, _matrix, _scale_from_amax,
-                           _store_fp8_copies, _tile_index, _x_key)
+from .triton_quant import (_TL_FP8, _TW_BK, _TW_BM, _abs_bits, _absent, _cast_tile,
+                           _fp8_copy_args, _fp8_outputs, _load_tile, _matrix, _scale_from_amax,
+                           _tile_index, _x_key)
 from .triton_launch import Launcher, cdiv, int_key, sm_count
 
 
@@ -48,7 +48,7 @@ def _wait_until_counted(counter, total):
     analyses a traced kernel's mutations, and inline asm with side effects
     makes that analysis fail (inductor then copies every input)."""
     lane = tl.arange(0, 256)  # one lane per thread of 8 warps: lane 0 is one thread's
-    n = total - total
+    n = tl.zeros((), dtype=tl.int32)
     while n < total:
         n = tl.max(tl.load(counter + lane * 0, mask=lane == 0, other=0, volatile=True), axis=0)
 
@@ -58,17 +58,6 @@ def _tile_max_bits(x_ptr, M, K, t, n_k, BM: tl.constexpr, BK: tl.constexpr):
     """Max ``_abs_bits`` of tile t (row-major over the (M, K) tile grid)."""
     rm, rk, mask = _tile_index(M, K, t // n_k, t % n_k, BM, BK)
     return tl.max(tl.max(_abs_bits(_load_tile(x_ptr, rm, rk, mask, K)), axis=1), axis=0)
-
-
-@triton.jit
-def _cast_tile(x_ptr, M, K, t, n_k, s, data_ptr, t_ptr, sinv_ptr, FMT_MAX: tl.constexpr,
-               ROW: tl.constexpr, COL: tl.constexpr, OUT: tl.constexpr, BM: tl.constexpr,
-               BK: tl.constexpr):
-    pid_m, pid_k = t // n_k, t % n_k
-    rm, rk, mask = _tile_index(M, K, pid_m, pid_k, BM, BK)
-    x = _load_tile(x_ptr, rm, rk, mask, K)
-    _store_fp8_copies(x, s, rm, rk, mask, x_ptr, M, K, pid_m, pid_k, data_ptr, t_ptr, sinv_ptr,
-                      FMT_MAX, ROW, COL, OUT, BM, BK)
 
 
 @triton.jit

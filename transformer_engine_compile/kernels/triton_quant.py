@@ -244,6 +244,18 @@ def _store_fp8_copies(x, s, rm, rk, mask, x_ptr, M, K, pid_m, pid_k, data_ptr, t
 
 
 @triton.jit
+def _cast_tile(x_ptr, M, K, t, n_k, s, data_ptr, t_ptr, sinv_ptr, FMT_MAX: tl.constexpr,
+               ROW: tl.constexpr, COL: tl.constexpr, OUT: tl.constexpr, BM: tl.constexpr,
+               BK: tl.constexpr):
+    """Cast tile t (row-major over the (M, K) tile grid) with scale s."""
+    pid_m, pid_k = t // n_k, t % n_k
+    rm, rk, mask = _tile_index(M, K, pid_m, pid_k, BM, BK)
+    x = _load_tile(x_ptr, rm, rk, mask, K)
+    _store_fp8_copies(x, s, rm, rk, mask, x_ptr, M, K, pid_m, pid_k, data_ptr, t_ptr, sinv_ptr,
+                      FMT_MAX, ROW, COL, OUT, BM, BK)
+
+
+@triton.jit
 def _fp8_tensorwise_kernel(x_ptr, M, K, amax_ptr, n_parts, scale_ptr, data_ptr, t_ptr, sinv_ptr,
                            hist_ptr, new_hist_ptr, new_scale_ptr, L, N,
                            FMT_MAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr,
@@ -298,19 +310,12 @@ def _fp8_current_pair_kernel(a_ptr, Ma, Ka, b_ptr, Mb, Kb, part_ptr, Pa, Pb,
     ta = tl.cdiv(Ma, BM) * nka
     if pid < ta:
         s = _scale_from_parts(part_ptr, Pa, FMT_MAX, EPS, POW2, NP)
-        pid_m, pid_k = pid // nka, pid % nka
-        rm, rk, mask = _tile_index(Ma, Ka, pid_m, pid_k, BM, BK)
-        x = _load_tile(a_ptr, rm, rk, mask, Ka)
-        _store_fp8_copies(x, s, rm, rk, mask, a_ptr, Ma, Ka, pid_m, pid_k, a_data, a_t, a_sinv,
-                          FMT_MAX, A_ROW, A_COL, OUT, BM, BK)
+        _cast_tile(a_ptr, Ma, Ka, pid, nka, s, a_data, a_t, a_sinv, FMT_MAX, A_ROW, A_COL, OUT,
+                   BM, BK)
     else:
         s = _scale_from_parts(part_ptr + Pa, Pb, FMT_MAX, EPS, POW2, NP)
-        nkb = tl.cdiv(Kb, BK)
-        pid_m, pid_k = (pid - ta) // nkb, (pid - ta) % nkb
-        rm, rk, mask = _tile_index(Mb, Kb, pid_m, pid_k, BM, BK)
-        x = _load_tile(b_ptr, rm, rk, mask, Kb)
-        _store_fp8_copies(x, s, rm, rk, mask, b_ptr, Mb, Kb, pid_m, pid_k, b_data, b_t, b_sinv,
-                          FMT_MAX, B_ROW, B_COL, OUT, BM, BK)
+        _cast_tile(b_ptr, Mb, Kb, pid - ta, tl.cdiv(Kb, BK), s, b_data, b_t, b_sinv, FMT_MAX,
+                   B_ROW, B_COL, OUT, BM, BK)
 
 
 _TW_BM, _TW_BK = 64, 128
