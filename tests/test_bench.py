@@ -259,3 +259,53 @@ def test_llama_interleaved_rounds_take_turns(monkeypatch):
     one_round = [n for n in names for _ in range(3)]  # 2 warm-up + 1 timed step each
     assert rest[:24] == one_round * 2
     assert rest[24:] == names  # the final loss read
+
+
+def test_layer_interleaved_rounds_take_turns(monkeypatch):
+    """--rounds on single-layer configs: every (candidate, mode) of a config
+    is built and warmed up first, then each round times each in turn, and
+    ``ms`` is the median of the rounds' figures."""
+    calls = []
+    make_step = bench._make_step
+
+    def recording(model, rec, mode):
+        step = make_step(model, rec, mode)
+        name = f"{type(rec).__name__}/{mode}"
+
+        def wrapped(x, dy):
+            calls.append(name)
+            return step(x, dy)
+        return wrapped
+
+    figures = iter(range(100))  # the n-th timing returns n
+    timed = []
+
+    def fake_time(step, x, dy, device, iters, repeats):
+        assert repeats == 1
+        step(x, dy)
+        timed.append(calls[-1])
+        return float(next(figures))
+
+    monkeypatch.setattr(bench, "_make_step", recording)
+    monkeypatch.setattr(bench, "_time", fake_time)
+    rows = bench.run(bench.TINY, ["fp8_current"], ["eager", "default"], torch.device("cpu"),
+                     iters=1, log=lambda *a: None, rounds=3, with_torchao=False)
+    labels = [(r["candidate"], r["mode"]) for r in rows]
+    assert labels[:2] == [("torch bf16", "eager"), ("torch bf16", "default")]
+    assert all("error" not in r and r["rounds"] == 3 for r in rows)
+    names = [f"{rec}/{mode}" for rec in ("NoneType", "NoneType", "Float8CurrentScaling")
+             for mode in ("eager", "default")]
+    # built and warmed up (3 steps; the peak memory's step runs on CUDA only) before any timing
+    assert calls[:3 * len(names)] == [n for n in names for _ in range(3)]
+    assert timed == names * 3  # the rounds take turns
+    # six candidates, three rounds: candidate i got i, i + 6 and i + 12
+    assert [r["ms"] for r in rows] == [i + 6 for i in range(6)]
+
+
+def test_bench_rounds_flag_reaches_the_layer_configs(tmp_path):
+    out = tmp_path / "rows.json"
+    rc = bench.main(["--device", "cpu", "--configs", "tiny", "--recipes", "fp8_current",
+                     "--modes", "eager", "default", "--iters", "1", "--no-torchao",
+                     "--rounds", "2", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert rc == 0 and {r["rounds"] for r in rows} == {2} and all(r["ms"] > 0 for r in rows)

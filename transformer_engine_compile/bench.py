@@ -197,13 +197,22 @@ def _cleanup():
 
 
 def run(configs, recipes, modes, device, iters=None, repeats=5, with_torchao=False, log=print,
-        fp8_grad=False, sync=True, bias=False):
+        fp8_grad=False, sync=True, bias=False, rounds=1):
     """``bias``: every layer with a bias (te.Linear's default; the tables
-    in docs/benchmarks.md are bias-free unless they say otherwise)."""
+    in docs/benchmarks.md are bias-free unless they say otherwise).
+    ``rounds > 1``: per config, every (candidate, mode) is built and run
+    first, then the rounds time each in turn (one repeat of ``iters``
+    steps each) and ``ms`` is the median over the rounds, so a GPU or host
+    that drifts over minutes skews no ratio (eager against default
+    included); ``peak_gib`` is then each candidate's own, less what the
+    candidates built before it hold."""
     rows = []
+    if rounds > 1:
+        bench_llama.keep_compiled_entries()
     for cname, (m, k, n, layers) in configs.items():
         flops = 6 * m * k * n * layers  # fwd + dgrad + wgrad
         n_iter = iters or max(3, min(50, int(2e13 / flops)))
+        live = []  # rounds > 1: (row, step, x, dy) of the candidates built so far
         for label, factory, rec, path in candidates(recipes, with_torchao, fp8_grad):
             for mode in modes:
                 torch.manual_seed(0)
@@ -214,20 +223,52 @@ def run(configs, recipes, modes, device, iters=None, repeats=5, with_torchao=Fal
                 dy = torch.randn(m, n, device=device, dtype=torch.bfloat16, generator=gen)
                 row = {"config": cname, "candidate": label, "mode": mode,
                        "gemm": path or _gemm_label(model, rec, device)}
+                base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
                 try:
                     step = _make_step(model, rec, mode)
                     if sync:
                         step = _synced(step)
-                    row["ms"] = _time(step, x, dy, device, n_iter, repeats)
-                    row["peak_gib"] = bench_llama.peak_gib(step, x, dy, device)
-                    row["tflops"] = flops / row["ms"] / 1e9
+                    if rounds > 1:
+                        for _ in range(3):  # compile and warm up before the rounds
+                            step(x, dy)
+                        row["rounds"] = rounds
+                        row["peak_gib"] = bench_llama.peak_gib(step, x, dy, device) - base / 2**30
+                        live.append((row, step, x, dy))
+                    else:
+                        row["ms"] = _time(step, x, dy, device, n_iter, repeats)
+                        row["peak_gib"] = bench_llama.peak_gib(step, x, dy, device)
+                        row["tflops"] = flops / row["ms"] / 1e9
                 except Exception as e:  # one failing candidate must not hide the others
                     row["error"] = bench_llama.error_text(e)
                 rows.append(row)
-                log(_format_row(row, rows))
-                del model, x, dy
-                _cleanup()
+                if rounds == 1 or "error" in row:
+                    log(_format_row(row, rows))
+                if rounds == 1:  # (a reset would also drop the built candidates' graphs)
+                    del model, x, dy
+                    _cleanup()
+        _time_in_rounds(live, rounds, device, n_iter, flops)
+        for row, *_ in live:
+            log(_format_row(row, rows))
+        live.clear()
+        _cleanup()
     return rows
+
+
+def _time_in_rounds(live, rounds, device, n_iter, flops) -> None:
+    """Time each built candidate once per round, in turn; ``ms``: the median."""
+    samples = {id(row): [] for row, *_ in live}
+    for _ in range(rounds):
+        for row, step, x, dy in live:
+            if "error" in row:  # failed in an earlier round
+                continue
+            try:
+                samples[id(row)].append(_time(step, x, dy, device, n_iter, 1))
+            except Exception as e:
+                row["error"] = bench_llama.error_text(e)
+    for row, *_ in live:
+        if "error" not in row:
+            row["ms"] = statistics.median(samples[id(row)])
+            row["tflops"] = flops / row["ms"] / 1e9
 
 
 def _ratio(rows, row, **match):
@@ -274,8 +315,8 @@ def main(argv=None):
                         "'te fp8_current')")
     p.add_argument("--steps", type=int, default=10, help="llama configs: timed steps")
     p.add_argument("--rounds", type=int, default=1,
-                   help="llama configs: build every candidate first, then time them in this "
-                        "many rounds that take turns (robust ratios on a drifting host)")
+                   help="build every candidate of a config first, then time them in this "
+                        "many rounds that take turns (robust ratios on a drifting host or GPU)")
     p.add_argument("--fused", action="store_true",
                    help="llama configs: also the packed-projection model from te.LayerNormLinear "
                         "+ te.LayerNormMLP ('fused') and from separate norms + te.Linear "
@@ -314,7 +355,7 @@ def _main(args) -> int:
         print(HEADER)
         rows = run(layer_cfgs, args.recipes, modes, device, iters=args.iters,
                    with_torchao=with_torchao, fp8_grad=args.fp8_grad, sync=not args.no_sync,
-                   bias=args.bias)
+                   bias=args.bias, rounds=args.rounds)
         print("\n" + HEADER)  # the whole table again, ratios now complete
         for row in rows:
             print(_format_row(row, rows))

@@ -336,6 +336,16 @@ def _entries(configs, recipes, modes, device, with_torchao, only, fused):
                                                   "mode": mode}
 
 
+def keep_compiled_entries() -> None:
+    """Raise Dynamo's per-code-object cache limits: candidates built side by
+    side share one step function's code object, and past the limit Dynamo
+    would quietly run the later ones eagerly."""
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    if hasattr(torch._dynamo.config, "accumulated_cache_size_limit"):
+        torch._dynamo.config.accumulated_cache_size_limit = max(
+            torch._dynamo.config.accumulated_cache_size_limit, 512)
+
+
 def run_interleaved(configs, recipes, modes, device, with_torchao, only=None, steps=10,
                     log=print, fused=False, rounds=5):
     """:func:`run`'s rows, timed in ``rounds`` rounds that take turns.
@@ -350,11 +360,7 @@ def run_interleaved(configs, recipes, modes, device, with_torchao, only=None, st
     candidates built before it held."""
     import gc
 
-    # the candidates' step functions share one code object: keep every entry
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    if hasattr(torch._dynamo.config, "accumulated_cache_size_limit"):
-        torch._dynamo.config.accumulated_cache_size_limit = max(
-            torch._dynamo.config.accumulated_cache_size_limit, 512)
+    keep_compiled_entries()
     rows, live = [], []
     for cfg, x, target, kind, rec, row in _entries(configs, recipes, modes, device,
                                                    with_torchao, only, fused):
