@@ -215,19 +215,10 @@ def run(configs, recipes, modes, device, iters=None, repeats=5, with_torchao=Fal
         live = []  # rounds > 1: (row, step, x, dy) of the candidates built so far
         for label, factory, rec, path in candidates(recipes, with_torchao, fp8_grad):
             for mode in modes:
-                torch.manual_seed(0)
-                model = factory(k, n, layers, device, bias=bias)
-                gen = torch.Generator(device=device).manual_seed(1)
-                x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen)
-                x.requires_grad_()
-                dy = torch.randn(m, n, device=device, dtype=torch.bfloat16, generator=gen)
-                row = {"config": cname, "candidate": label, "mode": mode,
-                       "gemm": path or _gemm_label(model, rec, device)}
                 base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+                row, step, x, dy = _candidate(cname, (m, k, n, layers), label, factory, rec,
+                                              path, mode, device, bias, sync)
                 try:
-                    step = _make_step(model, rec, mode)
-                    if sync:
-                        step = _synced(step)
                     if rounds > 1:
                         for _ in range(3):  # compile and warm up before the rounds
                             step(x, dy)
@@ -243,8 +234,8 @@ def run(configs, recipes, modes, device, iters=None, repeats=5, with_torchao=Fal
                 rows.append(row)
                 if rounds == 1 or "error" in row:
                     log(_format_row(row, rows))
-                if rounds == 1:  # (a reset would also drop the built candidates' graphs)
-                    del model, x, dy
+                del step, x, dy  # (rounds > 1: held in live)
+                if rounds == 1:  # a reset would also drop the built candidates' graphs
                     _cleanup()
         _time_in_rounds(live, rounds, device, n_iter, flops)
         for row, *_ in live:
@@ -252,6 +243,22 @@ def run(configs, recipes, modes, device, iters=None, repeats=5, with_torchao=Fal
         live.clear()
         _cleanup()
     return rows
+
+
+def _candidate(cname, shape, label, factory, rec, path, mode, device, bias, sync) -> tuple:
+    """``(row, step, x, dy)`` of one (candidate, mode); the model lives in
+    the step's closure."""
+    m, k, n, layers = shape
+    torch.manual_seed(0)
+    model = factory(k, n, layers, device, bias=bias)
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen)
+    x.requires_grad_()
+    dy = torch.randn(m, n, device=device, dtype=torch.bfloat16, generator=gen)
+    row = {"config": cname, "candidate": label, "mode": mode,
+           "gemm": path or _gemm_label(model, rec, device)}
+    step = _make_step(model, rec, mode)
+    return row, (_synced(step) if sync else step), x, dy
 
 
 def _time_in_rounds(live, rounds, device, n_iter, flops) -> None:
