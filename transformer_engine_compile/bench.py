@@ -215,7 +215,9 @@ def run(configs, recipes, modes, device, iters=None, repeats=5, with_torchao=Fal
         live = []  # rounds > 1: (row, step, x, dy) of the candidates built so far
         for label, factory, rec, path in candidates(recipes, with_torchao, fp8_grad):
             for mode in modes:
-                base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+                # rounds > 1: what the candidates built before this one hold
+                base = (torch.cuda.memory_allocated(device)
+                        if rounds > 1 and device.type == "cuda" else 0)
                 row, step, x, dy = _candidate(cname, (m, k, n, layers), label, factory, rec,
                                               path, mode, device, bias, sync)
                 try:

@@ -97,8 +97,8 @@ def slot(device: torch.device):
     to launch (or be traced) on ``device``; None where none may be used."""
     if tracing.active:
         base = getattr(_traced, "address", None)
-        if not base or _aot_compiling() or (device.type, device.index) not in _POOLS \
-                or _POOLS[(device.type, device.index)].data_ptr() != base:
+        made = _POOLS.get((device.type, device.index))
+        if not base or made is None or made.data_ptr() != base or _aot_compiling():
             return None
         index = _next_traced_slot()
     elif torch.cuda.is_current_stream_capturing():

@@ -56,8 +56,8 @@ def eager_buffers_in_place():
 
 @contextlib.contextmanager
 def thread_local_value(store: threading.local, name: str, value):
-    """``store.name = value`` for the block, the previous value (or its
-    absence) restored after."""
+    """``store.name = value`` for the block; after it, the previous value
+    (None where there was none)."""
     previous = getattr(store, name, None)
     setattr(store, name, value)
     try:
