@@ -354,18 +354,47 @@ def fixed_layout(t: torch.Tensor) -> torch.Tensor:
 def _traced_graph_input(t) -> bool:
     """Whether ``t``, in the make_fx trace in progress (AOT's, seen through
     its functionalization), is a placeholder of the graph."""
+    traced = traced_node(t)
+    return traced is not None and traced[1].op == "placeholder"
+
+
+def traced_node(t):
+    """``(tracer, node)``: the graph node of ``t`` in the make_fx trace in
+    progress (AOT's, seen through its functionalization), else None."""
     from torch._subclasses.functional_tensor import FunctionalTensor
     from torch.fx.experimental import proxy_tensor
     try:
         mode = proxy_tensor.get_proxy_mode()
         if mode is None:
-            return False
+            return None
         inner = torch._from_functional_tensor(t.elem) if isinstance(t, FunctionalTensor) else t
         slot = proxy_tensor.get_proxy_slot(inner, mode.tracer, None)
-    except (AttributeError, TypeError):  # another torch's internals: wrap it (harmless)
-        return False
+    except (AttributeError, TypeError):  # another torch's internals
+        return None
     node = getattr(getattr(slot, "proxy", None), "node", None)
-    return node is not None and node.op == "placeholder"
+    return None if node is None else (mode.tracer, node)
+
+
+def unfixed_node(node):
+    """``node`` seen through a :func:`fixed_layout`: the node it fixes."""
+    op = _force_stride_order()
+    while op is not None and node.target is op:
+        node = node.args[0]
+    return node
+
+
+def plain_of_functional(t: torch.Tensor) -> torch.Tensor:
+    """The traced value a FunctionalTensor of the session in progress holds
+    now (its writes applied)."""
+    torch._sync(t)
+    return torch._from_functional_tensor(t.elem)
+
+
+def functional_of_plain(t: torch.Tensor) -> torch.Tensor:
+    """A traced value from outside the functionalization session in
+    progress, wrapped into it (as the session wraps its inputs)."""
+    from torch._subclasses.functional_tensor import FunctionalTensor
+    return FunctionalTensor.to_functional(t)
 
 
 @functools.lru_cache(maxsize=None)

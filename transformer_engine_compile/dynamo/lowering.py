@@ -24,11 +24,15 @@ runs its impl at run time, as before):
 * the tensors live on a device in :func:`lowered_devices` (CUDA by default:
   elsewhere the impl would be traced through the reference kernels, which
   inductor is free to fuse and reorder);
-* the graph is not compiled for CUDA graphs (``mode="reduce-overhead"``):
-  a replay costs no host time either way, and the ops' own GPU work is
-  the smaller (llama-a on an H200: 8.5 ms per step as ops, 9.1-9.6 ms
-  lowered; docs/benchmarks.md);
 * ``TE_COMPILE_LOWER_OPS=0`` is not set.
+
+Graphs compiled for CUDA graphs (``mode="reduce-overhead"``) lower too,
+since the lowered calls share one quantization of an input read by several
+layers (``shared_inputs.py``), which ops cannot: llama-a 1.7-2% less step
+time than as ops (docs/benchmarks.md, twenty-first session).  There
+current scaling keeps its two launches (no counter slot,
+``kernels/grid_state.py``): a replay costs no host time, and the two
+launches less GPU time.
 
 The registration goes into inductor's decomposition table, the one
 ``torch.compile``'s inductor backend passes to AOTAutograd; other backends
@@ -106,7 +110,7 @@ def lowerable(op, args, plan, predicate) -> bool:
     lowered.  Runs inside inductor's trace, so it is also where the op gets
     its fallback lowering for the calls that are not lowered."""
     compat.inductor_fallback(op)
-    if not _DEVICES or compat.compiling_for_cuda_graphs():
+    if not _DEVICES:
         return False
     device = plan.device_of(args)
     if device is None or device.type not in _DEVICES:
@@ -149,7 +153,8 @@ def register(op, plan, predicate, impl: Callable, written=()) -> bool:
     def decomposition(*flat):
         if not lowerable(op, plan.decode(flat), plan, predicate):
             return NotImplemented
-        with grid_state.traced_pool(flat[-1].as_dict().get("~pool")):
+        pool = None if compat.compiling_for_cuda_graphs() else flat[-1].as_dict().get("~pool")
+        with grid_state.traced_pool(pool):  # None: two launches (see the module docstring)
             return trace_impl(impl, flat, plan, written)
 
     try:

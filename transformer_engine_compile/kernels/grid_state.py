@@ -25,7 +25,8 @@ other, so the slot a kernel uses is:
   simple values first (``dynamo/lowering.py``, ``pool_token``): the compile
   caches then never serve code with another process's address, and a call
   whose graph does not name the pool (AOTInductor, whose code leaves the
-  process; a pool made after Dynamo traced the call) keeps two launches.
+  process; a pool made after Dynamo traced the call; a graph compiled for
+  CUDA graphs, for the reason above) keeps two launches.
   One compiled graph run on two streams at the same time (two threads
   calling it) would share its slots: the one case not covered.
 

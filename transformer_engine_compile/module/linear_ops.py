@@ -28,7 +28,7 @@ import torch
 from .. import distributed as D
 from .. import kernels
 from ..checkpointing import check_forward_op_in_backward
-from ..dynamo import compat
+from ..dynamo import compat, shared_inputs
 from ..dynamo.buckets import TensorOrQuantized
 from ..dynamo.custom_op import OpResult, register_custom_op
 from ..dynamo.opaque import is_value_opaque
@@ -310,6 +310,13 @@ def linear_forward(args: LinearFwdArgs, xq=None, wq=None, amaxes=None) -> OpResu
         amaxes = _zero_amaxes(args.amax_history_fwd)  # delayed scaling: x, W
     if wq is not None and xq is None:
         raise ValueError("linear_forward: a pre-quantized weight comes with the input's")
+    # a lowered trace quantizes an input read by several layers once (shared_inputs.py)
+    offer = (xq is None and q is not None and args.scale_fwd is None
+             and not (mode == "column" and sp))
+    if offer:
+        shared = shared_inputs.lookup(x, q)
+        if shared is not None:
+            xq, offer = q.from_buffers(x.shape, x.dtype, shared), False
     pair = None if xq is not None or (mode == "column" and sp) else _paired_weight_quantizer(args, q)
     step = None  # a StepAfter the weight's quantization runs
     if wq is not None:
@@ -323,6 +330,8 @@ def linear_forward(args: LinearFwdArgs, xq=None, wq=None, amaxes=None) -> OpResu
             step = _step_after(args.input_quantizer, args.amax_history_fwd, args.scale_fwd,
                                args.amax_group)
         w, workspace = _weight_for_gemm(args, amaxes, step)
+    if offer:
+        shared_inputs.record(x, q, xq)
     y = gemm(xq, "rowwise", w, "rowwise", (xq if x is None else x).dtype,
              None if mode == "row" else args.bias,
              fast_accum=True).view(_out_shape(xq.shape, w.shape))
