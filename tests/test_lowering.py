@@ -529,8 +529,8 @@ def _count_input_quantizations(monkeypatch) -> list:
 
 
 def _three_layers_on_one_input(name, mutate: bool):
-    """(count of the compiled step's input quantizations, checked against
-    eager): three te.Linear read h = a * b (q, k, v); with ``mutate``, h is
+    """One compiled step, then one eager step, of three te.Linear reading
+    h = a * b (q, k, v), checked equal bit for bit; with ``mutate``, h is
     scaled in place between the first layer and the other two."""
     recipe = RECIPES[name]()
     torch.manual_seed(0)
