@@ -38,7 +38,7 @@ def _shareable(quantizer) -> bool:
 def _slot(x, quantizer):
     """(memo of the trace, key) for ``x`` quantized with ``quantizer``, or
     None outside a lowered trace or for a quantizer that must not share."""
-    if not (tracing.active and _shareable(quantizer) and tracing.functional(x)):
+    if not (tracing.functional(x) and _shareable(quantizer)):  # functional: traced first
         return None
     traced = compat.traced_node(x)
     if traced is None:

@@ -300,9 +300,10 @@ def linear_forward(args: LinearFwdArgs, xq=None, wq=None, amaxes=None) -> OpResu
     check_forward_op_in_backward(args)
     x = args.inp
     mode, sp = _tp(args)
+    gathers = mode == "column" and sp  # x is gathered (and quantized) first
     q = _input_quantizer(args)
     delayed = args.amax_history_fwd is not None
-    if (xq is not None and ((mode == "column" and sp) or delayed != (amaxes is not None))) or (
+    if (xq is not None and (gathers or delayed != (amaxes is not None))) or (
             xq is None and amaxes is not None):
         raise ValueError("linear_forward: a pre-quantized input needs no gather, and comes "
                          "with its amaxes exactly under delayed scaling")
@@ -311,13 +312,13 @@ def linear_forward(args: LinearFwdArgs, xq=None, wq=None, amaxes=None) -> OpResu
     if wq is not None and xq is None:
         raise ValueError("linear_forward: a pre-quantized weight comes with the input's")
     # a lowered trace quantizes an input read by several layers once (shared_inputs.py)
-    offer = (xq is None and q is not None and args.scale_fwd is None
-             and not (mode == "column" and sp))
+    offer = (tracing.active and xq is None and q is not None and args.scale_fwd is None
+             and not gathers)
     if offer:
         shared = shared_inputs.lookup(x, q)
         if shared is not None:
             xq, offer = q.from_buffers(x.shape, x.dtype, shared), False
-    pair = None if xq is not None or (mode == "column" and sp) else _paired_weight_quantizer(args, q)
+    pair = None if xq is not None or gathers else _paired_weight_quantizer(args, q)
     step = None  # a StepAfter the weight's quantization runs
     if wq is not None:
         x_total, w, workspace = x, wq, (wq if args.cache_weight else None)
