@@ -37,14 +37,20 @@ class _Hopper:
         return torch.device("cuda")
 
 
+_SLOT = (1 << 20, 0)  # a counter slot's address halves (never dereferenced: nothing launches)
+
+
 @contextlib.contextmanager
-def cuda_kernels_on_meta():
+def cuda_kernels_on_meta(one_launch=False):
     """The CUDA fast kernels serve meta tensors, the device queries answer
     as an H100 / H200 would, and modules take their compiled path (the op
-    call) although nothing is compiled."""
+    call) although nothing is compiled.  ``one_launch``: current scaling
+    gets a counter slot, as a default-mode graph on a GPU does (one launch
+    per quantization), instead of the two launches of a graph that names
+    no pool (kernels/grid_state.py)."""
     import triton
 
-    from transformer_engine_compile.kernels import cuda_gemm, triton_launch
+    from transformer_engine_compile.kernels import cuda_gemm, grid_state, triton_launch
     kernels._load("cuda")
     added = [(name, "meta") for (name, dev) in list(kernels._FAST) if dev == "cuda"]
     for name, _ in added:
@@ -56,7 +62,9 @@ def cuda_kernels_on_meta():
         with mock.patch.object(triton.runtime.driver, "_active", _Hopper()), \
                 mock.patch.object(triton_launch, "sm_count", lambda device: 132), \
                 mock.patch.object(cuda_gemm, "_capability", lambda index: (9, 0)), \
-                mock.patch("torch.compiler.is_compiling", lambda: True):
+                mock.patch("torch.compiler.is_compiling", lambda: True), \
+                mock.patch.object(grid_state, "slot",
+                                  (lambda device: _SLOT) if one_launch else grid_state.slot):
             yield
     finally:
         lowering.set_lowered_devices(lowered)
@@ -78,16 +86,18 @@ class _RecordOps(TorchDispatchMode):
         return out
 
 
-def lowered_cuda_traces(module, x, recipe=None, computed_input=False, **call_kwargs) -> list:
+def lowered_cuda_traces(module, x, recipe=None, computed_input=False, one_launch=False,
+                        **call_kwargs) -> list:
     """``[(op, op_outputs, graph_module)]`` for each op call of one forward
     (``module(x, **call_kwargs)``) and backward of ``module`` (built on the
     meta device) on ``x`` (meta): the fake impl's outputs and the graph the
     lowering traces for the call (which returns None where the call is not
     lowered).  ``computed_input``: the op's first argument (x, dy) is
     computed in the traced graph (``2 * t`` of a graph input ``t``), as a
-    fused kernel's result in a model's graph, instead of a graph input."""
+    fused kernel's result in a model's graph, instead of a graph input.
+    ``one_launch``: see :func:`cuda_kernels_on_meta`."""
     from torch._inductor.decomposition import decompositions
-    with cuda_kernels_on_meta():
+    with cuda_kernels_on_meta(one_launch):
         record = _RecordOps()
         with record, te.autocast(enabled=recipe is not None, recipe=recipe):
             y = module(x, **call_kwargs)

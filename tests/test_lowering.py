@@ -255,6 +255,27 @@ def _step_kernels(op, kernels_run) -> list:
     return steps
 
 
+_ALLOCATIONS = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+                torch.ops.aten.new_empty.default, torch.ops.aten.empty_like.default)
+
+
+def _spare_allocations(gm) -> list:
+    """Buffers the traced impl allocates that no kernel writes: pointer
+    arguments a kernel never touches (its flag is a constexpr) should point
+    at an input it reads, not at a buffer of their own, which a lowered
+    graph allocates on every call."""
+    kernels = [n for n in gm.graph.nodes
+               if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
+    written = {id(n.kwargs["kwargs"][k]) for n in kernels for k in n.kwargs["tensors_to_clone"]}
+    spares = []
+    for n in gm.graph.nodes:
+        if n.target in _ALLOCATIONS and id(n) not in written:
+            users = {u.target for u in n.users}
+            if users <= {torch.ops.higher_order.triton_kernel_wrapper_functional}:
+                spares.append(n.name)
+    return spares
+
+
 def test_next_pow2_is_tritons():
     """``triton_launch.next_pow2`` stands in for ``triton.next_power_of_2``
     (a slow ``ConstexprFunction``) in the launch paths."""
@@ -323,6 +344,7 @@ def test_cuda_lowering_traces_without_copies(module, options, name, bias):
                        if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
         assert kernels_run or (name == "bf16" and not bias), f"{op}: no Triton kernel traced"
         steps = _step_kernels(op, kernels_run)
+        assert _spare_allocations(gm) == [], op
         if name == "fp8_delayed":  # the casts of the weight and of dy run the steps
             gemms = 2 if module == "layernorm_mlp" else 1
             assert steps == ["_fp8_tensorwise_kernel"] * gemms, (op, steps)
@@ -339,6 +361,42 @@ def test_cuda_lowering_traces_without_copies(module, options, name, bias):
         for got, want in zip(traced, outputs):
             assert (got.shape, got.dtype, got.stride()) == (want.shape, want.dtype,
                                                             want.stride()), op
+
+
+_TWO_LAUNCH_KERNELS = {"_amax_partials_kernel", "_amax_partials_pair_kernel",
+                       "_fp8_tensorwise_kernel"}
+
+
+@pytest.mark.parametrize("module, options", TRACE_CASES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_cuda_lowering_current_scaling_in_one_launch(module, options, bias):
+    """With a counter slot, as a default-mode graph has on a GPU, each
+    current-scaling quantization traces as one ``_fp8_current_kernel``
+    (x with W; dy alone) or one cast from a norm's partial maxima, never
+    the two-launch amax + cast.  The one-tensor launch points the second
+    tensor's arguments at its input: no buffer is allocated for them and
+    none of them is copied."""
+    pytest.importorskip("triton")
+    from cuda_trace import lowered_cuda_traces
+    layer, x = _meta_module(module, options, bias)
+    traces = lowered_cuda_traces(layer, x, RECIPES["fp8_current"](), one_launch=True)
+    assert [op.name() for op, _, _ in traces] == [
+        f"te_compile::{module}_fwd", f"te_compile::{module}_bwd"]
+    for op, outputs, gm in traces:
+        nodes = list(gm.graph.nodes)
+        kernels_run = [n for n in nodes
+                       if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
+        names = [_kernel_name(n) for n in kernels_run]
+        if module == "linear" or op.name().endswith("_bwd"):  # a norm gives its partials
+            assert "_fp8_current_kernel" in names, (op, names)
+        assert not _TWO_LAUNCH_KERNELS & set(names), (op, names)
+        if module == "linear":  # plus the bias gradient's column sums
+            assert names.count("_fp8_current_kernel") == 1, (op, names)
+        assert _step_kernels(op, kernels_run) == []  # and no input copied
+        assert _spare_allocations(gm) == [], op
+        traced = [n.meta["val"] for n in pytree_leaves(nodes[-1].args)]
+        assert [(t.shape, t.dtype, t.stride()) for t in traced] == [
+            (t.shape, t.dtype, t.stride()) for t in outputs], op
 
 
 @pytest.mark.parametrize("module, options", TRACE_CASES)

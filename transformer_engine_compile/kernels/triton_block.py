@@ -19,9 +19,9 @@ import triton.language as tl
 
 from . import reference as ref
 from .triton_launch import Launcher, cdiv, ptr_key
-from .triton_quant import (_TL_FP8, _abs_bits, _absent, _cast_fp8, _load_tile, _matrix, _recip,
+from .triton_quant import (_TL_FP8, _abs_bits, _cast_fp8, _load_tile, _matrix, _recip,
                            _scale_from_amax, _store_rows, _store_transposed, _tile_index, _tile_t,
-                           _x_key)
+                           _unused, _x_key)
 
 _COPY_BUFFERS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
 
@@ -33,11 +33,11 @@ def _alloc_copies(device, rowwise, columnwise, row_data, row_scale, col_data, co
             if (rowwise if name.startswith("row") else columnwise)}
 
 
-def _copy_args(out: dict) -> tuple:
+def _copy_args(out: dict, src: torch.Tensor) -> tuple:
     """The four buffer arguments of a two-copy kernel.  An absent copy's slot
-    gets some present buffer: ROW / COL are constexpr, so it is never touched."""
-    first = next(iter(out.values()))
-    return tuple(out[name] if name in out else _absent(first) for name in _COPY_BUFFERS)
+    gets the kernel's input ``src``: ROW / COL are constexpr, so it is never
+    touched (``triton_quant._unused``)."""
+    return tuple(out[name] if name in out else _unused(src) for name in _COPY_BUFFERS)
 
 
 
@@ -91,7 +91,8 @@ def quantize_fp8_blockwise(x2d, fmt, block_2d, pow2, eps, rowwise, columnwise) -
                         ((k, m), dt), (col_s, torch.float32))
     flags = (fmt, float(eps), bool(pow2), bool(block_2d), bool(rowwise), bool(columnwise))
     _fp8_block_launch((cdiv(m, b), cdiv(k, b)), (_x_key(x2d, m, k), flags),
-                      x2d, m, k, *_copy_args(out), ref.FP8_MAX[fmt], *flags[1:], _TL_FP8[fmt], b)
+                      x2d, m, k, *_copy_args(out, x2d), ref.FP8_MAX[fmt], *flags[1:], _TL_FP8[fmt],
+                      b)
     return out
 
 
@@ -188,7 +189,8 @@ def quantize_mxfp8(x2d, fmt, rowwise, columnwise) -> dict:
     max_frac, max_exp = math.frexp(ref.FP8_MAX[fmt])
     flags = (fmt, bool(rowwise), bool(columnwise))
     _mxfp8_launch((cdiv(m, _MX_BM), cdiv(k, _MX_BK)), (_x_key(x2d, m, k), flags),
-                  x2d, m, k, *_copy_args(out), ref.FP8_MAX[fmt], int((max_frac - 0.5) * 2 ** 24),
+                  x2d, m, k, *_copy_args(out, x2d), ref.FP8_MAX[fmt],
+                  int((max_frac - 0.5) * 2 ** 24),
                   max_exp, *flags[1:], _TL_FP8[fmt], _MX_BM, _MX_BK, b)
     return out
 

@@ -19,13 +19,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from . import grid_state
+from . import grid_state, triton_launch
 from . import reference as ref
 from . import triton_quant as tq
-from .triton_quant import (_TL_FP8, _TW_BK, _TW_BM, _abs_bits, _absent, _cast_tile,
+from .triton_quant import (_TL_FP8, _TW_BK, _TW_BM, _abs_bits, _cast_tile,
                            _fp8_copy_args, _fp8_outputs, _load_tile, _matrix, _scale_from_amax,
-                           _tile_index, _x_key)
-from .triton_launch import Launcher, cdiv, int_key, sm_count
+                           _tile_index, _unused, _x_key)
+from .triton_launch import Launcher, cdiv, int_key
 
 
 @triton.jit
@@ -173,16 +173,16 @@ def _one_launch(a2d, b2d, fmt, pow2, eps, a_usage, b_usage=(False, False)):
         mb, kb = b2d.shape
         tiles += cdiv(mb, _TW_BM) * cdiv(kb, _TW_BK)
         out_b = _fp8_outputs(dev, dt, mb, kb, *b_usage)
-        b_args, b_copies, b_key = (b2d, mb, kb), _fp8_copy_args(out_b), _x_key(b2d, mb, kb)
-    else:  # b's pointers are never read or written (HAS_B is a constexpr)
+        b_args, b_copies, b_key = (b2d, mb, kb), _fp8_copy_args(out_b, b2d), _x_key(b2d, mb, kb)
+    else:  # b's pointers are never read or written (HAS_B is a constexpr): a's input
         out_b, b_args, b_key = None, (a2d, 1, 1), None
-        b_copies = tuple(_absent(out_a["scale_inv"]) for _ in range(3))
+        b_copies = (_unused(a2d),) * 3
     flags = (fmt, float(eps), bool(pow2), bool(a_usage[0]), bool(a_usage[1]), bool(b_usage[0]),
              bool(b_usage[1]), has_b)
     lo, hi = slot
-    programs = min(tiles, sm_count(dev) * _CURRENT_PROGRAMS_PER_SM)
+    programs = min(tiles, triton_launch.sm_count(dev) * _CURRENT_PROGRAMS_PER_SM)
     _fp8_current_launch((programs,), (_x_key(a2d, ma, ka), b_key, flags, int_key(lo),
                                       int_key(hi)),
-                        a2d, ma, ka, *b_args, lo, hi, *_fp8_copy_args(out_a), *b_copies,
+                        a2d, ma, ka, *b_args, lo, hi, *_fp8_copy_args(out_a, a2d), *b_copies,
                         ref.FP8_MAX[fmt], *flags[1:], _TL_FP8[fmt], _TW_BM, _TW_BK)
     return out_a, out_b

@@ -40,8 +40,9 @@ from . import reference as ref
 from . import triton_launch
 from .triton_bias import col_sums
 from .triton_launch import Launcher, cdiv, int_key, ptr_key
-from .triton_quant import (_MAX_GIVEN_PARTS, _TL_FP8, _abs_bits, _absent, _amax_partials,
-                           _cast_fp8, _int_slot, _n_amax_parts, _recip, transpose_bytes)
+from .triton_quant import (_MAX_GIVEN_PARTS, _TL_FP8, _abs_bits, _amax_partials,
+                           _cast_fp8, _int_slot, _n_amax_parts, _recip, _unused,
+                           transpose_bytes)
 
 MAX_K = 16384  # widest row held in registers
 # Programs per multiprocessor of the grids that stride over the rows: the
@@ -293,8 +294,8 @@ def _launch_fwd(x2d, weight, bias, eps, rms, with_amax, side, fp8=None) -> tuple
     mean = None if rms else torch.empty((m,), dtype=torch.float32, device=dev)
     ms, ks = (0, 0) if side is None else side.shape
     n_side = 0 if side is None else _n_amax_parts(ms, ks)
-    # absent arguments (never read or written: the flags are constexpr) point at rstd
-    absent = lambda: _absent(rstd)  # noqa: E731
+    # absent arguments (never read or written: the flags are constexpr) point at x
+    absent = lambda: _unused(x2d)  # noqa: E731
     slot = 0
     if fp8 is not None:
         scale, fmt, amax_out, _, buffers = fp8
@@ -343,7 +344,7 @@ def norm_backward(dy2d, x2d, mean, rstd, weight, rms: bool, need_dx: bool,
     n_blk = cdiv(m, bm)
     grid = min(n_blk, BWD_PROGRAMS_PER_SM * triton_launch.sm_count(dev))
     n_sums = int(need_dweight) + int(need_dbias)
-    dx = torch.empty((m, k), dtype=x2d.dtype, device=dev) if need_dx else _absent(x2d)
+    dx = torch.empty((m, k), dtype=x2d.dtype, device=dev) if need_dx else _unused(x2d)
     parts = torch.empty((max(n_sums, 1) * grid, k), dtype=torch.float32, device=dev)
     mean_arg = rstd if mean is None else mean
     key = (x2d.dtype, dy2d.dtype, weight.dtype, ptr_key(x2d), ptr_key(dy2d), ptr_key(weight),

@@ -32,8 +32,8 @@ import triton.language as tl
 
 from . import reference as ref
 from .triton_launch import Launcher, cdiv, int_key, ptr_key
-from .triton_quant import (_absent, _abs_bits, _load_tile, _matrix, _scale_from_amax,
-                           _store_rows, _tile_index, _x_key)
+from .triton_quant import (_abs_bits, _load_tile, _matrix, _scale_from_amax,
+                           _store_rows, _tile_index, _unused, _x_key)
 
 _RHT_NEG = tl.constexpr(ref.RHT_NEGATIVE)
 _INV_E2M1_MAX = tl.constexpr(1.0 / ref.E2M1_MAX)  # rounded to fp32 where used, as in torch
@@ -293,12 +293,12 @@ def quantize_nvfp4(x2d, block_2d, rht, stochastic, rowwise, columnwise) -> dict:
     _amax_launch((n_parts,), (xkey, int_key(n_parts), x_amax, rht_amax), x2d, m, k, parts,
                  n_parts, x_amax, rht_amax, _AMAX_BM, _AMAX_BK)
     # the reference's draws: rand_like of the rowwise copy, then the columnwise one;
-    # without them the kernel gets ``parts`` (read only), absent copies a spare each
+    # without them the kernel gets ``parts`` (read only), as do absent copies
     r_row = (torch.rand((m, k), dtype=torch.float32, device=dev) if stochastic and rowwise
              else parts)
     r_col = (torch.rand((k, m), dtype=torch.float32, device=dev) if stochastic and columnwise
              else parts)
-    bufs = tuple(out[name] if name in out else _absent(parts) for name in _BUFFERS)
+    bufs = tuple(out[name] if name in out else _unused(parts) for name in _BUFFERS)
     flags = (bool(block_2d), bool(rht), bool(stochastic), bool(rowwise), bool(columnwise))
     _nvfp4_launch((cdiv(m, _BM), cdiv(k, _BK)), (xkey, int_key(n_parts), flags),
                   x2d, m, k, parts, n_parts, r_row, r_col, *bufs, *flags, _BM, _BK, _MAX_PARTS)

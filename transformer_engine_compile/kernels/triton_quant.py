@@ -37,7 +37,6 @@ import triton
 import triton.language as tl
 
 from . import reference as ref
-from . import tracing
 from .triton_launch import Launcher, cdiv, int_key, next_pow2, ptr_key
 
 _TL_FP8 = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
@@ -141,12 +140,15 @@ def _x_key(x2d: torch.Tensor, m: int, k: int) -> tuple:
     return x2d.dtype, ptr_key(x2d), int_key(m), int_key(k)
 
 
-def _absent(like: torch.Tensor) -> torch.Tensor:
-    """The pointer argument for an output a kernel never writes (its flag is
-    a constexpr): ``like`` itself, or while traced a one-element spare:
-    functionalization would otherwise see one buffer passed as two kernel
-    arguments, either of which may be written."""
-    return like.new_empty(1) if tracing.active else like
+def _unused(src: torch.Tensor) -> torch.Tensor:
+    """The pointer argument for a buffer a kernel never touches (its flag is
+    a constexpr): ``src``, an input the kernel only reads.  Torch's mutation
+    analysis of a traced kernel finds no store through it, so a lowered
+    graph allocates nothing for it.  (A written buffer would not do: passed
+    as two arguments, functionalization must assume either is written; the
+    one-element spares allocated for that cost a lowered llama-a step ~120
+    allocations, docs/benchmarks.md, twenty-second session.)"""
+    return src
 
 
 # -- layout ------------------------------------------------------------------------
@@ -356,11 +358,11 @@ def _fp8_outputs(dev, dt, m, k, rowwise, columnwise) -> dict:
     return out
 
 
-def _fp8_copy_args(out: dict) -> tuple:
-    """data, transpose, scale_inv pointers (an absent copy gets scale_inv: never written)."""
-    sinv = out["scale_inv"]
-    return (out["data"] if "data" in out else _absent(sinv),
-            out["transpose"] if "transpose" in out else _absent(sinv), sinv)
+def _fp8_copy_args(out: dict, src: torch.Tensor) -> tuple:
+    """data, transpose, scale_inv pointers; an absent copy gets ``src``, the
+    kernel's input (never written: :func:`_unused`)."""
+    return (out["data"] if "data" in out else _unused(src),
+            out["transpose"] if "transpose" in out else _unused(src), out["scale_inv"])
 
 
 def _n_amax_parts(m, k) -> int:
@@ -405,7 +407,7 @@ def _fp8_tensorwise(x2d, fmt, rowwise, columnwise, *, scale=None, amax_out=None,
     step_args, step_consts = _step_args(step, x2d, grid[0] * grid[1])
     step_key = step_consts + tuple(int_key(v) for v in step_args[3:])
     _fp8_tensorwise_launch(grid, (key, flags, n_load, index, step_key), x2d, m, k, amax_arg,
-                           n_parts, scale_arg, *_fp8_copy_args(out), *step_args,
+                           n_parts, scale_arg, *_fp8_copy_args(out, x2d), *step_args,
                            ref.FP8_MAX[fmt], *flags[1:], _TL_FP8[fmt], _TW_BM, _TW_BK, n_load,
                            index, *step_consts)
     if step is not None and not step_consts[0]:
@@ -428,7 +430,7 @@ def _step_args(step, x2d, programs: int) -> tuple:
     ``reference.StepAfter`` it runs, or for none (a history longer than one
     tile, or a large grid: then the step is a launch of its own).  Without a
     step the pointers are the kernel's input: read only, so no spare buffers
-    (``_absent``) are needed while traced."""
+    are needed while traced (``_unused``)."""
     if (step is None or _step_tile_size(step.history) > _MAX_STEP_TILE
             or step.history.shape[1] > ref.STEP_COUNTER or programs > _MAX_STEP_PROGRAMS):
         return (x2d, x2d, x2d, 0, 0), (False, 1.0, 1.0, False, 1, 1)
@@ -512,7 +514,8 @@ def _fp8_current_pair_cast(a2d, b2d, parts, pa, pb, fmt, pow2, eps, a_usage, b_u
              bool(b_usage[0]), bool(b_usage[1]))
     tiles = cdiv(ma, _TW_BM) * cdiv(ka, _TW_BK) + cdiv(mb, _TW_BM) * cdiv(kb, _TW_BK)
     _fp8_current_pair_launch((tiles,), (key, flags), a2d, ma, ka, b2d, mb, kb, parts, pa, pb,
-                             *_fp8_copy_args(out_a), *_fp8_copy_args(out_b), ref.FP8_MAX[fmt],
+                             *_fp8_copy_args(out_a, a2d), *_fp8_copy_args(out_b, b2d),
+                             ref.FP8_MAX[fmt],
                              *flags[1:], _TL_FP8[fmt], _TW_BM, _TW_BK, n_load)
     return out_a, out_b
 
