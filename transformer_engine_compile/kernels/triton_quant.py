@@ -145,9 +145,10 @@ def _unused(src: torch.Tensor) -> torch.Tensor:
     a constexpr): ``src``, an input the kernel only reads.  Torch's mutation
     analysis of a traced kernel finds no store through it, so a lowered
     graph allocates nothing for it.  (A written buffer would not do: passed
-    as two arguments, functionalization must assume either is written; the
-    one-element spares allocated for that cost a lowered llama-a step ~120
-    allocations, docs/benchmarks.md, twenty-second session.)"""
+    as two arguments, functionalization must assume either is written.  The
+    one-element spare each such argument had before mostly reused a freed
+    buffer in inductor's plan: 131 -> 128 allocations per compiled
+    llama-tiny step, docs/benchmarks.md, twenty-second session.)"""
     return src
 
 
