@@ -144,11 +144,8 @@ def _unused(src: torch.Tensor) -> torch.Tensor:
     """The pointer argument for a buffer a kernel never touches (its flag is
     a constexpr): ``src``, an input the kernel only reads.  Torch's mutation
     analysis of a traced kernel finds no store through it, so a lowered
-    graph allocates nothing for it.  (A written buffer would not do: passed
-    as two arguments, functionalization must assume either is written.  The
-    one-element spare each such argument had before mostly reused a freed
-    buffer in inductor's plan: 131 -> 128 allocations per compiled
-    llama-tiny step, docs/benchmarks.md, twenty-second session.)"""
+    graph allocates nothing for it (it used to allocate a one-element spare
+    per such argument; docs/benchmarks.md, twenty-second session)."""
     return src
 
 
@@ -430,11 +427,10 @@ def _step_args(step, x2d, programs: int) -> tuple:
     MOST_RECENT, BL, BN) of the cast kernel of ``programs`` programs for a
     ``reference.StepAfter`` it runs, or for none (a history longer than one
     tile, or a large grid: then the step is a launch of its own).  Without a
-    step the pointers are the kernel's input: read only, so no spare buffers
-    are needed while traced (``_unused``)."""
+    step the pointers are the kernel's input (``_unused``)."""
     if (step is None or _step_tile_size(step.history) > _MAX_STEP_TILE
             or step.history.shape[1] > ref.STEP_COUNTER or programs > _MAX_STEP_PROGRAMS):
-        return (x2d, x2d, x2d, 0, 0), (False, 1.0, 1.0, False, 1, 1)
+        return (_unused(x2d),) * 3 + (0, 0), (False, 1.0, 1.0, False, 1, 1)
     n_len, n_cols = step.history.shape
     return ((step.history, step.new_history, step.new_scale, n_len, n_cols),
             (True, ref.FP8_MAX[step.fmt], 2.0 ** -step.margin, step.algo == "most_recent",
