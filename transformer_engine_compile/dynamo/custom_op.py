@@ -60,7 +60,7 @@ from . import arg_views
 from . import buckets as B
 from . import compat, export, lowering
 from .flat_result import (Layout, entry_count, flatten_result, layout_of, pack_saved,
-                          split_state, unflatten_result, unpack_saved)
+                          unflatten_result, unpack_saved)
 from .tensor_proto import to_tensor_proto
 
 NAMESPACE = "te_compile"
@@ -112,12 +112,16 @@ def apply_updates(updates: dict, args, results: dict) -> dict:
     if not updates:
         return results
     results = dict(results)
+    pending = []
+    for name, update in updates.items():
+        new = results.pop(name, None)
+        if new is not None:
+            pending.append((name, update, new))
+    if not pending:  # the common eager call: nothing to write
+        return results
     exporting = torch.compiler.is_exporting()
     with contextlib.nullcontext() if exporting else torch.no_grad():
-        for name, update in updates.items():
-            new = results.pop(name, None)
-            if new is None:
-                continue
+        for name, update, new in pending:
             dst = getattr(args, update.field)
             if dst is None:
                 raise RuntimeError(f"update {name!r} has no target: field "
@@ -365,6 +369,7 @@ class CustomOpPair:
         self.forward_updates = _check_updates(forward_updates, self.fwd_plan, "forward_updates")
         self.backward_updates = _check_updates(backward_updates, self.bwd_plan, "backward_updates")
         self.update_targets = tuple(u.field for u in self.backward_updates.values())
+        self._grad_positions: dict = {}
         self.available = B.CARRIERS_REGISTERED
         self.fwd_op = self.bwd_op = None
         if not self.available:  # eager() still works
@@ -420,10 +425,9 @@ class CustomOpPair:
         args = self.fwd_plan.decode(inputs)
         layout = self.fwd_layout(args)
         _, saved = unflatten_result(layout, output, args)
-        saved, ctx.te_state = split_state(saved, self.update_targets)
+        tensors, spec, ctx.te_state = pack_saved(saved, self.update_targets)
         # traced: hand them to the compiled backward as eager does (no version check)
         compat.save_without_version_check(pack_saved(ctx.te_state)[0])
-        tensors, spec = pack_saved(saved)
         ctx.save_for_backward(*tensors)
         ctx.te_spec = spec
         ctx.te_values = self.setup_context(args)
@@ -463,57 +467,79 @@ class CustomOpPair:
 
     def eager(self, args) -> dict:
         """Eager path: the same impls under a ``torch.autograd.Function``."""
-        diff = [getattr(args, f) for f in self.fwd_plan.tensor_fields]
-        diff_fields = [f for f, t in zip(self.fwd_plan.tensor_fields, diff)
-                       if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not (torch.is_grad_enabled() and diff_fields):
+        diff_fields, diff = [], []
+        if torch.is_grad_enabled():
+            for name in self.fwd_plan.tensor_fields:
+                value = getattr(args, name)
+                if isinstance(value, torch.Tensor) and value.requires_grad:
+                    diff_fields.append(name)
+                    diff.append(value)
+        if not diff:
             with eager_buffers_in_place():
                 outputs = self.forward(args).outputs
             return apply_updates(self.forward_updates, args, outputs)
-        keys = []  # filled by the Function's forward
-        values = _EagerFunction.apply(self, args, diff_fields, keys,
-                                      *[getattr(args, f) for f in diff_fields])
-        return apply_updates(self.forward_updates, args, dict(zip(keys, values)))
+        names = []  # the output names, filled by the Function's forward
+        values = _EagerFunction.apply(self, args, diff_fields, names, *diff)
+        return apply_updates(self.forward_updates, args, dict(zip(names, values)))
+
+    def grad_positions(self, names: tuple) -> tuple:
+        """``((backward field, index of its output in names), ...)`` for a
+        forward that returned the outputs ``names`` (cached: the names
+        depend only on the call's configuration)."""
+        positions = self._grad_positions.get(names)
+        if positions is None:
+            positions = self._grad_positions[names] = tuple(
+                (f, names.index(o)) for f, o in self.grad_fields.items())
+        return positions
 
     def make_bwd_args(self, saved: dict, values: dict, grads: dict):
         return self.bwd_plan.cls(**saved, **values, **grads)
 
 
 def _owning(t):
-    """``t``, or for a view (``y.view(shape)``) the same storage as no view:
-    FSDP2 warns on view outputs (in-place ops on them skip its hooks)."""
+    """``t``, or for a view (``y.view(shape)``) a tensor on the same
+    storage that is no view: a module output that is a view is refused
+    in-place ops by autograd, and FSDP2 warns that such an op would skip its
+    hooks.  ``detach()`` makes a non-differentiable alias, which autograd
+    does not track as a view (``_base`` None), at a sixth of the cost of a
+    ``set_`` onto the storage."""
     if type(t) is not torch.Tensor or t._base is None:
         return t
-    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+    return t.detach()
 
 
 class _EagerFunction(torch.autograd.Function):
+    """The eager path's autograd node.  Kept lean (issue 14): every eager
+    layer call runs its forward and backward, so each Python step here is
+    host time per layer (docs/benchmarks.md, twenty-third session)."""
+
     @staticmethod
-    def forward(ctx, pair, args, diff_fields, keys, *diff_tensors):
+    def forward(ctx, pair, args, diff_fields, names, *diff_tensors):
         with eager_buffers_in_place():
             result = pair.forward(args)
-        saved, ctx.te_state = split_state(result.saved, pair.update_targets)
-        tensors, spec = pack_saved(saved)
+        tensors, ctx.te_spec, ctx.te_state = pack_saved(result.saved, pair.update_targets)
         ctx.save_for_backward(*tensors)
-        ctx.te_spec, ctx.te_pair, ctx.te_fields = spec, pair, diff_fields
+        ctx.te_pair, ctx.te_fields = pair, diff_fields
         ctx.te_values = pair.setup_context(args)
-        keys.extend(result.outputs)
-        ctx.te_out_grad = {f: keys.index(o) for f, o in pair.grad_fields.items()}
-        return tuple(_owning(v) for v in result.outputs.values())
+        outputs = result.outputs
+        names.extend(outputs)
+        ctx.te_out_grad = pair.grad_positions(tuple(names))
+        return tuple([_owning(v) for v in outputs.values()])
 
     @staticmethod
     @once_differentiable  # the impls are not differentiable: refuse double backward
     def backward(ctx, *grads):
         pair = ctx.te_pair
-        grads_by_output = {f: grads[i] for f, i in ctx.te_out_grad.items()}
+        grads_by_output = {f: grads[i] for f, i in ctx.te_out_grad}
         if all(g is None for g in grads_by_output.values()):
             return (None,) * (4 + len(ctx.te_fields))
-        saved = {**unpack_saved(ctx.saved_tensors, ctx.te_spec), **ctx.te_state}
+        saved = unpack_saved(ctx.saved_tensors, ctx.te_spec)
+        saved.update(ctx.te_state)
         bwd_args = pair.make_bwd_args(saved, ctx.te_values, grads_by_output)
         with eager_buffers_in_place():
             grads = pair.backward(bwd_args)
         result = apply_updates(pair.backward_updates, bwd_args, grads)
-        return (None,) * 4 + tuple(result.get(f) for f in ctx.te_fields)
+        return (None,) * 4 + tuple([result.get(f) for f in ctx.te_fields])
 
 
 # -- registration -------------------------------------------------------------------------

@@ -6,8 +6,8 @@ only return a flat list of tensors: :func:`flatten_result` lays the result
 out (each storage as its buffers, aliases of arguments or outputs left
 out), :func:`layout_of` records that structure from the fake's protos, and
 :func:`unflatten_result` rebuilds the dicts from the list.  ``pack_saved``
-/ ``unpack_saved`` do the same for ``ctx.save_for_backward``;
-``split_state`` keeps the layer state the backward updates off it.
+/ ``unpack_saved`` do the same for ``ctx.save_for_backward``, keeping the
+layer state the backward updates off it.
 """
 
 from __future__ import annotations
@@ -131,35 +131,41 @@ def unflatten_result(layout: Layout, flat, args=None, outputs_only=False):
 
 
 # -- saving for backward ---------------------------------------------------------------
-def pack_saved(saved: dict):
-    """``(tensors, spec)``: what ``ctx.save_for_backward`` can hold, and how to rebuild."""
-    tensors, spec = [], []
+def pack_saved(saved: dict, state_names=()) -> tuple:
+    """``(tensors, spec, state)``: what ``ctx.save_for_backward`` can hold,
+    how to rebuild the values from it, and the saved values named in
+    ``state_names``, kept apart.
+
+    Those are live state the backward writes into (``main_grad``,
+    delayed-scaling buffers).  They travel on ``ctx`` by reference, not
+    through ``save_for_backward``: the backward must read them as they are
+    when it runs, and a layer applied twice before backward updates them in
+    between, which the saved tensors' version check would refuse.  Traced by
+    AOTAutograd, the compiled forward hands them over the same way (no
+    version check, ``compat.save_without_version_check``), so two compiled
+    calls before one backward work too.  One pass over ``saved``: the eager
+    path runs this on every layer call."""
+    tensors, spec, state = [], [], {}
     for name, value in saved.items():
-        if value is None:
+        if name in state_names:
+            state[name] = value
+        elif value is None:
             spec.append((name, None))
         elif isinstance(value, QuantizedTensorStorage) and not isinstance(value, torch.Tensor):
-            bufs = value.buffers()
-            spec.append((name, (type(value), value._te_shape, value._te_dtype, value._quantizer,
-                                value.extras(), tuple(bufs), len(tensors))))
-            tensors.extend(bufs.values())
+            # the storage's attributes with its buffers left out: unpack_saved
+            # puts the saved tensors back into a copy of them
+            shell, attrs, start = dict(value.__dict__), [], len(tensors)
+            for _, attr in value._BUFFER_ATTRS:
+                t = shell[attr]
+                if t is not None:
+                    attrs.append(attr)
+                    tensors.append(t)
+                    shell[attr] = None
+            spec.append((name, (type(value), shell, tuple(attrs), start)))
         else:
             spec.append((name, len(tensors)))
             tensors.append(value)
-    return tensors, tuple(spec)
-
-
-def split_state(saved: dict, targets) -> tuple:
-    """``(saved, state)``: the saved values the backward writes into (live
-    state: ``main_grad``, delayed-scaling buffers) kept apart from the rest.
-    They travel on ``ctx`` by reference, not through ``save_for_backward``:
-    the backward must read them as they are when it runs, and a layer
-    applied twice before backward updates them in between, which the saved
-    tensors' version check would refuse.  Traced by AOTAutograd, the
-    compiled forward hands them over the same way (no version check,
-    ``compat.save_without_version_check``), so two compiled calls before
-    one backward work too."""
-    state = {n: saved[n] for n in targets if n in saved}
-    return ({n: v for n, v in saved.items() if n not in state}, state)
+    return tensors, tuple(spec), state
 
 
 def unpack_saved(tensors, spec) -> dict:
@@ -170,7 +176,11 @@ def unpack_saved(tensors, spec) -> dict:
         elif isinstance(s, int):
             out[name] = tensors[s]
         else:
-            cls, shape, dtype, quantizer, extras, names, start = s
-            out[name] = cls._assemble(shape, dtype, quantizer, extras,
-                                      dict(zip(names, tensors[start:start + len(names)])))
+            cls, shell, attrs, start = s
+            storage = object.__new__(cls)
+            fields = storage.__dict__
+            fields.update(shell)
+            for i, attr in enumerate(attrs, start):
+                fields[attr] = tensors[i]
+            out[name] = storage
     return out

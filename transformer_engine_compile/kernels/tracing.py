@@ -41,17 +41,24 @@ def functional(*tensors) -> bool:
     return all(isinstance(t, FunctionalTensor) for t in tensors)
 
 
-@contextlib.contextmanager
-def eager_buffers_in_place():
+class eager_buffers_in_place:
     """The ops' impls called eagerly (``CustomOpPair.eager``), not as ops:
     a delayed-scaling step then writes the layer's amax history and scale
     themselves, as it does in a lowered trace, instead of new buffers that
     the op's updates copy back (two copies and two allocations per op
     call).  An op must not write its inputs, so its real impl never does.
     Thread-local: the autograd engine may run a backward on a thread of
-    its own."""
-    with thread_local_value(_eager, "in_place", True):
-        yield
+    its own.  A plain class, not a generator context manager: it runs twice
+    per eager layer call (a few us less, docs/benchmarks.md)."""
+
+    __slots__ = ("_previous",)
+
+    def __enter__(self):
+        self._previous = getattr(_eager, "in_place", False)
+        _eager.in_place = True
+
+    def __exit__(self, *exc):
+        _eager.in_place = self._previous
 
 
 @contextlib.contextmanager

@@ -256,6 +256,30 @@ def init_weight_(weight: torch.Tensor, init_method=None) -> None:
         torch.nn.init.kaiming_uniform_(weight, a=5 ** 0.5)
 
 
+_PLAIN_TENSORS = (torch.nn.Parameter, torch.Tensor)
+
+
+class _ArgsTemplate:
+    """The arguments of an eager call, less its tensors: what
+    :meth:`Linear._make_args` worked out (checks passed, quantizers,
+    flags), for the next call with the same configuration (the memo key),
+    which then skips the checks and builds no dataclass (issue 14: the
+    eager path's host time).  Holds no tensor, so no activation is kept
+    alive by it."""
+
+    __slots__ = ("fields",)
+
+    def __init__(self, args: LinearFwdArgs):
+        self.fields = {**args.__dict__, "inp": None, "weight": None, "bias": None}
+
+    def with_tensors(self, inp, weight, bias) -> LinearFwdArgs:
+        args = object.__new__(LinearFwdArgs)  # the same fields, all given: no __init__
+        fields = args.__dict__
+        fields.update(self.fields)
+        fields["inp"], fields["weight"], fields["bias"] = inp, weight, bias
+        return args
+
+
 class Linear(torch.nn.Module):
     """Linear layer with Transformer Engine's argument names.
 
@@ -308,6 +332,13 @@ class Linear(torch.nn.Module):
         self.init_method = init_method
         self.reset_parameters()
         self._state_key = register_module(self)  # names it for trace-time buffer allocation
+
+    def __getstate__(self):
+        """Pickles and copies leave the eager-arguments memo behind (it keys
+        on this layer's parameter objects)."""
+        state = super().__getstate__()
+        state.pop("_args_memo", None)
+        return state
 
     def __setstate__(self, state):
         """Copies and unpickled layers get their own state key (dynamo/state.py)."""
@@ -410,11 +441,32 @@ class Linear(torch.nn.Module):
                    bias=None) -> LinearFwdArgs:
         """The forward op's arguments; ``weight`` / ``bias``: the parameters
         as the GEMMs take them (cast under torch.autocast), default the layer's."""
-        self._check_input(inp)
         recipe = get_autocast_recipe()
         if weight is None:
             weight, bias = self.weight, self.bias
         grad = torch.is_grad_enabled()
+        key = None
+        if (is_first_microbatch is None and not (fp8_output or fp8_grad)
+                and self._OPS is LINEAR_OPS and not torch.compiler.is_compiling()
+                and weight is self.weight and bias is self.bias
+                and type(weight) in _PLAIN_TENSORS and not self.fuse_wgrad_accumulation):
+            key = (recipe, grad, inp.shape, inp.dtype, type(inp), inp.requires_grad,
+                   weight.dtype, weight.requires_grad, None if bias is None else bias.requires_grad,
+                   self.return_bias, self.save_original_input, self.parallel_mode,
+                   self.sequence_parallel, self.tp_size)
+            memo = self.__dict__.get("_args_memo")
+            if memo is not None and memo[0] is weight and memo[1] is bias and memo[2] == key:
+                return memo[3].with_tensors(inp, weight, None if self.return_bias else bias)
+        args = self._checked_args(inp, recipe, grad, is_first_microbatch, fp8_output, fp8_grad,
+                                  weight, bias)
+        if key is not None and args.amax_history_fwd is None:  # no state bound
+            self.__dict__["_args_memo"] = (weight, bias, key, _ArgsTemplate(args))
+        return args
+
+    def _checked_args(self, inp, recipe, grad, is_first_microbatch, fp8_output, fp8_grad,
+                      weight, bias) -> LinearFwdArgs:
+        """:meth:`_make_args` without the memo: every check, every field."""
+        self._check_input(inp)
         weight = check_gathered_weight("te.Linear", weight, recipe, grad)
         args = self._new_args(
             grad,
