@@ -215,11 +215,25 @@ def test_layout_parity_forward_and_backward(name, lead):
 
 def test_parity_counts_what_the_flags_promise():
     """The layout the parity test compares is the intended one, not just a
-    self-consistent one: quantized saved input keeps only its columnwise copy."""
+    self-consistent one: quantized saved input keeps only its columnwise copy,
+    and so does a weight the call quantized; a weight the layer keeps (the
+    cached workspace, written or reused, or an FP8 weight) is saved whole
+    and left as it is."""
     args = _fwd_args(RECIPES["mxfp8"])
     saved = L.linear_forward(args).saved
     assert saved["inputmat"].get_usages() == {"rowwise": False, "columnwise": True}
-    assert saved["weightmat"].get_usages() == {"rowwise": True, "columnwise": True}
+    assert saved["weightmat"].get_usages() == {"rowwise": False, "columnwise": True}
+    both = {"rowwise": True, "columnwise": True}
+    for kept in (dict(fp8_weight=True), dict(workspace=True), dict(cache_weight=True)):
+        args = _fwd_args(RECIPES["fp8_current"], **kept)
+        if kept.get("cache_weight"):  # the layer's buffer the call writes
+            args.weight_workspace = args.weight_quantizer.quantize(args.weight)
+        result = L.linear_forward(args)
+        saved_w = result.saved["weightmat"]
+        kept_w = (result.outputs["weight_workspace"] if kept.get("cache_weight")
+                  else args.weight if kept.get("fp8_weight") else args.weight_workspace)
+        assert saved_w is kept_w, kept
+        assert saved_w.get_usages() == both, kept
     args = _fwd_args(RECIPES["mxfp8"], save_original_input=True)
     assert L.linear_forward(args).saved["inputmat"] is args.inp
     args = _fwd_args(None)

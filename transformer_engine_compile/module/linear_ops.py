@@ -350,10 +350,21 @@ def linear_forward(args: LinearFwdArgs, xq=None, wq=None, amaxes=None) -> OpResu
             xq.update_usage(rowwise_usage=False)  # wgrad reads the columnwise copy only
             saved_x = xq
     saved_w = w if args.input_requires_grad else None
+    if saved_w is not None and _fresh_weight_copy(args, w):
+        w.update_usage(rowwise_usage=False)  # dgrad reads the columnwise copy only
     state = _delayed_updates(args.input_quantizer, args.amax_history_fwd, args.scale_fwd,
                              amaxes, "fwd", args.amax_group, step)
     return OpResult({"out": y, "weight_workspace": workspace, **state},
                     {"inputmat": saved_x, "weightmat": saved_w, **_saved_for_updates(args)})
+
+
+def _fresh_weight_copy(args: LinearFwdArgs, w) -> bool:
+    """Whether ``w``, the forward GEMM's weight operand, is a copy this call
+    quantized and nothing else keeps (not the cached workspace, not an FP8
+    weight), so the backward may hold its columnwise copy alone.  Real or
+    fake: ``w`` is a storage or a quantized proto then."""
+    return (_quantizes_weight(args) and not args.cache_weight
+            and w is not args.weight and w is not args.weight_workspace)
 
 
 def _saved_for_updates(args: LinearFwdArgs) -> dict:
@@ -387,6 +398,8 @@ def linear_forward_fake(args: LinearFwdArgs) -> OpResult:
             xq.update_usage(rowwise=False)
             saved_x = xq
     saved_w = w if args.input_requires_grad else None
+    if saved_w is not None and _fresh_weight_copy(args, w):
+        w.update_usage(rowwise=False)
     return OpResult({"out": y, "weight_workspace": workspace,
                      **_delayed_updates_fake(args.amax_history_fwd, "fwd")},
                     {"inputmat": saved_x, "weightmat": saved_w, **_saved_for_updates(args)})
