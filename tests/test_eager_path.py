@@ -1,0 +1,146 @@
+"""The eager path's shortcuts (issue 14): te.Linear's argument memo and
+non-view outputs.  Each shortcut must give what the full path gives."""
+
+import copy
+import io
+import pickle
+import weakref
+from unittest import mock
+
+import pytest
+import torch
+
+import transformer_engine_compile as te
+from transformer_engine_compile import recipe
+from transformer_engine_compile.module.linear import Linear
+
+
+def _layer(bias=False, dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    return te.Linear(128, 128, bias=bias, params_dtype=dtype)
+
+
+def _run(layer, x, rec, grad=True):
+    """Output and gradients of one eager call (x's, then the parameters')."""
+    x = x.detach().requires_grad_(x.requires_grad)
+    layer.zero_grad(set_to_none=True)
+    with torch.set_grad_enabled(grad), te.autocast(enabled=rec is not None, recipe=rec):
+        y = layer(x)
+    if grad and y.requires_grad:
+        y.float().square().sum().backward()
+    return [y.detach()] + [t.grad for t in (x, *layer.parameters())]
+
+
+def _same(a, b):
+    assert len(a) == len(b)
+    for u, v in zip(a, b):
+        assert (u is None) == (v is None)
+        if u is not None:
+            assert u.dtype == v.dtype and torch.equal(u, v)
+
+
+@pytest.mark.parametrize("name", ["fp8_current", "fp8_block", "mxfp8", "bf16"])
+def test_args_memo_is_reused_and_gives_the_full_paths_results(name):
+    """A repeated configuration skips the checks (one ``_checked_args`` for
+    two calls), and every change of configuration rebuilds the arguments:
+    grad mode, requires_grad, input shape or dtype, recipe, a replaced or
+    converted parameter.  Each call equals a copy of the layer (which
+    starts without memo) running the same call."""
+    rec = recipe.by_name(name)
+    layer = _layer(bias=name == "bf16")  # bf16 without bias would run F.linear
+    x = torch.randn(4, 128, dtype=torch.bfloat16, requires_grad=True)
+    calls = []
+    full = Linear._checked_args
+
+    def counted(self, *args):
+        calls.append(1)
+        return full(self, *args)
+
+    def check(layer, x, rec, grad=True, built=True):
+        before = len(calls)
+        got = _run(layer, x, rec, grad)
+        assert len(calls) - before == int(built)
+        _same(got, _run(copy.deepcopy(layer), x, rec, grad))
+
+    with mock.patch.object(Linear, "_checked_args", counted):
+        check(layer, x, rec)
+        check(layer, x, rec, built=False)  # the memo
+        check(layer, x, rec, grad=False)
+        check(layer, x.detach(), rec)
+        check(layer, torch.randn(2, 4, 128, dtype=torch.bfloat16, requires_grad=True), rec)
+        check(layer, x, rec)
+        layer.weight.requires_grad_(False)
+        check(layer, x, rec)
+        layer.weight.requires_grad_(True)
+        other = recipe.by_name("fp8_current" if name != "fp8_current" else "mxfp8")
+        check(layer, x, other)
+        check(layer, x, rec)
+        layer.weight = torch.nn.Parameter(layer.weight.detach() * 2)
+        check(layer, x, rec)
+        check(layer, x, rec, built=False)
+        layer.to(torch.float32)  # parameters converted in place: same objects, new dtype
+        check(layer, x.float(), rec)
+
+
+def test_memo_never_skips_a_check():
+    """After calls the memo serves, a call it does not serve still meets
+    every check: a wrong width, a dtype the layer does not take, a dtype
+    other than the weight's without a recipe."""
+    layer = _layer()
+    rec = recipe.Float8CurrentScaling()
+    x = torch.randn(32, 128, dtype=torch.bfloat16, requires_grad=True)
+    _run(layer, x, rec)
+    _run(layer, x, rec)
+    with pytest.raises(ValueError, match="must end in 128"):
+        _run(layer, torch.randn(32, 96, dtype=torch.bfloat16, requires_grad=True), rec)
+    with pytest.raises(TypeError, match="must be float32, bfloat16 or float16"):
+        _run(layer, torch.randn(32, 128, dtype=torch.float64, requires_grad=True), rec)
+    _run(layer, x, None)
+    with pytest.raises(TypeError, match="differs from the weight"):
+        _run(layer, x.float(), None)
+
+
+def test_memo_keeps_no_activation_and_is_not_saved():
+    """The memo holds no input (the activation is freed with the graph), and
+    copies, pickles and ``torch.save`` leave it behind."""
+    layer = _layer()
+    rec = recipe.Float8CurrentScaling()
+    x = torch.randn(4, 128, dtype=torch.bfloat16, requires_grad=True)
+    _run(layer, x, rec)
+    with te.autocast(recipe=rec):
+        h = torch.randn(4, 128, dtype=torch.bfloat16, requires_grad=True)
+        y = layer(h)
+    y.sum().backward()
+    ref = weakref.ref(h)
+    del h, y
+    assert ref() is None
+    assert "_args_memo" in layer.__dict__
+    assert "_args_memo" not in copy.deepcopy(layer).__dict__
+    assert "_args_memo" not in pickle.loads(pickle.dumps(layer)).__dict__
+    buf = io.BytesIO()
+    torch.save(layer, buf)
+    buf.seek(0)
+    assert "_args_memo" not in torch.load(buf, weights_only=False).__dict__
+
+
+@pytest.mark.parametrize("name", ["fp8_current", "bf16"])
+def test_eager_output_is_no_view(name):
+    """A 3-D input's output is no view (the GEMM's 2-D result reshaped), so
+    an in-place op on it is allowed, and the gradient it passes back is
+    the one of the op's result."""
+    rec = recipe.by_name(name)
+    layer = _layer(bias=True)
+    x = torch.randn(2, 4, 128, dtype=torch.bfloat16, requires_grad=True)
+    with te.autocast(enabled=rec is not None, recipe=rec):
+        y = layer(x)
+    assert y._base is None and not y._is_view()
+    y.mul_(3)
+    y.float().sum().backward()
+    want = _layer(bias=True)
+    x2 = x.detach().requires_grad_()
+    with te.autocast(enabled=rec is not None, recipe=rec):
+        y2 = want(x2) * 3
+    y2.float().sum().backward()
+    assert torch.equal(y.detach(), y2.detach())
+    assert torch.equal(x.grad, x2.grad)
+    assert torch.equal(layer.weight.grad, want.weight.grad)
