@@ -375,7 +375,11 @@ class QuantizedTensorStorage:
 
     Subclasses declare ``_BUFFERS`` (flatten order) and ``_EXTRAS`` (names of
     non-tensor constructor arguments) and implement ``_dequantize_2d``.
-    Buffers are stored as ``self._<name>``; absent usages hold None.
+    Buffers are stored as ``self._<name>``; absent usages hold None.  No
+    other attribute holds a tensor: the eager path saves a storage for
+    backward as its buffers plus a copy of its other attributes
+    (``dynamo.flat_result.pack_saved``), and only the buffers pass through
+    saved-tensor hooks.
     """
 
     _BUFFERS: ClassVar[tuple] = ()
