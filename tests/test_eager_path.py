@@ -144,3 +144,30 @@ def test_eager_output_is_no_view(name):
     assert torch.equal(y.detach(), y2.detach())
     assert torch.equal(x.grad, x2.grad)
     assert torch.equal(layer.weight.grad, want.weight.grad)
+
+
+@pytest.mark.parametrize("name", ["fp8_current", "mxfp8", "nvfp4"])
+def test_every_saved_buffer_passes_the_saved_tensor_hooks(name):
+    """A quantized value saved for backward goes through
+    ``saved_tensors_hooks`` buffer by buffer, and the backward uses what
+    the hooks give back: zeros there give zero gradients (a buffer kept
+    aside, not through the hooks, would give the true ones)."""
+    rec = recipe.by_name(name)
+    layer = _layer()
+    x = torch.randn(32, 128, dtype=torch.bfloat16, requires_grad=True)
+    packed = []
+
+    def pack(t):
+        packed.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, torch.zeros_like), \
+            te.autocast(recipe=rec):
+        y = layer(x)
+    y.float().sum().backward()
+    assert len(packed) >= 4  # x's and W's copies, each with its scales
+    assert not x.grad.any() and not layer.weight.grad.any()
+    x.grad = layer.weight.grad = None
+    with te.autocast(recipe=rec):
+        layer(x).float().sum().backward()
+    assert x.grad.any() and layer.weight.grad.any()
