@@ -396,6 +396,8 @@ class QuantizedTensorStorage:
         _STORAGE_REGISTRY[class_key(cls)] = cls
         cls._LOGICAL_BUFFER = next((s.name for s in cls._BUFFERS if s.usage == "rowwise"), None)
         cls._BUFFER_ATTRS = tuple((s.name, "_" + s.name) for s in cls._BUFFERS)
+        cls._USAGE_ATTRS = {usage: tuple("_" + s.name for s in cls._BUFFERS if s.usage == usage)
+                            for usage in ("rowwise", "columnwise")}
         cls._EMPTY_ATTRS = {"_" + s.name: None for s in cls._BUFFERS}
 
     @classmethod
@@ -455,8 +457,17 @@ class QuantizedTensorStorage:
     def extras(self) -> tuple:
         return tuple((name, getattr(self, "_" + name)) for name in self._EXTRAS)
 
+    def has_usage(self, usage: str) -> bool:
+        """Whether this tensor holds its ``usage`` copy (``"rowwise"`` or
+        ``"columnwise"``): a buffer of that usage is present.  Attribute reads
+        only; the GEMMs ask this of every operand."""
+        for attr in self._USAGE_ATTRS[usage]:
+            if getattr(self, attr) is not None:
+                return True
+        return False
+
     def get_usages(self) -> dict:
-        return usages_of(type(self), tuple(self.buffers()))
+        return {"rowwise": self.has_usage("rowwise"), "columnwise": self.has_usage("columnwise")}
 
     def update_usage(self, rowwise_usage: bool | None = None,
                      columnwise_usage: bool | None = None) -> None:
@@ -507,7 +518,7 @@ class QuantizedTensorStorage:
 
     def gemm_operand_check(self, usage: str) -> None:
         """Raise unless this tensor holds the ``usage`` copy."""
-        if not self.get_usages()[usage]:
+        if not self.has_usage(usage):
             raise RuntimeError(f"{type(self).__name__} has no {usage} copy; the quantizer "
                                f"that made it did not enable {usage} usage")
 
@@ -518,7 +529,7 @@ class QuantizedTensorStorage:
         return self._rowwise_2d() if usage == "rowwise" else self._columnwise_2d()
 
     def _dequantize_2d(self) -> torch.Tensor:
-        if self.get_usages()["rowwise"]:
+        if self.has_usage("rowwise"):
             return self._rowwise_2d()
         m = flat_2d(self._te_shape)[0]  # the columnwise copy may hold padding rows
         return self._columnwise_to_values(self._columnwise_2d()).t()[:m]
