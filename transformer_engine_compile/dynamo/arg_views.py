@@ -29,7 +29,9 @@ def field_names(cls) -> tuple:
     return names
 
 
-def _instance(cls, values: dict):
+def instance(cls, values: dict):
+    """An instance of the argument dataclass ``cls`` with every field in
+    ``values`` (see the module docstring for how it is built)."""
     if torch.compiler.is_compiling():
         return cls(**values)
     obj = object.__new__(cls)
@@ -40,7 +42,7 @@ def _instance(cls, values: dict):
 def with_fields(args, **changes):
     """A shallow copy of a dataclass instance with ``changes``."""
     cls = type(args)
-    return _instance(cls, {**{n: getattr(args, n) for n in field_names(cls)}, **changes})
+    return instance(cls, {**{n: getattr(args, n) for n in field_names(cls)}, **changes})
 
 
 def prefixed_fields(cls, prefix: str, exclude=()) -> list:
@@ -60,7 +62,7 @@ def prefixed_fields(cls, prefix: str, exclude=()) -> list:
 def field_view(args, cls, prefix: str, **overrides):
     """A ``cls`` instance of ``args``' fields ``prefix + name``, with
     ``overrides`` for the fields left out by :func:`prefixed_fields`."""
-    return _instance(cls, {name: overrides[name] if name in overrides
+    return instance(cls, {name: overrides[name] if name in overrides
                            else getattr(args, prefix + name) for name in field_names(cls)})
 
 

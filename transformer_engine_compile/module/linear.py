@@ -14,6 +14,7 @@ import torch
 from .. import distributed as D
 from .. import checkpointing
 from ..autocast import get_amax_reduction_group, get_autocast_recipe
+from ..dynamo import arg_views
 from ..dynamo.state import ensure_buffers, register_module
 from ..fsdp import check_gathered_weight
 from ..quantization.base import QuantizedTensorStorage
@@ -273,11 +274,8 @@ class _ArgsTemplate:
         self.fields = {**args.__dict__, "inp": None, "weight": None, "bias": None}
 
     def with_tensors(self, inp, weight, bias) -> LinearFwdArgs:
-        args = object.__new__(LinearFwdArgs)  # the same fields, all given: no __init__
-        fields = args.__dict__
-        fields.update(self.fields)
-        fields["inp"], fields["weight"], fields["bias"] = inp, weight, bias
-        return args
+        return arg_views.instance(LinearFwdArgs, {**self.fields, "inp": inp, "weight": weight,
+                                                  "bias": bias})
 
 
 class Linear(torch.nn.Module):

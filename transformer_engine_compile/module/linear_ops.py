@@ -360,11 +360,11 @@ def linear_forward(args: LinearFwdArgs, xq=None, wq=None, amaxes=None) -> OpResu
 
 def _fresh_weight_copy(args: LinearFwdArgs, w) -> bool:
     """Whether ``w``, the forward GEMM's weight operand, is a copy this call
-    quantized and nothing else keeps (not the cached workspace, not an FP8
-    weight), so the backward may hold its columnwise copy alone.  Real or
-    fake: ``w`` is a storage or a quantized proto then."""
-    return (_quantizes_weight(args) and not args.cache_weight
-            and w is not args.weight and w is not args.weight_workspace)
+    quantized and nothing else keeps, so the backward may hold its
+    columnwise copy alone.  Any other operand is the weight itself (an FP8
+    or unquantized weight) or the cached workspace, written
+    (``cache_weight``) or reused.  Real or fake alike."""
+    return not args.cache_weight and w is not args.weight and w is not args.weight_workspace
 
 
 def _saved_for_updates(args: LinearFwdArgs) -> dict:
