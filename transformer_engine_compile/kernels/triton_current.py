@@ -160,11 +160,22 @@ def quantize_fp8_current_pair(a2d, b2d, fmt, pow2, eps, a_usage, b_usage) -> tup
 def _one_launch(a2d, b2d, fmt, pow2, eps, a_usage, b_usage=(False, False)):
     """``(buffers of a2d, of b2d or None)`` by :func:`_fp8_current_kernel`
     (contiguous, non-empty matrices), or None where no counter slot may be
-    used (``grid_state.slot``).  At most 4 programs of 8 warps per SM: the
-    amax pass claims its tiles, so more would only wait."""
+    used (``grid_state.slot``)."""
     slot = grid_state.slot(a2d.device)
     if slot is None:
         return None
+    grid, key, args, out_a, out_b = one_launch_call(a2d, b2d, fmt, pow2, eps, a_usage, b_usage,
+                                                    slot)
+    _fp8_current_launch(grid, key, *args)
+    return out_a, out_b
+
+
+def one_launch_call(a2d, b2d, fmt, pow2, eps, a_usage, b_usage, slot) -> tuple:
+    """``(grid, key, args, out_a, out_b)`` of one :func:`_fp8_current_kernel`
+    launch with counter slot ``slot`` (``(lo, hi)``), its outputs allocated;
+    the native eager path (kernels/native.py) fixes its plans from these.  At
+    most 4 programs of 8 warps per SM: the amax pass claims its tiles, so
+    more would only wait."""
     dt, dev = ref.FP8_DTYPE[fmt], a2d.device
     (ma, ka), has_b = a2d.shape, b2d is not None
     out_a = _fp8_outputs(dev, dt, ma, ka, *a_usage)
@@ -181,8 +192,7 @@ def _one_launch(a2d, b2d, fmt, pow2, eps, a_usage, b_usage=(False, False)):
              bool(b_usage[1]), has_b)
     lo, hi = slot
     programs = min(tiles, triton_launch.sm_count(dev) * _CURRENT_PROGRAMS_PER_SM)
-    _fp8_current_launch((programs,), (_x_key(a2d, ma, ka), b_key, flags, int_key(lo),
-                                      int_key(hi)),
-                        a2d, ma, ka, *b_args, lo, hi, *_fp8_copy_args(out_a, a2d), *b_copies,
-                        ref.FP8_MAX[fmt], *flags[1:], _TL_FP8[fmt], _TW_BM, _TW_BK)
-    return out_a, out_b
+    key = (_x_key(a2d, ma, ka), b_key, flags, int_key(lo), int_key(hi))
+    args = (a2d, ma, ka, *b_args, lo, hi, *_fp8_copy_args(out_a, a2d), *b_copies,
+            ref.FP8_MAX[fmt], *flags[1:], _TL_FP8[fmt], _TW_BM, _TW_BK)
+    return (programs,), key, args, out_a, out_b

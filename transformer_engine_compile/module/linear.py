@@ -19,6 +19,7 @@ from ..dynamo.state import ensure_buffers, register_module
 from ..fsdp import check_gathered_weight
 from ..quantization.base import QuantizedTensorStorage
 from ..quantization import factory
+from .linear_native import plan_for
 from .linear_ops import LINEAR_OPS, LinearBwdArgs, LinearFwdArgs, _input_usage
 
 __all__ = ["Linear", "LinearFwdArgs", "LinearBwdArgs", "LINEAR_OPS"]
@@ -268,10 +269,13 @@ class _ArgsTemplate:
     eager path's host time).  Holds no tensor, so no activation is kept
     alive by it."""
 
-    __slots__ = ("fields",)
+    __slots__ = ("fields", "native")
 
     def __init__(self, args: LinearFwdArgs):
         self.fields = {**args.__dict__, "inp": None, "weight": None, "bias": None}
+        # the native plan (module/linear_native.py): None not asked yet,
+        # False none for this configuration
+        self.native = None
 
     def with_tensors(self, inp, weight, bias) -> LinearFwdArgs:
         return arg_views.instance(LinearFwdArgs, {**self.fields, "inp": inp, "weight": weight,
@@ -443,15 +447,9 @@ class Linear(torch.nn.Module):
         if weight is None:
             weight, bias = self.weight, self.bias
         grad = torch.is_grad_enabled()
-        key = None
-        if (is_first_microbatch is None and not (fp8_output or fp8_grad)
-                and self._OPS is LINEAR_OPS and not torch.compiler.is_compiling()
-                and weight is self.weight and bias is self.bias
-                and type(weight) in _PLAIN_TENSORS and not self.fuse_wgrad_accumulation):
-            key = (recipe, grad, inp.shape, inp.dtype, type(inp), inp.requires_grad,
-                   weight.dtype, weight.requires_grad, None if bias is None else bias.requires_grad,
-                   self.return_bias, self.save_original_input, self.parallel_mode,
-                   self.sequence_parallel, self.tp_size)
+        key = self._memo_key(inp, recipe, grad, is_first_microbatch, fp8_output, fp8_grad,
+                             weight, bias)
+        if key is not None:
             memo = self.__dict__.get("_args_memo")
             if memo is not None and memo[0] is weight and memo[1] is bias and memo[2] == key:
                 return memo[3].with_tensors(inp, weight, None if self.return_bias else bias)
@@ -460,6 +458,43 @@ class Linear(torch.nn.Module):
         if key is not None and args.amax_history_fwd is None:  # no state bound
             self.__dict__["_args_memo"] = (weight, bias, key, _ArgsTemplate(args))
         return args
+
+    def _memo_key(self, inp, recipe, grad, is_first_microbatch, fp8_output, fp8_grad, weight,
+                  bias):
+        """The argument memo's key for this call, or None where no memo applies."""
+        if (is_first_microbatch is None and not (fp8_output or fp8_grad)
+                and self._OPS is LINEAR_OPS and not torch.compiler.is_compiling()
+                and weight is self.weight and bias is self.bias
+                and type(weight) in _PLAIN_TENSORS and not self.fuse_wgrad_accumulation):
+            return (recipe, grad, inp.shape, inp.dtype, type(inp), inp.requires_grad,
+                    weight.dtype, weight.requires_grad,
+                    None if bias is None else bias.requires_grad, self.return_bias,
+                    self.save_original_input, self.parallel_mode, self.sequence_parallel,
+                    self.tp_size)
+        return None
+
+    def _native_forward(self, inp, weight, bias, is_first_microbatch, fp8_output, fp8_grad):
+        """The output of the native eager path (kernels/native.py) for a call
+        whose argument memo holds a native plan, else None.  A memo entry asks
+        for its plan at its second call (module/linear_native.py)."""
+        memo = self.__dict__.get("_args_memo")
+        if memo is None or memo[3].native is False:
+            return None
+        key = self._memo_key(inp, get_autocast_recipe(), torch.is_grad_enabled(),
+                             is_first_microbatch, fp8_output, fp8_grad, weight, bias)
+        if key is None or memo[0] is not weight or memo[1] is not bias or memo[2] != key:
+            return None
+        template = memo[3]
+        plan = template.native
+        if plan is None:
+            plan = plan_for(template.with_tensors(inp, weight,
+                                                  None if self.return_bias else bias))
+            if plan is ...:  # the extension is still being built
+                return None
+            template.native = plan = plan or False
+            if plan is False:
+                return None
+        return plan(inp, weight)
 
     def _checked_args(self, inp, recipe, grad, is_first_microbatch, fp8_output, fp8_grad,
                       weight, bias) -> LinearFwdArgs:
@@ -588,6 +623,11 @@ class Linear(torch.nn.Module):
                  call=None):
         if not (fp8_output or fp8_grad) and self._runs_as_torch_linear(inp, weight):
             return self._finish({"out": torch.nn.functional.linear(inp, weight)})
+        if call is None and not torch.compiler.is_compiling():
+            out = self._native_forward(inp, weight, bias, is_first_microbatch, fp8_output,
+                                       fp8_grad)
+            if out is not None:
+                return self._finish({"out": out})
         args = self._make_args(inp, is_first_microbatch, fp8_output, fp8_grad, weight, bias)
         if call is not None:
             call.bind(args)

@@ -1,0 +1,233 @@
+"""The native eager path (kernels/native.py, module/linear_native.py): an
+eager fp8_current ``te.Linear`` run by the C++ extension gives the Python
+path's bits, in the ways users train.  Skips without CUDA."""
+
+import copy
+
+import pytest
+import torch
+
+import transformer_engine_compile as te
+from transformer_engine_compile import recipe as R
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+if torch.cuda.is_available():
+    pytest.importorskip("triton")
+    from transformer_engine_compile.kernels import native
+    from transformer_engine_compile.module import linear_native
+
+REC = R.Float8CurrentScaling()
+
+
+@pytest.fixture(scope="module")
+def ext():
+    ext = native.extension(wait=True)
+    if ext is None:
+        pytest.skip(f"native extension not built: {native._state['failed']}")
+    return ext
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts the calls the native path ran (a plan that declines is not counted)."""
+    n = {"native": 0}
+    real = linear_native.NativeLinear.__call__
+
+    def counted(self, x, w):
+        out = real(self, x, w)
+        n["native"] += out is not None
+        return out
+
+    monkeypatch.setattr(linear_native.NativeLinear, "__call__", counted)
+    return n
+
+
+def _python_only(layer):
+    """A copy of ``layer`` whose memo never gets a native plan."""
+    ref = copy.deepcopy(layer)
+    ref.__dict__["_args_memo"] = None
+    return ref
+
+
+class _NoNative:
+    def __enter__(self):
+        self.was, native.ENABLED = native.ENABLED, False
+
+    def __exit__(self, *exc):
+        native.ENABLED = self.was
+
+
+def _step(layer, x, dy, no_native=False):
+    """Output and gradients of one eager step (third call: the memo and the
+    plan exist by then)."""
+    ctx = _NoNative() if no_native else _Null()
+    outs = None
+    with ctx:
+        for _ in range(3):
+            layer.weight.grad = None
+            xx = x.detach().requires_grad_(x.requires_grad)
+            with te.autocast(recipe=REC):
+                y = layer(xx)
+            y.backward(dy)
+            outs = (y.detach(), None if xx.grad is None else xx.grad,
+                    layer.weight.grad)
+    return outs, y
+
+
+class _Null:
+    def __enter__(self):
+        pass
+
+    def __exit__(self, *exc):
+        pass
+
+
+def _equal(a, b):
+    return (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.parametrize("shape,out,x_grad", [((256, 512), 384, True), ((2, 128, 512), 256, True),
+                                              ((4, 64, 256), 512, False)], ids=str)
+def test_native_equals_python_bit_for_bit(ext, calls, shape, out, x_grad):
+    torch.manual_seed(0)
+    layer = te.Linear(shape[-1], out, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    ref = _python_only(layer)
+    x = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 2).requires_grad_(x_grad)
+    dy = torch.randn((*shape[:-1], out), device="cuda", dtype=torch.bfloat16)
+    got, y = _step(layer, x, dy)
+    want, y_ref = _step(ref, x, dy, no_native=True)
+    assert calls["native"] == 2  # calls 2 and 3 (the first builds the memo)
+    assert y.grad_fn.name() == "TeLinearFp8Backward"
+    assert type(y_ref.grad_fn).__name__ != "TeLinearFp8Backward"
+    for g, w in zip(got, want):
+        assert _equal(g, w)
+    assert y._base is None  # no view: in-place ops allowed, as on the Python path
+
+
+def test_native_no_grad_and_frozen_weight(ext, calls):
+    layer = te.Linear(512, 256, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    ref = _python_only(layer)
+    x = torch.randn(128, 512, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad(), te.autocast(recipe=REC):
+        outs = [layer(x) for _ in range(3)]
+    with torch.no_grad(), te.autocast(recipe=REC), _NoNative():
+        want = ref(x)
+    assert calls["native"] == 2 and all(torch.equal(o, want) for o in outs)
+    layer.weight.requires_grad_(False)
+    ref.weight.requires_grad_(False)
+    xg = x.clone().requires_grad_(True)
+    dy = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+    got, _ = _step(layer, xg, dy)
+    want2, _ = _step(ref, xg, dy, no_native=True)
+    assert got[2] is None and all(_equal(g, w) for g, w in zip(got, want2))
+
+
+def test_native_saved_tensors_go_through_hooks(ext, calls):
+    layer = te.Linear(256, 256, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with te.autocast(recipe=REC):
+        layer(x), layer(x)  # memo, plan
+    packed = []
+
+    def pack(t):
+        packed.append((str(t.dtype), tuple(t.shape)))
+        return t.cpu()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t.cuda()):
+        with te.autocast(recipe=REC):
+            y = layer(x)
+    assert y.grad_fn.name() == "TeLinearFp8Backward"
+    assert sorted(packed) == sorted([("torch.float8_e4m3fn", (256, 64)), ("torch.float32", (1,)),
+                                     ("torch.float8_e4m3fn", (256, 256)),
+                                     ("torch.float32", (1,))])
+    y.sum().backward()
+    ref = _python_only(layer)
+    x2 = x.detach().requires_grad_(True)
+    with te.autocast(recipe=REC), _NoNative():
+        ref(x2).sum().backward()
+    assert torch.equal(x.grad, x2.grad) and torch.equal(layer.weight.grad, ref.weight.grad)
+
+
+def test_native_checkpoint_retain_graph_and_double_backward(ext, calls):
+    layer = te.Linear(256, 128, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with te.autocast(recipe=REC):
+        layer(x), layer(x)
+        y = layer(x)
+    y.sum().backward(retain_graph=True)
+    g1 = x.grad.clone()
+    y.sum().backward()  # the saved tensors were kept
+    assert torch.equal(x.grad, 2 * g1)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        y.sum().backward()
+    x.grad = None
+    with te.autocast(recipe=REC):
+        y = layer(x)
+    dy = torch.ones_like(y, requires_grad=True)  # a tracked incoming gradient
+    (gx,) = torch.autograd.grad(y, x, dy, create_graph=True)
+    assert torch.equal(gx, g1) and gx.requires_grad
+    with pytest.raises(RuntimeError, match="double backward is not supported"):
+        gx.sum().backward()
+    # non-reentrant activation checkpointing (saved-tensor hooks) recomputes natively
+    x.grad = None
+    with te.autocast(recipe=REC):
+        y = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+    y.sum().backward()
+    assert torch.equal(x.grad, g1)
+
+
+def test_native_training_with_optimizer_matches_python(ext, calls):
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(
+        te.Linear(256, 512, bias=False, params_dtype=torch.bfloat16, device="cuda"),
+        torch.nn.GELU(),
+        te.Linear(512, 256, bias=False, params_dtype=torch.bfloat16, device="cuda"))
+    ref = copy.deepcopy(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref)]
+    x = torch.randn(4, 32, 256, device="cuda", dtype=torch.bfloat16)
+    for step in range(4):
+        losses = []
+        for m, opt, off in ((model, opts[0], False), (ref, opts[1], True)):
+            with (_NoNative() if off else _Null()), te.autocast(recipe=REC):
+                loss = m(x).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        assert losses[0] == losses[1], step
+    assert calls["native"] == 6  # steps 2-4, two layers
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_native_non_contiguous_input_and_inplace_output(ext, calls):
+    layer = te.Linear(256, 256, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    ref = _python_only(layer)
+    big = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
+    x = big[:, 128:384]  # not contiguous
+    outs = []
+    for m, off in ((layer, False), (ref, True)):
+        with (_NoNative() if off else _Null()), te.autocast(recipe=REC):
+            for _ in range(3):
+                xx = x.detach().requires_grad_(True)
+                y = m(xx)
+                y.mul_(2)  # in place on the output
+                y.sum().backward()
+        outs.append((y.detach(), xx.grad, m.weight.grad))
+    assert calls["native"] == 2
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+def test_native_declines_what_it_does_not_cover(ext, calls):
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    for layer, rec in ((te.Linear(256, 256, bias=True, params_dtype=torch.bfloat16,
+                                  device="cuda"), REC),
+                       (te.Linear(256, 256, bias=False, params_dtype=torch.bfloat16,
+                                  device="cuda"), R.Float8BlockScaling()),
+                       (te.Linear(256, 200, bias=False, params_dtype=torch.bfloat16,
+                                  device="cuda"), REC)):
+        with te.autocast(recipe=rec):
+            for _ in range(3):
+                layer(x).sum().backward()
+        assert layer._args_memo[3].native is False
+    assert calls["native"] == 0

@@ -1,0 +1,95 @@
+"""The native eager path's CPU-side logic (kernels/native.py,
+module/linear_native.py): launch descriptions from a compiled kernel's
+signature, and the Python path kept where no plan applies.  The C++ side
+runs in tests/gpu/test_gpu_native.py."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import transformer_engine_compile as te
+from transformer_engine_compile import recipe as R
+from transformer_engine_compile.kernels import native
+
+
+class _Ext:
+    """Stands in for the built module: the driver's parameter layout and
+    the launch description it would be given."""
+
+    def __init__(self, layout):
+        self.layout = layout
+
+    def param_info(self, function):
+        return self.layout
+
+    def make_launch(self, function, grid, threads, shared, scratch, kinds, ints, floats):
+        return dict(function=function, grid=grid, threads=threads, shared=shared,
+                    scratch=scratch, kinds=kinds, ints=ints, floats=floats)
+
+
+def _launcher(signature, **metadata):
+    md = dict(global_scratch_size=0, profile_scratch_size=0, launch_cooperative_grid=False,
+              launch_pdl=False, num_ctas=1, num_warps=8, shared=16384)
+    md.update(metadata)
+    compiled = SimpleNamespace(function=77, src=SimpleNamespace(signature=signature),
+                               metadata=SimpleNamespace(**md))
+    return SimpleNamespace(handles={(0, "k"): SimpleNamespace(compiled=compiled)})
+
+
+_SIG = {"a_ptr": "*bf16", "M": "i32", "one": "constexpr", "big": "i64", "lo": "i32",
+        "hi": "i32", "out": "*fp8e4nv", "scale": "fp32", "BM": "constexpr"}
+
+
+def _args(a, out):
+    return (a, 256, 1, 2 ** 40, 5, 6, out, 0.5, 64)
+
+
+def test_launch_spec_packs_the_signature():
+    a, out = torch.zeros(4), torch.zeros(4)
+    layout = [(0, 8), (8, 4), (16, 8), (24, 4), (28, 4), (32, 8), (40, 4), (48, 8), (56, 8)]
+    spec = native.launch_spec(_Ext(layout), _launcher(_SIG), 0, (12,), "k", _args(a, out),
+                              [a, torch.zeros(1), out])
+    assert spec["kinds"] == [0, 1, 2, 4, 5, 0, 3]  # constexprs skipped; lo/hi per call
+    assert spec["ints"] == [0, 256, 2 ** 40, 0, 0, 2, 0]  # tensors by identity: slots 0, 2
+    assert spec["floats"][-1] == 0.5
+    assert spec["grid"] == [12, 1, 1] and spec["threads"] == 256 and spec["scratch"] == 2
+
+
+def test_launch_spec_refuses_what_it_cannot_launch():
+    a, out = torch.zeros(4), torch.zeros(4)
+    good = [(0, 8), (8, 4), (16, 8), (24, 4), (28, 4), (32, 8), (40, 4), (48, 8), (56, 8)]
+    args = _args(a, out)
+    assert native.launch_spec(_Ext(good), _launcher(_SIG), 0, (1,), "k", args, [a, out]) is not None
+    # a layout the packing disagrees with (an i32 where it packs an i64)
+    bad = good[:2] + [(16, 4)] + good[3:]
+    assert native.launch_spec(_Ext(bad), _launcher(_SIG), 0, (1,), "k", args, [a, out]) is None
+    # scratch memory, cluster launches, a tensor not among the slots, no compiled kernel
+    for md in ({"global_scratch_size": 64}, {"num_ctas": 2}, {"launch_pdl": True}):
+        assert native.launch_spec(_Ext(good), _launcher(_SIG, **md), 0, (1,), "k", args,
+                                  [a, out]) is None
+    assert native.launch_spec(_Ext(good), _launcher(_SIG), 0, (1,), "k", args, [a]) is None
+    assert native.launch_spec(_Ext(good), _launcher(_SIG), 0, (1,), "other", args, [a, out]) is None
+    odd = dict(_SIG, M="fp16")
+    assert native.launch_spec(_Ext(good), _launcher(odd), 0, (1,), "k", args, [a, out]) is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only case")
+def test_no_extension_without_cuda():
+    assert native.extension() is None
+    assert native._state["thread"] is None  # nothing was built
+
+
+@pytest.mark.parametrize("rec", [R.Float8CurrentScaling(), None], ids=["fp8_current", "bf16"])
+def test_cpu_layer_records_no_plan_and_keeps_its_results(rec):
+    torch.manual_seed(0)
+    layer = te.Linear(64, 32, bias=False, params_dtype=torch.float32)
+    x = torch.randn(16, 64, requires_grad=True)
+    outs = []
+    for _ in range(3):
+        with te.autocast(enabled=rec is not None, recipe=rec):
+            y = layer(x)
+        outs.append(y.detach())
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    if rec is not None:  # bias-free bf16 runs F.linear: no memo at all
+        assert layer._args_memo[3].native is False  # asked once, at the second call

@@ -1,0 +1,333 @@
+// Eager te.Linear under current scaling (FP8 per tensor) as one C++ call and
+// a C++ autograd node (kernels/native.py builds the plans and says when).
+//
+// The Python eager path runs ~150 us of Python per layer forward + backward
+// around ~10 CUDA calls, and the autograd engine runs the backward's Python
+// on its device thread, markedly slower on the lent H200 hosts
+// (docs/benchmarks.md).  Here the same kernels run in the same order with
+// the same arguments: the Triton kernels the Python path compiled (launched
+// through the driver with the arguments a plan fixed) and torch's
+// _scaled_mm, so the results are bit for bit the Python path's.
+#include <torch/extension.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
+
+#include <dlfcn.h>
+
+#include <array>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace {
+
+using torch::autograd::Node;
+using torch::autograd::SavedVariable;
+using torch::autograd::variable_list;
+
+// Autograd nodes are held by std::shared_ptr up to torch 2.12 and by
+// c10::intrusive_ptr after: make one the way this torch holds them.
+using NodeHolder = std::decay_t<decltype(std::declval<torch::autograd::Edge>().function)>;
+template <class T, class H>
+struct NodeMaker;
+template <class T>
+struct NodeMaker<T, std::shared_ptr<Node>> {
+  static std::shared_ptr<T> make() { return std::make_shared<T>(); }
+};
+template <class T>
+struct NodeMaker<T, c10::intrusive_ptr<Node>> {
+  static c10::intrusive_ptr<T> make() { return c10::make_intrusive<T>(); }
+};
+
+// -- driver entry points (libcuda, as Triton loads it) -------------------------
+using LaunchFn = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                         unsigned, void*, void**, void**);
+using ParamInfoFn = int (*)(void*, size_t, size_t*, size_t*);
+
+void* libcuda() {
+  static void* handle = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  TORCH_CHECK(handle != nullptr, "te native: cannot load libcuda.so.1");
+  return handle;
+}
+
+LaunchFn launch_fn() {
+  static auto fn = reinterpret_cast<LaunchFn>(dlsym(libcuda(), "cuLaunchKernel"));
+  TORCH_CHECK(fn != nullptr, "te native: libcuda has no cuLaunchKernel");
+  return fn;
+}
+
+// -- one compiled Triton kernel with its arguments fixed by a plan -------------
+enum Kind : int64_t { kSlot = 0, kI32 = 1, kI64 = 2, kF32 = 3, kLo = 4, kHi = 5 };
+
+struct Launch {
+  int64_t function = 0;
+  std::array<int64_t, 3> grid{1, 1, 1};
+  int64_t threads = 0, shared = 0, n_scratch = 0;
+  std::vector<int64_t> kinds;  // per kernel parameter, in order
+  std::vector<int64_t> ints;   // slot index or integer value
+  std::vector<double> floats;
+
+  void run(const std::vector<at::Tensor>& slots, int64_t lo, int64_t hi,
+           cudaStream_t stream) const {
+    const size_t n = kinds.size();
+    std::vector<uint64_t> cells(n + n_scratch, 0);
+    std::vector<void*> params(n + n_scratch);
+    for (size_t i = 0; i < n; ++i) {
+      void* cell = &cells[i];
+      switch (kinds[i]) {
+        case kSlot: cells[i] = reinterpret_cast<uint64_t>(slots[ints[i]].data_ptr()); break;
+        case kI32: *static_cast<int32_t*>(cell) = static_cast<int32_t>(ints[i]); break;
+        case kI64: *static_cast<int64_t*>(cell) = ints[i]; break;
+        case kF32: *static_cast<float*>(cell) = static_cast<float>(floats[i]); break;
+        case kLo: *static_cast<int32_t*>(cell) = static_cast<int32_t>(lo); break;
+        case kHi: *static_cast<int32_t*>(cell) = static_cast<int32_t>(hi); break;
+        default: TORCH_CHECK(false, "te native: bad parameter kind");
+      }
+      params[i] = cell;
+    }
+    for (size_t i = n; i < n + n_scratch; ++i) params[i] = &cells[i];  // null scratch
+    int err = launch_fn()(reinterpret_cast<void*>(function), grid[0], grid[1], grid[2],
+                          threads, 1, 1, shared, stream, params.data(), nullptr);
+    TORCH_CHECK(err == 0, "te native: cuLaunchKernel failed with CUresult ", err);
+  }
+};
+
+// -- the plan of one te.Linear configuration -------------------------------------
+// Forward quantize slots: 0 x (M, K), 1 W (N, K), 2 x data, 3 x transpose,
+// 4 x scale_inv, 5 W data, 6 W transpose, 7 W scale_inv.  Backward quantize
+// slots: 0 dy (M, N), 1 dy data, 2 dy transpose, 3 dy scale_inv.  A copy not
+// made points at the kernel's input (never written).
+struct Plan {
+  Launch fwd, bwd;
+  int64_t device = 0;  // the kernels' device (their handles are per device)
+  int64_t m = 0, k = 0, n = 0;
+  at::ScalarType fp8_fwd = at::kFloat8_e4m3fn, fp8_bwd = at::kFloat8_e5m2;
+  at::ScalarType wgrad_dtype = at::kBFloat16;
+  bool x_col = false, w_col = false, dgrad = false, wgrad = false;
+  std::vector<int64_t> out_shape, in_shape;
+};
+
+at::ScalarType dtype_named(const std::string& name) {
+  if (name == "float8_e4m3fn") return at::kFloat8_e4m3fn;
+  if (name == "float8_e5m2") return at::kFloat8_e5m2;
+  if (name == "bfloat16") return at::kBFloat16;
+  if (name == "float16") return at::kHalf;
+  if (name == "float32") return at::kFloat;
+  TORCH_CHECK(false, "te native: unsupported dtype ", name);
+}
+
+bool aligned(const at::Tensor& t) {
+  return t.is_contiguous() && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+}
+
+// The kernels were compiled for contiguous, 16-byte aligned inputs; a copy
+// holds the same values.
+at::Tensor operand(const at::Tensor& t, int64_t rows, int64_t cols) {
+  at::Tensor m = t.reshape({rows, cols});
+  return aligned(m) ? m : m.clone(at::MemoryFormat::Contiguous);
+}
+
+at::Tensor fp8_empty(int64_t r, int64_t c, at::ScalarType dt, const at::Tensor& like) {
+  return at::empty({r, c}, like.options().dtype(dt));
+}
+
+struct Forward {
+  at::Tensor y, x_t, x_sinv, w_t, w_sinv;
+};
+
+Forward forward_impl(const Plan& p, const at::Tensor& x, const at::Tensor& w, int64_t lo,
+                     int64_t hi) {
+  at::NoGradGuard no_grad;
+  at::Tensor x2d = operand(x, p.m, p.k), w2d = operand(w, p.n, p.k);
+  auto f32 = x.options().dtype(at::kFloat);
+  at::Tensor x_sinv = at::empty({1}, f32);
+  at::Tensor x_data = fp8_empty(p.m, p.k, p.fp8_fwd, x);
+  at::Tensor x_t = p.x_col ? fp8_empty(p.k, p.m, p.fp8_fwd, x) : x2d;
+  at::Tensor w_sinv = at::empty({1}, f32);
+  at::Tensor w_data = fp8_empty(p.n, p.k, p.fp8_fwd, x);
+  at::Tensor w_t = p.w_col ? fp8_empty(p.k, p.n, p.fp8_fwd, x) : w2d;
+  auto stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  p.fwd.run({x2d, w2d, x_data, x_t, x_sinv, w_data, w_t, w_sinv}, lo, hi, stream);
+  at::Tensor y = at::empty(p.out_shape, x.options());
+  at::Tensor y2d = y.view({p.m, p.n});
+  at::_scaled_mm_out(y2d, x_data, w_data.t(), x_sinv, w_sinv, c10::nullopt,
+                     c10::nullopt, x.scalar_type(), /*use_fast_accum=*/true);
+  return {y, p.x_col ? x_t : at::Tensor(), x_sinv, p.w_col ? w_t : at::Tensor(), w_sinv};
+}
+
+// -- the autograd node ---------------------------------------------------------
+struct LinearFp8Backward : public Node {
+  std::shared_ptr<const Plan> plan;
+  SavedVariable x_t_, x_sinv_, w_t_, w_sinv_;
+  int64_t lo = 0, hi = 0;
+  bool x_grad = false, w_grad = false;  // next edges: x then W, where they need grads
+
+  std::string name() const override { return "TeLinearFp8Backward"; }
+
+  void release_variables() override {
+    x_t_.reset_data();
+    x_sinv_.reset_data();
+    w_t_.reset_data();
+    w_sinv_.reset_data();
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    const Plan& p = *plan;
+    variable_list out(num_outputs());
+    const at::Tensor& dy = grads[0];
+    if (!dy.defined()) return out;
+    {
+      at::NoGradGuard no_grad;
+      at::Tensor dy2d = operand(dy, p.m, p.n);
+      auto f32 = dy.options().dtype(at::kFloat);
+      at::Tensor sinv = at::empty({1}, f32);
+      at::Tensor data = p.dgrad ? fp8_empty(p.m, p.n, p.fp8_bwd, dy) : dy2d;
+      at::Tensor tr = p.wgrad ? fp8_empty(p.n, p.m, p.fp8_bwd, dy) : dy2d;
+      auto stream = c10::cuda::getCurrentCUDAStream(dy.device().index()).stream();
+      p.bwd.run({dy2d, data, tr, sinv}, lo, hi, stream);
+      size_t i = 0;
+      if (x_grad) {
+        at::Tensor w_t = w_t_.unpack(), w_sinv = w_sinv_.unpack();
+        if (should_compute_output(i)) {
+          out[i] = at::_scaled_mm(data, w_t.t(), sinv, w_sinv, c10::nullopt, c10::nullopt,
+                                  dy.scalar_type(), false)
+                       .view(p.in_shape);
+        }
+        ++i;
+      }
+      if (w_grad && should_compute_output(i)) {
+        at::Tensor x_t = x_t_.unpack(), x_sinv = x_sinv_.unpack();
+        out[i] = at::_scaled_mm(tr, x_t.t(), sinv, x_sinv, c10::nullopt, c10::nullopt,
+                                p.wgrad_dtype, false);
+      }
+    }
+    // create_graph=True: as @once_differentiable, the gradients refuse only a
+    // second backward through them
+    bool tracked = false;
+    for (const auto& g : grads) tracked = tracked || (g.defined() && g.requires_grad());
+    if (at::GradMode::is_enabled() && tracked) {
+      for (auto& v : out) {
+        if (v.defined()) {
+          v = v.detach();
+          v.set_requires_grad(true);
+        }
+      }
+      torch::autograd::DelayedError err(
+          "te.Linear (native eager path): double backward is not supported",
+          static_cast<int64_t>(out.size()));
+      out = err.apply(std::move(out));
+    }
+    return out;
+  }
+};
+
+// y = x W^T, recorded for autograd when grad mode is on and x or W needs a
+// gradient; None (an undefined tensor) for operands on another device than
+// the plan's (a layer moved since): the caller then takes the Python path.
+at::Tensor linear(const std::shared_ptr<Plan>& plan, const at::Tensor& x, const at::Tensor& w,
+                  int64_t lo, int64_t hi) {
+  const Plan& p = *plan;
+  if (!x.is_cuda() || x.get_device() != p.device || w.get_device() != p.device) {
+    return at::Tensor();
+  }
+  c10::cuda::CUDAGuard guard(x.device());
+  Forward f = forward_impl(p, x, w, lo, hi);
+  bool record = at::GradMode::is_enabled() && (x.requires_grad() || w.requires_grad());
+  if (!record) return f.y;
+  auto node = NodeMaker<LinearFp8Backward, NodeHolder>::make();
+  node->plan = plan;
+  node->lo = lo;
+  node->hi = hi;
+  node->x_grad = x.requires_grad();
+  node->w_grad = w.requires_grad();
+  torch::autograd::edge_list edges;
+  if (node->x_grad) edges.push_back(torch::autograd::impl::gradient_edge(x));
+  if (node->w_grad) edges.push_back(torch::autograd::impl::gradient_edge(w));
+  node->set_next_edges(std::move(edges));
+  if (node->x_grad) {
+    node->w_t_ = SavedVariable(f.w_t, false);
+    node->w_sinv_ = SavedVariable(f.w_sinv, false);
+  }
+  if (node->w_grad) {
+    node->x_t_ = SavedVariable(f.x_t, false);
+    node->x_sinv_ = SavedVariable(f.x_sinv, false);
+  }
+  torch::autograd::set_history(f.y, NodeHolder(node));
+  return f.y;
+}
+
+Launch make_launch(int64_t function, std::vector<int64_t> grid, int64_t threads, int64_t shared,
+                   int64_t n_scratch, std::vector<int64_t> kinds, std::vector<int64_t> ints,
+                   std::vector<double> floats) {
+  TORCH_CHECK(grid.size() == 3 && kinds.size() == ints.size() && kinds.size() == floats.size(),
+              "te native: bad launch description");
+  Launch l;
+  l.function = function;
+  l.grid = {grid[0], grid[1], grid[2]};
+  l.threads = threads;
+  l.shared = shared;
+  l.n_scratch = n_scratch;
+  l.kinds = std::move(kinds);
+  l.ints = std::move(ints);
+  l.floats = std::move(floats);
+  return l;
+}
+
+// (offset, size) of each parameter of a kernel, from the driver: checks a plan's
+// packing against the compiled kernel.
+std::vector<std::pair<int64_t, int64_t>> param_info(int64_t function) {
+  static auto fn = reinterpret_cast<ParamInfoFn>(dlsym(libcuda(), "cuFuncGetParamInfo"));
+  TORCH_CHECK(fn != nullptr, "te native: libcuda has no cuFuncGetParamInfo");
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (size_t i = 0; i < 256; ++i) {
+    size_t off = 0, size = 0;
+    if (fn(reinterpret_cast<void*>(function), i, &off, &size) != 0) break;
+    out.emplace_back(static_cast<int64_t>(off), static_cast<int64_t>(size));
+  }
+  return out;
+}
+
+// Launch one kernel on the current stream (tests and plan checks).
+void run_launch(const Launch& l, const std::vector<at::Tensor>& slots, int64_t lo, int64_t hi) {
+  TORCH_CHECK(!slots.empty(), "te native: no tensors");
+  c10::cuda::CUDAGuard guard(slots[0].device());
+  l.run(slots, lo, hi, c10::cuda::getCurrentCUDAStream(slots[0].device().index()).stream());
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<Launch>(m, "Launch");
+  py::class_<Plan, std::shared_ptr<Plan>>(m, "Plan")
+      .def(py::init([](Launch fwd, Launch bwd, int64_t device, int64_t mm, int64_t k, int64_t n,
+                       const std::string& fp8_fwd, const std::string& fp8_bwd,
+                       const std::string& wgrad_dtype,
+                       bool x_col, bool w_col, bool dgrad, bool wgrad,
+                       std::vector<int64_t> out_shape, std::vector<int64_t> in_shape) {
+        auto p = std::make_shared<Plan>();
+        p->fwd = std::move(fwd);
+        p->bwd = std::move(bwd);
+        p->device = device;
+        p->m = mm;
+        p->k = k;
+        p->n = n;
+        p->fp8_fwd = dtype_named(fp8_fwd);
+        p->fp8_bwd = dtype_named(fp8_bwd);
+        p->wgrad_dtype = dtype_named(wgrad_dtype);
+        p->x_col = x_col;
+        p->w_col = w_col;
+        p->dgrad = dgrad;
+        p->wgrad = wgrad;
+        p->out_shape = std::move(out_shape);
+        p->in_shape = std::move(in_shape);
+        return p;
+      }));
+  m.def("make_launch", &make_launch);
+  m.def("param_info", &param_info);
+  m.def("run_launch", &run_launch);
+  m.def("linear", &linear);
+}

@@ -1,0 +1,138 @@
+"""When and how an eager ``te.Linear`` call runs natively (kernels/native.py).
+
+The native path covers the common training configuration, Float8CurrentScaling
+with no bias in the GEMM, and nothing else: no tensor parallelism, no
+``fp8_output`` / ``fp8_grad``, no cached or FP8 weight, no
+``save_original_input``, no ``fuse_wgrad_accumulation``; a CUDA input with
+every dim of the three GEMMs a multiple of 16.  Any other call, and any call
+while a CUDA graph is captured, under a functorch transform or forward-mode
+AD, keeps the Python path.  A plan is made once per argument memo entry of
+the layer (module/linear.py), from the same helpers the Python path decides
+with, so both paths run the same kernels with the same arguments.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import kernels
+from ..kernels import grid_state, native
+from ..kernels import triton_current as tc
+from ..kernels.reference import FP8_DTYPE
+from ..kernels.triton_launch import int_key
+from ..quantization.float8 import Float8CurrentScalingQuantizer
+from .linear_ops import (LinearFwdArgs, _grad_output_quantizer, _input_quantizer,
+                         _paired_weight_quantizer, _tp)
+
+_GEMM_OUT = (torch.bfloat16, torch.float16, torch.float32)
+_DTYPE_NAMES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2",
+                torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+class NativeLinear:
+    """One configuration's plan: ``plan(x, w)`` is the layer's output, or
+    None where this call must take the Python path."""
+
+    __slots__ = ("ext", "plan", "slot", "slot_keys")
+
+    def __init__(self, ext, plan, slot):
+        self.ext, self.plan, self.slot = ext, plan, slot
+        self.slot_keys = (int_key(slot[0]), int_key(slot[1]))
+
+    def __call__(self, x, w):
+        if (not kernels._fast_enabled or torch._C._are_functorch_transforms_active()
+                or torch.autograd.forward_ad._current_level >= 0):
+            return None
+        slot = grid_state.slot(x.device)  # None while a CUDA graph is captured
+        if slot is None or (slot != self.slot
+                            and (int_key(slot[0]), int_key(slot[1])) != self.slot_keys):
+            return None  # the kernels were compiled for other counter addresses
+        return self.ext.linear(self.plan, x, w, slot[0], slot[1])
+
+
+def _eligible(args: LinearFwdArgs) -> bool:
+    x, w = args.inp, args.weight
+    if (type(x) is not torch.Tensor or type(w) not in (torch.Tensor, torch.nn.Parameter)
+            or not x.is_cuda or w.device != x.device or x.dim() < 2
+            or x.device.index != torch.cuda.current_device()
+            or x.dtype not in _GEMM_OUT or not w.dtype.is_floating_point):
+        return False
+    if (args.bias is not None or _tp(args)[0] is not None or args.output_quantizer is not None
+            or args.grad_input_quantizer is not None or args.save_original_input
+            or args.cache_weight or args.weight_workspace is not None
+            or args.main_grad is not None or args.amax_history_fwd is not None
+            or args.scale_fwd is not None):
+        return False
+    q, dq = args.input_quantizer, args.grad_output_quantizer
+    if type(q) is not Float8CurrentScalingQuantizer or q.fp8_format != "e4m3":
+        return False
+    if (args.input_requires_grad or args.weight_requires_grad) and (
+            type(dq) is not Float8CurrentScalingQuantizer):
+        return False
+    m, k, n = x.numel() // x.shape[-1], x.shape[-1], w.shape[0]
+    if m == 0 or m % 16 or k % 16 or n % 16 or tuple(w.shape) != (n, k):
+        return False
+    return (torch.cuda.get_device_capability(x.device) >= (8, 9)
+            and kernels.has_fast("quantize_fp8_current_pair", "cuda"))
+
+
+def plan_for(args: LinearFwdArgs):
+    """A :class:`NativeLinear` for this call's configuration; None where it
+    has none (``False`` from the caller's view: never for this memo entry)
+    or the extension is not built yet (``...``: ask again later)."""
+    if not native.ENABLED or not _eligible(args):
+        return None
+    ext = native.extension()
+    if ext is None:
+        return None if native._state["failed"] is not None else ...
+    slot = grid_state.slot(args.inp.device)
+    if slot is None:
+        return ...
+    x, w = args.inp, args.weight
+    m, k, n = x.numel() // x.shape[-1], x.shape[-1], w.shape[0]
+    q = _input_quantizer(args)
+    wq = _paired_weight_quantizer(args, q)
+    if wq is None:
+        return None
+    with torch.no_grad():
+        x2d = torch.zeros((m, k), dtype=x.dtype, device=x.device)
+        w2d = torch.zeros((n, k), dtype=w.dtype, device=x.device)
+        fwd = _launch(ext, x2d, w2d, q, (q.rowwise_usage, q.columnwise_usage),
+                      (wq.rowwise_usage, wq.columnwise_usage), slot)
+        dgrad, wgrad = args.input_requires_grad, args.weight_requires_grad
+        bwd = fmt_bwd = None
+        if dgrad or wgrad:
+            dq = _grad_output_quantizer(args)
+            dy2d = torch.zeros((m, n), dtype=x.dtype, device=x.device)
+            bwd = _launch(ext, dy2d, None, dq, (dq.rowwise_usage, dq.columnwise_usage), None,
+                          slot)
+            fmt_bwd = dq.fp8_format
+            if bwd is None:
+                return None
+    if fwd is None:
+        return None
+    if bwd is None:  # no backward: the node is never made
+        bwd = fwd
+    plan = ext.Plan(fwd, bwd, x.device.index, m, k, n, _DTYPE_NAMES[FP8_DTYPE[q.fp8_format]],
+                    _DTYPE_NAMES[FP8_DTYPE[fmt_bwd or "e5m2"]], _DTYPE_NAMES[w.dtype],
+                    q.columnwise_usage, wq.columnwise_usage, dgrad, wgrad,
+                    list(x.shape[:-1]) + [n], list(x.shape))
+    return NativeLinear(ext, plan, slot)
+
+
+def _launch(ext, a2d, b2d, q, a_usage, b_usage, slot):
+    """The native launch of the current-scaling kernel the Python path runs
+    for these operands (compiled by launching it once on them)."""
+    grid, key, args, out_a, out_b = tc.one_launch_call(
+        a2d, b2d, q.fp8_format, q.force_pow_2_scales, q.amax_epsilon, a_usage,
+        b_usage or (False, False), slot)
+    tc._fp8_current_launch(grid, key, *args)
+    slots = [a2d, b2d if b2d is not None else a2d]
+    for out in (out_a, out_b):
+        if out is None:
+            continue
+        slots += [out.get("data", a2d), out.get("transpose", a2d), out["scale_inv"]]
+    if b2d is None:  # backward slots: dy, data, transpose, scale_inv
+        slots = [a2d] + slots[2:]
+    return native.launch_spec(ext, tc._fp8_current_launch, a2d.device.index, grid, key,
+                              args, slots)
