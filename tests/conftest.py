@@ -6,6 +6,18 @@ import torch
 import transformer_engine_compile as te
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _native_extension_built():
+    """On CUDA, the native eager path (kernels/native.py) runs from the first
+    eager call of a test: its extension is built (or loaded from torch's
+    cache) before any test, so which path a test takes never depends on the
+    build's timing.  ``TE_COMPILE_NATIVE=0`` runs the tests on the Python
+    eager path instead."""
+    if torch.cuda.is_available():
+        from transformer_engine_compile.kernels import native
+        native.extension(wait=True)
+
+
 def _delayed(fmt="e4m3"):
     return te.Float8Quantizer(torch.full((1,), 4.0), torch.zeros(1), fmt)
 

@@ -231,3 +231,28 @@ def test_native_declines_what_it_does_not_cover(ext, calls):
                 layer(x).sum().backward()
         assert layer._args_memo[3].native is False
     assert calls["native"] == 0
+
+
+def test_native_node_takes_a_quantized_gradient_through_the_python_path(ext, calls):
+    """fc2's fp8_grad hands fc1's native node a quantized dy (a tensor
+    subclass): the node runs the Python path's backward on its saved copies,
+    which uses that dy as it is, as the Python path does."""
+    torch.manual_seed(2)
+    fc1 = te.Linear(256, 512, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    fc2 = te.Linear(512, 256, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    ref1, ref2 = _python_only(fc1), _python_only(fc2)
+    x0 = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for (a, b), off in (((fc1, fc2), False), ((ref1, ref2), True)):
+        with (_NoNative() if off else _Null()):
+            for _ in range(3):
+                x = x0.clone().requires_grad_(True)
+                a.weight.grad = b.weight.grad = None
+                with te.autocast(recipe=REC):
+                    h = a(x)
+                    y = b(h, fp8_grad=True)
+                y.float().pow(2).sum().backward()
+        results.append((h.grad_fn.name(), y.detach(), x.grad, a.weight.grad, b.weight.grad))
+    assert results[0][0] == "TeLinearFp8Backward" and results[1][0] != "TeLinearFp8Backward"
+    for got, want in zip(results[0][1:], results[1][1:]):
+        assert torch.equal(got, want)

@@ -101,8 +101,26 @@ struct Launch {
 // 4 x scale_inv, 5 W data, 6 W transpose, 7 W scale_inv.  Backward quantize
 // slots: 0 dy (M, N), 1 dy data, 2 dy transpose, 3 dy scale_inv.  A copy not
 // made points at the kernel's input (never written).
+// A Python callable kept by a plan; released under the GIL from any thread.
+struct PyCallable {
+  PyObject* fn = nullptr;
+  PyCallable() = default;
+  PyCallable(const PyCallable&) = delete;
+  PyCallable& operator=(const PyCallable&) = delete;
+  ~PyCallable() {
+    if (fn != nullptr && Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      Py_DECREF(fn);
+    }
+  }
+};
+
 struct Plan {
   Launch fwd, bwd;
+  // the Python path's backward, for a gradient this node does not take as it
+  // is (a tensor subclass such as fp8_grad's quantized dy, another dtype)
+  PyCallable python_backward;
+  at::ScalarType act_dtype = at::kBFloat16;  // x, y and dy
   int64_t device = 0;  // the kernels' device (their handles are per device)
   int64_t m = 0, k = 0, n = 0;
   at::ScalarType fp8_fwd = at::kFloat8_e4m3fn, fp8_bwd = at::kFloat8_e5m2;
@@ -168,6 +186,29 @@ struct LinearFp8Backward : public Node {
 
   std::string name() const override { return "TeLinearFp8Backward"; }
 
+  // The gradients by the Python path's backward from the same saved copies.
+  void python_path(const at::Tensor& dy, variable_list& out) {
+    auto arg = [](const at::Tensor& t) { return t.defined() ? py::cast(t) : py::none(); };
+    at::Tensor x_t, x_sinv, w_t, w_sinv;
+    if (w_grad) {
+      x_t = x_t_.unpack();
+      x_sinv = x_sinv_.unpack();
+    }
+    if (x_grad) {
+      w_t = w_t_.unpack();
+      w_sinv = w_sinv_.unpack();
+    }
+    py::gil_scoped_acquire gil;
+    py::tuple res = py::handle(plan->python_backward.fn)(arg(dy), arg(x_t), arg(x_sinv),
+                                                          arg(w_t), arg(w_sinv));
+    size_t i = 0;
+    for (int k = 0; k < 2; ++k) {
+      if ((k == 0 && !x_grad) || (k == 1 && !w_grad)) continue;
+      if (!res[k].is_none() && should_compute_output(i)) out[i] = res[k].cast<at::Tensor>();
+      ++i;
+    }
+  }
+
   void release_variables() override {
     x_t_.reset_data();
     x_sinv_.reset_data();
@@ -180,7 +221,11 @@ struct LinearFp8Backward : public Node {
     variable_list out(num_outputs());
     const at::Tensor& dy = grads[0];
     if (!dy.defined()) return out;
-    {
+    bool plain = dy.is_cuda() && dy.get_device() == p.device && dy.scalar_type() == p.act_dtype &&
+                 !dy.unsafeGetTensorImpl()->key_set().has(c10::DispatchKey::Python);
+    if (!plain) {
+      python_path(dy, out);
+    } else {
       at::NoGradGuard no_grad;
       at::Tensor dy2d = operand(dy, p.m, p.n);
       auto f32 = dy.options().dtype(at::kFloat);
@@ -303,7 +348,8 @@ void run_launch(const Launch& l, const std::vector<at::Tensor>& slots, int64_t l
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Launch>(m, "Launch");
   py::class_<Plan, std::shared_ptr<Plan>>(m, "Plan")
-      .def(py::init([](Launch fwd, Launch bwd, int64_t device, int64_t mm, int64_t k, int64_t n,
+      .def(py::init([](Launch fwd, Launch bwd, py::object python_backward,
+                       const std::string& act_dtype, int64_t device, int64_t mm, int64_t k, int64_t n,
                        const std::string& fp8_fwd, const std::string& fp8_bwd,
                        const std::string& wgrad_dtype,
                        bool x_col, bool w_col, bool dgrad, bool wgrad,
@@ -311,6 +357,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         auto p = std::make_shared<Plan>();
         p->fwd = std::move(fwd);
         p->bwd = std::move(bwd);
+        p->python_backward.fn = python_backward.release().ptr();
+        p->act_dtype = dtype_named(act_dtype);
         p->device = device;
         p->m = mm;
         p->k = k;

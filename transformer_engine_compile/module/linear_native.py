@@ -17,11 +17,10 @@ import torch
 
 from .. import kernels
 from ..kernels import grid_state, native
-from ..kernels import triton_current as tc
 from ..kernels.reference import FP8_DTYPE
 from ..kernels.triton_launch import int_key
 from ..quantization.float8 import Float8CurrentScalingQuantizer
-from .linear_ops import (LinearFwdArgs, _grad_output_quantizer, _input_quantizer,
+from .linear_ops import (LINEAR_OPS, LinearFwdArgs, _grad_output_quantizer, _input_quantizer,
                          _paired_weight_quantizer, _tp)
 
 _GEMM_OUT = (torch.bfloat16, torch.float16, torch.float32)
@@ -113,16 +112,47 @@ def plan_for(args: LinearFwdArgs):
         return None
     if bwd is None:  # no backward: the node is never made
         bwd = fwd
-    plan = ext.Plan(fwd, bwd, x.device.index, m, k, n, _DTYPE_NAMES[FP8_DTYPE[q.fp8_format]],
+    python_backward = _PythonBackward(args, q, wq)
+    plan = ext.Plan(fwd, bwd, python_backward, _DTYPE_NAMES[x.dtype], x.device.index, m, k, n, _DTYPE_NAMES[FP8_DTYPE[q.fp8_format]],
                     _DTYPE_NAMES[FP8_DTYPE[fmt_bwd or "e5m2"]], _DTYPE_NAMES[w.dtype],
                     q.columnwise_usage, wq.columnwise_usage, dgrad, wgrad,
                     list(x.shape[:-1]) + [n], list(x.shape))
     return NativeLinear(ext, plan, slot)
 
 
+class _PythonBackward:
+    """The Python path's backward for a native node, called (under the GIL)
+    with a gradient the node does not take as it is: a tensor subclass (the
+    quantized dy of a next layer's ``fp8_grad``, a DTensor) or another dtype.
+    The saved copies become the storages the Python forward would have saved."""
+
+    def __init__(self, args: LinearFwdArgs, q, wq):
+        self.values = LINEAR_OPS.setup_context(args)
+        self.x_shape, self.x_dtype = tuple(args.inp.shape), args.inp.dtype
+        self.w_shape, self.w_dtype = tuple(args.weight.shape), args.weight.dtype
+        self.xq, self.wq = q.usage_variant(False, True), wq.usage_variant(False, True)
+
+    def __call__(self, dy, x_t, x_sinv, w_t, w_sinv):
+        from ..kernels.tracing import eager_buffers_in_place
+        x = w = None
+        if x_t is not None:
+            x = self.xq.from_buffers(self.x_shape, self.x_dtype,
+                                     {"transpose": x_t, "scale_inv": x_sinv})
+        if w_t is not None:
+            w = self.wq.from_buffers(self.w_shape, self.w_dtype,
+                                     {"transpose": w_t, "scale_inv": w_sinv})
+        saved = {"inputmat": x, "weightmat": w, "main_grad": None, "amax_history_bwd": None,
+                 "scale_bwd": None}
+        with torch.no_grad(), eager_buffers_in_place():
+            grads = LINEAR_OPS.backward(LINEAR_OPS.make_bwd_args(saved, self.values,
+                                                                 {"grad_output": dy}))
+        return grads["inp"], grads["weight"]
+
+
 def _launch(ext, a2d, b2d, q, a_usage, b_usage, slot):
     """The native launch of the current-scaling kernel the Python path runs
     for these operands (compiled by launching it once on them)."""
+    from ..kernels import triton_current as tc  # Triton: imported on CUDA only
     grid, key, args, out_a, out_b = tc.one_launch_call(
         a2d, b2d, q.fp8_format, q.force_pow_2_scales, q.amax_epsilon, a_usage,
         b_usage or (False, False), slot)
