@@ -54,7 +54,7 @@ def _eligible(args: LinearFwdArgs) -> bool:
     if (type(x) is not torch.Tensor or type(w) not in (torch.Tensor, torch.nn.Parameter)
             or not x.is_cuda or w.device != x.device or x.dim() < 2
             or x.device.index != torch.cuda.current_device()
-            or x.dtype not in _GEMM_OUT or not w.dtype.is_floating_point):
+            or x.dtype not in _GEMM_OUT or w.dtype not in _GEMM_OUT):
         return False
     if (args.bias is not None or _tp(args)[0] is not None or args.output_quantizer is not None
             or args.grad_input_quantizer is not None or args.save_original_input
@@ -113,7 +113,8 @@ def plan_for(args: LinearFwdArgs):
     if bwd is None:  # no backward: the node is never made
         bwd = fwd
     python_backward = _PythonBackward(args, q, wq)
-    plan = ext.Plan(fwd, bwd, python_backward, _DTYPE_NAMES[x.dtype], x.device.index, m, k, n, _DTYPE_NAMES[FP8_DTYPE[q.fp8_format]],
+    plan = ext.Plan(fwd, bwd, python_backward, _DTYPE_NAMES[x.dtype], x.device.index, m, k, n,
+                    _DTYPE_NAMES[FP8_DTYPE[q.fp8_format]],
                     _DTYPE_NAMES[FP8_DTYPE[fmt_bwd or "e5m2"]], _DTYPE_NAMES[w.dtype],
                     q.columnwise_usage, wq.columnwise_usage, dgrad, wgrad,
                     list(x.shape[:-1]) + [n], list(x.shape))
