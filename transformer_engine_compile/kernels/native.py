@@ -11,7 +11,7 @@ Python path compiled, through the driver, with the arguments a plan fixed
 does, so both give the same bits.
 
 The extension is compiled with torch's extension loader on first use, in a
-background thread (about a minute, once per machine: torch caches the
+background thread (about half a minute, once per machine: torch caches the
 build), and the Python path runs until it is ready.  CUDA only; without a
 compiler, CUDA headers or Triton, or with ``TE_COMPILE_NATIVE=0``, nothing
 is built and the Python path runs.
