@@ -354,16 +354,14 @@ def _main(args) -> int:
         print("(on a CPU the times say little about a GPU: this is a smoke run)")
     if args.autograd_threads == "off":
         print("autograd engine threads off: backward runs on the calling thread")
+    result = {"torch": torch.__version__, "device": str(device), "gpu": gpu,
+              "autograd_threads": args.autograd_threads}
     if device.type == "cuda":  # eager fp8_current runs natively once built (kernels/native.py)
         from .kernels import native
         ext = native.extension(wait=True)
+        result["native_eager"] = ext is not None
         print("native eager path: " + ("built" if ext is not None else
                                       f"not used ({native._state['failed'] or 'disabled'})"))
-    result = {"torch": torch.__version__, "device": str(device), "gpu": gpu,
-              "autograd_threads": args.autograd_threads}
-    if device.type == "cuda":
-        from .kernels import native
-        result["native_eager"] = native._state["ext"] is not None
     layer_cfgs = {c: {**CONFIGS, **TINY}[c] for c in names if c in CONFIGS or c in TINY}
     llama_cfgs = {c: {**bench_llama.LLAMA_CONFIGS, **bench_llama.TINY_LLAMA}[c] for c in names
                   if c.startswith("llama")}

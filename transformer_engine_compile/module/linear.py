@@ -449,10 +449,9 @@ class Linear(torch.nn.Module):
         grad = torch.is_grad_enabled()
         key = self._memo_key(inp, recipe, grad, is_first_microbatch, fp8_output, fp8_grad,
                              weight, bias)
-        if key is not None:
-            memo = self.__dict__.get("_args_memo")
-            if memo is not None and memo[0] is weight and memo[1] is bias and memo[2] == key:
-                return memo[3].with_tensors(inp, weight, None if self.return_bias else bias)
+        template = self._memo_template(key, weight, bias)
+        if template is not None:
+            return template.with_tensors(inp, weight, None if self.return_bias else bias)
         args = self._checked_args(inp, recipe, grad, is_first_microbatch, fp8_output, fp8_grad,
                                   weight, bias)
         if key is not None and args.amax_history_fwd is None:  # no state bound
@@ -473,6 +472,15 @@ class Linear(torch.nn.Module):
                     self.tp_size)
         return None
 
+    def _memo_template(self, key, weight, bias):
+        """The memo's template when it was made for ``key`` and these
+        parameter objects, else None."""
+        memo = self.__dict__.get("_args_memo")
+        if (key is None or memo is None or memo[0] is not weight or memo[1] is not bias
+                or memo[2] != key):
+            return None
+        return memo[3]
+
     def _native_forward(self, inp, weight, bias, is_first_microbatch, fp8_output, fp8_grad):
         """The output of the native eager path (kernels/native.py) for a call
         whose argument memo holds a native plan, else None.  A memo entry asks
@@ -482,9 +490,9 @@ class Linear(torch.nn.Module):
             return None
         key = self._memo_key(inp, get_autocast_recipe(), torch.is_grad_enabled(),
                              is_first_microbatch, fp8_output, fp8_grad, weight, bias)
-        if key is None or memo[0] is not weight or memo[1] is not bias or memo[2] != key:
+        template = self._memo_template(key, weight, bias)
+        if template is None:
             return None
-        template = memo[3]
         plan = template.native
         if plan is None:
             plan = plan_for(template.with_tensors(inp, weight,

@@ -154,16 +154,15 @@ def _launch(ext, a2d, b2d, q, a_usage, b_usage, slot):
     """The native launch of the current-scaling kernel the Python path runs
     for these operands (compiled by launching it once on them)."""
     from ..kernels import triton_current as tc  # Triton: imported on CUDA only
+    from ..kernels.triton_quant import _fp8_copy_args
     grid, key, args, out_a, out_b = tc.one_launch_call(
         a2d, b2d, q.fp8_format, q.force_pow_2_scales, q.amax_epsilon, a_usage,
         b_usage or (False, False), slot)
     tc._fp8_current_launch(grid, key, *args)
-    slots = [a2d, b2d if b2d is not None else a2d]
-    for out in (out_a, out_b):
-        if out is None:
-            continue
-        slots += [out.get("data", a2d), out.get("transpose", a2d), out["scale_inv"]]
-    if b2d is None:  # backward slots: dy, data, transpose, scale_inv
-        slots = [a2d] + slots[2:]
+    # native_linear.cpp's slot order: forward x, W, x's copies, W's copies;
+    # backward dy, dy's copies (data, transpose, scale_inv each)
+    slots = [a2d, *_fp8_copy_args(out_a, a2d)]
+    if b2d is not None:
+        slots = [a2d, b2d, *_fp8_copy_args(out_a, a2d), *_fp8_copy_args(out_b, b2d)]
     return native.launch_spec(ext, tc._fp8_current_launch, a2d.device.index, grid, key,
                               args, slots)
