@@ -1,6 +1,6 @@
 """The native eager path (kernels/native.py, module/linear_native.py): an
-eager fp8_current ``te.Linear`` run by the C++ extension gives the Python
-path's bits, in the ways users train.  Skips without CUDA."""
+eager fp8_current ``te.Linear`` (with or without a bias) run by the C++
+extension gives the Python path's bits, in the ways users train.  Skips without CUDA."""
 
 import copy
 
@@ -33,8 +33,8 @@ def calls(monkeypatch):
     n = {"native": 0}
     real = linear_native.NativeLinear.__call__
 
-    def counted(self, x, w):
-        out = real(self, x, w)
+    def counted(self, x, w, bias):
+        out = real(self, x, w, bias)
         n["native"] += out is not None
         return out
 
@@ -58,19 +58,21 @@ class _NoNative:
 
 
 def _step(layer, x, dy, no_native=False):
-    """Output and gradients of one eager step (third call: the memo and the
-    plan exist by then)."""
+    """Output and gradients (x, weight, bias) of one eager step (third call:
+    the memo and the plan exist by then)."""
     ctx = _NoNative() if no_native else _Null()
     outs = None
     with ctx:
         for _ in range(3):
             layer.weight.grad = None
+            if layer.bias is not None:
+                layer.bias.grad = None
             xx = x.detach().requires_grad_(x.requires_grad)
             with te.autocast(recipe=REC):
                 y = layer(xx)
             y.backward(dy)
             outs = (y.detach(), None if xx.grad is None else xx.grad,
-                    layer.weight.grad)
+                    layer.weight.grad, None if layer.bias is None else layer.bias.grad)
     return outs, y
 
 
@@ -102,6 +104,38 @@ def test_native_equals_python_bit_for_bit(ext, calls, shape, out, x_grad):
     for g, w in zip(got, want):
         assert _equal(g, w)
     assert y._base is None  # no view: in-place ops allowed, as on the Python path
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape,out,x_grad,bias_grad",
+                         [((256, 512), 384, True, True), ((2, 128, 256), 512, False, True),
+                          ((128, 256), 256, True, False)], ids=str)
+def test_native_bias_equals_python_bit_for_bit(ext, calls, shape, out, x_grad, bias_grad, dtype):
+    """The bias is added in the forward GEMM's epilogue and its gradient
+    summed by the column-sum kernels, as on the Python path."""
+    torch.manual_seed(3)
+    layer = te.Linear(shape[-1], out, bias=True, params_dtype=dtype, device="cuda")
+    with torch.no_grad():
+        layer.bias.normal_()
+    layer.bias.requires_grad_(bias_grad)
+    ref = _python_only(layer)
+    x = torch.randn(shape, device="cuda", dtype=dtype).requires_grad_(x_grad)
+    dy = torch.randn((*shape[:-1], out), device="cuda", dtype=dtype)
+    got, y = _step(layer, x, dy)
+    want, y_ref = _step(ref, x, dy, no_native=True)
+    assert calls["native"] == 2 and y.grad_fn.name() == "TeLinearFp8Backward"
+    assert (got[3] is not None) == bias_grad
+    for g, w in zip(got, want):
+        assert _equal(g, w)
+    # only the bias trains: the node sums dy and quantizes nothing
+    layer.weight.requires_grad_(False)
+    ref.weight.requires_grad_(False)
+    if bias_grad:
+        x2 = x.detach()
+        got2, _ = _step(layer, x2, dy)
+        want2, _ = _step(ref, x2, dy, no_native=True)
+        assert got2[1] is None and got2[2] is None
+        assert torch.equal(got2[3], want2[3]) and torch.equal(got2[0], want2[0])
 
 
 def test_native_no_grad_and_frozen_weight(ext, calls):
@@ -176,12 +210,13 @@ def test_native_checkpoint_retain_graph_and_double_backward(ext, calls):
     assert torch.equal(x.grad, g1)
 
 
-def test_native_training_with_optimizer_matches_python(ext, calls):
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_native_training_with_optimizer_matches_python(ext, calls, bias):
     torch.manual_seed(1)
     model = torch.nn.Sequential(
-        te.Linear(256, 512, bias=False, params_dtype=torch.bfloat16, device="cuda"),
+        te.Linear(256, 512, bias=bias, params_dtype=torch.bfloat16, device="cuda"),
         torch.nn.GELU(),
-        te.Linear(512, 256, bias=False, params_dtype=torch.bfloat16, device="cuda"))
+        te.Linear(512, 256, bias=bias, params_dtype=torch.bfloat16, device="cuda"))
     ref = copy.deepcopy(model)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref)]
     x = torch.randn(4, 32, 256, device="cuda", dtype=torch.bfloat16)
@@ -220,8 +255,15 @@ def test_native_non_contiguous_input_and_inplace_output(ext, calls):
 
 def test_native_declines_what_it_does_not_cover(ext, calls):
     x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    # an fp32 bias (the Python path adds it with its own kernel after the GEMM)
+    x32 = x.float().detach().requires_grad_(True)
+    layer = te.Linear(256, 256, bias=True, params_dtype=torch.float32, device="cuda")
+    with te.autocast(recipe=REC):
+        for _ in range(3):
+            layer(x32).sum().backward()
+    assert layer._args_memo[3].native is False
     for layer, rec in ((te.Linear(256, 256, bias=True, params_dtype=torch.bfloat16,
-                                  device="cuda"), REC),
+                                  device="cuda", save_original_input=True), REC),
                        (te.Linear(256, 256, bias=False, params_dtype=torch.bfloat16,
                                   device="cuda"), R.Float8BlockScaling()),
                        (te.Linear(256, 200, bias=False, params_dtype=torch.bfloat16,

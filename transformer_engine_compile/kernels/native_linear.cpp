@@ -100,7 +100,8 @@ struct Launch {
 // Forward quantize slots: 0 x (M, K), 1 W (N, K), 2 x data, 3 x transpose,
 // 4 x scale_inv, 5 W data, 6 W transpose, 7 W scale_inv.  Backward quantize
 // slots: 0 dy (M, N), 1 dy data, 2 dy transpose, 3 dy scale_inv.  A copy not
-// made points at the kernel's input (never written).
+// made points at the kernel's input (never written).  The bias gradient's
+// two launches (column sums of dy): 0 dy, 1 fp32 partial sums, 2 the result.
 // A Python callable kept by a plan; released under the GIL from any thread.
 struct PyCallable {
   PyObject* fn = nullptr;
@@ -117,6 +118,7 @@ struct PyCallable {
 
 struct Plan {
   Launch fwd, bwd;
+  Launch bias_rows, bias_cols;  // the bias gradient (when bias_grad)
   // the Python path's backward, for a gradient this node does not take as it
   // is (a tensor subclass such as fp8_grad's quantized dy, another dtype)
   PyCallable python_backward;
@@ -126,6 +128,10 @@ struct Plan {
   at::ScalarType fp8_fwd = at::kFloat8_e4m3fn, fp8_bwd = at::kFloat8_e5m2;
   at::ScalarType wgrad_dtype = at::kBFloat16;
   bool x_col = false, w_col = false, dgrad = false, wgrad = false;
+  // a bias of act_dtype added in the forward GEMM's epilogue; its gradient
+  // summed over `bias_groups` row groups (triton_bias.column_sum)
+  bool bias = false, bias_grad = false;
+  int64_t bias_groups = 0;
   std::vector<int64_t> out_shape, in_shape;
 };
 
@@ -157,8 +163,8 @@ struct Forward {
   at::Tensor y, x_t, x_sinv, w_t, w_sinv;
 };
 
-Forward forward_impl(const Plan& p, const at::Tensor& x, const at::Tensor& w, int64_t lo,
-                     int64_t hi) {
+Forward forward_impl(const Plan& p, const at::Tensor& x, const at::Tensor& w,
+                     const c10::optional<at::Tensor>& bias, int64_t lo, int64_t hi) {
   at::NoGradGuard no_grad;
   at::Tensor x2d = operand(x, p.m, p.k), w2d = operand(w, p.n, p.k);
   auto f32 = x.options().dtype(at::kFloat);
@@ -172,8 +178,8 @@ Forward forward_impl(const Plan& p, const at::Tensor& x, const at::Tensor& w, in
   p.fwd.run({x2d, w2d, x_data, x_t, x_sinv, w_data, w_t, w_sinv}, lo, hi, stream);
   at::Tensor y = at::empty(p.out_shape, x.options());
   at::Tensor y2d = y.view({p.m, p.n});
-  at::_scaled_mm_out(y2d, x_data, w_data.t(), x_sinv, w_sinv, c10::nullopt,
-                     c10::nullopt, x.scalar_type(), /*use_fast_accum=*/true);
+  at::_scaled_mm_out(y2d, x_data, w_data.t(), x_sinv, w_sinv, bias, c10::nullopt,
+                     x.scalar_type(), /*use_fast_accum=*/true);
   return {y, p.x_col ? x_t : at::Tensor(), x_sinv, p.w_col ? w_t : at::Tensor(), w_sinv};
 }
 
@@ -182,7 +188,8 @@ struct LinearFp8Backward : public Node {
   std::shared_ptr<const Plan> plan;
   SavedVariable x_t_, x_sinv_, w_t_, w_sinv_;
   int64_t lo = 0, hi = 0;
-  bool x_grad = false, w_grad = false;  // next edges: x then W, where they need grads
+  // next edges: x, W, then the bias, each where it needs a gradient
+  bool x_grad = false, w_grad = false, b_grad = false;
 
   std::string name() const override { return "TeLinearFp8Backward"; }
 
@@ -202,8 +209,8 @@ struct LinearFp8Backward : public Node {
     py::tuple res = py::handle(plan->python_backward.fn)(arg(dy), arg(x_t), arg(x_sinv),
                                                           arg(w_t), arg(w_sinv));
     size_t i = 0;
-    for (int k = 0; k < 2; ++k) {
-      if ((k == 0 && !x_grad) || (k == 1 && !w_grad)) continue;
+    for (int k = 0; k < 3; ++k) {
+      if ((k == 0 && !x_grad) || (k == 1 && !w_grad) || (k == 2 && !b_grad)) continue;
       if (!res[k].is_none() && should_compute_output(i)) out[i] = res[k].cast<at::Tensor>();
       ++i;
     }
@@ -229,11 +236,14 @@ struct LinearFp8Backward : public Node {
       at::NoGradGuard no_grad;
       at::Tensor dy2d = operand(dy, p.m, p.n);
       auto f32 = dy.options().dtype(at::kFloat);
-      at::Tensor sinv = at::empty({1}, f32);
-      at::Tensor data = p.dgrad ? fp8_empty(p.m, p.n, p.fp8_bwd, dy) : dy2d;
-      at::Tensor tr = p.wgrad ? fp8_empty(p.n, p.m, p.fp8_bwd, dy) : dy2d;
       auto stream = c10::cuda::getCurrentCUDAStream(dy.device().index()).stream();
-      p.bwd.run({dy2d, data, tr, sinv}, lo, hi, stream);
+      at::Tensor sinv, data, tr;
+      if (x_grad || w_grad) {  // dy quantized (a bias gradient alone reads dy as it is)
+        sinv = at::empty({1}, f32);
+        data = p.dgrad ? fp8_empty(p.m, p.n, p.fp8_bwd, dy) : dy2d;
+        tr = p.wgrad ? fp8_empty(p.n, p.m, p.fp8_bwd, dy) : dy2d;
+        p.bwd.run({dy2d, data, tr, sinv}, lo, hi, stream);
+      }
       size_t i = 0;
       if (x_grad) {
         at::Tensor w_t = w_t_.unpack(), w_sinv = w_sinv_.unpack();
@@ -244,10 +254,21 @@ struct LinearFp8Backward : public Node {
         }
         ++i;
       }
-      if (w_grad && should_compute_output(i)) {
-        at::Tensor x_t = x_t_.unpack(), x_sinv = x_sinv_.unpack();
-        out[i] = at::_scaled_mm(tr, x_t.t(), sinv, x_sinv, c10::nullopt, c10::nullopt,
-                                p.wgrad_dtype, false);
+      if (w_grad) {
+        if (should_compute_output(i)) {
+          at::Tensor x_t = x_t_.unpack(), x_sinv = x_sinv_.unpack();
+          out[i] = at::_scaled_mm(tr, x_t.t(), sinv, x_sinv, c10::nullopt, c10::nullopt,
+                                  p.wgrad_dtype, false);
+        }
+        ++i;
+      }
+      if (b_grad && should_compute_output(i)) {
+        at::Tensor parts = at::empty({p.bias_groups, p.n}, f32);
+        at::Tensor db = at::empty({1, p.n}, dy.options());
+        std::vector<at::Tensor> slots{dy2d, parts, db};
+        p.bias_rows.run(slots, lo, hi, stream);
+        p.bias_cols.run(slots, lo, hi, stream);
+        out[i] = db.view({p.n});
       }
     }
     // create_graph=True: as @once_differentiable, the gradients refuse only a
@@ -274,14 +295,29 @@ struct LinearFp8Backward : public Node {
 // gradient; None (an undefined tensor) for operands on another device than
 // the plan's (a layer moved since): the caller then takes the Python path.
 at::Tensor linear(const std::shared_ptr<Plan>& plan, const at::Tensor& x, const at::Tensor& w,
-                  int64_t lo, int64_t hi) {
+                  const c10::optional<at::Tensor>& bias, int64_t lo, int64_t hi) {
   const Plan& p = *plan;
-  if (!x.is_cuda() || x.get_device() != p.device || w.get_device() != p.device) {
+  if (!x.is_cuda() || x.get_device() != p.device || w.get_device() != p.device ||
+      bias.has_value() != p.bias) {
     return at::Tensor();
   }
+  bool b_req = false;
+  if (p.bias) {
+    const at::Tensor& b = *bias;
+    if (b.get_device() != p.device || b.scalar_type() != p.act_dtype || b.dim() != 1 ||
+        b.size(0) != p.n || !b.is_contiguous() ||
+        b.unsafeGetTensorImpl()->key_set().has(c10::DispatchKey::Python)) {
+      return at::Tensor();
+    }
+    b_req = b.requires_grad();
+  }
+  bool record = at::GradMode::is_enabled() && (x.requires_grad() || w.requires_grad() || b_req);
+  if (record && (x.requires_grad() != p.dgrad || w.requires_grad() != p.wgrad ||
+                 b_req != p.bias_grad)) {
+    return at::Tensor();  // planned for other gradients
+  }
   c10::cuda::CUDAGuard guard(x.device());
-  Forward f = forward_impl(p, x, w, lo, hi);
-  bool record = at::GradMode::is_enabled() && (x.requires_grad() || w.requires_grad());
+  Forward f = forward_impl(p, x, w, bias, lo, hi);
   if (!record) return f.y;
   auto node = NodeMaker<LinearFp8Backward, NodeHolder>::make();
   node->plan = plan;
@@ -289,9 +325,11 @@ at::Tensor linear(const std::shared_ptr<Plan>& plan, const at::Tensor& x, const 
   node->hi = hi;
   node->x_grad = x.requires_grad();
   node->w_grad = w.requires_grad();
+  node->b_grad = b_req;
   torch::autograd::edge_list edges;
   if (node->x_grad) edges.push_back(torch::autograd::impl::gradient_edge(x));
   if (node->w_grad) edges.push_back(torch::autograd::impl::gradient_edge(w));
+  if (node->b_grad) edges.push_back(torch::autograd::impl::gradient_edge(*bias));
   node->set_next_edges(std::move(edges));
   if (node->x_grad) {
     node->w_t_ = SavedVariable(f.w_t, false);
@@ -352,7 +390,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        const std::string& act_dtype, int64_t device, int64_t mm, int64_t k, int64_t n,
                        const std::string& fp8_fwd, const std::string& fp8_bwd,
                        const std::string& wgrad_dtype,
-                       bool x_col, bool w_col, bool dgrad, bool wgrad,
+                       bool x_col, bool w_col, bool dgrad, bool wgrad, bool bias,
                        std::vector<int64_t> out_shape, std::vector<int64_t> in_shape) {
         auto p = std::make_shared<Plan>();
         p->fwd = std::move(fwd);
@@ -370,10 +408,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         p->w_col = w_col;
         p->dgrad = dgrad;
         p->wgrad = wgrad;
+        p->bias = bias;
         p->out_shape = std::move(out_shape);
         p->in_shape = std::move(in_shape);
         return p;
-      }));
+      }))
+      .def("set_bias_grad", [](Plan& p, Launch rows, Launch cols, int64_t groups) {
+        TORCH_CHECK(p.bias && groups > 0, "te native: a bias gradient needs a bias");
+        p.bias_rows = std::move(rows);
+        p.bias_cols = std::move(cols);
+        p.bias_groups = groups;
+        p.bias_grad = true;
+      });
   m.def("make_launch", &make_launch);
   m.def("param_info", &param_info);
   m.def("run_launch", &run_launch);

@@ -502,7 +502,7 @@ class Linear(torch.nn.Module):
             template.native = plan = plan or False
             if plan is False:
                 return None
-        return plan(inp, weight)
+        return plan(inp, weight, None if self.return_bias else bias)
 
     def _checked_args(self, inp, recipe, grad, is_first_microbatch, fp8_output, fp8_grad,
                       weight, bias) -> LinearFwdArgs:

@@ -1,7 +1,8 @@
 """When and how an eager ``te.Linear`` call runs natively (kernels/native.py).
 
 The native path covers the common training configuration, Float8CurrentScaling
-with no bias in the GEMM, and nothing else: no tensor parallelism, no
+with or without a bias (of the input's dtype, bf16 or fp16: added in the
+GEMM's epilogue), and nothing else: no tensor parallelism, no
 ``fp8_output`` / ``fp8_grad``, no cached or FP8 weight, no
 ``save_original_input``, no ``fuse_wgrad_accumulation``; a CUDA input with
 every dim of the three GEMMs a multiple of 16.  Any other call, and any call
@@ -29,8 +30,8 @@ _DTYPE_NAMES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8
 
 
 class NativeLinear:
-    """One configuration's plan: ``plan(x, w)`` is the layer's output, or
-    None where this call must take the Python path."""
+    """One configuration's plan: ``plan(x, w, bias)`` is the layer's output,
+    or None where this call must take the Python path."""
 
     __slots__ = ("ext", "plan", "slot", "slot_keys")
 
@@ -38,7 +39,7 @@ class NativeLinear:
         self.ext, self.plan, self.slot = ext, plan, slot
         self.slot_keys = (int_key(slot[0]), int_key(slot[1]))
 
-    def __call__(self, x, w):
+    def __call__(self, x, w, bias):
         if (not kernels._fast_enabled or torch._C._are_functorch_transforms_active()
                 or torch.autograd.forward_ad._current_level >= 0):
             return None
@@ -46,7 +47,7 @@ class NativeLinear:
         if slot is None or (slot != self.slot
                             and (int_key(slot[0]), int_key(slot[1])) != self.slot_keys):
             return None  # the kernels were compiled for other counter addresses
-        return self.ext.linear(self.plan, x, w, slot[0], slot[1])
+        return self.ext.linear(self.plan, x, w, bias, slot[0], slot[1])
 
 
 def _eligible(args: LinearFwdArgs) -> bool:
@@ -56,7 +57,7 @@ def _eligible(args: LinearFwdArgs) -> bool:
             or x.device.index != torch.cuda.current_device()
             or x.dtype not in _GEMM_OUT or w.dtype not in _GEMM_OUT):
         return False
-    if (args.bias is not None or _tp(args)[0] is not None or args.output_quantizer is not None
+    if (not _bias_eligible(args) or _tp(args)[0] is not None or args.output_quantizer is not None
             or args.grad_input_quantizer is not None or args.save_original_input
             or args.cache_weight or args.weight_workspace is not None
             or args.main_grad is not None or args.amax_history_fwd is not None
@@ -73,6 +74,19 @@ def _eligible(args: LinearFwdArgs) -> bool:
         return False
     return (torch.cuda.get_device_capability(x.device) >= (8, 9)
             and kernels.has_fast("quantize_fp8_current_pair", "cuda"))
+
+
+def _bias_eligible(args: LinearFwdArgs) -> bool:
+    """No bias, or one ``_scaled_mm`` adds in its epilogue (the Python
+    path's choice too: the input's dtype, not fp32) and whose gradient the
+    column-sum kernels make."""
+    b, x = args.bias, args.inp
+    if b is None:
+        return True
+    return (type(b) in (torch.Tensor, torch.nn.Parameter) and b.device == x.device
+            and b.dtype == x.dtype and x.dtype != torch.float32 and b.dim() == 1
+            and b.is_contiguous()
+            and (not args.bias_requires_grad or kernels.has_fast("column_sum", "cuda")))
 
 
 def plan_for(args: LinearFwdArgs):
@@ -117,8 +131,31 @@ def plan_for(args: LinearFwdArgs):
                     _DTYPE_NAMES[FP8_DTYPE[q.fp8_format]],
                     _DTYPE_NAMES[FP8_DTYPE[fmt_bwd or "e5m2"]], _DTYPE_NAMES[w.dtype],
                     q.columnwise_usage, wq.columnwise_usage, dgrad, wgrad,
-                    list(x.shape[:-1]) + [n], list(x.shape))
+                    args.bias is not None, list(x.shape[:-1]) + [n], list(x.shape))
+    if args.bias_requires_grad:
+        launches = _bias_grad_launches(ext, m, n, x.dtype, x.device)
+        if launches is None:
+            return None
+        plan.set_bias_grad(*launches)
     return NativeLinear(ext, plan, slot)
+
+
+def _bias_grad_launches(ext, m, n, dtype, device):
+    """The native launches of the bias gradient (``column_sum`` of dy, two
+    kernels) and its group count, or None."""
+    from ..kernels import triton_bias  # Triton: imported on CUDA only
+    with torch.no_grad():
+        dy2d = torch.zeros((m, n), dtype=dtype, device=device)
+        launches, out = triton_bias.column_sum_calls(dy2d, dtype)
+        parts = launches[0][3][1]
+        specs = []
+        for launcher, grid, key, largs in launches:
+            launcher(grid, key, *largs)
+            specs.append(native.launch_spec(ext, launcher, device.index, grid, key, largs,
+                                            [dy2d, parts, out]))
+    if None in specs:
+        return None
+    return specs[0], specs[1], parts.shape[0]
 
 
 class _PythonBackward:
@@ -147,7 +184,7 @@ class _PythonBackward:
         with torch.no_grad(), eager_buffers_in_place():
             grads = LINEAR_OPS.backward(LINEAR_OPS.make_bwd_args(saved, self.values,
                                                                  {"grad_output": dy}))
-        return grads["inp"], grads["weight"]
+        return grads["inp"], grads["weight"], grads["bias"]
 
 
 def _launch(ext, a2d, b2d, q, a_usage, b_usage, slot):
