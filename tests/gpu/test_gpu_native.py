@@ -1,6 +1,7 @@
 """The native eager path (kernels/native.py, module/linear_native.py): an
-eager fp8_current ``te.Linear`` (with or without a bias) run by the C++
-extension gives the Python path's bits, in the ways users train.  Skips without CUDA."""
+eager ``te.Linear`` under fp8_current (with or without a bias) or
+fp8_block run by the C++ extension gives the Python path's bits, in the
+ways users train.  Skips without CUDA."""
 
 import copy
 
@@ -17,6 +18,7 @@ if torch.cuda.is_available():
     from transformer_engine_compile.module import linear_native
 
 REC = R.Float8CurrentScaling()
+BLOCK = R.Float8BlockScaling()
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +59,7 @@ class _NoNative:
         native.ENABLED = self.was
 
 
-def _step(layer, x, dy, no_native=False):
+def _step(layer, x, dy, no_native=False, rec=REC):
     """Output and gradients (x, weight, bias) of one eager step (third call:
     the memo and the plan exist by then)."""
     ctx = _NoNative() if no_native else _Null()
@@ -68,7 +70,7 @@ def _step(layer, x, dy, no_native=False):
             if layer.bias is not None:
                 layer.bias.grad = None
             xx = x.detach().requires_grad_(x.requires_grad)
-            with te.autocast(recipe=REC):
+            with te.autocast(recipe=rec):
                 y = layer(xx)
             y.backward(dy)
             outs = (y.detach(), None if xx.grad is None else xx.grad,
@@ -104,6 +106,36 @@ def test_native_equals_python_bit_for_bit(ext, calls, shape, out, x_grad):
     for g, w in zip(got, want):
         assert _equal(g, w)
     assert y._base is None  # no view: in-place ops allowed, as on the Python path
+
+
+_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.skipif(not _HOPPER, reason="the block-scaled GEMM is cuBLAS's on SM 9.0")
+@pytest.mark.parametrize("shape,out,x_grad,dtype",
+                         [((256, 512), 384, True, torch.bfloat16),
+                          ((2, 128, 256), 256, True, torch.bfloat16),
+                          ((128, 1024), 512, False, torch.bfloat16),
+                          ((256, 512), 640, True, torch.float16)], ids=str)
+def test_native_block_equals_python_bit_for_bit(ext, calls, shape, out, x_grad, dtype):
+    """Float8BlockScaling: x, W and dy quantized by the blockwise kernel (W
+    128x128, its scales padded for cuBLAS where K/128 or N/128 is not a
+    multiple of 4), the GEMMs cuBLAS's block-scaled ones."""
+    torch.manual_seed(4)
+    layer = te.Linear(shape[-1], out, bias=False, params_dtype=dtype, device="cuda")
+    ref = _python_only(layer)
+    x = (torch.randn(shape, device="cuda", dtype=dtype) * 3).requires_grad_(x_grad)
+    dy = torch.randn((*shape[:-1], out), device="cuda", dtype=dtype)
+    got, y = _step(layer, x, dy, rec=BLOCK)
+    want, _ = _step(ref, x, dy, no_native=True, rec=BLOCK)
+    assert calls["native"] == 2 and y.grad_fn.name() == "TeLinearFp8Backward"
+    for g, w in zip(got, want):
+        assert _equal(g, w)
+    with torch.no_grad(), te.autocast(recipe=BLOCK):
+        outs = [layer(x) for _ in range(3)]
+    with torch.no_grad(), te.autocast(recipe=BLOCK), _NoNative():
+        assert all(torch.equal(o, ref(x)) for o in outs)
+    assert calls["native"] == 4
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -210,8 +242,11 @@ def test_native_checkpoint_retain_graph_and_double_backward(ext, calls):
     assert torch.equal(x.grad, g1)
 
 
-@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
-def test_native_training_with_optimizer_matches_python(ext, calls, bias):
+@pytest.mark.parametrize("bias,rec", [(False, REC), (True, REC), (False, BLOCK)],
+                         ids=["no_bias", "bias", "block"])
+def test_native_training_with_optimizer_matches_python(ext, calls, bias, rec):
+    if rec is BLOCK and not _HOPPER:
+        pytest.skip("the block-scaled GEMM is cuBLAS's on SM 9.0")
     torch.manual_seed(1)
     model = torch.nn.Sequential(
         te.Linear(256, 512, bias=bias, params_dtype=torch.bfloat16, device="cuda"),
@@ -223,7 +258,7 @@ def test_native_training_with_optimizer_matches_python(ext, calls, bias):
     for step in range(4):
         losses = []
         for m, opt, off in ((model, opts[0], False), (ref, opts[1], True)):
-            with (_NoNative() if off else _Null()), te.autocast(recipe=REC):
+            with (_NoNative() if off else _Null()), te.autocast(recipe=rec):
                 loss = m(x).float().pow(2).mean()
             loss.backward()
             opt.step()
@@ -262,15 +297,19 @@ def test_native_declines_what_it_does_not_cover(ext, calls):
         for _ in range(3):
             layer(x32).sum().backward()
     assert layer._args_memo[3].native is False
-    for layer, rec in ((te.Linear(256, 256, bias=True, params_dtype=torch.bfloat16,
-                                  device="cuda", save_original_input=True), REC),
-                       (te.Linear(256, 256, bias=False, params_dtype=torch.bfloat16,
-                                  device="cuda"), R.Float8BlockScaling()),
-                       (te.Linear(256, 200, bias=False, params_dtype=torch.bfloat16,
-                                  device="cuda"), REC)):
+    x128 = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def bf16(bias=False, out=256, **kw):
+        return te.Linear(256, out, bias=bias, params_dtype=torch.bfloat16, device="cuda", **kw)
+
+    for layer, rec, inp in ((bf16(True, save_original_input=True), REC, x),
+                            (bf16(out=200), REC, x),  # N not a multiple of 16
+                            (bf16(), BLOCK, x),  # 64 rows: not a multiple of 128
+                            (bf16(True), BLOCK, x128),  # a bias under blockwise
+                            (bf16(), R.MXFP8BlockScaling(), x128)):
         with te.autocast(recipe=rec):
             for _ in range(3):
-                layer(x).sum().backward()
+                layer(inp).sum().backward()
         assert layer._args_memo[3].native is False
     assert calls["native"] == 0
 

@@ -1,5 +1,6 @@
-// Eager te.Linear under current scaling (FP8 per tensor) as one C++ call and
-// a C++ autograd node (kernels/native.py builds the plans and says when).
+// Eager te.Linear under FP8 current scaling (per tensor) or FP8 blockwise
+// scaling (1x128 activations and gradients, 128x128 weights) as one C++ call
+// and a C++ autograd node (kernels/native.py builds the plans and says when).
 //
 // The Python eager path runs ~150 us of Python per layer forward + backward
 // around ~10 CUDA calls, and the autograd engine runs the backward's Python
@@ -7,7 +8,8 @@
 // (docs/benchmarks.md).  Here the same kernels run in the same order with
 // the same arguments: the Triton kernels the Python path compiled (launched
 // through the driver with the arguments a plan fixed) and torch's
-// _scaled_mm, so the results are bit for bit the Python path's.
+// _scaled_mm (current scaling) or _scaled_mm_v2 with block scales (as
+// F.scaled_mm calls it), so the results are bit for bit the Python path's.
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -96,12 +98,43 @@ struct Launch {
   }
 };
 
+// -- the block-scaled GEMM (F.scaled_mm's op), looked up at run time ------------
+// (looked up rather than called through the generated API, so a torch
+// without it, or with another schema, still builds the rest of this file)
+using ScaledMmV2Out = at::Tensor&(const at::Tensor&, const at::Tensor&, at::TensorList,
+                                  at::IntArrayRef, at::IntArrayRef, at::TensorList,
+                                  at::IntArrayRef, at::IntArrayRef,
+                                  const std::optional<at::Tensor>&,
+                                  std::optional<at::ScalarType>, at::IntArrayRef, bool,
+                                  at::Tensor&);
+
+const c10::TypedOperatorHandle<ScaledMmV2Out>& scaled_mm_v2_out() {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("aten::_scaled_mm_v2", "out")
+                       .typed<ScaledMmV2Out>();
+  return op;
+}
+
+// Whether this torch has the block-scaled GEMM with the schema above.
+bool has_block_gemm() {
+  try {
+    scaled_mm_v2_out();
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
 // -- the plan of one te.Linear configuration -------------------------------------
+enum Recipe : int64_t { kCurrent = 0, kBlock = 1 };
+
 // Forward quantize slots: 0 x (M, K), 1 W (N, K), 2 x data, 3 x transpose,
 // 4 x scale_inv, 5 W data, 6 W transpose, 7 W scale_inv.  Backward quantize
 // slots: 0 dy (M, N), 1 dy data, 2 dy transpose, 3 dy scale_inv.  A copy not
 // made points at the kernel's input (never written).  The bias gradient's
 // two launches (column sums of dy): 0 dy, 1 fp32 partial sums, 2 the result.
+// Blockwise: one launch per tensor (x, W, dy), slots 0 the input, 1 rowwise
+// data, 2 rowwise scales, 3 columnwise data, 4 columnwise scales.
 // A Python callable kept by a plan; released under the GIL from any thread.
 struct PyCallable {
   PyObject* fn = nullptr;
@@ -117,7 +150,10 @@ struct PyCallable {
 };
 
 struct Plan {
+  int64_t recipe = kCurrent;
   Launch fwd, bwd;
+  Launch fwd_w;  // blockwise: W's launch (fwd is x's)
+  int64_t scaling_1x128 = 0, scaling_128x128 = 0;  // F.ScalingType values
   Launch bias_rows, bias_cols;  // the bias gradient (when bias_grad)
   // the Python path's backward, for a gradient this node does not take as it
   // is (a tensor subclass such as fp8_grad's quantized dy, another dtype)
@@ -159,12 +195,59 @@ at::Tensor fp8_empty(int64_t r, int64_t c, at::ScalarType dt, const at::Tensor& 
   return at::empty({r, c}, like.options().dtype(dt));
 }
 
+// The tensors a forward leaves for the backward: x's and W's columnwise
+// copies and their scales (current scaling: a one-element scale_inv each).
 struct Forward {
   at::Tensor y, x_t, x_sinv, w_t, w_sinv;
 };
 
-Forward forward_impl(const Plan& p, const at::Tensor& x, const at::Tensor& w,
-                     const c10::optional<at::Tensor>& bias, int64_t lo, int64_t hi) {
+// (rows, blocks) 128x128 scales with the blocks padded to a multiple of 4
+// (zeros), as cuBLAS reads them (cuda_gemm._padded_128x128).
+at::Tensor padded_128x128(const at::Tensor& s) {
+  int64_t kb = s.size(1);
+  if (kb % 4 == 0) return s;
+  at::Tensor padded = at::zeros({s.size(0), (kb + 3) / 4 * 4}, s.options());
+  padded.narrow(1, 0, kb).copy_(s);
+  return padded;
+}
+
+// out = A @ B^T with 1x128 scales for A (`a_s`, (rows, blocks) with stride
+// (1, rows)) and 1x128 or 128x128 scales for B, as cuda_gemm._fp8_blockwise.
+void block_gemm(const Plan& p, const at::Tensor& a, const at::Tensor& a_s, const at::Tensor& b,
+                const at::Tensor& b_s, bool b_2d, at::Tensor& out) {
+  std::array<at::Tensor, 1> sa{a_s};
+  std::array<at::Tensor, 1> sb{b_2d ? padded_128x128(b_s).t() : b_s};
+  std::array<int64_t, 1> ra{p.scaling_1x128};
+  std::array<int64_t, 1> rb{b_2d ? p.scaling_128x128 : p.scaling_1x128};
+  scaled_mm_v2_out().call(a, b.t(), sa, ra, {}, sb, rb, {}, std::nullopt, out.scalar_type(),
+                          {}, false, out);
+}
+
+Forward forward_block(const Plan& p, const at::Tensor& x, const at::Tensor& w) {
+  constexpr int64_t B = 128;
+  at::NoGradGuard no_grad;
+  at::Tensor x2d = operand(x, p.m, p.k), w2d = operand(w, p.n, p.k);
+  auto f32 = x.options().dtype(at::kFloat);
+  at::Tensor x_rd = fp8_empty(p.m, p.k, p.fp8_fwd, x);
+  at::Tensor x_rs = at::empty({p.k / B, p.m}, f32);
+  at::Tensor x_cd = p.x_col ? fp8_empty(p.k, p.m, p.fp8_fwd, x) : x2d;
+  at::Tensor x_cs = p.x_col ? at::empty({p.m / B * p.k}, f32) : x2d;
+  at::Tensor w_rd = fp8_empty(p.n, p.k, p.fp8_fwd, x);
+  at::Tensor w_rs = at::empty({p.n / B, p.k / B}, f32);
+  at::Tensor w_cd = p.w_col ? fp8_empty(p.k, p.n, p.fp8_fwd, x) : w2d;
+  at::Tensor w_cs = p.w_col ? at::empty({p.k / B, p.n / B}, f32) : w2d;
+  auto stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  p.fwd.run({x2d, x_rd, x_rs, x_cd, x_cs}, 0, 0, stream);
+  p.fwd_w.run({w2d, w_rd, w_rs, w_cd, w_cs}, 0, 0, stream);
+  at::Tensor y = at::empty(p.out_shape, x.options());
+  at::Tensor y2d = y.view({p.m, p.n});
+  block_gemm(p, x_rd, x_rs.t(), w_rd, w_rs, true, y2d);
+  return {y, p.x_col ? x_cd : at::Tensor(), p.x_col ? x_cs : at::Tensor(),
+          p.w_col ? w_cd : at::Tensor(), p.w_col ? w_cs : at::Tensor()};
+}
+
+Forward forward_current(const Plan& p, const at::Tensor& x, const at::Tensor& w,
+                        const c10::optional<at::Tensor>& bias, int64_t lo, int64_t hi) {
   at::NoGradGuard no_grad;
   at::Tensor x2d = operand(x, p.m, p.k), w2d = operand(w, p.n, p.k);
   auto f32 = x.options().dtype(at::kFloat);
@@ -237,30 +320,11 @@ struct LinearFp8Backward : public Node {
       at::Tensor dy2d = operand(dy, p.m, p.n);
       auto f32 = dy.options().dtype(at::kFloat);
       auto stream = c10::cuda::getCurrentCUDAStream(dy.device().index()).stream();
-      at::Tensor sinv, data, tr;
-      if (x_grad || w_grad) {  // dy quantized (a bias gradient alone reads dy as it is)
-        sinv = at::empty({1}, f32);
-        data = p.dgrad ? fp8_empty(p.m, p.n, p.fp8_bwd, dy) : dy2d;
-        tr = p.wgrad ? fp8_empty(p.n, p.m, p.fp8_bwd, dy) : dy2d;
-        p.bwd.run({dy2d, data, tr, sinv}, lo, hi, stream);
-      }
       size_t i = 0;
-      if (x_grad) {
-        at::Tensor w_t = w_t_.unpack(), w_sinv = w_sinv_.unpack();
-        if (should_compute_output(i)) {
-          out[i] = at::_scaled_mm(data, w_t.t(), sinv, w_sinv, c10::nullopt, c10::nullopt,
-                                  dy.scalar_type(), false)
-                       .view(p.in_shape);
-        }
-        ++i;
-      }
-      if (w_grad) {
-        if (should_compute_output(i)) {
-          at::Tensor x_t = x_t_.unpack(), x_sinv = x_sinv_.unpack();
-          out[i] = at::_scaled_mm(tr, x_t.t(), sinv, x_sinv, c10::nullopt, c10::nullopt,
-                                  p.wgrad_dtype, false);
-        }
-        ++i;
+      if (p.recipe == kBlock) {
+        block_grads(p, dy, dy2d, out, i, stream);
+      } else {
+        current_grads(p, dy, dy2d, out, i, lo, hi, stream);
       }
       if (b_grad && should_compute_output(i)) {
         at::Tensor parts = at::empty({p.bias_groups, p.n}, f32);
@@ -288,6 +352,69 @@ struct LinearFp8Backward : public Node {
       out = err.apply(std::move(out));
     }
     return out;
+  }
+
+  // dgrad and wgrad under current scaling; `i` moves past their outputs
+  void current_grads(const Plan& p, const at::Tensor& dy, const at::Tensor& dy2d,
+                     variable_list& out, size_t& i, int64_t lo, int64_t hi,
+                     cudaStream_t stream) {
+    at::Tensor sinv, data, tr;
+    if (x_grad || w_grad) {  // dy quantized (a bias gradient alone reads dy as it is)
+      sinv = at::empty({1}, dy.options().dtype(at::kFloat));
+      data = p.dgrad ? fp8_empty(p.m, p.n, p.fp8_bwd, dy) : dy2d;
+      tr = p.wgrad ? fp8_empty(p.n, p.m, p.fp8_bwd, dy) : dy2d;
+      p.bwd.run({dy2d, data, tr, sinv}, lo, hi, stream);
+    }
+    if (x_grad) {
+      at::Tensor w_t = w_t_.unpack(), w_sinv = w_sinv_.unpack();
+      if (should_compute_output(i)) {
+        out[i] = at::_scaled_mm(data, w_t.t(), sinv, w_sinv, c10::nullopt, c10::nullopt,
+                                dy.scalar_type(), false)
+                     .view(p.in_shape);
+      }
+      ++i;
+    }
+    if (w_grad) {
+      if (should_compute_output(i)) {
+        at::Tensor x_t = x_t_.unpack(), x_sinv = x_sinv_.unpack();
+        out[i] = at::_scaled_mm(tr, x_t.t(), sinv, x_sinv, c10::nullopt, c10::nullopt,
+                                p.wgrad_dtype, false);
+      }
+      ++i;
+    }
+  }
+
+  // dgrad and wgrad under blockwise scaling (cuda_gemm._fp8_blockwise's calls)
+  void block_grads(const Plan& p, const at::Tensor& dy, const at::Tensor& dy2d,
+                   variable_list& out, size_t& i, cudaStream_t stream) {
+    constexpr int64_t B = 128;
+    if (!(x_grad || w_grad)) return;
+    auto f32 = dy.options().dtype(at::kFloat);
+    at::Tensor d_rd = p.dgrad ? fp8_empty(p.m, p.n, p.fp8_bwd, dy) : dy2d;
+    at::Tensor d_rs = p.dgrad ? at::empty({p.n / B, p.m}, f32) : dy2d;
+    at::Tensor d_cd = p.wgrad ? fp8_empty(p.n, p.m, p.fp8_bwd, dy) : dy2d;
+    at::Tensor d_cs = p.wgrad ? at::empty({p.m / B * p.n}, f32) : dy2d;
+    p.bwd.run({dy2d, d_rd, d_rs, d_cd, d_cs}, 0, 0, stream);
+    if (x_grad) {
+      if (should_compute_output(i)) {
+        at::Tensor w_t = w_t_.unpack(), w_s = w_sinv_.unpack();
+        at::Tensor dx = at::empty(p.in_shape, dy.options());
+        at::Tensor dx2d = dx.view({p.m, p.k});
+        block_gemm(p, d_rd, d_rs.t(), w_t, w_s, true, dx2d);
+        out[i] = dx;
+      }
+      ++i;
+    }
+    if (w_grad) {
+      if (should_compute_output(i)) {
+        at::Tensor x_t = x_t_.unpack(), x_s = x_sinv_.unpack();
+        at::Tensor dw = at::empty({p.n, p.k}, dy.options().dtype(p.wgrad_dtype));
+        block_gemm(p, d_cd, d_cs.view({p.m / B, p.n}).t(), x_t, x_s.view({p.m / B, p.k}).t(),
+                   false, dw);
+        out[i] = dw;
+      }
+      ++i;
+    }
   }
 };
 
@@ -317,7 +444,7 @@ at::Tensor linear(const std::shared_ptr<Plan>& plan, const at::Tensor& x, const 
     return at::Tensor();  // planned for other gradients
   }
   c10::cuda::CUDAGuard guard(x.device());
-  Forward f = forward_impl(p, x, w, bias, lo, hi);
+  Forward f = p.recipe == kBlock ? forward_block(p, x, w) : forward_current(p, x, w, bias, lo, hi);
   if (!record) return f.y;
   auto node = NodeMaker<LinearFp8Backward, NodeHolder>::make();
   node->plan = plan;
@@ -413,6 +540,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         p->in_shape = std::move(in_shape);
         return p;
       }))
+      .def("set_block",
+           [](Plan& p, Launch fwd_w, int64_t scaling_1x128, int64_t scaling_128x128) {
+             TORCH_CHECK(!p.bias && p.m % 128 == 0 && p.k % 128 == 0 && p.n % 128 == 0,
+                         "te native: a blockwise plan takes no bias and 128-multiple sizes");
+             p.recipe = kBlock;
+             p.fwd_w = std::move(fwd_w);
+             p.scaling_1x128 = scaling_1x128;
+             p.scaling_128x128 = scaling_128x128;
+           })
       .def("set_bias_grad", [](Plan& p, Launch rows, Launch cols, int64_t groups) {
         TORCH_CHECK(p.bias && groups > 0, "te native: a bias gradient needs a bias");
         p.bias_rows = std::move(rows);
@@ -424,4 +560,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("param_info", &param_info);
   m.def("run_launch", &run_launch);
   m.def("linear", &linear);
+  m.def("has_block_gemm", &has_block_gemm);
 }

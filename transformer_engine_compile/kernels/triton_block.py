@@ -79,10 +79,10 @@ def _fp8_block_kernel(x_ptr, M, K, rd_ptr, rs_ptr, cd_ptr, cs_ptr,
 _fp8_block_launch = Launcher(_fp8_block_kernel)
 
 
-def quantize_fp8_blockwise(x2d, fmt, block_2d, pow2, eps, rowwise, columnwise) -> dict:
-    if x2d.numel() == 0:
-        return ref.quantize_fp8_blockwise(x2d, fmt, block_2d, pow2, eps, rowwise, columnwise)
-    x2d = _matrix(x2d)
+def fp8_block_call(x2d, fmt, block_2d, pow2, eps, rowwise, columnwise):
+    """The launch of ``quantize_fp8_blockwise`` on a contiguous, non-empty
+    ``x2d``: ``(grid, key, args, out)``, ``out`` the buffers it writes (the
+    native eager path fixes the same launch, kernels/native.py)."""
     m, k = x2d.shape
     b = ref.FP8_BLOCK
     dt = ref.FP8_DTYPE[fmt]
@@ -90,9 +90,16 @@ def quantize_fp8_blockwise(x2d, fmt, block_2d, pow2, eps, rowwise, columnwise) -
     out = _alloc_copies(x2d.device, rowwise, columnwise, ((m, k), dt), (row_s, torch.float32),
                         ((k, m), dt), (col_s, torch.float32))
     flags = (fmt, float(eps), bool(pow2), bool(block_2d), bool(rowwise), bool(columnwise))
-    _fp8_block_launch((cdiv(m, b), cdiv(k, b)), (_x_key(x2d, m, k), flags),
-                      x2d, m, k, *_copy_args(out, x2d), ref.FP8_MAX[fmt], *flags[1:], _TL_FP8[fmt],
-                      b)
+    args = (x2d, m, k, *_copy_args(out, x2d), ref.FP8_MAX[fmt], *flags[1:], _TL_FP8[fmt], b)
+    return (cdiv(m, b), cdiv(k, b)), (_x_key(x2d, m, k), flags), args, out
+
+
+def quantize_fp8_blockwise(x2d, fmt, block_2d, pow2, eps, rowwise, columnwise) -> dict:
+    if x2d.numel() == 0:
+        return ref.quantize_fp8_blockwise(x2d, fmt, block_2d, pow2, eps, rowwise, columnwise)
+    grid, key, args, out = fp8_block_call(_matrix(x2d), fmt, block_2d, pow2, eps, rowwise,
+                                          columnwise)
+    _fp8_block_launch(grid, key, *args)
     return out
 
 

@@ -1,11 +1,13 @@
 """When and how an eager ``te.Linear`` call runs natively (kernels/native.py).
 
-The native path covers the common training configuration, Float8CurrentScaling
-with or without a bias (of the input's dtype, bf16 or fp16: added in the
-GEMM's epilogue), and nothing else: no tensor parallelism, no
-``fp8_output`` / ``fp8_grad``, no cached or FP8 weight, no
-``save_original_input``, no ``fuse_wgrad_accumulation``; a CUDA input with
-every dim of the three GEMMs a multiple of 16.  Any other call, and any call
+The native path covers the common training configurations:
+Float8CurrentScaling with or without a bias (of the input's dtype, bf16 or
+fp16: added in the GEMM's epilogue), every dim of the three GEMMs a multiple
+of 16; and Float8BlockScaling in its default layout (E4M3, 1x128 x and dy,
+128x128 W) on an SM 9.0 GPU, without a bias, every dim a multiple of 128.
+Nothing else: no tensor parallelism, no ``fp8_output`` / ``fp8_grad``, no
+cached or FP8 weight, no ``save_original_input``, no
+``fuse_wgrad_accumulation``, a CUDA input.  Any other call, and any call
 while a CUDA graph is captured, under a functorch transform or forward-mode
 AD, keeps the Python path.  A plan is made once per argument memo entry of
 the layer (module/linear.py), from the same helpers the Python path decides
@@ -20,9 +22,10 @@ from .. import kernels
 from ..kernels import grid_state, native
 from ..kernels.reference import FP8_DTYPE
 from ..kernels.triton_launch import int_key
+from ..quantization.blockwise import Float8BlockQuantizer
 from ..quantization.float8 import Float8CurrentScalingQuantizer
 from .linear_ops import (LINEAR_OPS, LinearFwdArgs, _grad_output_quantizer, _input_quantizer,
-                         _paired_weight_quantizer, _tp)
+                         _paired_weight_quantizer, _tp, _weight_quantizer)
 
 _GEMM_OUT = (torch.bfloat16, torch.float16, torch.float32)
 _DTYPE_NAMES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2",
@@ -63,17 +66,36 @@ def _eligible(args: LinearFwdArgs) -> bool:
             or args.main_grad is not None or args.amax_history_fwd is not None
             or args.scale_fwd is not None):
         return False
-    q, dq = args.input_quantizer, args.grad_output_quantizer
-    if type(q) is not Float8CurrentScalingQuantizer or q.fp8_format != "e4m3":
-        return False
-    if (args.input_requires_grad or args.weight_requires_grad) and (
-            type(dq) is not Float8CurrentScalingQuantizer):
-        return False
     m, k, n = x.numel() // x.shape[-1], x.shape[-1], w.shape[0]
-    if m == 0 or m % 16 or k % 16 or n % 16 or tuple(w.shape) != (n, k):
+    if m == 0 or tuple(w.shape) != (n, k):
         return False
-    return (torch.cuda.get_device_capability(x.device) >= (8, 9)
-            and kernels.has_fast("quantize_fp8_current_pair", "cuda"))
+    recipe = _recipe(args)
+    if recipe == "current":
+        return (m % 16 == 0 and k % 16 == 0 and n % 16 == 0
+                and torch.cuda.get_device_capability(x.device) >= (8, 9)
+                and kernels.has_fast("quantize_fp8_current_pair", "cuda"))
+    if recipe == "block":  # the Python path's GEMM is cuBLAS's block-scaled one then
+        from ..kernels import cuda_gemm
+        return (args.bias is None and m % 128 == 0 and k % 128 == 0 and n % 128 == 0
+                and torch.cuda.get_device_capability(x.device) == (9, 0)
+                and cuda_gemm._has_block_scaled_mm()
+                and kernels.has_fast("quantize_fp8_blockwise", "cuda"))
+    return False
+
+
+def _recipe(args: LinearFwdArgs):
+    """"current" or "block" where the quantizers are ones a plan runs, else None."""
+    q, wq, dq = args.input_quantizer, args.weight_quantizer, args.grad_output_quantizer
+    grads = args.input_requires_grad or args.weight_requires_grad
+    if type(q) is Float8CurrentScalingQuantizer and q.fp8_format == "e4m3":
+        if not grads or type(dq) is Float8CurrentScalingQuantizer:
+            return "current"
+    if all(type(t) is Float8BlockQuantizer and t.fp8_format == "e4m3" for t in (q, wq)) and (
+            q.block_scaling_dim == 1 and wq.block_scaling_dim == 2):
+        if not grads or (type(dq) is Float8BlockQuantizer and dq.fp8_format == "e4m3"
+                         and dq.block_scaling_dim == 1):
+            return "block"
+    return None
 
 
 def _bias_eligible(args: LinearFwdArgs) -> bool:
@@ -103,6 +125,8 @@ def plan_for(args: LinearFwdArgs):
         return ...
     x, w = args.inp, args.weight
     m, k, n = x.numel() // x.shape[-1], x.shape[-1], w.shape[0]
+    if _recipe(args) == "block":
+        return _block_plan(ext, args, m, k, n, slot)
     q = _input_quantizer(args)
     wq = _paired_weight_quantizer(args, q)
     if wq is None:
@@ -126,7 +150,7 @@ def plan_for(args: LinearFwdArgs):
         return None
     if bwd is None:  # no backward: the node is never made
         bwd = fwd
-    python_backward = _PythonBackward(args, q, wq)
+    python_backward = _PythonBackward(args, q, wq, ("transpose", "scale_inv"))
     plan = ext.Plan(fwd, bwd, python_backward, _DTYPE_NAMES[x.dtype], x.device.index, m, k, n,
                     _DTYPE_NAMES[FP8_DTYPE[q.fp8_format]],
                     _DTYPE_NAMES[FP8_DTYPE[fmt_bwd or "e5m2"]], _DTYPE_NAMES[w.dtype],
@@ -138,6 +162,47 @@ def plan_for(args: LinearFwdArgs):
             return None
         plan.set_bias_grad(*launches)
     return NativeLinear(ext, plan, slot)
+
+
+def _block_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
+    """A :class:`NativeLinear` under Float8BlockScaling: one quantization
+    launch each for x, W and dy, and the block-scaled GEMMs."""
+    import torch.nn.functional as F
+    if not ext.has_block_gemm():
+        return None
+    x, w = args.inp, args.weight
+    q, wq = _input_quantizer(args), _weight_quantizer(args)
+    dgrad, wgrad = args.input_requires_grad, args.weight_requires_grad
+    with torch.no_grad():
+        fwd_x = _block_launch(ext, torch.zeros((m, k), dtype=x.dtype, device=x.device), q)
+        fwd_w = _block_launch(ext, torch.zeros((n, k), dtype=w.dtype, device=x.device), wq)
+        bwd = fwd_x  # no backward: the node is never made
+        if dgrad or wgrad:
+            bwd = _block_launch(ext, torch.zeros((m, n), dtype=x.dtype, device=x.device),
+                                _grad_output_quantizer(args))
+    if None in (fwd_x, fwd_w, bwd):
+        return None
+    e4m3 = _DTYPE_NAMES[FP8_DTYPE["e4m3"]]
+    plan = ext.Plan(fwd_x, bwd, _PythonBackward(args, q, wq, ("columnwise_data",
+                                                              "columnwise_scale_inv")),
+                    _DTYPE_NAMES[x.dtype], x.device.index, m, k, n, e4m3, e4m3,
+                    _DTYPE_NAMES[w.dtype], q.columnwise_usage, wq.columnwise_usage, dgrad, wgrad,
+                    False, list(x.shape[:-1]) + [n], list(x.shape))
+    plan.set_block(fwd_w, F.ScalingType.BlockWise1x128.value,
+                   F.ScalingType.BlockWise128x128.value)
+    return NativeLinear(ext, plan, slot)
+
+
+def _block_launch(ext, a2d, q):
+    """The native launch of the blockwise kernel the Python path runs for
+    ``a2d`` with quantizer ``q`` (compiled by launching it once)."""
+    from ..kernels import triton_block as tb  # Triton: imported on CUDA only
+    grid, key, largs, out = tb.fp8_block_call(a2d, q.fp8_format, q.block_scaling_dim == 2,
+                                              q.force_pow_2_scales, q.amax_epsilon,
+                                              q.rowwise_usage, q.columnwise_usage)
+    tb._fp8_block_launch(grid, key, *largs)
+    return native.launch_spec(ext, tb._fp8_block_launch, a2d.device.index, grid, key, largs,
+                              [a2d, *tb._copy_args(out, a2d)])
 
 
 def _bias_grad_launches(ext, m, n, dtype, device):
@@ -164,7 +229,8 @@ class _PythonBackward:
     quantized dy of a next layer's ``fp8_grad``, a DTensor) or another dtype.
     The saved copies become the storages the Python forward would have saved."""
 
-    def __init__(self, args: LinearFwdArgs, q, wq):
+    def __init__(self, args: LinearFwdArgs, q, wq, names):
+        self.names = names  # the buffer names of a columnwise copy and its scales
         self.values = LINEAR_OPS.setup_context(args)
         self.x_shape, self.x_dtype = tuple(args.inp.shape), args.inp.dtype
         self.w_shape, self.w_dtype = tuple(args.weight.shape), args.weight.dtype
@@ -173,12 +239,11 @@ class _PythonBackward:
     def __call__(self, dy, x_t, x_sinv, w_t, w_sinv):
         from ..kernels.tracing import eager_buffers_in_place
         x = w = None
+        data, scale = self.names
         if x_t is not None:
-            x = self.xq.from_buffers(self.x_shape, self.x_dtype,
-                                     {"transpose": x_t, "scale_inv": x_sinv})
+            x = self.xq.from_buffers(self.x_shape, self.x_dtype, {data: x_t, scale: x_sinv})
         if w_t is not None:
-            w = self.wq.from_buffers(self.w_shape, self.w_dtype,
-                                     {"transpose": w_t, "scale_inv": w_sinv})
+            w = self.wq.from_buffers(self.w_shape, self.w_dtype, {data: w_t, scale: w_sinv})
         saved = {"inputmat": x, "weightmat": w, "main_grad": None, "amax_history_bwd": None,
                  "scale_bwd": None}
         with torch.no_grad(), eager_buffers_in_place():
