@@ -112,23 +112,28 @@ _HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9
 
 
 @pytest.mark.skipif(not _HOPPER, reason="the block-scaled GEMM is cuBLAS's on SM 9.0")
-@pytest.mark.parametrize("shape,out,x_grad,dtype",
-                         [((256, 512), 384, True, torch.bfloat16),
-                          ((2, 128, 256), 256, True, torch.bfloat16),
-                          ((128, 1024), 512, False, torch.bfloat16),
-                          ((256, 512), 640, True, torch.float16)], ids=str)
-def test_native_block_equals_python_bit_for_bit(ext, calls, shape, out, x_grad, dtype):
+@pytest.mark.parametrize("shape,out,x_grad,dtype,bias",
+                         [((256, 512), 384, True, torch.bfloat16, False),
+                          ((2, 128, 256), 256, True, torch.bfloat16, True),
+                          ((128, 1024), 512, False, torch.bfloat16, False),
+                          ((256, 512), 640, True, torch.float16, True)], ids=str)
+def test_native_block_equals_python_bit_for_bit(ext, calls, shape, out, x_grad, dtype, bias):
     """Float8BlockScaling: x, W and dy quantized by the blockwise kernel (W
     128x128, its scales padded for cuBLAS where K/128 or N/128 is not a
-    multiple of 4), the GEMMs cuBLAS's block-scaled ones."""
+    multiple of 4), the GEMMs cuBLAS's block-scaled ones, a bias added by
+    the bias kernel and its gradient summed by the column-sum kernels."""
     torch.manual_seed(4)
-    layer = te.Linear(shape[-1], out, bias=False, params_dtype=dtype, device="cuda")
+    layer = te.Linear(shape[-1], out, bias=bias, params_dtype=dtype, device="cuda")
+    if bias:
+        with torch.no_grad():
+            layer.bias.normal_()
     ref = _python_only(layer)
     x = (torch.randn(shape, device="cuda", dtype=dtype) * 3).requires_grad_(x_grad)
     dy = torch.randn((*shape[:-1], out), device="cuda", dtype=dtype)
     got, y = _step(layer, x, dy, rec=BLOCK)
     want, _ = _step(ref, x, dy, no_native=True, rec=BLOCK)
     assert calls["native"] == 2 and y.grad_fn.name() == "TeLinearFp8Backward"
+    assert (got[3] is not None) == bias
     for g, w in zip(got, want):
         assert _equal(g, w)
     with torch.no_grad(), te.autocast(recipe=BLOCK):
@@ -305,7 +310,6 @@ def test_native_declines_what_it_does_not_cover(ext, calls):
     for layer, rec, inp in ((bf16(True, save_original_input=True), REC, x),
                             (bf16(out=200), REC, x),  # N not a multiple of 16
                             (bf16(), BLOCK, x),  # 64 rows: not a multiple of 128
-                            (bf16(True), BLOCK, x128),  # a bias under blockwise
                             (bf16(), R.MXFP8BlockScaling(), x128)):
         with te.autocast(recipe=rec):
             for _ in range(3):

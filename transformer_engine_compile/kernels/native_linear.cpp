@@ -153,6 +153,7 @@ struct Plan {
   int64_t recipe = kCurrent;
   Launch fwd, bwd;
   Launch fwd_w;  // blockwise: W's launch (fwd is x's)
+  Launch bias_add;  // blockwise with a bias: added to the GEMM's output (slots y, bias)
   int64_t scaling_1x128 = 0, scaling_128x128 = 0;  // F.ScalingType values
   Launch bias_rows, bias_cols;  // the bias gradient (when bias_grad)
   // the Python path's backward, for a gradient this node does not take as it
@@ -223,7 +224,8 @@ void block_gemm(const Plan& p, const at::Tensor& a, const at::Tensor& a_s, const
                           {}, false, out);
 }
 
-Forward forward_block(const Plan& p, const at::Tensor& x, const at::Tensor& w) {
+Forward forward_block(const Plan& p, const at::Tensor& x, const at::Tensor& w,
+                      const c10::optional<at::Tensor>& bias) {
   constexpr int64_t B = 128;
   at::NoGradGuard no_grad;
   at::Tensor x2d = operand(x, p.m, p.k), w2d = operand(w, p.n, p.k);
@@ -242,6 +244,7 @@ Forward forward_block(const Plan& p, const at::Tensor& x, const at::Tensor& w) {
   at::Tensor y = at::empty(p.out_shape, x.options());
   at::Tensor y2d = y.view({p.m, p.n});
   block_gemm(p, x_rd, x_rs.t(), w_rd, w_rs, true, y2d);
+  if (p.bias) p.bias_add.run({y2d, *bias}, 0, 0, stream);
   return {y, p.x_col ? x_cd : at::Tensor(), p.x_col ? x_cs : at::Tensor(),
           p.w_col ? w_cd : at::Tensor(), p.w_col ? w_cs : at::Tensor()};
 }
@@ -432,7 +435,7 @@ at::Tensor linear(const std::shared_ptr<Plan>& plan, const at::Tensor& x, const 
   if (p.bias) {
     const at::Tensor& b = *bias;
     if (b.get_device() != p.device || b.scalar_type() != p.act_dtype || b.dim() != 1 ||
-        b.size(0) != p.n || !b.is_contiguous() ||
+        b.size(0) != p.n || !aligned(b) ||
         b.unsafeGetTensorImpl()->key_set().has(c10::DispatchKey::Python)) {
       return at::Tensor();
     }
@@ -444,7 +447,8 @@ at::Tensor linear(const std::shared_ptr<Plan>& plan, const at::Tensor& x, const 
     return at::Tensor();  // planned for other gradients
   }
   c10::cuda::CUDAGuard guard(x.device());
-  Forward f = p.recipe == kBlock ? forward_block(p, x, w) : forward_current(p, x, w, bias, lo, hi);
+  Forward f =
+      p.recipe == kBlock ? forward_block(p, x, w, bias) : forward_current(p, x, w, bias, lo, hi);
   if (!record) return f.y;
   auto node = NodeMaker<LinearFp8Backward, NodeHolder>::make();
   node->plan = plan;
@@ -541,11 +545,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return p;
       }))
       .def("set_block",
-           [](Plan& p, Launch fwd_w, int64_t scaling_1x128, int64_t scaling_128x128) {
-             TORCH_CHECK(!p.bias && p.m % 128 == 0 && p.k % 128 == 0 && p.n % 128 == 0,
-                         "te native: a blockwise plan takes no bias and 128-multiple sizes");
+           [](Plan& p, Launch fwd_w, int64_t scaling_1x128, int64_t scaling_128x128,
+              std::optional<Launch> bias_add) {
+             TORCH_CHECK(p.m % 128 == 0 && p.k % 128 == 0 && p.n % 128 == 0 &&
+                             p.bias == bias_add.has_value(),
+                         "te native: a blockwise plan takes 128-multiple sizes and a bias "
+                         "add launch with a bias");
              p.recipe = kBlock;
              p.fwd_w = std::move(fwd_w);
+             if (bias_add) p.bias_add = std::move(*bias_add);
              p.scaling_1x128 = scaling_1x128;
              p.scaling_128x128 = scaling_128x128;
            })

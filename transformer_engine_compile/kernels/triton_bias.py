@@ -88,12 +88,19 @@ def col_sums(parts: torch.Tensor, out: torch.Tensor, groups: int, k: int) -> Non
                    parts, out, groups, k, 32, bc)
 
 
+def bias_add_call(out: torch.Tensor, bias: torch.Tensor) -> tuple:
+    """The launch of ``bias_add`` on a contiguous, non-empty 2-D ``out``:
+    ``(grid, key, args)`` (the native eager path fixes the same launch)."""
+    m, n = out.shape
+    key = (out.dtype, bias.dtype, ptr_key(out), ptr_key(bias), int_key(m), int_key(n))
+    return (cdiv(m, _BM), cdiv(n, _BN)), key, (out, bias, m, n, _BM, _BN)
+
+
 def bias_add(out: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     if out.dim() != 2 or not out.is_contiguous() or not bias.is_contiguous() or out.numel() == 0:
         return ref.bias_add(out, bias)
-    m, n = out.shape
-    key = (out.dtype, bias.dtype, ptr_key(out), ptr_key(bias), int_key(m), int_key(n))
-    _bias_add_launch((cdiv(m, _BM), cdiv(n, _BN)), key, out, bias, m, n, _BM, _BN)
+    grid, key, args = bias_add_call(out, bias)
+    _bias_add_launch(grid, key, *args)
     return out
 
 

@@ -1,10 +1,12 @@
 """When and how an eager ``te.Linear`` call runs natively (kernels/native.py).
 
 The native path covers the common training configurations:
-Float8CurrentScaling with or without a bias (of the input's dtype, bf16 or
-fp16: added in the GEMM's epilogue), every dim of the three GEMMs a multiple
-of 16; and Float8BlockScaling in its default layout (E4M3, 1x128 x and dy,
-128x128 W) on an SM 9.0 GPU, without a bias, every dim a multiple of 128.
+Float8CurrentScaling, every dim of the three GEMMs a multiple of 16; and
+Float8BlockScaling in its default layout (E4M3, 1x128 x and dy, 128x128 W)
+on an SM 9.0 GPU, every dim a multiple of 128.  Either with or without a
+bias of the input's dtype (bf16 or fp16), added as the Python path adds it
+(in ``_scaled_mm``'s epilogue; by the bias kernel after the block-scaled
+GEMM).
 Nothing else: no tensor parallelism, no ``fp8_output`` / ``fp8_grad``, no
 cached or FP8 weight, no ``save_original_input``, no
 ``fuse_wgrad_accumulation``, a CUDA input.  Any other call, and any call
@@ -76,7 +78,7 @@ def _eligible(args: LinearFwdArgs) -> bool:
                 and kernels.has_fast("quantize_fp8_current_pair", "cuda"))
     if recipe == "block":  # the Python path's GEMM is cuBLAS's block-scaled one then
         from ..kernels import cuda_gemm
-        return (args.bias is None and m % 128 == 0 and k % 128 == 0 and n % 128 == 0
+        return (m % 128 == 0 and k % 128 == 0 and n % 128 == 0
                 and torch.cuda.get_device_capability(x.device) == (9, 0)
                 and cuda_gemm._has_block_scaled_mm()
                 and kernels.has_fast("quantize_fp8_blockwise", "cuda"))
@@ -99,15 +101,16 @@ def _recipe(args: LinearFwdArgs):
 
 
 def _bias_eligible(args: LinearFwdArgs) -> bool:
-    """No bias, or one ``_scaled_mm`` adds in its epilogue (the Python
-    path's choice too: the input's dtype, not fp32) and whose gradient the
-    column-sum kernels make."""
+    """No bias, or one the Python path adds in a kernel (``_scaled_mm``'s
+    epilogue, or ``bias_add`` after a block-scaled GEMM) of the input's
+    dtype, not fp32, 16-byte aligned (the launches are fixed for that), and
+    whose gradient the column-sum kernels make."""
     b, x = args.bias, args.inp
     if b is None:
         return True
     return (type(b) in (torch.Tensor, torch.nn.Parameter) and b.device == x.device
             and b.dtype == x.dtype and x.dtype != torch.float32 and b.dim() == 1
-            and b.is_contiguous()
+            and b.is_contiguous() and b.data_ptr() % 16 == 0
             and (not args.bias_requires_grad or kernels.has_fast("column_sum", "cuda")))
 
 
@@ -156,8 +159,16 @@ def plan_for(args: LinearFwdArgs):
                     _DTYPE_NAMES[FP8_DTYPE[fmt_bwd or "e5m2"]], _DTYPE_NAMES[w.dtype],
                     q.columnwise_usage, wq.columnwise_usage, dgrad, wgrad,
                     args.bias is not None, list(x.shape[:-1]) + [n], list(x.shape))
+    return _with_bias_grad(ext, plan, args, slot)
+
+
+def _with_bias_grad(ext, plan, args: LinearFwdArgs, slot):
+    """The :class:`NativeLinear` of ``plan``, with the bias gradient's
+    launches where the bias needs one; None where they cannot be native."""
     if args.bias_requires_grad:
-        launches = _bias_grad_launches(ext, m, n, x.dtype, x.device)
+        x = args.inp
+        launches = _bias_grad_launches(ext, x.numel() // x.shape[-1], args.weight.shape[0],
+                                       x.dtype, x.device)
         if launches is None:
             return None
         plan.set_bias_grad(*launches)
@@ -180,17 +191,31 @@ def _block_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
         if dgrad or wgrad:
             bwd = _block_launch(ext, torch.zeros((m, n), dtype=x.dtype, device=x.device),
                                 _grad_output_quantizer(args))
-    if None in (fwd_x, fwd_w, bwd):
+        bias_add = None
+        if args.bias is not None:
+            bias_add = _bias_add_launch(ext, torch.zeros((m, n), dtype=x.dtype, device=x.device),
+                                        args.bias)
+    if None in (fwd_x, fwd_w, bwd) or (args.bias is not None and bias_add is None):
         return None
     e4m3 = _DTYPE_NAMES[FP8_DTYPE["e4m3"]]
     plan = ext.Plan(fwd_x, bwd, _PythonBackward(args, q, wq, ("columnwise_data",
                                                               "columnwise_scale_inv")),
                     _DTYPE_NAMES[x.dtype], x.device.index, m, k, n, e4m3, e4m3,
                     _DTYPE_NAMES[w.dtype], q.columnwise_usage, wq.columnwise_usage, dgrad, wgrad,
-                    False, list(x.shape[:-1]) + [n], list(x.shape))
+                    args.bias is not None, list(x.shape[:-1]) + [n], list(x.shape))
     plan.set_block(fwd_w, F.ScalingType.BlockWise1x128.value,
-                   F.ScalingType.BlockWise128x128.value)
-    return NativeLinear(ext, plan, slot)
+                   F.ScalingType.BlockWise128x128.value, bias_add)
+    return _with_bias_grad(ext, plan, args, slot)
+
+
+def _bias_add_launch(ext, y2d, bias):
+    """The native launch of the bias add the Python path runs after a
+    block-scaled GEMM (compiled by launching it once on ``y2d``)."""
+    from ..kernels import triton_bias  # Triton: imported on CUDA only
+    grid, key, largs = triton_bias.bias_add_call(y2d, bias)
+    triton_bias._bias_add_launch(grid, key, *largs)
+    return native.launch_spec(ext, triton_bias._bias_add_launch, y2d.device.index, grid, key,
+                              largs, [y2d, bias])
 
 
 def _block_launch(ext, a2d, q):
