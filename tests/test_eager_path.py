@@ -82,6 +82,39 @@ def test_args_memo_is_reused_and_gives_the_full_paths_results(name):
         check(layer, x.float(), rec)
 
 
+@pytest.mark.parametrize("name", ["fp8_current", "fp8_block"])
+def test_args_memo_serves_torch_autocast_casts(name):
+    """Under torch.autocast the layer runs on new casts of its fp32
+    parameters every call: the memo still serves the repeated call (keyed by
+    the parameters' objects and dtype), the results and the fp32 gradients
+    equal a memo-less copy's, and converting the parameters rebuilds it."""
+    rec = recipe.by_name(name)
+    layer = _layer(bias=True, dtype=torch.float32)
+    x = torch.randn(4, 128, requires_grad=True)
+    calls = []
+    full = Linear._checked_args
+
+    def counted(self, *args):
+        calls.append(1)
+        return full(self, *args)
+
+    def run(layer, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return _run(layer, x, rec)
+
+    with mock.patch.object(Linear, "_checked_args", counted):
+        for built in (1, 0, 0):
+            before = len(calls)
+            got = run(layer, x)
+            assert len(calls) - before == built
+            assert got[0].dtype == torch.bfloat16 and got[2].dtype == torch.float32
+            _same(got, run(copy.deepcopy(layer), x))
+        layer.to(torch.float16)  # the same objects in another dtype: a new entry
+        before = len(calls)
+        _same(run(layer, x), run(copy.deepcopy(layer), x))
+        assert len(calls) - before == 2  # the layer's call and its copy's
+
+
 def test_memo_never_skips_a_check():
     """After calls the memo serves, a call it does not serve still meets
     every check: a wrong width, a dtype the layer does not take, a dtype

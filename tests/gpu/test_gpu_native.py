@@ -143,6 +143,33 @@ def test_native_block_equals_python_bit_for_bit(ext, calls, shape, out, x_grad, 
     assert calls["native"] == 4
 
 
+@pytest.mark.parametrize("rec", [REC, BLOCK], ids=["fp8_current", "fp8_block"])
+def test_native_under_torch_autocast_with_fp32_parameters(ext, calls, rec):
+    """Mixed precision with fp32 parameters: torch.autocast casts W and the
+    bias to bf16 every call; the native node's gradients flow through those
+    casts into the fp32 parameters, bit for bit the Python path's."""
+    if rec is BLOCK and not _HOPPER:
+        pytest.skip("the block-scaled GEMM is cuBLAS's on SM 9.0")
+    torch.manual_seed(5)
+    layer = te.Linear(256, 384, bias=True, params_dtype=torch.float32, device="cuda")
+    ref = _python_only(layer)
+    x = torch.randn(2, 128, 256, device="cuda")
+    results = []
+    for m, off in ((layer, False), (ref, True)):
+        with (_NoNative() if off else _Null()):
+            for _ in range(3):
+                m.zero_grad(set_to_none=True)
+                xx = x.clone().requires_grad_(True)
+                with torch.autocast("cuda", dtype=torch.bfloat16), te.autocast(recipe=rec):
+                    y = m(xx)
+                y.float().square().sum().backward()
+        results.append((y.grad_fn.name(), y.detach(), xx.grad, m.weight.grad, m.bias.grad))
+    assert calls["native"] == 2 and results[0][0] == "TeLinearFp8Backward"
+    assert results[0][1].dtype == torch.bfloat16 and results[0][3].dtype == torch.float32
+    for got, want in zip(results[0][1:], results[1][1:]):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape,out,x_grad,bias_grad",
                          [((256, 512), 384, True, True), ((2, 128, 256), 512, False, True),

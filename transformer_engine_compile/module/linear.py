@@ -440,48 +440,53 @@ class Linear(torch.nn.Module):
         return self.parallel_mode is not None and self.tp_size > 1
 
     def _make_args(self, inp, is_first_microbatch, fp8_output, fp8_grad, weight=None,
-                   bias=None) -> LinearFwdArgs:
+                   bias=None, cast=False) -> LinearFwdArgs:
         """The forward op's arguments; ``weight`` / ``bias``: the parameters
-        as the GEMMs take them (cast under torch.autocast), default the layer's."""
+        as the GEMMs take them (``cast``: torch.autocast's casts of them),
+        default the layer's."""
         recipe = get_autocast_recipe()
         if weight is None:
             weight, bias = self.weight, self.bias
         grad = torch.is_grad_enabled()
         key = self._memo_key(inp, recipe, grad, is_first_microbatch, fp8_output, fp8_grad,
-                             weight, bias)
-        template = self._memo_template(key, weight, bias)
+                             weight, bias, cast)
+        template = self._memo_template(key)
         if template is not None:
             return template.with_tensors(inp, weight, None if self.return_bias else bias)
         args = self._checked_args(inp, recipe, grad, is_first_microbatch, fp8_output, fp8_grad,
                                   weight, bias)
         if key is not None and args.amax_history_fwd is None:  # no state bound
-            self.__dict__["_args_memo"] = (weight, bias, key, _ArgsTemplate(args))
+            self.__dict__["_args_memo"] = (self.weight, self.bias, key, _ArgsTemplate(args))
         return args
 
     def _memo_key(self, inp, recipe, grad, is_first_microbatch, fp8_output, fp8_grad, weight,
-                  bias):
-        """The argument memo's key for this call, or None where no memo applies."""
+                  bias, cast=False):
+        """The argument memo's key for this call, or None where no memo
+        applies.  ``weight`` and ``bias`` are the layer's parameters, or with
+        ``cast`` torch.autocast's casts of them (new tensors every call: the
+        key then holds the parameters' dtype too)."""
         if (is_first_microbatch is None and not (fp8_output or fp8_grad)
                 and self._OPS is LINEAR_OPS and not torch.compiler.is_compiling()
-                and weight is self.weight and bias is self.bias
+                and (cast or (weight is self.weight and bias is self.bias))
                 and type(weight) in _PLAIN_TENSORS and not self.fuse_wgrad_accumulation):
             return (recipe, grad, inp.shape, inp.dtype, type(inp), inp.requires_grad,
                     weight.dtype, weight.requires_grad,
                     None if bias is None else bias.requires_grad, self.return_bias,
                     self.save_original_input, self.parallel_mode, self.sequence_parallel,
-                    self.tp_size)
+                    self.tp_size, cast and self.weight.dtype)
         return None
 
-    def _memo_template(self, key, weight, bias):
-        """The memo's template when it was made for ``key`` and these
-        parameter objects, else None."""
+    def _memo_template(self, key):
+        """The memo's template when it was made for ``key`` and the layer's
+        current parameter objects, else None."""
         memo = self.__dict__.get("_args_memo")
-        if (key is None or memo is None or memo[0] is not weight or memo[1] is not bias
-                or memo[2] != key):
+        if (key is None or memo is None or memo[0] is not self.weight
+                or memo[1] is not self.bias or memo[2] != key):
             return None
         return memo[3]
 
-    def _native_forward(self, inp, weight, bias, is_first_microbatch, fp8_output, fp8_grad):
+    def _native_forward(self, inp, weight, bias, is_first_microbatch, fp8_output, fp8_grad,
+                        cast=False):
         """The output of the native eager path (kernels/native.py) for a call
         whose argument memo holds a native plan, else None.  A memo entry asks
         for its plan at its second call (module/linear_native.py)."""
@@ -489,8 +494,8 @@ class Linear(torch.nn.Module):
         if memo is None or memo[3].native is False:
             return None
         key = self._memo_key(inp, get_autocast_recipe(), torch.is_grad_enabled(),
-                             is_first_microbatch, fp8_output, fp8_grad, weight, bias)
-        template = self._memo_template(key, weight, bias)
+                             is_first_microbatch, fp8_output, fp8_grad, weight, bias, cast)
+        template = self._memo_template(key)
         if template is None:
             return None
         plan = template.native
@@ -623,20 +628,23 @@ class Linear(torch.nn.Module):
                 bias = bias.to(ac_dtype)
             with torch.autocast(inp.device.type, enabled=False):
                 return self._forward(inp.to(ac_dtype), weight, bias, is_first_microbatch,
-                                     fp8_output, fp8_grad, call)
+                                     fp8_output, fp8_grad, call, cast=True)
         return self._forward(inp, self.weight, self.bias, is_first_microbatch, fp8_output,
                              fp8_grad, call)
 
     def _forward(self, inp, weight, bias, is_first_microbatch, fp8_output, fp8_grad,
-                 call=None):
+                 call=None, cast=False):
+        """``cast``: ``weight`` and ``bias`` are torch.autocast's casts of the
+        parameters (or the parameters, where no cast was needed)."""
         if not (fp8_output or fp8_grad) and self._runs_as_torch_linear(inp, weight):
             return self._finish({"out": torch.nn.functional.linear(inp, weight)})
         if call is None and not torch.compiler.is_compiling():
             out = self._native_forward(inp, weight, bias, is_first_microbatch, fp8_output,
-                                       fp8_grad)
+                                       fp8_grad, cast)
             if out is not None:
                 return self._finish({"out": out})
-        args = self._make_args(inp, is_first_microbatch, fp8_output, fp8_grad, weight, bias)
+        args = self._make_args(inp, is_first_microbatch, fp8_output, fp8_grad, weight, bias,
+                               cast)
         if call is not None:
             call.bind(args)
         if torch.compiler.is_compiling():
