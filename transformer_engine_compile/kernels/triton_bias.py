@@ -106,9 +106,10 @@ def bias_add(out: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
 def column_sum_calls(x2d: torch.Tensor, dtype: torch.dtype):
     """The two launches of ``column_sum`` on a contiguous, non-empty
-    ``x2d``: ``(launches, out)`` with each launch ``(launcher, grid, key,
-    args)`` and ``out`` the (1, n) result they write (the native eager path
-    fixes the same launches, kernels/native.py)."""
+    ``x2d``: ``(launches, parts, out)`` with each launch ``(launcher, grid,
+    key, args)``, ``parts`` the fp32 partial sums between them and ``out``
+    the (1, n) result (the native eager path fixes the same launches,
+    kernels/native.py)."""
     m, n = x2d.shape
     col_blocks = cdiv(n, _BN)
     groups = max(1, min(cdiv(m, _BM), COLSUM_PROGRAMS_PER_SM * triton_launch.sm_count(x2d.device)
@@ -120,7 +121,7 @@ def column_sum_calls(x2d: torch.Tensor, dtype: torch.dtype):
              (x2d.dtype, ptr_key(x2d), int_key(m), int_key(n), int_key(groups)),
              (x2d, parts, m, n, groups, _BM, _BN)),
             (col_sum_launch, (cdiv(n, bc), 1), (int_key(groups), int_key(n), dtype),
-             (parts, out, groups, n, 32, bc))), out
+             (parts, out, groups, n, 32, bc))), parts, out
 
 
 def column_sum(x2d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -129,7 +130,7 @@ def column_sum(x2d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return ref.column_sum(x2d, dtype)
     if not x2d.is_contiguous():
         x2d = x2d.contiguous()
-    launches, out = column_sum_calls(x2d, dtype)
+    launches, _, out = column_sum_calls(x2d, dtype)
     for launcher, grid, key, args in launches:
         launcher(grid, key, *args)
     return out.view(n)

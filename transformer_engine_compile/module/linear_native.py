@@ -236,8 +236,7 @@ def _bias_grad_launches(ext, m, n, dtype, device):
     from ..kernels import triton_bias  # Triton: imported on CUDA only
     with torch.no_grad():
         dy2d = torch.zeros((m, n), dtype=dtype, device=device)
-        launches, out = triton_bias.column_sum_calls(dy2d, dtype)
-        parts = launches[0][3][1]
+        launches, parts, out = triton_bias.column_sum_calls(dy2d, dtype)
         specs = []
         for launcher, grid, key, largs in launches:
             launcher(grid, key, *largs)
