@@ -115,6 +115,38 @@ def test_args_memo_serves_torch_autocast_casts(name):
         assert len(calls) - before == 2  # the layer's call and its copy's
 
 
+def test_memo_under_delayed_scaling_follows_the_state_buffers():
+    """DelayedScaling binds the layer's state buffers: the memo serves while
+    they are the layer's, and rebuilds when they are replaced (here as
+    ``module.to()`` or a reset would); the state each call leaves equals a
+    memo-less copy's."""
+    rec = recipe.DelayedScaling()
+    layer = _layer()
+    x = torch.randn(4, 128, dtype=torch.bfloat16, requires_grad=True)
+    calls = []
+    full = Linear._checked_args
+
+    def counted(self, *args):
+        calls.append(1)
+        return full(self, *args)
+
+    def state(m):
+        return [b.clone() for n, b in sorted(m.named_buffers()) if "fp8_" in n]
+
+    with mock.patch.object(Linear, "_checked_args", counted):
+        for built in (1, 0, 0):
+            before = len(calls)
+            ref = copy.deepcopy(layer)
+            _same(_run(layer, x, rec), _run(ref, x, rec))
+            assert len(calls) - before == built + 1  # the copy starts without memo
+            _same(state(layer), state(ref))
+        layer.register_buffer("fp8_scale_fwd", layer.fp8_scale_fwd.clone(), persistent=False)
+        before = len(calls)
+        _run(layer, x, rec)
+        assert len(calls) - before == 1
+        assert layer._args_memo[3].fields["scale_fwd"] is layer.fp8_scale_fwd
+
+
 def test_memo_never_skips_a_check():
     """After calls the memo serves, a call it does not serve still meets
     every check: a wrong width, a dtype the layer does not take, a dtype

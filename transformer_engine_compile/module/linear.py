@@ -262,20 +262,30 @@ _PLAIN_TENSORS = (torch.nn.Parameter, torch.Tensor)
 
 
 class _ArgsTemplate:
-    """The arguments of an eager call, less its tensors: what
+    """The arguments of an eager call, less its input and parameters: what
     :meth:`Linear._make_args` worked out (checks passed, quantizers,
-    flags), for the next call with the same configuration (the memo key),
-    which then skips the checks and builds no dataclass (issue 14: the
-    eager path's host time).  Holds no tensor, so no activation is kept
-    alive by it."""
+    flags, and under DelayedScaling the layer's state buffers it bound),
+    for the next call with the same configuration (the memo key), which
+    then skips the checks and builds no dataclass (issue 14: the eager
+    path's host time).  Holds no activation; the state buffers it holds
+    are the layer's own, and serve only while they still are (``state``:
+    their names and objects)."""
 
-    __slots__ = ("fields", "native")
+    __slots__ = ("fields", "native", "state")
 
     def __init__(self, args: LinearFwdArgs):
         self.fields = {**args.__dict__, "inp": None, "weight": None, "bias": None}
         # the native plan (module/linear_native.py): None not asked yet,
         # False none for this configuration
         self.native = None
+        self.state = () if args.amax_history_fwd is None else tuple(
+            zip(delayed_state_names(), (args.amax_history_fwd, args.scale_fwd,
+                                        args.amax_history_bwd, args.scale_bwd)))
+
+    def state_current(self, buffers: dict) -> bool:
+        """Whether the bound state buffers are still the layer's (a
+        ``module.to()`` or a re-allocation replaces them)."""
+        return all(buffers.get(name) is t for name, t in self.state)
 
     def with_tensors(self, inp, weight, bias) -> LinearFwdArgs:
         return arg_views.instance(LinearFwdArgs, {**self.fields, "inp": inp, "weight": weight,
@@ -455,7 +465,7 @@ class Linear(torch.nn.Module):
             return template.with_tensors(inp, weight, None if self.return_bias else bias)
         args = self._checked_args(inp, recipe, grad, is_first_microbatch, fp8_output, fp8_grad,
                                   weight, bias)
-        if key is not None and args.amax_history_fwd is None:  # no state bound
+        if key is not None and args.weight_workspace is None:  # no FP8 weight cache bound
             self.__dict__["_args_memo"] = (self.weight, self.bias, key, _ArgsTemplate(args))
         return args
 
@@ -473,7 +483,7 @@ class Linear(torch.nn.Module):
                     weight.dtype, weight.requires_grad,
                     None if bias is None else bias.requires_grad, self.return_bias,
                     self.save_original_input, self.parallel_mode, self.sequence_parallel,
-                    self.tp_size, cast and self.weight.dtype)
+                    self.tp_size, cast and self.weight.dtype, get_amax_reduction_group())
         return None
 
     def _memo_template(self, key):
@@ -481,7 +491,8 @@ class Linear(torch.nn.Module):
         current parameter objects, else None."""
         memo = self.__dict__.get("_args_memo")
         if (key is None or memo is None or memo[0] is not self.weight
-                or memo[1] is not self.bias or memo[2] != key):
+                or memo[1] is not self.bias or memo[2] != key
+                or (memo[3].state and not memo[3].state_current(self._buffers))):
             return None
         return memo[3]
 
