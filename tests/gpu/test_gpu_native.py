@@ -170,6 +170,71 @@ def test_native_under_torch_autocast_with_fp32_parameters(ext, calls, rec):
         assert torch.equal(got, want)
 
 
+def _delayed_state(m):
+    return {n: b.clone() for n, b in m.named_buffers() if "fp8_" in n}
+
+
+@pytest.mark.parametrize("bias,hist,fmt,x_grad",
+                         [(False, 1024, "HYBRID", True), (True, 16, "E4M3", False),
+                          (False, 4096, "HYBRID", True)], ids=str)
+def test_native_delayed_scaling_equals_python_with_its_state(ext, calls, bias, hist, fmt,
+                                                             x_grad):
+    """DelayedScaling: the casts with the layer's scales record their amaxes
+    and run the step over the layer's histories in place (a history of 4096
+    rows: the step is a launch of its own), as the Python path's kernels do:
+    outputs, gradients, AdamW steps and the state buffers after every step
+    equal the Python path's bit for bit."""
+    torch.manual_seed(6)
+    rec = R.DelayedScaling(fp8_format=getattr(R.Format, fmt), amax_history_len=hist,
+                           amax_compute_algo="max" if hist > 16 else "most_recent", margin=1)
+    model = torch.nn.Sequential(
+        te.Linear(256, 512, bias=bias, params_dtype=torch.bfloat16, device="cuda"),
+        torch.nn.GELU(),
+        te.Linear(512, 256, bias=bias, params_dtype=torch.bfloat16, device="cuda"))
+    ref = copy.deepcopy(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref)]
+    x = torch.randn(2, 64, 256, device="cuda", dtype=torch.bfloat16) * 4
+    for step in range(5):
+        results = []
+        for m, opt, off in ((model, opts[0], False), (ref, opts[1], True)):
+            xx = x.clone().requires_grad_(x_grad)
+            with (_NoNative() if off else _Null()), te.autocast(recipe=rec):
+                y = m(xx)
+                loss = y.float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            results.append((y.grad_fn.name(), loss.item(), xx.grad, _delayed_state(m)))
+        assert results[0][1] == results[1][1], step
+        assert _equal(results[0][2], results[1][2])
+        assert results[0][3].keys() == results[1][3].keys() and results[0][3]
+        for name, t in results[0][3].items():
+            assert torch.equal(t, results[1][3][name]), (step, name)
+    assert results[0][0] == "TeLinearFp8Backward" and results[1][0] != "TeLinearFp8Backward"
+    assert calls["native"] == 8  # steps 2-5, two layers
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_native_delayed_scaling_follows_replaced_state(ext, calls):
+    """A state reset (new buffers) is seen: the memo and its plan are
+    rebuilt, and the new buffers are the ones updated."""
+    rec = R.DelayedScaling()
+    layer = te.Linear(256, 256, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with te.autocast(recipe=rec):
+        for _ in range(3):
+            layer(x).sum().backward()
+    assert calls["native"] == 2
+    fresh = torch.ones_like(layer.fp8_scale_fwd)
+    layer.register_buffer("fp8_scale_fwd", fresh, persistent=False)
+    with te.autocast(recipe=rec):
+        for _ in range(3):
+            layer(x).sum().backward()
+    assert calls["native"] == 4 and layer.fp8_scale_fwd is fresh
+    assert not torch.equal(fresh, torch.ones_like(fresh))  # the steps wrote it
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape,out,x_grad,bias_grad",
                          [((256, 512), 384, True, True), ((2, 128, 256), 512, False, True),

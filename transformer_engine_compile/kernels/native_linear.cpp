@@ -1,6 +1,8 @@
-// Eager te.Linear under FP8 current scaling (per tensor) or FP8 blockwise
-// scaling (1x128 activations and gradients, 128x128 weights) as one C++ call
-// and a C++ autograd node (kernels/native.py builds the plans and says when).
+// Eager te.Linear under FP8 current scaling (per tensor), delayed scaling
+// (per tensor, the layer's amax history and scales updated in place) or FP8
+// blockwise scaling (1x128 activations and gradients, 128x128 weights) as one
+// C++ call and a C++ autograd node (kernels/native.py builds the plans and
+// says when).
 //
 // The Python eager path runs ~150 us of Python per layer forward + backward
 // around ~10 CUDA calls, and the autograd engine runs the backward's Python
@@ -126,7 +128,7 @@ bool has_block_gemm() {
 }
 
 // -- the plan of one te.Linear configuration -------------------------------------
-enum Recipe : int64_t { kCurrent = 0, kBlock = 1 };
+enum Recipe : int64_t { kCurrent = 0, kBlock = 1, kDelayed = 2 };
 
 // Forward quantize slots: 0 x (M, K), 1 W (N, K), 2 x data, 3 x transpose,
 // 4 x scale_inv, 5 W data, 6 W transpose, 7 W scale_inv.  Backward quantize
@@ -135,6 +137,12 @@ enum Recipe : int64_t { kCurrent = 0, kBlock = 1 };
 // two launches (column sums of dy): 0 dy, 1 fp32 partial sums, 2 the result.
 // Blockwise: one launch per tensor (x, W, dy), slots 0 the input, 1 rowwise
 // data, 2 rowwise scales, 3 columnwise data, 4 columnwise scales.
+// Delayed scaling: lists of launches (the casts, the step when it is not
+// fused into the last cast) over one slot table each.  Forward: 0 x, 1 W,
+// 2 the zeroed amaxes, 3 scale[0], 4 scale[1], 5-7 x's data, transpose,
+// scale_inv, 8-10 W's, 11 the forward history, 12 the forward scales.
+// Backward: 0 dy, 1 the zeroed amaxes, 2 scale[0], 3-5 dy's data,
+// transpose, scale_inv, 6 the backward history, 7 the backward scales.
 // A Python callable kept by a plan; released under the GIL from any thread.
 struct PyCallable {
   PyObject* fn = nullptr;
@@ -154,6 +162,8 @@ struct Plan {
   Launch fwd, bwd;
   Launch fwd_w;  // blockwise: W's launch (fwd is x's)
   Launch bias_add;  // blockwise with a bias: added to the GEMM's output (slots y, bias)
+  std::vector<Launch> fwd_list, bwd_list;  // delayed scaling
+  int64_t amax_len = 0;  // delayed scaling: elements of the zeroed amax vector
   int64_t scaling_1x128 = 0, scaling_128x128 = 0;  // F.ScalingType values
   Launch bias_rows, bias_cols;  // the bias gradient (when bias_grad)
   // the Python path's backward, for a gradient this node does not take as it
@@ -249,8 +259,10 @@ Forward forward_block(const Plan& p, const at::Tensor& x, const at::Tensor& w,
           p.w_col ? w_cd : at::Tensor(), p.w_col ? w_cs : at::Tensor()};
 }
 
+// Current or delayed scaling (`state`: the forward history and scales).
 Forward forward_current(const Plan& p, const at::Tensor& x, const at::Tensor& w,
-                        const c10::optional<at::Tensor>& bias, int64_t lo, int64_t hi) {
+                        const c10::optional<at::Tensor>& bias, int64_t lo, int64_t hi,
+                        const std::vector<at::Tensor>& state) {
   at::NoGradGuard no_grad;
   at::Tensor x2d = operand(x, p.m, p.k), w2d = operand(w, p.n, p.k);
   auto f32 = x.options().dtype(at::kFloat);
@@ -261,7 +273,15 @@ Forward forward_current(const Plan& p, const at::Tensor& x, const at::Tensor& w,
   at::Tensor w_data = fp8_empty(p.n, p.k, p.fp8_fwd, x);
   at::Tensor w_t = p.w_col ? fp8_empty(p.k, p.n, p.fp8_fwd, x) : w2d;
   auto stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
-  p.fwd.run({x2d, w2d, x_data, x_t, x_sinv, w_data, w_t, w_sinv}, lo, hi, stream);
+  if (p.recipe == kDelayed) {
+    const at::Tensor& scale = state[1];
+    std::vector<at::Tensor> slots{x2d,    w2d,    at::zeros({p.amax_len}, f32),
+                                  scale.select(0, 0), scale.select(0, 1),
+                                  x_data, x_t,    x_sinv, w_data, w_t, w_sinv, state[0], scale};
+    for (const Launch& l : p.fwd_list) l.run(slots, lo, hi, stream);
+  } else {
+    p.fwd.run({x2d, w2d, x_data, x_t, x_sinv, w_data, w_t, w_sinv}, lo, hi, stream);
+  }
   at::Tensor y = at::empty(p.out_shape, x.options());
   at::Tensor y2d = y.view({p.m, p.n});
   at::_scaled_mm_out(y2d, x_data, w_data.t(), x_sinv, w_sinv, bias, c10::nullopt,
@@ -273,6 +293,7 @@ Forward forward_current(const Plan& p, const at::Tensor& x, const at::Tensor& w,
 struct LinearFp8Backward : public Node {
   std::shared_ptr<const Plan> plan;
   SavedVariable x_t_, x_sinv_, w_t_, w_sinv_;
+  at::Tensor history_bwd, scale_bwd;  // delayed scaling: the layer's buffers (updated)
   int64_t lo = 0, hi = 0;
   // next edges: x, W, then the bias, each where it needs a gradient
   bool x_grad = false, w_grad = false, b_grad = false;
@@ -307,6 +328,8 @@ struct LinearFp8Backward : public Node {
     x_sinv_.reset_data();
     w_t_.reset_data();
     w_sinv_.reset_data();
+    history_bwd.reset();
+    scale_bwd.reset();
   }
 
   variable_list apply(variable_list&& grads) override {
@@ -366,7 +389,14 @@ struct LinearFp8Backward : public Node {
       sinv = at::empty({1}, dy.options().dtype(at::kFloat));
       data = p.dgrad ? fp8_empty(p.m, p.n, p.fp8_bwd, dy) : dy2d;
       tr = p.wgrad ? fp8_empty(p.n, p.m, p.fp8_bwd, dy) : dy2d;
-      p.bwd.run({dy2d, data, tr, sinv}, lo, hi, stream);
+      if (p.recipe == kDelayed) {
+        std::vector<at::Tensor> slots{dy2d, at::zeros({p.amax_len}, sinv.options()),
+                                      scale_bwd.select(0, 0), data, tr, sinv, history_bwd,
+                                      scale_bwd};
+        for (const Launch& l : p.bwd_list) l.run(slots, lo, hi, stream);
+      } else {
+        p.bwd.run({dy2d, data, tr, sinv}, lo, hi, stream);
+      }
     }
     if (x_grad) {
       at::Tensor w_t = w_t_.unpack(), w_sinv = w_sinv_.unpack();
@@ -425,11 +455,17 @@ struct LinearFp8Backward : public Node {
 // gradient; None (an undefined tensor) for operands on another device than
 // the plan's (a layer moved since): the caller then takes the Python path.
 at::Tensor linear(const std::shared_ptr<Plan>& plan, const at::Tensor& x, const at::Tensor& w,
-                  const c10::optional<at::Tensor>& bias, int64_t lo, int64_t hi) {
+                  const c10::optional<at::Tensor>& bias, int64_t lo, int64_t hi,
+                  const std::vector<at::Tensor>& state) {
   const Plan& p = *plan;
   if (!x.is_cuda() || x.get_device() != p.device || w.get_device() != p.device ||
-      bias.has_value() != p.bias) {
+      bias.has_value() != p.bias || state.size() != (p.recipe == kDelayed ? 4u : 0u)) {
     return at::Tensor();
+  }
+  for (const at::Tensor& t : state) {  // the kernels were fixed for aligned fp32 buffers
+    if (t.get_device() != p.device || t.scalar_type() != at::kFloat || !aligned(t)) {
+      return at::Tensor();
+    }
   }
   bool b_req = false;
   if (p.bias) {
@@ -447,8 +483,8 @@ at::Tensor linear(const std::shared_ptr<Plan>& plan, const at::Tensor& x, const 
     return at::Tensor();  // planned for other gradients
   }
   c10::cuda::CUDAGuard guard(x.device());
-  Forward f =
-      p.recipe == kBlock ? forward_block(p, x, w, bias) : forward_current(p, x, w, bias, lo, hi);
+  Forward f = p.recipe == kBlock ? forward_block(p, x, w, bias)
+                                 : forward_current(p, x, w, bias, lo, hi, state);
   if (!record) return f.y;
   auto node = NodeMaker<LinearFp8Backward, NodeHolder>::make();
   node->plan = plan;
@@ -457,6 +493,10 @@ at::Tensor linear(const std::shared_ptr<Plan>& plan, const at::Tensor& x, const 
   node->x_grad = x.requires_grad();
   node->w_grad = w.requires_grad();
   node->b_grad = b_req;
+  if (p.recipe == kDelayed) {
+    node->history_bwd = state[2];
+    node->scale_bwd = state[3];
+  }
   torch::autograd::edge_list edges;
   if (node->x_grad) edges.push_back(torch::autograd::impl::gradient_edge(x));
   if (node->w_grad) edges.push_back(torch::autograd::impl::gradient_edge(w));
@@ -556,6 +596,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              if (bias_add) p.bias_add = std::move(*bias_add);
              p.scaling_1x128 = scaling_1x128;
              p.scaling_128x128 = scaling_128x128;
+           })
+      .def("set_delayed",
+           [](Plan& p, std::vector<Launch> fwd_list, std::vector<Launch> bwd_list,
+              int64_t amax_len) {
+             TORCH_CHECK(!fwd_list.empty() && amax_len > 0, "te native: bad delayed plan");
+             p.recipe = kDelayed;
+             p.fwd_list = std::move(fwd_list);
+             p.bwd_list = std::move(bwd_list);
+             p.amax_len = amax_len;
            })
       .def("set_bias_grad", [](Plan& p, Launch rows, Launch cols, int64_t groups) {
         TORCH_CHECK(p.bias && groups > 0, "te native: a bias gradient needs a bias");

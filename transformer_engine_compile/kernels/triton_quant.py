@@ -373,8 +373,22 @@ def _fp8_tensorwise(x2d, fmt, rowwise, columnwise, *, scale=None, amax_out=None,
     """Current scaling without ``scale`` (amax pass, then cast; the cast
     alone when the partial maxima ``amax_parts`` are given), else the cast
     with ``scale``, recording the amax into ``amax_out`` when given."""
-    x2d = _matrix(x2d)
+    launches, out = fp8_tensorwise_calls(_matrix(x2d), fmt, rowwise, columnwise, scale=scale,
+                                         amax_out=amax_out, pow2=pow2, eps=eps,
+                                         amax_parts=amax_parts)
+    for launcher, grid, key, args in launches:
+        launcher(grid, key, *args)
+    return out
+
+
+def fp8_tensorwise_calls(x2d, fmt, rowwise, columnwise, *, scale=None, amax_out=None,
+                         pow2=False, eps=0.0, amax_parts=None) -> tuple:
+    """The launches of :func:`_fp8_tensorwise` on a contiguous ``x2d``, in
+    order: ``(launches, out)``, each launch ``(launcher, grid, key, args)``,
+    ``out`` the buffers they write (the native eager path fixes the same
+    launches, kernels/native.py).  The allocations are made here."""
     m, k = x2d.shape
+    launches = []
     out = _fp8_outputs(x2d.device, ref.FP8_DTYPE[fmt], m, k, rowwise, columnwise)
     dev = x2d.device
     xkey = _x_key(x2d, m, k)
@@ -387,7 +401,8 @@ def _fp8_tensorwise(x2d, fmt, rowwise, columnwise, *, scale=None, amax_out=None,
         n_parts = _n_amax_parts(m, k)
         parts = torch.empty(n_parts, dtype=torch.int32, device=dev)
         key = (xkey, int_key(n_parts))
-        _amax_partials_launch((n_parts,), key, x2d, m, k, parts, n_parts, _AMAX_BM, _AMAX_BK)
+        launches.append((_amax_partials_launch, (n_parts,), key,
+                         (x2d, m, k, parts, n_parts, _AMAX_BM, _AMAX_BK)))
         amax_arg, scale_arg = parts, out["scale_inv"]
     else:
         n_parts = 0
@@ -404,14 +419,14 @@ def _fp8_tensorwise(x2d, fmt, rowwise, columnwise, *, scale=None, amax_out=None,
     step = None if scale is None or slot is None else slot.step
     step_args, step_consts = _step_args(step, x2d, grid[0] * grid[1])
     step_key = step_consts + tuple(int_key(v) for v in step_args[3:])
-    _fp8_tensorwise_launch(grid, (key, flags, n_load, index, step_key), x2d, m, k, amax_arg,
-                           n_parts, scale_arg, *_fp8_copy_args(out, x2d), *step_args,
-                           ref.FP8_MAX[fmt], *flags[1:], _TL_FP8[fmt], _TW_BM, _TW_BK, n_load,
-                           index, *step_consts)
+    launches.append((_fp8_tensorwise_launch, grid, (key, flags, n_load, index, step_key),
+                     (x2d, m, k, amax_arg, n_parts, scale_arg, *_fp8_copy_args(out, x2d),
+                      *step_args, ref.FP8_MAX[fmt], *flags[1:], _TL_FP8[fmt], _TW_BM, _TW_BK,
+                      n_load, index, *step_consts)))
     if step is not None and not step_consts[0]:
-        _step_into(step.history, amax_arg, step.new_history, step.new_scale, step.fmt,
-                   step.margin, step.algo)
-    return out
+        launches.append(_step_call(step.history, amax_arg, step.new_history, step.new_scale,
+                                   step.fmt, step.margin, step.algo))
+    return launches, out
 
 
 _MAX_STEP_TILE = 4096  # history elements the cast kernel's last program steps over
@@ -617,8 +632,15 @@ def run_step(step, amaxes) -> None:
 def _step_into(hist, amaxes, new_hist, new_scale, fmt, margin, algo) -> None:
     """One step launch over the contiguous (L, n) ``hist`` into ``new_hist``
     (which may be ``hist``) and ``new_scale``."""
+    launcher, grid, key, args = _step_call(hist, amaxes, new_hist, new_scale, fmt, margin, algo)
+    launcher(grid, key, *args)
+
+
+def _step_call(hist, amaxes, new_hist, new_scale, fmt, margin, algo) -> tuple:
+    """The launch of :func:`_step_into`: ``(launcher, grid, key, args)``."""
     n_len, n_cols = hist.shape
     consts = (ref.FP8_MAX[fmt], 2.0 ** -margin, algo == "most_recent",
               next_pow2(n_len))
-    _delayed_step_launch((n_cols,), (ptr_key(amaxes), int_key(n_len), int_key(n_cols), consts),
-                         hist, amaxes, new_hist, new_scale, n_len, n_cols, *consts)
+    return (_delayed_step_launch, (n_cols,),
+            (ptr_key(amaxes), int_key(n_len), int_key(n_cols), consts),
+            (hist, amaxes, new_hist, new_scale, n_len, n_cols, *consts))

@@ -1,7 +1,9 @@
 """When and how an eager ``te.Linear`` call runs natively (kernels/native.py).
 
 The native path covers the common training configurations:
-Float8CurrentScaling, every dim of the three GEMMs a multiple of 16; and
+Float8CurrentScaling and DelayedScaling (the layer's state updated in
+place, as the Python path's kernels update it; no amax reduction group),
+every dim of the three GEMMs a multiple of 16; and
 Float8BlockScaling in its default layout (E4M3, 1x128 x and dy, 128x128 W)
 on an SM 9.0 GPU, every dim a multiple of 128.  Either with or without a
 bias of the input's dtype (bf16 or fp16), added as the Python path adds it
@@ -22,10 +24,11 @@ import torch
 
 from .. import kernels
 from ..kernels import grid_state, native
+from ..kernels import reference as ref
 from ..kernels.reference import FP8_DTYPE
 from ..kernels.triton_launch import int_key
 from ..quantization.blockwise import Float8BlockQuantizer
-from ..quantization.float8 import Float8CurrentScalingQuantizer
+from ..quantization.float8 import Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer
 from .linear_ops import (LINEAR_OPS, LinearFwdArgs, _grad_output_quantizer, _input_quantizer,
                          _paired_weight_quantizer, _tp, _weight_quantizer)
 
@@ -38,11 +41,14 @@ class NativeLinear:
     """One configuration's plan: ``plan(x, w, bias)`` is the layer's output,
     or None where this call must take the Python path."""
 
-    __slots__ = ("ext", "plan", "slot", "slot_keys")
+    __slots__ = ("ext", "plan", "slot", "slot_keys", "state")
 
-    def __init__(self, ext, plan, slot):
+    def __init__(self, ext, plan, slot, state=()):
         self.ext, self.plan, self.slot = ext, plan, slot
         self.slot_keys = (int_key(slot[0]), int_key(slot[1]))
+        # DelayedScaling: the layer's history and scale buffers (forward, then
+        # backward), which the plan's memo entry serves only while they are
+        self.state = list(state)
 
     def __call__(self, x, w, bias):
         if (not kernels._fast_enabled or torch._C._are_functorch_transforms_active()
@@ -52,7 +58,7 @@ class NativeLinear:
         if slot is None or (slot != self.slot
                             and (int_key(slot[0]), int_key(slot[1])) != self.slot_keys):
             return None  # the kernels were compiled for other counter addresses
-        return self.ext.linear(self.plan, x, w, bias, slot[0], slot[1])
+        return self.ext.linear(self.plan, x, w, bias, slot[0], slot[1], self.state)
 
 
 def _eligible(args: LinearFwdArgs) -> bool:
@@ -65,13 +71,18 @@ def _eligible(args: LinearFwdArgs) -> bool:
     if (not _bias_eligible(args) or _tp(args)[0] is not None or args.output_quantizer is not None
             or args.grad_input_quantizer is not None or args.save_original_input
             or args.cache_weight or args.weight_workspace is not None
-            or args.main_grad is not None or args.amax_history_fwd is not None
-            or args.scale_fwd is not None):
+            or args.main_grad is not None or args.amax_group is not None):
         return False
     m, k, n = x.numel() // x.shape[-1], x.shape[-1], w.shape[0]
     if m == 0 or tuple(w.shape) != (n, k):
         return False
     recipe = _recipe(args)
+    if (recipe == "delayed") != (args.amax_history_fwd is not None):
+        return False  # state bound exactly under delayed scaling
+    if recipe == "delayed":
+        return (m % 16 == 0 and k % 16 == 0 and n % 16 == 0
+                and torch.cuda.get_device_capability(x.device) >= (8, 9)
+                and kernels.has_fast("quantize_fp8_tensorwise", "cuda"))
     if recipe == "current":
         return (m % 16 == 0 and k % 16 == 0 and n % 16 == 0
                 and torch.cuda.get_device_capability(x.device) >= (8, 9)
@@ -86,9 +97,14 @@ def _eligible(args: LinearFwdArgs) -> bool:
 
 
 def _recipe(args: LinearFwdArgs):
-    """"current" or "block" where the quantizers are ones a plan runs, else None."""
+    """"current", "delayed" or "block" where the quantizers are ones a plan
+    runs, else None."""
     q, wq, dq = args.input_quantizer, args.weight_quantizer, args.grad_output_quantizer
     grads = args.input_requires_grad or args.weight_requires_grad
+    if (type(q) is Float8DelayedScalingQuantizer and type(wq) is type(q)
+            and q.fp8_format == "e4m3" and wq.fp8_format == "e4m3"):
+        if not grads or type(dq) is Float8DelayedScalingQuantizer:
+            return "delayed"
     if type(q) is Float8CurrentScalingQuantizer and q.fp8_format == "e4m3":
         if not grads or type(dq) is Float8CurrentScalingQuantizer:
             return "current"
@@ -130,6 +146,8 @@ def plan_for(args: LinearFwdArgs):
     m, k, n = x.numel() // x.shape[-1], x.shape[-1], w.shape[0]
     if _recipe(args) == "block":
         return _block_plan(ext, args, m, k, n, slot)
+    if _recipe(args) == "delayed":
+        return _delayed_plan(ext, args, m, k, n, slot)
     q = _input_quantizer(args)
     wq = _paired_weight_quantizer(args, q)
     if wq is None:
@@ -162,9 +180,10 @@ def plan_for(args: LinearFwdArgs):
     return _with_bias_grad(ext, plan, args, slot)
 
 
-def _with_bias_grad(ext, plan, args: LinearFwdArgs, slot):
-    """The :class:`NativeLinear` of ``plan``, with the bias gradient's
-    launches where the bias needs one; None where they cannot be native."""
+def _with_bias_grad(ext, plan, args: LinearFwdArgs, slot, state=()):
+    """The :class:`NativeLinear` of ``plan`` (``state``: see there), with the
+    bias gradient's launches where the bias needs one; None where they
+    cannot be native."""
     if args.bias_requires_grad:
         x = args.inp
         launches = _bias_grad_launches(ext, x.numel() // x.shape[-1], args.weight.shape[0],
@@ -172,7 +191,71 @@ def _with_bias_grad(ext, plan, args: LinearFwdArgs, slot):
         if launches is None:
             return None
         plan.set_bias_grad(*launches)
-    return NativeLinear(ext, plan, slot)
+    return NativeLinear(ext, plan, slot, state)
+
+
+def _delayed_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
+    """A :class:`NativeLinear` under DelayedScaling: x's cast and W's cast
+    with the layer's scales, recording their amaxes, W's running the step
+    over the forward history (dy's over the backward one), as the Python
+    path launches them.  The launches are compiled on copies of the state,
+    so planning leaves the layer's untouched."""
+    from ..kernels import triton_quant as tq  # Triton: imported on CUDA only
+    x, w = args.inp, args.weight
+    q, wq = _input_quantizer(args), _weight_quantizer(args)
+    dgrad, wgrad = args.input_requires_grad, args.weight_requires_grad
+    dev = x.device
+    with torch.no_grad():
+        hist, scale = args.amax_history_fwd.clone(), args.scale_fwd.clone()
+        x2d = torch.zeros((m, k), dtype=x.dtype, device=dev)
+        w2d = torch.zeros((n, k), dtype=w.dtype, device=dev)
+        amaxes = torch.zeros(ref.STEP_COUNTER + 1, dtype=torch.float32, device=dev)
+        s0, s1 = scale[0], scale[1]
+        step = ref.StepAfter(hist, hist, scale, q.fp8_format, q.margin, q.amax_compute_algo)
+        lx, out_x = tq.fp8_tensorwise_calls(x2d, q.fp8_format, True, q.columnwise_usage,
+                                            scale=s0, amax_out=ref.AmaxSlot(amaxes, 0))
+        lw, out_w = tq.fp8_tensorwise_calls(w2d, wq.fp8_format, True, wq.columnwise_usage,
+                                            scale=s1, amax_out=ref.AmaxSlot(amaxes, 1, step))
+        fwd = _listed_launches(ext, dev, lx + lw, [
+            x2d, w2d, amaxes, s0, s1, *tq._fp8_copy_args(out_x, x2d),
+            *tq._fp8_copy_args(out_w, w2d), hist, scale])
+        bwd, fmt_bwd = [], "e5m2"
+        if dgrad or wgrad:
+            dq = _grad_output_quantizer(args)
+            fmt_bwd = dq.fp8_format
+            hist_b, scale_b = args.amax_history_bwd.clone(), args.scale_bwd.clone()
+            dy2d = torch.zeros((m, n), dtype=x.dtype, device=dev)
+            amaxes_b = torch.zeros(ref.STEP_COUNTER + 1, dtype=torch.float32, device=dev)
+            sb0 = scale_b[0]
+            step_b = ref.StepAfter(hist_b, hist_b, scale_b, dq.fp8_format, dq.margin,
+                                   dq.amax_compute_algo)
+            ld, out_d = tq.fp8_tensorwise_calls(dy2d, dq.fp8_format, dq.rowwise_usage,
+                                                dq.columnwise_usage, scale=sb0,
+                                                amax_out=ref.AmaxSlot(amaxes_b, 0, step_b))
+            bwd = _listed_launches(ext, dev, ld, [dy2d, amaxes_b, sb0,
+                                                  *tq._fp8_copy_args(out_d, dy2d), hist_b,
+                                                  scale_b])
+    if fwd is None or bwd is None:
+        return None
+    state = (args.amax_history_fwd, args.scale_fwd, args.amax_history_bwd, args.scale_bwd)
+    plan = ext.Plan(fwd[0], fwd[0], _PythonBackward(args, q, wq, ("transpose", "scale_inv"),
+                                                    state[2:]),
+                    _DTYPE_NAMES[x.dtype], dev.index, m, k, n,
+                    _DTYPE_NAMES[FP8_DTYPE[q.fp8_format]], _DTYPE_NAMES[FP8_DTYPE[fmt_bwd]],
+                    _DTYPE_NAMES[w.dtype], q.columnwise_usage, wq.columnwise_usage, dgrad, wgrad,
+                    args.bias is not None, list(x.shape[:-1]) + [n], list(x.shape))
+    plan.set_delayed(fwd, bwd, ref.STEP_COUNTER + 1)
+    return _with_bias_grad(ext, plan, args, slot, state)
+
+
+def _listed_launches(ext, device, launches, slots):
+    """Native launches of ``launches`` (each launched once here, which
+    compiles it) over the slot table ``slots``; None if one cannot be."""
+    specs = []
+    for launcher, grid, key, largs in launches:
+        launcher(grid, key, *largs)
+        specs.append(native.launch_spec(ext, launcher, device.index, grid, key, largs, slots))
+    return None if None in specs else specs
 
 
 def _block_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
@@ -253,8 +336,9 @@ class _PythonBackward:
     quantized dy of a next layer's ``fp8_grad``, a DTensor) or another dtype.
     The saved copies become the storages the Python forward would have saved."""
 
-    def __init__(self, args: LinearFwdArgs, q, wq, names):
+    def __init__(self, args: LinearFwdArgs, q, wq, names, state_bwd=(None, None)):
         self.names = names  # the buffer names of a columnwise copy and its scales
+        self.state_bwd = state_bwd  # DelayedScaling: the backward history and scales
         self.values = LINEAR_OPS.setup_context(args)
         self.x_shape, self.x_dtype = tuple(args.inp.shape), args.inp.dtype
         self.w_shape, self.w_dtype = tuple(args.weight.shape), args.weight.dtype
@@ -268,8 +352,8 @@ class _PythonBackward:
             x = self.xq.from_buffers(self.x_shape, self.x_dtype, {data: x_t, scale: x_sinv})
         if w_t is not None:
             w = self.wq.from_buffers(self.w_shape, self.w_dtype, {data: w_t, scale: w_sinv})
-        saved = {"inputmat": x, "weightmat": w, "main_grad": None, "amax_history_bwd": None,
-                 "scale_bwd": None}
+        saved = {"inputmat": x, "weightmat": w, "main_grad": None,
+                 "amax_history_bwd": self.state_bwd[0], "scale_bwd": self.state_bwd[1]}
         with torch.no_grad(), eager_buffers_in_place():
             grads = LINEAR_OPS.backward(LINEAR_OPS.make_bwd_args(saved, self.values,
                                                                  {"grad_output": dy}))
