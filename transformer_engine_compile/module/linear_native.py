@@ -198,15 +198,16 @@ def _delayed_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
     """A :class:`NativeLinear` under DelayedScaling: x's cast and W's cast
     with the layer's scales, recording their amaxes, W's running the step
     over the forward history (dy's over the backward one), as the Python
-    path launches them.  The launches are compiled on copies of the state,
-    so planning leaves the layer's untouched."""
+    path launches them.  The launches are compiled on scratch buffers of
+    the state's shapes (zeros: the values do not matter), so planning
+    leaves the layer's state untouched and copies nothing."""
     from ..kernels import triton_quant as tq  # Triton: imported on CUDA only
     x, w = args.inp, args.weight
     q, wq = _input_quantizer(args), _weight_quantizer(args)
     dgrad, wgrad = args.input_requires_grad, args.weight_requires_grad
     dev = x.device
     with torch.no_grad():
-        hist, scale = args.amax_history_fwd.clone(), args.scale_fwd.clone()
+        hist, scale = torch.zeros_like(args.amax_history_fwd), torch.zeros_like(args.scale_fwd)
         x2d = torch.zeros((m, k), dtype=x.dtype, device=dev)
         w2d = torch.zeros((n, k), dtype=w.dtype, device=dev)
         amaxes = torch.zeros(ref.STEP_COUNTER + 1, dtype=torch.float32, device=dev)
@@ -223,7 +224,8 @@ def _delayed_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
         if dgrad or wgrad:
             dq = _grad_output_quantizer(args)
             fmt_bwd = dq.fp8_format
-            hist_b, scale_b = args.amax_history_bwd.clone(), args.scale_bwd.clone()
+            hist_b = torch.zeros_like(args.amax_history_bwd)
+            scale_b = torch.zeros_like(args.scale_bwd)
             dy2d = torch.zeros((m, n), dtype=x.dtype, device=dev)
             amaxes_b = torch.zeros(ref.STEP_COUNTER + 1, dtype=torch.float32, device=dev)
             sb0 = scale_b[0]
