@@ -19,6 +19,7 @@ if torch.cuda.is_available():
 
 REC = R.Float8CurrentScaling()
 BLOCK = R.Float8BlockScaling()
+MX = R.MXFP8BlockScaling()
 
 
 @pytest.fixture(scope="module")
@@ -111,17 +112,25 @@ def test_native_equals_python_bit_for_bit(ext, calls, shape, out, x_grad):
 _HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-@pytest.mark.skipif(not _HOPPER, reason="the block-scaled GEMM is cuBLAS's on SM 9.0")
+def _skip_block(rec):
+    if rec is BLOCK and not _HOPPER:
+        pytest.skip("the block-scaled GEMM is cuBLAS's on SM 9.0")
+
+
+@pytest.mark.parametrize("rec", [BLOCK, MX], ids=["fp8_block", "mxfp8"])
 @pytest.mark.parametrize("shape,out,x_grad,dtype,bias",
                          [((256, 512), 384, True, torch.bfloat16, False),
                           ((2, 128, 256), 256, True, torch.bfloat16, True),
                           ((128, 1024), 512, False, torch.bfloat16, False),
                           ((256, 512), 640, True, torch.float16, True)], ids=str)
-def test_native_block_equals_python_bit_for_bit(ext, calls, shape, out, x_grad, dtype, bias):
+def test_native_block_and_mxfp8_equal_python_bit_for_bit(ext, calls, shape, out, x_grad, dtype,
+                                                          bias, rec):
     """Float8BlockScaling: x, W and dy quantized by the blockwise kernel (W
     128x128, its scales padded for cuBLAS where K/128 or N/128 is not a
-    multiple of 4), the GEMMs cuBLAS's block-scaled ones, a bias added by
+    multiple of 4), the GEMMs cuBLAS's block-scaled ones.  MXFP8: the MXFP8
+    kernel, each operand dequantized to bf16, bf16 GEMMs.  A bias added by
     the bias kernel and its gradient summed by the column-sum kernels."""
+    _skip_block(rec)
     torch.manual_seed(4)
     layer = te.Linear(shape[-1], out, bias=bias, params_dtype=dtype, device="cuda")
     if bias:
@@ -130,26 +139,25 @@ def test_native_block_equals_python_bit_for_bit(ext, calls, shape, out, x_grad, 
     ref = _python_only(layer)
     x = (torch.randn(shape, device="cuda", dtype=dtype) * 3).requires_grad_(x_grad)
     dy = torch.randn((*shape[:-1], out), device="cuda", dtype=dtype)
-    got, y = _step(layer, x, dy, rec=BLOCK)
-    want, _ = _step(ref, x, dy, no_native=True, rec=BLOCK)
+    got, y = _step(layer, x, dy, rec=rec)
+    want, _ = _step(ref, x, dy, no_native=True, rec=rec)
     assert calls["native"] == 2 and y.grad_fn.name() == "TeLinearFp8Backward"
     assert (got[3] is not None) == bias
     for g, w in zip(got, want):
         assert _equal(g, w)
-    with torch.no_grad(), te.autocast(recipe=BLOCK):
+    with torch.no_grad(), te.autocast(recipe=rec):
         outs = [layer(x) for _ in range(3)]
-    with torch.no_grad(), te.autocast(recipe=BLOCK), _NoNative():
+    with torch.no_grad(), te.autocast(recipe=rec), _NoNative():
         assert all(torch.equal(o, ref(x)) for o in outs)
     assert calls["native"] == 4
 
 
-@pytest.mark.parametrize("rec", [REC, BLOCK], ids=["fp8_current", "fp8_block"])
+@pytest.mark.parametrize("rec", [REC, BLOCK, MX], ids=["fp8_current", "fp8_block", "mxfp8"])
 def test_native_under_torch_autocast_with_fp32_parameters(ext, calls, rec):
     """Mixed precision with fp32 parameters: torch.autocast casts W and the
     bias to bf16 every call; the native node's gradients flow through those
     casts into the fp32 parameters, bit for bit the Python path's."""
-    if rec is BLOCK and not _HOPPER:
-        pytest.skip("the block-scaled GEMM is cuBLAS's on SM 9.0")
+    _skip_block(rec)
     torch.manual_seed(5)
     layer = te.Linear(256, 384, bias=True, params_dtype=torch.float32, device="cuda")
     ref = _python_only(layer)
@@ -339,11 +347,10 @@ def test_native_checkpoint_retain_graph_and_double_backward(ext, calls):
     assert torch.equal(x.grad, g1)
 
 
-@pytest.mark.parametrize("bias,rec", [(False, REC), (True, REC), (False, BLOCK)],
-                         ids=["no_bias", "bias", "block"])
+@pytest.mark.parametrize("bias,rec", [(False, REC), (True, REC), (False, BLOCK), (True, MX)],
+                         ids=["no_bias", "bias", "block", "mxfp8"])
 def test_native_training_with_optimizer_matches_python(ext, calls, bias, rec):
-    if rec is BLOCK and not _HOPPER:
-        pytest.skip("the block-scaled GEMM is cuBLAS's on SM 9.0")
+    _skip_block(rec)
     torch.manual_seed(1)
     model = torch.nn.Sequential(
         te.Linear(256, 512, bias=bias, params_dtype=torch.bfloat16, device="cuda"),
@@ -402,7 +409,7 @@ def test_native_declines_what_it_does_not_cover(ext, calls):
     for layer, rec, inp in ((bf16(True, save_original_input=True), REC, x),
                             (bf16(out=200), REC, x),  # N not a multiple of 16
                             (bf16(), BLOCK, x),  # 64 rows: not a multiple of 128
-                            (bf16(), R.MXFP8BlockScaling(), x128)):
+                            (bf16(), R.NVFP4BlockScaling(), x128)):
         with te.autocast(recipe=rec):
             for _ in range(3):
                 layer(inp).sum().backward()
@@ -410,13 +417,12 @@ def test_native_declines_what_it_does_not_cover(ext, calls):
     assert calls["native"] == 0
 
 
-@pytest.mark.parametrize("rec", [REC, BLOCK], ids=["fp8_current", "fp8_block"])
+@pytest.mark.parametrize("rec", [REC, BLOCK, MX], ids=["fp8_current", "fp8_block", "mxfp8"])
 def test_native_node_takes_a_quantized_gradient_through_the_python_path(ext, calls, rec):
     """fc2's fp8_grad hands fc1's native node a quantized dy (a tensor
     subclass): the node runs the Python path's backward on its saved copies,
     which uses that dy as it is, as the Python path does."""
-    if rec is BLOCK and not _HOPPER:
-        pytest.skip("the block-scaled GEMM is cuBLAS's on SM 9.0")
+    _skip_block(rec)
     torch.manual_seed(2)
     fc1 = te.Linear(256, 512, bias=False, params_dtype=torch.bfloat16, device="cuda")
     fc2 = te.Linear(512, 256, bias=False, params_dtype=torch.bfloat16, device="cuda")

@@ -1,8 +1,8 @@
 // Eager te.Linear under FP8 current scaling (per tensor), delayed scaling
-// (per tensor, the layer's amax history and scales updated in place) or FP8
-// blockwise scaling (1x128 activations and gradients, 128x128 weights) as one
-// C++ call and a C++ autograd node (kernels/native.py builds the plans and
-// says when).
+// (per tensor, the layer's amax history and scales updated in place), FP8
+// blockwise scaling (1x128 activations and gradients, 128x128 weights) or
+// MXFP8 (emulated: dequantized to bf16 for bf16 GEMMs) as one C++ call and a
+// C++ autograd node (kernels/native.py builds the plans and says when).
 //
 // The Python eager path runs ~150 us of Python per layer forward + backward
 // around ~10 CUDA calls, and the autograd engine runs the backward's Python
@@ -128,7 +128,7 @@ bool has_block_gemm() {
 }
 
 // -- the plan of one te.Linear configuration -------------------------------------
-enum Recipe : int64_t { kCurrent = 0, kBlock = 1, kDelayed = 2 };
+enum Recipe : int64_t { kCurrent = 0, kBlock = 1, kDelayed = 2, kMx = 3 };
 
 // Forward quantize slots: 0 x (M, K), 1 W (N, K), 2 x data, 3 x transpose,
 // 4 x scale_inv, 5 W data, 6 W transpose, 7 W scale_inv.  Backward quantize
@@ -143,6 +143,13 @@ enum Recipe : int64_t { kCurrent = 0, kBlock = 1, kDelayed = 2 };
 // scale_inv, 8-10 W's, 11 the forward history, 12 the forward scales.
 // Backward: 0 dy, 1 the zeroed amaxes, 2 scale[0], 3-5 dy's data,
 // transpose, scale_inv, 6 the backward history, 7 the backward scales.
+// MXFP8: lists too.  Forward: 0 x, 1 W, 2-5 x's rowwise data and scales,
+// columnwise data and scales, 6-9 W's, 10 x in bf16, 11 W in bf16 (the
+// quantizations, then the dequantizations of the rowwise copies).
+// Backward: 0 dy, 1-4 dy's copies, 5 dy rowwise in bf16, 6 W columnwise in
+// bf16, 7 dy columnwise in bf16, 8 x columnwise in bf16, 9-10 x's saved
+// columnwise copy and scales, 11-12 W's (dy's quantization, then the
+// dequantizations dgrad reads, then those wgrad reads).
 // A Python callable kept by a plan; released under the GIL from any thread.
 struct PyCallable {
   PyObject* fn = nullptr;
@@ -162,7 +169,8 @@ struct Plan {
   Launch fwd, bwd;
   Launch fwd_w;  // blockwise: W's launch (fwd is x's)
   Launch bias_add;  // blockwise with a bias: added to the GEMM's output (slots y, bias)
-  std::vector<Launch> fwd_list, bwd_list;  // delayed scaling
+  std::vector<Launch> fwd_list, bwd_list;  // delayed scaling, MXFP8
+  std::vector<Launch> dgrad_list, wgrad_list;  // MXFP8: the operands' dequantizations
   int64_t amax_len = 0;  // delayed scaling: elements of the zeroed amax vector
   int64_t scaling_1x128 = 0, scaling_128x128 = 0;  // F.ScalingType values
   Launch bias_rows, bias_cols;  // the bias gradient (when bias_grad)
@@ -289,6 +297,44 @@ Forward forward_current(const Plan& p, const at::Tensor& x, const at::Tensor& w,
   return {y, p.x_col ? x_t : at::Tensor(), x_sinv, p.w_col ? w_t : at::Tensor(), w_sinv};
 }
 
+at::Tensor u8_empty(int64_t r, int64_t c, const at::Tensor& like) {
+  return at::empty({r, c}, like.options().dtype(at::kByte));
+}
+
+// The bf16 emulated GEMM's result in `out` (cuda_gemm._emulated_bf16:
+// F.linear of the dequantized operands, then the output's dtype).
+void mx_gemm(const at::Tensor& a16, const at::Tensor& b16t, at::Tensor& out) {
+  if (out.scalar_type() == at::kBFloat16) {
+    at::mm_out(out, a16, b16t);
+  } else {
+    out.copy_(at::mm(a16, b16t));
+  }
+}
+
+Forward forward_mx(const Plan& p, const at::Tensor& x, const at::Tensor& w,
+                   const c10::optional<at::Tensor>& bias) {
+  constexpr int64_t B = 32;
+  at::NoGradGuard no_grad;
+  at::Tensor x2d = operand(x, p.m, p.k), w2d = operand(w, p.n, p.k);
+  at::Tensor x_rd = fp8_empty(p.m, p.k, p.fp8_fwd, x), x_rs = u8_empty(p.m, p.k / B, x);
+  at::Tensor x_cd = p.x_col ? fp8_empty(p.m, p.k, p.fp8_fwd, x) : x2d;
+  at::Tensor x_cs = p.x_col ? u8_empty(p.m / B, p.k, x) : x2d;
+  at::Tensor w_rd = fp8_empty(p.n, p.k, p.fp8_fwd, x), w_rs = u8_empty(p.n, p.k / B, x);
+  at::Tensor w_cd = p.w_col ? fp8_empty(p.n, p.k, p.fp8_fwd, x) : w2d;
+  at::Tensor w_cs = p.w_col ? u8_empty(p.n / B, p.k, x) : w2d;
+  auto bf16 = x.options().dtype(at::kBFloat16);
+  at::Tensor x16 = at::empty({p.m, p.k}, bf16), w16 = at::empty({p.n, p.k}, bf16);
+  auto stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  std::vector<at::Tensor> slots{x2d, w2d, x_rd, x_rs, x_cd, x_cs, w_rd, w_rs, w_cd, w_cs, x16, w16};
+  for (const Launch& l : p.fwd_list) l.run(slots, 0, 0, stream);
+  at::Tensor y = at::empty(p.out_shape, x.options());
+  at::Tensor y2d = y.view({p.m, p.n});
+  mx_gemm(x16, w16.t(), y2d);
+  if (p.bias) p.bias_add.run({y2d, *bias}, 0, 0, stream);
+  return {y, p.x_col ? x_cd : at::Tensor(), p.x_col ? x_cs : at::Tensor(),
+          p.w_col ? w_cd : at::Tensor(), p.w_col ? w_cs : at::Tensor()};
+}
+
 // -- the autograd node ---------------------------------------------------------
 struct LinearFp8Backward : public Node {
   std::shared_ptr<const Plan> plan;
@@ -349,6 +395,8 @@ struct LinearFp8Backward : public Node {
       size_t i = 0;
       if (p.recipe == kBlock) {
         block_grads(p, dy, dy2d, out, i, stream);
+      } else if (p.recipe == kMx) {
+        mx_grads(p, dy, dy2d, out, i, stream);
       } else {
         current_grads(p, dy, dy2d, out, i, lo, hi, stream);
       }
@@ -412,6 +460,44 @@ struct LinearFp8Backward : public Node {
         at::Tensor x_t = x_t_.unpack(), x_sinv = x_sinv_.unpack();
         out[i] = at::_scaled_mm(tr, x_t.t(), sinv, x_sinv, c10::nullopt, c10::nullopt,
                                 p.wgrad_dtype, false);
+      }
+      ++i;
+    }
+  }
+
+  // dgrad and wgrad under MXFP8 (cuda_gemm._emulated_bf16's calls)
+  void mx_grads(const Plan& p, const at::Tensor& dy, const at::Tensor& dy2d, variable_list& out,
+                size_t& i, cudaStream_t stream) {
+    constexpr int64_t B = 32;
+    if (!(x_grad || w_grad)) return;
+    at::Tensor d_rd = p.dgrad ? fp8_empty(p.m, p.n, p.fp8_bwd, dy) : dy2d;
+    at::Tensor d_rs = p.dgrad ? u8_empty(p.m, p.n / B, dy) : dy2d;
+    at::Tensor d_cd = p.wgrad ? fp8_empty(p.m, p.n, p.fp8_bwd, dy) : dy2d;
+    at::Tensor d_cs = p.wgrad ? u8_empty(p.m / B, p.n, dy) : dy2d;
+    auto bf16 = dy.options().dtype(at::kBFloat16);
+    at::Tensor x_cd = w_grad ? x_t_.unpack() : dy2d, x_cs = w_grad ? x_sinv_.unpack() : dy2d;
+    at::Tensor w_cd = x_grad ? w_t_.unpack() : dy2d, w_cs = x_grad ? w_sinv_.unpack() : dy2d;
+    at::Tensor dy16 = x_grad ? at::empty({p.m, p.n}, bf16) : dy2d;
+    at::Tensor w16c = x_grad ? at::empty({p.n, p.k}, bf16) : dy2d;
+    at::Tensor dy16c = w_grad ? at::empty({p.m, p.n}, bf16) : dy2d;
+    at::Tensor x16c = w_grad ? at::empty({p.m, p.k}, bf16) : dy2d;
+    std::vector<at::Tensor> slots{dy2d, d_rd, d_rs, d_cd, d_cs, dy16, w16c,
+                                  dy16c, x16c, x_cd, x_cs, w_cd, w_cs};
+    for (const Launch& l : p.bwd_list) l.run(slots, 0, 0, stream);
+    if (x_grad) {
+      if (should_compute_output(i)) {
+        for (const Launch& l : p.dgrad_list) l.run(slots, 0, 0, stream);
+        at::Tensor dx = at::mm(dy16, w16c);
+        if (dx.scalar_type() != p.act_dtype) dx = dx.to(p.act_dtype);
+        out[i] = dx.view(p.in_shape);
+      }
+      ++i;
+    }
+    if (w_grad) {
+      if (should_compute_output(i)) {
+        for (const Launch& l : p.wgrad_list) l.run(slots, 0, 0, stream);
+        at::Tensor dw = at::mm(dy16c.t(), x16c);
+        out[i] = dw.scalar_type() == p.wgrad_dtype ? dw : dw.to(p.wgrad_dtype);
       }
       ++i;
     }
@@ -484,6 +570,7 @@ at::Tensor linear(const std::shared_ptr<Plan>& plan, const at::Tensor& x, const 
   }
   c10::cuda::CUDAGuard guard(x.device());
   Forward f = p.recipe == kBlock ? forward_block(p, x, w, bias)
+              : p.recipe == kMx  ? forward_mx(p, x, w, bias)
                                  : forward_current(p, x, w, bias, lo, hi, state);
   if (!record) return f.y;
   auto node = NodeMaker<LinearFp8Backward, NodeHolder>::make();
@@ -605,6 +692,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              p.fwd_list = std::move(fwd_list);
              p.bwd_list = std::move(bwd_list);
              p.amax_len = amax_len;
+           })
+      .def("set_mx",
+           [](Plan& p, std::vector<Launch> fwd_list, std::vector<Launch> bwd_list,
+              std::vector<Launch> dgrad_list, std::vector<Launch> wgrad_list,
+              std::optional<Launch> bias_add) {
+             TORCH_CHECK(fwd_list.size() == 4 && p.m % 32 == 0 && p.k % 32 == 0 &&
+                             p.n % 32 == 0 && p.bias == bias_add.has_value(),
+                         "te native: bad MXFP8 plan");
+             p.recipe = kMx;
+             p.fwd_list = std::move(fwd_list);
+             p.bwd_list = std::move(bwd_list);
+             p.dgrad_list = std::move(dgrad_list);
+             p.wgrad_list = std::move(wgrad_list);
+             if (bias_add) p.bias_add = std::move(*bias_add);
            })
       .def("set_bias_grad", [](Plan& p, Launch rows, Launch cols, int64_t groups) {
         TORCH_CHECK(p.bias && groups > 0, "te native: a bias gradient needs a bias");

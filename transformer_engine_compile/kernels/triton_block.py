@@ -184,10 +184,9 @@ _mxfp8_dequantize_launch = Launcher(_mxfp8_dequantize_kernel)
 _TL_OUT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
-def quantize_mxfp8(x2d, fmt, rowwise, columnwise) -> dict:
-    if x2d.numel() == 0:
-        return ref.quantize_mxfp8(x2d, fmt, rowwise, columnwise)
-    x2d = _matrix(x2d)
+def mxfp8_call(x2d, fmt, rowwise, columnwise):
+    """The launch of ``quantize_mxfp8`` on a contiguous, non-empty ``x2d``:
+    ``(grid, key, args, out)`` (the native eager path fixes the same launch)."""
     m, k = x2d.shape
     b = ref.MX_BLOCK
     dt = ref.FP8_DTYPE[fmt]
@@ -195,22 +194,35 @@ def quantize_mxfp8(x2d, fmt, rowwise, columnwise) -> dict:
                         ((m, k), dt), ((m // b, k), torch.uint8))
     max_frac, max_exp = math.frexp(ref.FP8_MAX[fmt])
     flags = (fmt, bool(rowwise), bool(columnwise))
-    _mxfp8_launch((cdiv(m, _MX_BM), cdiv(k, _MX_BK)), (_x_key(x2d, m, k), flags),
-                  x2d, m, k, *_copy_args(out, x2d), ref.FP8_MAX[fmt],
-                  int((max_frac - 0.5) * 2 ** 24),
-                  max_exp, *flags[1:], _TL_FP8[fmt], _MX_BM, _MX_BK, b)
+    args = (x2d, m, k, *_copy_args(out, x2d), ref.FP8_MAX[fmt], int((max_frac - 0.5) * 2 ** 24),
+            max_exp, *flags[1:], _TL_FP8[fmt], _MX_BM, _MX_BK, b)
+    return (cdiv(m, _MX_BM), cdiv(k, _MX_BK)), (_x_key(x2d, m, k), flags), args, out
+
+
+def quantize_mxfp8(x2d, fmt, rowwise, columnwise) -> dict:
+    if x2d.numel() == 0:
+        return ref.quantize_mxfp8(x2d, fmt, rowwise, columnwise)
+    grid, key, args, out = mxfp8_call(_matrix(x2d), fmt, rowwise, columnwise)
+    _mxfp8_launch(grid, key, *args)
     return out
+
+
+def mxfp8_dequantize_call(data2d, biased, rowwise: bool, out_dtype):
+    """The launch of ``dequantize_mxfp8`` on contiguous, non-empty operands:
+    ``(grid, key, args, out)``."""
+    m, k = data2d.shape
+    out = torch.empty((m, k), dtype=out_dtype, device=data2d.device)
+    args = (data2d, biased, out, m, k, bool(rowwise), _TL_OUT[out_dtype], _MX_BM, _MX_BK,
+            ref.MX_BLOCK)
+    key = (_x_key(data2d, m, k), ptr_key(biased), bool(rowwise), out_dtype)
+    return (cdiv(m, _MX_BM), cdiv(k, _MX_BK)), key, args, out
 
 
 def dequantize_mxfp8(data2d, biased, rowwise: bool, out_dtype=torch.float32) -> torch.Tensor:
     """reference.dequantize_mxfp8 (then ``.to(out_dtype)``) in one pass."""
     if data2d.numel() == 0 or out_dtype not in _TL_OUT:
         return ref.dequantize_mxfp8(data2d, biased, rowwise).to(out_dtype)
-    data2d, biased = _matrix(data2d), _matrix(biased)
-    m, k = data2d.shape
-    out = torch.empty((m, k), dtype=out_dtype, device=data2d.device)
-    _mxfp8_dequantize_launch((cdiv(m, _MX_BM), cdiv(k, _MX_BK)),
-                             (_x_key(data2d, m, k), ptr_key(biased), bool(rowwise), out_dtype),
-                             data2d, biased, out, m, k, bool(rowwise), _TL_OUT[out_dtype],
-                             _MX_BM, _MX_BK, ref.MX_BLOCK)
+    grid, key, args, out = mxfp8_dequantize_call(_matrix(data2d), _matrix(biased), rowwise,
+                                                 out_dtype)
+    _mxfp8_dequantize_launch(grid, key, *args)
     return out

@@ -5,10 +5,11 @@ Float8CurrentScaling and DelayedScaling (the layer's state updated in
 place, as the Python path's kernels update it; no amax reduction group),
 every dim of the three GEMMs a multiple of 16; and
 Float8BlockScaling in its default layout (E4M3, 1x128 x and dy, 128x128 W)
-on an SM 9.0 GPU, every dim a multiple of 128.  Either with or without a
-bias of the input's dtype (bf16 or fp16), added as the Python path adds it
-(in ``_scaled_mm``'s epilogue; by the bias kernel after the block-scaled
-GEMM).
+on an SM 9.0 GPU, every dim a multiple of 128; and MXFP8 (E4M3, emulated:
+the copies dequantized to bf16 for bf16 GEMMs, as the Python path does),
+every dim a multiple of 32.  Each with or without a bias of the input's
+dtype (bf16 or fp16), added as the Python path adds it (in
+``_scaled_mm``'s epilogue; by the bias kernel after the other GEMMs).
 Nothing else: no tensor parallelism, no ``fp8_output`` / ``fp8_grad``, no
 cached or FP8 weight, no ``save_original_input``, no
 ``fuse_wgrad_accumulation``, a CUDA input.  Any other call, and any call
@@ -29,6 +30,7 @@ from ..kernels.reference import FP8_DTYPE
 from ..kernels.triton_launch import int_key
 from ..quantization.blockwise import Float8BlockQuantizer
 from ..quantization.float8 import Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer
+from ..quantization.mxfp8 import MXFP8Quantizer
 from .linear_ops import (LINEAR_OPS, LinearFwdArgs, _grad_output_quantizer, _input_quantizer,
                          _paired_weight_quantizer, _tp, _weight_quantizer)
 
@@ -87,6 +89,10 @@ def _eligible(args: LinearFwdArgs) -> bool:
         return (m % 16 == 0 and k % 16 == 0 and n % 16 == 0
                 and torch.cuda.get_device_capability(x.device) >= (8, 9)
                 and kernels.has_fast("quantize_fp8_current_pair", "cuda"))
+    if recipe == "mx":  # the Python path's GEMMs are the bf16 emulation then
+        return (m % 32 == 0 and k % 32 == 0 and n % 32 == 0 and x.dtype != torch.float32
+                and w.dtype != torch.float32 and kernels.has_fast("quantize_mxfp8", "cuda")
+                and kernels.has_fast("dequantize_mxfp8", "cuda"))
     if recipe == "block":  # the Python path's GEMM is cuBLAS's block-scaled one then
         from ..kernels import cuda_gemm
         return (m % 128 == 0 and k % 128 == 0 and n % 128 == 0
@@ -97,8 +103,8 @@ def _eligible(args: LinearFwdArgs) -> bool:
 
 
 def _recipe(args: LinearFwdArgs):
-    """"current", "delayed" or "block" where the quantizers are ones a plan
-    runs, else None."""
+    """"current", "delayed", "block" or "mx" where the quantizers are ones a
+    plan runs, else None."""
     q, wq, dq = args.input_quantizer, args.weight_quantizer, args.grad_output_quantizer
     grads = args.input_requires_grad or args.weight_requires_grad
     if (type(q) is Float8DelayedScalingQuantizer and type(wq) is type(q)
@@ -108,6 +114,9 @@ def _recipe(args: LinearFwdArgs):
     if type(q) is Float8CurrentScalingQuantizer and q.fp8_format == "e4m3":
         if not grads or type(dq) is Float8CurrentScalingQuantizer:
             return "current"
+    if all(type(t) is MXFP8Quantizer and t.fp8_format == "e4m3" for t in (q, wq)):
+        if not grads or type(dq) is MXFP8Quantizer:
+            return "mx"
     if all(type(t) is Float8BlockQuantizer and t.fp8_format == "e4m3" for t in (q, wq)) and (
             q.block_scaling_dim == 1 and wq.block_scaling_dim == 2):
         if not grads or (type(dq) is Float8BlockQuantizer and dq.fp8_format == "e4m3"
@@ -148,6 +157,8 @@ def plan_for(args: LinearFwdArgs):
         return _block_plan(ext, args, m, k, n, slot)
     if _recipe(args) == "delayed":
         return _delayed_plan(ext, args, m, k, n, slot)
+    if _recipe(args) == "mx":
+        return _mx_plan(ext, args, m, k, n, slot)
     q = _input_quantizer(args)
     wq = _paired_weight_quantizer(args, q)
     if wq is None:
@@ -248,6 +259,75 @@ def _delayed_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
                     args.bias is not None, list(x.shape[:-1]) + [n], list(x.shape))
     plan.set_delayed(fwd, bwd, ref.STEP_COUNTER + 1)
     return _with_bias_grad(ext, plan, args, slot, state)
+
+
+def _mx_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
+    """A :class:`NativeLinear` under MXFP8BlockScaling: x, W and dy quantized
+    by the MXFP8 kernel, each GEMM operand dequantized to bf16 by its kernel
+    and multiplied by torch's bf16 GEMM (cuda_gemm._emulated_bf16)."""
+    from ..kernels import triton_block as tb  # Triton: imported on CUDA only
+    x, w = args.inp, args.weight
+    q, wq = _input_quantizer(args), _weight_quantizer(args)
+    dgrad, wgrad = args.input_requires_grad, args.weight_requires_grad
+    dev, bf16 = x.device, torch.bfloat16
+
+    def quant(a2d, quantizer):
+        grid, key, largs, out = tb.mxfp8_call(a2d, quantizer.fp8_format,
+                                              quantizer.rowwise_usage, quantizer.columnwise_usage)
+        return (tb._mxfp8_launch, grid, key, largs), [a2d, *tb._copy_args(out, a2d)]
+
+    def dequant(data, scale, rowwise):
+        grid, key, largs, out = tb.mxfp8_dequantize_call(data, scale, rowwise, bf16)
+        return (tb._mxfp8_dequantize_launch, grid, key, largs), out
+
+    with torch.no_grad():
+        x2d = torch.zeros((m, k), dtype=x.dtype, device=dev)
+        w2d = torch.zeros((n, k), dtype=w.dtype, device=dev)
+        lqx, xs = quant(x2d, q)
+        lqw, ws = quant(w2d, wq)
+        ldx, x16 = dequant(xs[1], xs[2], True)
+        ldw, w16 = dequant(ws[1], ws[2], True)
+        fwd = _listed_launches(ext, dev, [lqx, lqw, ldx, ldw],
+                               [xs[0], ws[0], *xs[1:], *ws[1:], x16, w16])
+        bwd, dgrad_list, wgrad_list, fmt_bwd = [], [], [], "e4m3"
+        if dgrad or wgrad:
+            dq = _grad_output_quantizer(args)
+            fmt_bwd = dq.fp8_format
+            dy2d = torch.zeros((m, n), dtype=x.dtype, device=dev)
+            lqd, ds = quant(dy2d, dq)
+            # the saved columnwise copies: scratch of their shapes (dy2d where absent)
+            u8 = torch.uint8
+            x_c = ((torch.zeros((m, k), dtype=xs[3].dtype, device=dev),
+                    torch.zeros((m // 32, k), dtype=u8, device=dev)) if wgrad else (dy2d, dy2d))
+            w_c = ((torch.zeros((n, k), dtype=ws[3].dtype, device=dev),
+                    torch.zeros((n // 32, k), dtype=u8, device=dev)) if dgrad else (dy2d, dy2d))
+            dgrad_calls, wgrad_calls = [], []
+            dy16 = w16c = dy16c = x16c = dy2d
+            if dgrad:
+                (l1, dy16), (l2, w16c) = dequant(ds[1], ds[2], True), dequant(*w_c, False)
+                dgrad_calls = [l1, l2]
+            if wgrad:
+                (l1, dy16c), (l2, x16c) = dequant(ds[3], ds[4], False), dequant(*x_c, False)
+                wgrad_calls = [l1, l2]
+            table = [*ds, dy16, w16c, dy16c, x16c, *x_c, *w_c]
+            bwd = _listed_launches(ext, dev, [lqd], table)
+            dgrad_list = _listed_launches(ext, dev, dgrad_calls, table)
+            wgrad_list = _listed_launches(ext, dev, wgrad_calls, table)
+        bias_add = None
+        if args.bias is not None:
+            bias_add = _bias_add_launch(ext, torch.zeros((m, n), dtype=x.dtype, device=dev),
+                                        args.bias)
+    if (None in (fwd, bwd, dgrad_list, wgrad_list)
+            or (args.bias is not None and bias_add is None)):
+        return None
+    plan = ext.Plan(fwd[0], fwd[0], _PythonBackward(args, q, wq, ("columnwise_data",
+                                                                "columnwise_scale_inv")),
+                    _DTYPE_NAMES[x.dtype], dev.index, m, k, n,
+                    _DTYPE_NAMES[FP8_DTYPE[q.fp8_format]], _DTYPE_NAMES[FP8_DTYPE[fmt_bwd]],
+                    _DTYPE_NAMES[w.dtype], q.columnwise_usage, wq.columnwise_usage, dgrad, wgrad,
+                    args.bias is not None, list(x.shape[:-1]) + [n], list(x.shape))
+    plan.set_mx(fwd, bwd, dgrad_list, wgrad_list, bias_add)
+    return _with_bias_grad(ext, plan, args, slot)
 
 
 def _listed_launches(ext, device, launches, slots):
