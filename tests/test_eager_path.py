@@ -42,10 +42,11 @@ def _same(a, b):
 @pytest.mark.parametrize("name", ["fp8_current", "fp8_block", "mxfp8", "bf16"])
 def test_args_memo_is_reused_and_gives_the_full_paths_results(name):
     """A repeated configuration skips the checks (one ``_checked_args`` for
-    two calls), and every change of configuration rebuilds the arguments:
-    grad mode, requires_grad, input shape or dtype, recipe, a replaced or
-    converted parameter.  Each call equals a copy of the layer (which
-    starts without memo) running the same call."""
+    two calls), and every new configuration builds its arguments: grad
+    mode, requires_grad, input shape or dtype, recipe, a replaced or
+    converted parameter; the memo keeps the last four (``MEMO_ENTRIES``).
+    Each call equals a copy of the layer (which starts without memo)
+    running the same call."""
     rec = recipe.by_name(name)
     layer = _layer(bias=name == "bf16")  # bf16 without bias would run F.linear
     x = torch.randn(4, 128, dtype=torch.bfloat16, requires_grad=True)
@@ -68,7 +69,7 @@ def test_args_memo_is_reused_and_gives_the_full_paths_results(name):
         check(layer, x, rec, grad=False)
         check(layer, x.detach(), rec)
         check(layer, torch.randn(2, 4, 128, dtype=torch.bfloat16, requires_grad=True), rec)
-        check(layer, x, rec)
+        check(layer, x, rec, built=False)  # still one of the memo's four entries
         layer.weight.requires_grad_(False)
         check(layer, x, rec)
         layer.weight.requires_grad_(True)
@@ -144,7 +145,8 @@ def test_memo_under_delayed_scaling_follows_the_state_buffers():
         before = len(calls)
         _run(layer, x, rec)
         assert len(calls) - before == 1
-        assert layer._args_memo[3].fields["scale_fwd"] is layer.fp8_scale_fwd
+        assert [t.fields["scale_fwd"] for t in layer._args_memo[2].values()] == [
+            layer.fp8_scale_fwd]
 
 
 def test_memo_never_skips_a_check():

@@ -259,6 +259,10 @@ def init_weight_(weight: torch.Tensor, init_method=None) -> None:
 
 
 _PLAIN_TENSORS = (torch.nn.Parameter, torch.Tensor)
+# configurations the argument memo keeps per layer (the oldest goes first): a
+# reentrant checkpoint's no-grad forward and its recomputation, training and
+# evaluation steps, two input shapes, each keep their entry
+MEMO_ENTRIES = 4
 
 
 class _ArgsTemplate:
@@ -450,23 +454,31 @@ class Linear(torch.nn.Module):
         return self.parallel_mode is not None and self.tp_size > 1
 
     def _make_args(self, inp, is_first_microbatch, fp8_output, fp8_grad, weight=None,
-                   bias=None, cast=False) -> LinearFwdArgs:
+                   bias=None, cast=False, key=...) -> LinearFwdArgs:
         """The forward op's arguments; ``weight`` / ``bias``: the parameters
         as the GEMMs take them (``cast``: torch.autocast's casts of them),
-        default the layer's."""
+        default the layer's; ``key``: this call's memo key, if computed."""
         recipe = get_autocast_recipe()
         if weight is None:
             weight, bias = self.weight, self.bias
         grad = torch.is_grad_enabled()
-        key = self._memo_key(inp, recipe, grad, is_first_microbatch, fp8_output, fp8_grad,
-                             weight, bias, cast)
+        if key is ...:
+            key = self._memo_key(inp, recipe, grad, is_first_microbatch, fp8_output, fp8_grad,
+                                 weight, bias, cast)
         template = self._memo_template(key)
         if template is not None:
             return template.with_tensors(inp, weight, None if self.return_bias else bias)
         args = self._checked_args(inp, recipe, grad, is_first_microbatch, fp8_output, fp8_grad,
                                   weight, bias)
         if key is not None and args.weight_workspace is None:  # no FP8 weight cache bound
-            self.__dict__["_args_memo"] = (self.weight, self.bias, key, _ArgsTemplate(args))
+            memo = self.__dict__.get("_args_memo")
+            if memo is None or memo[0] is not self.weight or memo[1] is not self.bias:
+                memo = self.__dict__["_args_memo"] = (self.weight, self.bias, {})
+            entries = memo[2]
+            entries.pop(key, None)
+            if len(entries) >= MEMO_ENTRIES:
+                del entries[next(iter(entries))]
+            entries[key] = _ArgsTemplate(args)
         return args
 
     def _memo_key(self, inp, recipe, grad, is_first_microbatch, fp8_output, fp8_grad, weight,
@@ -487,27 +499,26 @@ class Linear(torch.nn.Module):
         return None
 
     def _memo_template(self, key):
-        """The memo's template when it was made for ``key`` and the layer's
-        current parameter objects, else None."""
+        """The memo's template made for ``key`` and the layer's current
+        parameter objects (and state buffers), else None."""
         memo = self.__dict__.get("_args_memo")
         if (key is None or memo is None or memo[0] is not self.weight
-                or memo[1] is not self.bias or memo[2] != key
-                or (memo[3].state and not memo[3].state_current(self._buffers))):
+                or memo[1] is not self.bias):
             return None
-        return memo[3]
+        template = memo[2].get(key)
+        if template is None or (template.state and not template.state_current(self._buffers)):
+            return None
+        return template
 
-    def _native_forward(self, inp, weight, bias, is_first_microbatch, fp8_output, fp8_grad,
-                        cast=False):
+    def _native_forward(self, inp, weight, bias, key, call=None):
         """The output of the native eager path (kernels/native.py) for a call
         whose argument memo holds a native plan, else None.  A memo entry asks
-        for its plan at its second call (module/linear_native.py)."""
-        memo = self.__dict__.get("_args_memo")
-        if memo is None or memo[3].native is False:
-            return None
-        key = self._memo_key(inp, get_autocast_recipe(), torch.is_grad_enabled(),
-                             is_first_microbatch, fp8_output, fp8_grad, weight, bias, cast)
+        for its plan at its second call (module/linear_native.py).  Inside
+        activation checkpointing (``call``) only without DelayedScaling
+        state: a recomputation must then run on the recorded scales
+        (checkpointing.py), which only the Python path takes."""
         template = self._memo_template(key)
-        if template is None:
+        if template is None or template.native is False or (call is not None and template.state):
             return None
         plan = template.native
         if plan is None:
@@ -649,13 +660,15 @@ class Linear(torch.nn.Module):
         parameters (or the parameters, where no cast was needed)."""
         if not (fp8_output or fp8_grad) and self._runs_as_torch_linear(inp, weight):
             return self._finish({"out": torch.nn.functional.linear(inp, weight)})
-        if call is None and not torch.compiler.is_compiling():
-            out = self._native_forward(inp, weight, bias, is_first_microbatch, fp8_output,
-                                       fp8_grad, cast)
+        key = ...
+        if not torch.compiler.is_compiling():
+            key = self._memo_key(inp, get_autocast_recipe(), torch.is_grad_enabled(),
+                                 is_first_microbatch, fp8_output, fp8_grad, weight, bias, cast)
+            out = self._native_forward(inp, weight, bias, key, call)
             if out is not None:
                 return self._finish({"out": out})
         args = self._make_args(inp, is_first_microbatch, fp8_output, fp8_grad, weight, bias,
-                               cast)
+                               cast, key)
         if call is not None:
             call.bind(args)
         if torch.compiler.is_compiling():
