@@ -37,12 +37,16 @@ from .dynamo import compat
 
 
 class _Record:
-    """One ``te.Linear`` call of a checkpointed forward."""
+    """One ``te.Linear`` call of a checkpointed forward.  ``native``: whether
+    the forward ran on the native eager path (kernels/native.py), which the
+    recomputation repeats: torch's non-reentrant checkpoint requires the
+    recomputation to save the very tensors the forward saved."""
 
-    __slots__ = ("layer", "state", "scale_fwd")
+    __slots__ = ("layer", "state", "scale_fwd", "native")
 
     def __init__(self, layer, state):
         self.layer, self.state, self.scale_fwd = layer, state, {}  # GEMM prefix -> scales
+        self.native = False
 
 
 class Recording:

@@ -514,11 +514,21 @@ class Linear(torch.nn.Module):
         """The output of the native eager path (kernels/native.py) for a call
         whose argument memo holds a native plan, else None.  A memo entry asks
         for its plan at its second call (module/linear_native.py).  Inside
-        activation checkpointing (``call``) only without DelayedScaling
-        state: a recomputation must then run on the recorded scales
-        (checkpointing.py), which only the Python path takes."""
+        activation checkpointing (``call``) a recomputation takes the path
+        its forward took (the record says which), and nothing under
+        DelayedScaling runs natively there: its recomputation must run on
+        the recorded scales (checkpointing.py), which only the Python path
+        takes."""
+        out = self._native_call(inp, weight, bias, key, call)
+        if call is not None and not call.replay:
+            call.rec.native = out is not None
+        return out
+
+    def _native_call(self, inp, weight, bias, key, call):
         template = self._memo_template(key)
-        if template is None or template.native is False or (call is not None and template.state):
+        if (template is None or template.native is False
+                or (call is not None and (template.state or (call.replay
+                                                             and not call.rec.native)))):
             return None
         plan = template.native
         if plan is None:
