@@ -31,6 +31,17 @@ def _run(layer, x, rec, grad=True):
     return [y.detach()] + [t.grad for t in (x, *layer.parameters())]
 
 
+def _counting_builds(calls: list):
+    """Appends to ``calls`` for every full argument build (``_checked_args``)."""
+    full = Linear._checked_args
+
+    def counted(self, *args):
+        calls.append(1)
+        return full(self, *args)
+
+    return mock.patch.object(Linear, "_checked_args", counted)
+
+
 def _same(a, b):
     assert len(a) == len(b)
     for u, v in zip(a, b):
@@ -51,11 +62,6 @@ def test_args_memo_is_reused_and_gives_the_full_paths_results(name):
     layer = _layer(bias=name == "bf16")  # bf16 without bias would run F.linear
     x = torch.randn(4, 128, dtype=torch.bfloat16, requires_grad=True)
     calls = []
-    full = Linear._checked_args
-
-    def counted(self, *args):
-        calls.append(1)
-        return full(self, *args)
 
     def check(layer, x, rec, grad=True, built=True):
         before = len(calls)
@@ -63,7 +69,7 @@ def test_args_memo_is_reused_and_gives_the_full_paths_results(name):
         assert len(calls) - before == int(built)
         _same(got, _run(copy.deepcopy(layer), x, rec, grad))
 
-    with mock.patch.object(Linear, "_checked_args", counted):
+    with _counting_builds(calls):
         check(layer, x, rec)
         check(layer, x, rec, built=False)  # the memo
         check(layer, x, rec, grad=False)
@@ -93,17 +99,12 @@ def test_args_memo_serves_torch_autocast_casts(name):
     layer = _layer(bias=True, dtype=torch.float32)
     x = torch.randn(4, 128, requires_grad=True)
     calls = []
-    full = Linear._checked_args
-
-    def counted(self, *args):
-        calls.append(1)
-        return full(self, *args)
 
     def run(layer, x):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return _run(layer, x, rec)
 
-    with mock.patch.object(Linear, "_checked_args", counted):
+    with _counting_builds(calls):
         for built in (1, 0, 0):
             before = len(calls)
             got = run(layer, x)
@@ -125,16 +126,11 @@ def test_memo_under_delayed_scaling_follows_the_state_buffers():
     layer = _layer()
     x = torch.randn(4, 128, dtype=torch.bfloat16, requires_grad=True)
     calls = []
-    full = Linear._checked_args
-
-    def counted(self, *args):
-        calls.append(1)
-        return full(self, *args)
 
     def state(m):
         return [b.clone() for n, b in sorted(m.named_buffers()) if "fp8_" in n]
 
-    with mock.patch.object(Linear, "_checked_args", counted):
+    with _counting_builds(calls):
         for built in (1, 0, 0):
             before = len(calls)
             ref = copy.deepcopy(layer)

@@ -45,6 +45,14 @@ def calls(monkeypatch):
     return n
 
 
+def _two_layers(bias):
+    """256 -> 512 -> GELU -> 256, bf16 parameters."""
+    return torch.nn.Sequential(
+        te.Linear(256, 512, bias=bias, params_dtype=torch.bfloat16, device="cuda"),
+        torch.nn.GELU(),
+        te.Linear(512, 256, bias=bias, params_dtype=torch.bfloat16, device="cuda"))
+
+
 def _memo_native(layer):
     """The native plans (or False) of the layer's memo entries, oldest first."""
     return [t.native for t in layer._args_memo[2].values()]
@@ -200,10 +208,7 @@ def test_native_delayed_scaling_equals_python_with_its_state(ext, calls, bias, h
     torch.manual_seed(6)
     rec = R.DelayedScaling(fp8_format=getattr(R.Format, fmt), amax_history_len=hist,
                            amax_compute_algo="max" if hist > 16 else "most_recent", margin=1)
-    model = torch.nn.Sequential(
-        te.Linear(256, 512, bias=bias, params_dtype=torch.bfloat16, device="cuda"),
-        torch.nn.GELU(),
-        te.Linear(512, 256, bias=bias, params_dtype=torch.bfloat16, device="cuda"))
+    model = _two_layers(bias)
     ref = copy.deepcopy(model)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref)]
     x = torch.randn(2, 64, 256, device="cuda", dtype=torch.bfloat16) * 4
@@ -362,10 +367,7 @@ def test_native_inside_activation_checkpointing(ext, calls, how, rec):
     recomputation with, and the memo keeps both entries.  Gradients equal
     the Python path's."""
     torch.manual_seed(7)
-    model = torch.nn.Sequential(
-        te.Linear(256, 512, bias=True, params_dtype=torch.bfloat16, device="cuda"),
-        torch.nn.GELU(),
-        te.Linear(512, 256, bias=True, params_dtype=torch.bfloat16, device="cuda"))
+    model = _two_layers(True)
     ref = copy.deepcopy(model)
     ckpt = {"te": te.checkpoint,
             "torch": lambda f, x: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False),
@@ -415,10 +417,7 @@ def test_native_serves_alternating_train_and_eval_calls(ext, calls):
 def test_native_training_with_optimizer_matches_python(ext, calls, bias, rec):
     _skip_block(rec)
     torch.manual_seed(1)
-    model = torch.nn.Sequential(
-        te.Linear(256, 512, bias=bias, params_dtype=torch.bfloat16, device="cuda"),
-        torch.nn.GELU(),
-        te.Linear(512, 256, bias=bias, params_dtype=torch.bfloat16, device="cuda"))
+    model = _two_layers(bias)
     ref = copy.deepcopy(model)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref)]
     x = torch.randn(4, 32, 256, device="cuda", dtype=torch.bfloat16)
