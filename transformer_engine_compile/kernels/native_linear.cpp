@@ -78,6 +78,10 @@ struct Launch {
   void run(const std::vector<at::Tensor>& slots, int64_t lo, int64_t hi,
            cudaStream_t stream) const {
     const size_t n = kinds.size();
+    for (size_t i = 0; i < n; ++i) {  // a plan's slot table must match its launches
+      TORCH_CHECK(kinds[i] != kSlot || (ints[i] >= 0 && static_cast<size_t>(ints[i]) < slots.size()),
+                  "te native: a launch reads slot ", ints[i], " of ", slots.size());
+    }
     std::vector<uint64_t> cells(n + n_scratch, 0);
     std::vector<void*> params(n + n_scratch);
     for (size_t i = 0; i < n; ++i) {
@@ -438,6 +442,9 @@ struct LinearFp8Backward : public Node {
       data = p.dgrad ? fp8_empty(p.m, p.n, p.fp8_bwd, dy) : dy2d;
       tr = p.wgrad ? fp8_empty(p.n, p.m, p.fp8_bwd, dy) : dy2d;
       if (p.recipe == kDelayed) {
+        TORCH_CHECK(history_bwd.defined(),
+                    "Trying to backward through the graph a second time (te.Linear native "
+                    "eager path): the delayed-scaling state was released");
         std::vector<at::Tensor> slots{dy2d, at::zeros({p.amax_len}, sinv.options()),
                                       scale_bwd.select(0, 0), data, tr, sinv, history_bwd,
                                       scale_bwd};

@@ -81,14 +81,11 @@ def _eligible(args: LinearFwdArgs) -> bool:
     recipe = _recipe(args)
     if (recipe == "delayed") != (args.amax_history_fwd is not None):
         return False  # state bound exactly under delayed scaling
-    if recipe == "delayed":
+    if recipe in ("current", "delayed"):  # _scaled_mm (SM 8.9+)
+        kernel = "quantize_fp8_current_pair" if recipe == "current" else "quantize_fp8_tensorwise"
         return (m % 16 == 0 and k % 16 == 0 and n % 16 == 0
                 and torch.cuda.get_device_capability(x.device) >= (8, 9)
-                and kernels.has_fast("quantize_fp8_tensorwise", "cuda"))
-    if recipe == "current":
-        return (m % 16 == 0 and k % 16 == 0 and n % 16 == 0
-                and torch.cuda.get_device_capability(x.device) >= (8, 9)
-                and kernels.has_fast("quantize_fp8_current_pair", "cuda"))
+                and kernels.has_fast(kernel, "cuda"))
     if recipe == "mx":  # the Python path's GEMMs are the bf16 emulation then
         return (m % 32 == 0 and k % 32 == 0 and n % 32 == 0 and x.dtype != torch.float32
                 and w.dtype != torch.float32 and kernels.has_fast("quantize_mxfp8", "cuda")
@@ -127,7 +124,7 @@ def _recipe(args: LinearFwdArgs):
 
 def _bias_eligible(args: LinearFwdArgs) -> bool:
     """No bias, or one the Python path adds in a kernel (``_scaled_mm``'s
-    epilogue, or ``bias_add`` after a block-scaled GEMM) of the input's
+    epilogue, or ``bias_add`` after the blockwise and MXFP8 GEMMs) of the input's
     dtype, not fp32, 16-byte aligned (the launches are fixed for that), and
     whose gradient the column-sum kernels make."""
     b, x = args.bias, args.inp
