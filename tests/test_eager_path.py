@@ -55,7 +55,7 @@ def test_args_memo_is_reused_and_gives_the_full_paths_results(name):
     """A repeated configuration skips the checks (one ``_checked_args`` for
     two calls), and every new configuration builds its arguments: grad
     mode, requires_grad, input shape or dtype, recipe, a replaced or
-    converted parameter; the memo keeps the last four (``MEMO_ENTRIES``).
+    converted parameter; the memo keeps the last four (``args_memo.MEMO_ENTRIES``).
     Each call equals a copy of the layer (which starts without memo)
     running the same call."""
     rec = recipe.by_name(name)

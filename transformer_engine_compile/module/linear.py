@@ -14,12 +14,11 @@ import torch
 from .. import distributed as D
 from .. import checkpointing
 from ..autocast import get_amax_reduction_group, get_autocast_recipe
-from ..dynamo import arg_views
 from ..dynamo.state import ensure_buffers, register_module
 from ..fsdp import check_gathered_weight
 from ..quantization.base import QuantizedTensorStorage
 from ..quantization import factory
-from .linear_native import plan_for
+from . import args_memo
 from .linear_ops import LINEAR_OPS, LinearBwdArgs, LinearFwdArgs, _input_usage
 
 __all__ = ["Linear", "LinearFwdArgs", "LinearBwdArgs", "LINEAR_OPS"]
@@ -259,42 +258,6 @@ def init_weight_(weight: torch.Tensor, init_method=None) -> None:
 
 
 _PLAIN_TENSORS = (torch.nn.Parameter, torch.Tensor)
-# configurations the argument memo keeps per layer (the oldest goes first): a
-# reentrant checkpoint's no-grad forward and its recomputation, training and
-# evaluation steps, two input shapes, each keep their entry
-MEMO_ENTRIES = 4
-
-
-class _ArgsTemplate:
-    """The arguments of an eager call, less its input and parameters: what
-    :meth:`Linear._make_args` worked out (checks passed, quantizers,
-    flags, and under DelayedScaling the layer's state buffers it bound),
-    for the next call with the same configuration (the memo key), which
-    then skips the checks and builds no dataclass (issue 14: the eager
-    path's host time).  Holds no activation; the state buffers it holds
-    are the layer's own, and serve only while they still are (``state``:
-    their names and objects)."""
-
-    __slots__ = ("fields", "native", "state")
-
-    def __init__(self, args: LinearFwdArgs):
-        self.fields = {**args.__dict__, "inp": None, "weight": None, "bias": None}
-        # the native plan (module/linear_native.py): None not asked yet,
-        # False none for this configuration
-        self.native = None
-        self.state = () if args.amax_history_fwd is None else tuple(
-            zip(delayed_state_names(), (args.amax_history_fwd, args.scale_fwd,
-                                        args.amax_history_bwd, args.scale_bwd)))
-
-    def state_current(self, buffers: dict) -> bool:
-        """Whether the bound state buffers are still the layer's (a
-        ``module.to()`` or a re-allocation replaces them)."""
-        return all(buffers.get(name) is t for name, t in self.state)
-
-    def with_tensors(self, inp, weight, bias) -> LinearFwdArgs:
-        return arg_views.instance(LinearFwdArgs, {**self.fields, "inp": inp, "weight": weight,
-                                                  "bias": bias})
-
 
 class Linear(torch.nn.Module):
     """Linear layer with Transformer Engine's argument names.
@@ -465,20 +428,13 @@ class Linear(torch.nn.Module):
         if key is ...:
             key = self._memo_key(inp, recipe, grad, is_first_microbatch, fp8_output, fp8_grad,
                                  weight, bias, cast)
-        template = self._memo_template(key)
+        template = args_memo.template(self, key)
         if template is not None:
             return template.with_tensors(inp, weight, None if self.return_bias else bias)
         args = self._checked_args(inp, recipe, grad, is_first_microbatch, fp8_output, fp8_grad,
                                   weight, bias)
         if key is not None and args.weight_workspace is None:  # no FP8 weight cache bound
-            memo = self.__dict__.get("_args_memo")
-            if memo is None or memo[0] is not self.weight or memo[1] is not self.bias:
-                memo = self.__dict__["_args_memo"] = (self.weight, self.bias, {})
-            entries = memo[2]
-            entries.pop(key, None)
-            if len(entries) >= MEMO_ENTRIES:
-                del entries[next(iter(entries))]
-            entries[key] = _ArgsTemplate(args)
+            args_memo.remember(self, key, args, delayed_state_names())
         return args
 
     def _memo_key(self, inp, recipe, grad, is_first_microbatch, fp8_output, fp8_grad, weight,
@@ -497,49 +453,6 @@ class Linear(torch.nn.Module):
                     self.save_original_input, self.parallel_mode, self.sequence_parallel,
                     self.tp_size, cast and self.weight.dtype, get_amax_reduction_group())
         return None
-
-    def _memo_template(self, key):
-        """The memo's template made for ``key`` and the layer's current
-        parameter objects (and state buffers), else None."""
-        memo = self.__dict__.get("_args_memo")
-        if (key is None or memo is None or memo[0] is not self.weight
-                or memo[1] is not self.bias):
-            return None
-        template = memo[2].get(key)
-        if template is None or (template.state and not template.state_current(self._buffers)):
-            return None
-        return template
-
-    def _native_forward(self, inp, weight, bias, key, call=None):
-        """The output of the native eager path (kernels/native.py) for a call
-        whose argument memo holds a native plan, else None.  A memo entry asks
-        for its plan at its second call (module/linear_native.py).  Inside
-        activation checkpointing (``call``) a recomputation takes the path
-        its forward took (the record says which), and nothing under
-        DelayedScaling runs natively there: its recomputation must run on
-        the recorded scales (checkpointing.py), which only the Python path
-        takes."""
-        out = self._native_call(inp, weight, bias, key, call)
-        if call is not None and not call.replay:
-            call.rec.native = out is not None
-        return out
-
-    def _native_call(self, inp, weight, bias, key, call):
-        template = self._memo_template(key)
-        if (template is None or template.native is False
-                or (call is not None and (template.state or (call.replay
-                                                             and not call.rec.native)))):
-            return None
-        plan = template.native
-        if plan is None:
-            plan = plan_for(template.with_tensors(inp, weight,
-                                                  None if self.return_bias else bias))
-            if plan is ...:  # the extension is still being built
-                return None
-            template.native = plan = plan or False
-            if plan is False:
-                return None
-        return plan(inp, weight, None if self.return_bias else bias)
 
     def _checked_args(self, inp, recipe, grad, is_first_microbatch, fp8_output, fp8_grad,
                       weight, bias) -> LinearFwdArgs:
@@ -674,7 +587,7 @@ class Linear(torch.nn.Module):
         if not torch.compiler.is_compiling():
             key = self._memo_key(inp, get_autocast_recipe(), torch.is_grad_enabled(),
                                  is_first_microbatch, fp8_output, fp8_grad, weight, bias, cast)
-            out = self._native_forward(inp, weight, bias, key, call)
+            out = args_memo.native_forward(self, inp, weight, bias, key, call)
             if out is not None:
                 return self._finish({"out": out})
         args = self._make_args(inp, is_first_microbatch, fp8_output, fp8_grad, weight, bias,
