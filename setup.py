@@ -5,7 +5,7 @@ setup(
     version="0.1.0",
     description="Quantized (FP8, MXFP8, FP8-blockwise, NVFP4) training layers for torch.compile",
     packages=find_packages(include=["transformer_engine_compile", "transformer_engine_compile.*"]),
-    package_data={"transformer_engine_compile": ["kernels/*.cpp"]},  # the native eager path
+    package_data={"transformer_engine_compile": ["kernels/*.cpp", "kernels/*.h"]},  # the native eager path
     python_requires=">=3.10",
     install_requires=["torch>=2.11"],
     extras_require={"test": ["pytest", "pytest-xdist"], "gpu": ["triton"]},

@@ -15,34 +15,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 if torch.cuda.is_available():
     pytest.importorskip("triton")
     from transformer_engine_compile.kernels import native
-    from transformer_engine_compile.module import linear_native
 
 REC = R.Float8CurrentScaling()
 BLOCK = R.Float8BlockScaling()
 MX = R.MXFP8BlockScaling()
-
-
-@pytest.fixture(scope="module")
-def ext():
-    ext = native.extension(wait=True)
-    if ext is None:
-        pytest.skip(f"native extension not built: {native._state['failed']}")
-    return ext
-
-
-@pytest.fixture
-def calls(monkeypatch):
-    """Counts the calls the native path ran (a plan that declines is not counted)."""
-    n = {"native": 0}
-    real = linear_native.NativeLinear.__call__
-
-    def counted(self, x, w, bias):
-        out = real(self, x, w, bias)
-        n["native"] += out is not None
-        return out
-
-    monkeypatch.setattr(linear_native.NativeLinear, "__call__", counted)
-    return n
 
 
 def _two_layers(bias):

@@ -1,7 +1,9 @@
 """The native (C++) eager path's extension: building it, describing launches.
 
 ``native_linear.cpp`` runs an eager ``te.Linear`` call (module/linear_native.py
-says which) as one C++ call whose backward is a C++ autograd node: the
+says which) as one C++ call whose backward is a C++ autograd node, and
+``native_norm.cpp`` the normalisation of an eager ``te.LayerNormLinear``
+(module/layernorm_linear_native.py) the same way: the
 Python eager path costs ~150 us of Python per layer forward + backward, and
 the autograd engine runs a Python backward on its device thread, which ran
 that Python up to 2x slower on the lent H200 hosts (docs/benchmarks.md,
@@ -19,6 +21,7 @@ is built and the Python path runs.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import warnings
@@ -28,7 +31,9 @@ import torch
 from . import triton_launch
 
 ENABLED = os.environ.get("TE_COMPILE_NATIVE", "1") == "1"
-_SOURCE = os.path.join(os.path.dirname(__file__), "native_linear.cpp")
+_DIR = os.path.dirname(__file__)
+_SOURCES = [os.path.join(_DIR, name) for name in ("native_linear.cpp", "native_norm.cpp")]
+_HEADER = os.path.join(_DIR, "native_common.h")
 _KINDS = {"i32": 1, "i64": 2, "fp32": 3}  # native_linear.cpp's Kind; 0 tensor, 4 lo, 5 hi
 _SIZES = {0: 8, 1: 4, 2: 8, 3: 4, 4: 4, 5: 4}
 _lock = threading.Lock()
@@ -38,8 +43,12 @@ _state = {"ext": None, "thread": None, "failed": None}
 def _build():
     try:
         from torch.utils import cpp_extension
-        ext = cpp_extension.load(name="te_compile_native", sources=[_SOURCE],
-                                 extra_cflags=["-O2"], with_cuda=True, verbose=False)
+        # torch rebuilds when a source or a flag changes: the header's digest is a flag
+        with open(_HEADER, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()[:16]
+        ext = cpp_extension.load(name="te_compile_native", sources=_SOURCES,
+                                 extra_cflags=["-O2", f"-DTE_NATIVE_COMMON_H={digest}"],
+                                 with_cuda=True, verbose=False)
     except Exception as e:  # no compiler, no CUDA headers, a torch without these internals
         _state["failed"] = f"{type(e).__name__}: {e}"
         warnings.warn("transformer_engine_compile: the native eager path could not be "

@@ -12,15 +12,14 @@
 // through the driver with the arguments a plan fixed) and torch's
 // _scaled_mm (current scaling) or _scaled_mm_v2 with block scales (as
 // F.scaled_mm calls it), so the results are bit for bit the Python path's.
-#include <torch/extension.h>
+#include "native_common.h"
+
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
-
-#include <dlfcn.h>
 
 #include <array>
 #include <memory>
@@ -29,80 +28,10 @@
 
 namespace {
 
+using namespace te_native;
 using torch::autograd::Node;
 using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
-
-// Autograd nodes are held by std::shared_ptr up to torch 2.12 and by
-// c10::intrusive_ptr after: make one the way this torch holds them.
-using NodeHolder = std::decay_t<decltype(std::declval<torch::autograd::Edge>().function)>;
-template <class T, class H>
-struct NodeMaker;
-template <class T>
-struct NodeMaker<T, std::shared_ptr<Node>> {
-  static std::shared_ptr<T> make() { return std::make_shared<T>(); }
-};
-template <class T>
-struct NodeMaker<T, c10::intrusive_ptr<Node>> {
-  static c10::intrusive_ptr<T> make() { return c10::make_intrusive<T>(); }
-};
-
-// -- driver entry points (libcuda, as Triton loads it) -------------------------
-using LaunchFn = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
-                         unsigned, void*, void**, void**);
-using ParamInfoFn = int (*)(void*, size_t, size_t*, size_t*);
-
-void* libcuda() {
-  static void* handle = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-  TORCH_CHECK(handle != nullptr, "te native: cannot load libcuda.so.1");
-  return handle;
-}
-
-LaunchFn launch_fn() {
-  static auto fn = reinterpret_cast<LaunchFn>(dlsym(libcuda(), "cuLaunchKernel"));
-  TORCH_CHECK(fn != nullptr, "te native: libcuda has no cuLaunchKernel");
-  return fn;
-}
-
-// -- one compiled Triton kernel with its arguments fixed by a plan -------------
-enum Kind : int64_t { kSlot = 0, kI32 = 1, kI64 = 2, kF32 = 3, kLo = 4, kHi = 5 };
-
-struct Launch {
-  int64_t function = 0;
-  std::array<int64_t, 3> grid{1, 1, 1};
-  int64_t threads = 0, shared = 0, n_scratch = 0;
-  std::vector<int64_t> kinds;  // per kernel parameter, in order
-  std::vector<int64_t> ints;   // slot index or integer value
-  std::vector<double> floats;
-
-  void run(const std::vector<at::Tensor>& slots, int64_t lo, int64_t hi,
-           cudaStream_t stream) const {
-    const size_t n = kinds.size();
-    for (size_t i = 0; i < n; ++i) {  // a plan's slot table must match its launches
-      TORCH_CHECK(kinds[i] != kSlot || (ints[i] >= 0 && static_cast<size_t>(ints[i]) < slots.size()),
-                  "te native: a launch reads slot ", ints[i], " of ", slots.size());
-    }
-    std::vector<uint64_t> cells(n + n_scratch, 0);
-    std::vector<void*> params(n + n_scratch);
-    for (size_t i = 0; i < n; ++i) {
-      void* cell = &cells[i];
-      switch (kinds[i]) {
-        case kSlot: cells[i] = reinterpret_cast<uint64_t>(slots[ints[i]].data_ptr()); break;
-        case kI32: *static_cast<int32_t*>(cell) = static_cast<int32_t>(ints[i]); break;
-        case kI64: *static_cast<int64_t*>(cell) = ints[i]; break;
-        case kF32: *static_cast<float*>(cell) = static_cast<float>(floats[i]); break;
-        case kLo: *static_cast<int32_t*>(cell) = static_cast<int32_t>(lo); break;
-        case kHi: *static_cast<int32_t*>(cell) = static_cast<int32_t>(hi); break;
-        default: TORCH_CHECK(false, "te native: bad parameter kind");
-      }
-      params[i] = cell;
-    }
-    for (size_t i = n; i < n + n_scratch; ++i) params[i] = &cells[i];  // null scratch
-    int err = launch_fn()(reinterpret_cast<void*>(function), grid[0], grid[1], grid[2],
-                          threads, 1, 1, shared, stream, params.data(), nullptr);
-    TORCH_CHECK(err == 0, "te native: cuLaunchKernel failed with CUresult ", err);
-  }
-};
 
 // -- the block-scaled GEMM (F.scaled_mm's op), looked up at run time ------------
 // (looked up rather than called through the generated API, so a torch
@@ -154,20 +83,6 @@ enum Recipe : int64_t { kCurrent = 0, kBlock = 1, kDelayed = 2, kMx = 3 };
 // bf16, 7 dy columnwise in bf16, 8 x columnwise in bf16, 9-10 x's saved
 // columnwise copy and scales, 11-12 W's (dy's quantization, then the
 // dequantizations dgrad reads, then those wgrad reads).
-// A Python callable kept by a plan; released under the GIL from any thread.
-struct PyCallable {
-  PyObject* fn = nullptr;
-  PyCallable() = default;
-  PyCallable(const PyCallable&) = delete;
-  PyCallable& operator=(const PyCallable&) = delete;
-  ~PyCallable() {
-    if (fn != nullptr && Py_IsInitialized()) {
-      py::gil_scoped_acquire gil;
-      Py_DECREF(fn);
-    }
-  }
-};
-
 struct Plan {
   int64_t recipe = kCurrent;
   Launch fwd, bwd;
@@ -193,26 +108,6 @@ struct Plan {
   int64_t bias_groups = 0;
   std::vector<int64_t> out_shape, in_shape;
 };
-
-at::ScalarType dtype_named(const std::string& name) {
-  if (name == "float8_e4m3fn") return at::kFloat8_e4m3fn;
-  if (name == "float8_e5m2") return at::kFloat8_e5m2;
-  if (name == "bfloat16") return at::kBFloat16;
-  if (name == "float16") return at::kHalf;
-  if (name == "float32") return at::kFloat;
-  TORCH_CHECK(false, "te native: unsupported dtype ", name);
-}
-
-bool aligned(const at::Tensor& t) {
-  return t.is_contiguous() && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-}
-
-// The kernels were compiled for contiguous, 16-byte aligned inputs; a copy
-// holds the same values.
-at::Tensor operand(const at::Tensor& t, int64_t rows, int64_t cols) {
-  at::Tensor m = t.reshape({rows, cols});
-  return aligned(m) ? m : m.clone(at::MemoryFormat::Contiguous);
-}
 
 at::Tensor fp8_empty(int64_t r, int64_t c, at::ScalarType dt, const at::Tensor& like) {
   return at::empty({r, c}, like.options().dtype(dt));
@@ -413,23 +308,7 @@ struct LinearFp8Backward : public Node {
         out[i] = db.view({p.n});
       }
     }
-    // create_graph=True: as @once_differentiable, the gradients refuse only a
-    // second backward through them
-    bool tracked = false;
-    for (const auto& g : grads) tracked = tracked || (g.defined() && g.requires_grad());
-    if (at::GradMode::is_enabled() && tracked) {
-      for (auto& v : out) {
-        if (v.defined()) {
-          v = v.detach();
-          v.set_requires_grad(true);
-        }
-      }
-      torch::autograd::DelayedError err(
-          "te.Linear (native eager path): double backward is not supported",
-          static_cast<int64_t>(out.size()));
-      out = err.apply(std::move(out));
-    }
-    return out;
+    return once_differentiable(grads, std::move(out), "te.Linear");
   }
 
   // dgrad and wgrad under current scaling; `i` moves past their outputs
@@ -726,4 +605,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("run_launch", &run_launch);
   m.def("linear", &linear);
   m.def("has_block_gemm", &has_block_gemm);
+  te_native::register_norm(m);
 }

@@ -81,11 +81,12 @@ _row_sums_launch = Launcher(_row_block_sums_kernel, num_warps=4)
 col_sum_launch = Launcher(_col_sum_kernel, num_warps=4)
 
 
-def col_sums(parts: torch.Tensor, out: torch.Tensor, groups: int, k: int) -> None:
-    """``out[j] = parts[j].sum(0)`` for ``parts`` (n, groups, k) fp32, fixed order."""
+def col_sums_call(parts: torch.Tensor, out: torch.Tensor, groups: int, k: int) -> tuple:
+    """The launch computing ``out[j] = parts[j].sum(0)`` for ``parts`` (n,
+    groups, k) fp32 in a fixed order: ``(launcher, grid, key, args)``."""
     bc = 128
-    col_sum_launch((cdiv(k, bc), out.shape[0]), (int_key(groups), int_key(k), out.dtype),
-                   parts, out, groups, k, 32, bc)
+    return (col_sum_launch, (cdiv(k, bc), out.shape[0]),
+            (int_key(groups), int_key(k), out.dtype), (parts, out, groups, k, 32, bc))
 
 
 def bias_add_call(out: torch.Tensor, bias: torch.Tensor) -> tuple:

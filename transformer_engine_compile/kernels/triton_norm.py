@@ -38,7 +38,7 @@ import triton.language as tl
 
 from . import reference as ref
 from . import triton_launch
-from .triton_bias import col_sums
+from .triton_bias import col_sums_call
 from .triton_launch import Launcher, cdiv, int_key, ptr_key
 from .triton_quant import (_MAX_GIVEN_PARTS, _TL_FP8, _abs_bits, _amax_partials,
                            _cast_fp8, _int_slot, _n_amax_parts, _recip, _unused,
@@ -280,6 +280,15 @@ def _launch_fwd(x2d, weight, bias, eps, rms, with_amax, side, fp8=None) -> tuple
     or None, programs that wrote y's)``.  ``fp8``: (scale, format, amax slot
     (``reference.AmaxSlot`` or one fp32 element), write y, buffers with data
     and scale_inv)."""
+    launcher, grid, key, args, outputs = forward_call(x2d, weight, bias, eps, rms, with_amax,
+                                                      side, fp8)
+    launcher(grid, key, *args)
+    return outputs
+
+
+def forward_call(x2d, weight, bias, eps, rms, with_amax=False, side=None, fp8=None) -> tuple:
+    """:func:`_launch_fwd`'s launch, not launched: ``(launcher, grid, key,
+    args, outputs)`` (the native eager path fixes the same launch)."""
     x2d = _matrix(x2d)
     m, k = x2d.shape
     dev = x2d.device
@@ -316,11 +325,12 @@ def _launch_fwd(x2d, weight, bias, eps, rms, with_amax, side, fp8=None) -> tuple
     key = (x2d.dtype, weight.dtype, b.dtype, s.dtype, ptr_key(x2d), ptr_key(weight), ptr_key(b),
            ptr_key(rstd), ptr_key(s), ptr_key(scale), ptr_key(parts), int_key(m), int_key(k),
            int_key(grid), int_key(ms), int_key(ks), int_key(n_side), flags, fmt, bm, bk, slot)
-    _fwd.get(warps)((grid + n_side,), key, x2d, weight, b, absent() if y is None else y,
-                    absent() if mean is None else mean, rstd, parts, s, scale, q, sinv, m, k,
-                    float(eps), grid, ms, ks, n_side, *flags, ref.FP8_MAX[fmt], _TL_FP8[fmt],
-                    16 // x2d.element_size(), bm, bk, _SIDE_BM, _SIDE_BK, slot)
-    return y, mean, rstd, (parts if with_amax else None), grid
+    args = (x2d, weight, b, absent() if y is None else y, absent() if mean is None else mean,
+            rstd, parts, s, scale, q, sinv, m, k, float(eps), grid, ms, ks, n_side, *flags,
+            ref.FP8_MAX[fmt], _TL_FP8[fmt], 16 // x2d.element_size(), bm, bk, _SIDE_BM,
+            _SIDE_BK, slot)
+    return (_fwd.get(warps), (grid + n_side,), key, args,
+            (y, mean, rstd, (parts if with_amax else None), grid))
 
 
 # tile of the side matrix's amax programs: as many elements as a norm block
@@ -338,7 +348,23 @@ def norm_backward(dy2d, x2d, mean, rstd, weight, rms: bool, need_dx: bool,
             need_dx or need_dweight or need_dbias):
         return ref.norm_backward(dy2d, x2d, mean, rstd, weight, rms, need_dx, need_dweight,
                                  need_dbias, grad_dtype)
-    x2d, dy2d = _matrix(x2d), _matrix(dy2d)
+    launches, (dx, sums) = backward_calls(_matrix(dy2d), _matrix(x2d), mean, rstd, weight, rms,
+                                          need_dx, need_dweight, need_dbias, grad_dtype)
+    for launcher, grid, key, args in launches:
+        launcher(grid, key, *args)
+    dw = db = None
+    if sums is not None:
+        dw = sums[0] if need_dweight else None
+        db = sums[sums.shape[0] - 1] if need_dbias else None
+    return dx, dw, db
+
+
+def backward_calls(dy2d, x2d, mean, rstd, weight, rms: bool, need_dx: bool, need_dweight: bool,
+                   need_dbias: bool, grad_dtype=None) -> tuple:
+    """:func:`norm_backward`'s launches on contiguous operands, not launched:
+    ``([(launcher, grid, key, args), ...], (dx or None, the (n, k) dgamma /
+    dbeta sums or None))`` (the native eager path fixes the same launches)."""
+    m, k = x2d.shape
     dev = x2d.device
     bm, bk, warps = _blocks(k)
     n_blk = cdiv(m, bm)
@@ -350,12 +376,11 @@ def norm_backward(dy2d, x2d, mean, rstd, weight, rms: bool, need_dx: bool,
     key = (x2d.dtype, dy2d.dtype, weight.dtype, ptr_key(x2d), ptr_key(dy2d), ptr_key(weight),
            ptr_key(rstd), ptr_key(mean_arg), int_key(m), int_key(k), int_key(grid), bool(rms),
            bool(need_dx), bool(need_dweight), bool(need_dbias), bm, bk)
-    _bwd.get(warps)((grid,), key, dy2d, x2d, weight, mean_arg, rstd, dx, parts, m, k, grid,
-                    bool(rms), bool(need_dx), bool(need_dweight), bool(need_dbias), bm, bk)
-    dw = db = None
+    launches = [(_bwd.get(warps), (grid,), key,
+                 (dy2d, x2d, weight, mean_arg, rstd, dx, parts, m, k, grid, bool(rms),
+                  bool(need_dx), bool(need_dweight), bool(need_dbias), bm, bk))]
+    sums = None
     if n_sums:
         sums = torch.empty((n_sums, k), dtype=grad_dtype or torch.float32, device=dev)
-        col_sums(parts, sums, grid, k)
-        dw = sums[0] if need_dweight else None
-        db = sums[n_sums - 1] if need_dbias else None
-    return (dx if need_dx else None), dw, db
+        launches.append(col_sums_call(parts, sums, grid, k))
+    return launches, ((dx if need_dx else None), sums)

@@ -3,17 +3,18 @@
 An eager layer called again in a configuration it ran recently (the memo
 key, :meth:`Linear._memo_key`) reuses the arguments it checked and built
 then, skipping the checks and the dataclass; an entry also carries the
-configuration's native plan (module/linear_native.py), asked for at the
-entry's second call.  The memo lives in the layer's ``__dict__`` as
-``(weight, bias, {key: ArgsTemplate})``: the parameter objects it was made
-for, and the last :data:`MEMO_ENTRIES` configurations.  Copies and pickles
+configuration's native plan (module/linear_native.py, and
+module/layernorm_linear_native.py for ``te.LayerNormLinear``), asked for at
+the entry's second call.  The memo lives in the layer's ``__dict__`` as
+``(weight, bias, {key: ArgsTemplate}, others)``: the parameter objects it
+was made for (``others``: the layer's further ones, e.g. the norm's), and
+the last :data:`MEMO_ENTRIES` configurations.  Copies and pickles
 of a layer leave it behind (``Linear.__getstate__``).
 """
 
 from __future__ import annotations
 
 from ..dynamo import arg_views
-from .linear_native import plan_for
 from .linear_ops import LinearFwdArgs
 
 # configurations the argument memo keeps per layer (the oldest goes first): a
@@ -50,11 +51,18 @@ class ArgsTemplate:
                                                   "bias": bias})
 
 
+def _current(memo, layer) -> bool:
+    """Whether ``memo`` was made for the layer's current parameter objects."""
+    if memo is None or memo[0] is not layer.weight or memo[1] is not layer.bias:
+        return False
+    return all(a is b for a, b in zip(memo[3], layer._memo_parameters()))
+
+
 def template(layer, key):
     """The entry made for ``key`` and the layer's current parameter objects
     (and state buffers), else None."""
     memo = layer.__dict__.get("_args_memo")
-    if key is None or memo is None or memo[0] is not layer.weight or memo[1] is not layer.bias:
+    if key is None or not _current(memo, layer):
         return None
     entry = memo[2].get(key)
     if entry is None or (entry.state and not entry.state_current(layer._buffers)):
@@ -65,8 +73,9 @@ def template(layer, key):
 def remember(layer, key, args: LinearFwdArgs, state_names: tuple) -> None:
     """Keep ``args`` as the entry of ``key`` (the oldest entry goes when full)."""
     memo = layer.__dict__.get("_args_memo")
-    if memo is None or memo[0] is not layer.weight or memo[1] is not layer.bias:
-        memo = layer.__dict__["_args_memo"] = (layer.weight, layer.bias, {})
+    if not _current(memo, layer):
+        memo = layer.__dict__["_args_memo"] = (layer.weight, layer.bias, {},
+                                               layer._memo_parameters())
     entries = memo[2]
     entries.pop(key, None)
     if len(entries) >= MEMO_ENTRIES:
@@ -75,13 +84,14 @@ def remember(layer, key, args: LinearFwdArgs, state_names: tuple) -> None:
 
 
 def native_forward(layer, inp, weight, bias, key, call=None):
-    """The output of the native eager path (kernels/native.py) for a call
-    whose memo entry holds a native plan, else None.  Inside activation
-    checkpointing (``call``) a recomputation takes the path its forward
-    took (the record says which: torch's non-reentrant checkpoint checks
-    that a recomputation saves the same tensors), and nothing under
-    DelayedScaling runs natively there: its recomputation must run on the
-    recorded scales (checkpointing.py), which only the Python path takes."""
+    """The outputs (``{"out": y, ...}``) of the native eager path
+    (kernels/native.py) for a call whose memo entry holds a native plan,
+    else None.  Inside activation checkpointing (``call``) a recomputation
+    takes the path its forward took (the record says which: torch's
+    non-reentrant checkpoint checks that a recomputation saves the same
+    tensors), and nothing under DelayedScaling runs natively there: its
+    recomputation must run on the recorded scales (checkpointing.py), which
+    only the Python path takes."""
     out = _native_call(layer, inp, weight, bias, key, call)
     if call is not None and not call.replay:
         call.rec.native = out is not None
@@ -97,10 +107,10 @@ def _native_call(layer, inp, weight, bias, key, call):
     bias = None if layer.return_bias else bias
     plan = entry.native
     if plan is None:
-        plan = plan_for(entry.with_tensors(inp, weight, bias))
+        plan = layer._native_plan(entry.with_tensors(inp, weight, bias))
         if plan is ...:  # the extension is still being built
             return None
         entry.native = plan = plan or False
         if plan is False:
             return None
-    return plan(inp, weight, bias)
+    return plan(layer, inp, weight, bias)

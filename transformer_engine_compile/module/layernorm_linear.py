@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from .layernorm_linear_native import plan_for_layernorm_linear
 from .layernorm_linear_ops import LAYERNORM_LINEAR_OPS, LayerNormLinearFwdArgs
 from .linear import Linear
 from .norm import reset_norm_parameters
@@ -42,6 +43,7 @@ class LayerNormLinear(Linear):
     """
 
     _OPS = LAYERNORM_LINEAR_OPS
+    _native_plan = staticmethod(plan_for_layernorm_linear)
 
     def __init__(self, in_features: int, out_features: int, eps: float = 1e-5, *,
                  bias: bool = True, normalization: str = "LayerNorm",
@@ -71,6 +73,17 @@ class LayerNormLinear(Linear):
         for p in self._norm_parameters():
             p.sequence_parallel = self.sequence_parallel  # as Transformer Engine marks them
         self.reset_layer_norm_parameters()
+
+    def _memo_parameters(self) -> tuple:
+        return (self.layer_norm_weight, self.layer_norm_bias)
+
+    def _memo_extra(self) -> tuple:
+        """The norm's configuration and its parameters' flags: the memo's
+        arguments hold them."""
+        w, b = self.layer_norm_weight, self.layer_norm_bias
+        return (self.normalization, self.eps, self.zero_centered_gamma,
+                self.return_layernorm_output, w.dtype, w.requires_grad,
+                None if b is None else (b.dtype, b.requires_grad))
 
     def _norm_parameters(self) -> list:
         return [p for p in (getattr(self, "layer_norm_weight", None),

@@ -19,6 +19,7 @@ from ..fsdp import check_gathered_weight
 from ..quantization.base import QuantizedTensorStorage
 from ..quantization import factory
 from . import args_memo
+from .linear_native import plan_for
 from .linear_ops import LINEAR_OPS, LinearBwdArgs, LinearFwdArgs, _input_usage
 
 __all__ = ["Linear", "LinearFwdArgs", "LinearBwdArgs", "LINEAR_OPS"]
@@ -269,6 +270,10 @@ class Linear(torch.nn.Module):
     """
 
     _OPS = LINEAR_OPS  # the op pair; LayerNormLinear runs its own
+    # a subclass whose eager calls keep an argument memo (module/args_memo.py)
+    # says how its native plans are made (module/layernorm_linear_native.py)
+    _MEMO = True
+    _native_plan = staticmethod(plan_for)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  params_dtype: Optional[torch.dtype] = None, device=None, init_method=None,
@@ -444,15 +449,25 @@ class Linear(torch.nn.Module):
         ``cast`` torch.autocast's casts of them (new tensors every call: the
         key then holds the parameters' dtype too)."""
         if (is_first_microbatch is None and not (fp8_output or fp8_grad)
-                and self._OPS is LINEAR_OPS and not torch.compiler.is_compiling()
+                and self._MEMO and not torch.compiler.is_compiling()
                 and (cast or (weight is self.weight and bias is self.bias))
                 and type(weight) in _PLAIN_TENSORS and not self.fuse_wgrad_accumulation):
             return (recipe, grad, inp.shape, inp.dtype, type(inp), inp.requires_grad,
                     weight.dtype, weight.requires_grad,
                     None if bias is None else bias.requires_grad, self.return_bias,
                     self.save_original_input, self.parallel_mode, self.sequence_parallel,
-                    self.tp_size, cast and self.weight.dtype, get_amax_reduction_group())
+                    self.tp_size, cast and self.weight.dtype, get_amax_reduction_group(),
+                    self._memo_extra())
         return None
+
+    def _memo_parameters(self) -> tuple:
+        """The parameters besides weight and bias whose objects an argument
+        memo entry holds (a subclass's)."""
+        return ()
+
+    def _memo_extra(self) -> tuple:
+        """What else a subclass's memo key holds (its parameters' flags)."""
+        return ()
 
     def _checked_args(self, inp, recipe, grad, is_first_microbatch, fp8_output, fp8_grad,
                       weight, bias) -> LinearFwdArgs:
@@ -587,9 +602,9 @@ class Linear(torch.nn.Module):
         if not torch.compiler.is_compiling():
             key = self._memo_key(inp, get_autocast_recipe(), torch.is_grad_enabled(),
                                  is_first_microbatch, fp8_output, fp8_grad, weight, bias, cast)
-            out = args_memo.native_forward(self, inp, weight, bias, key, call)
-            if out is not None:
-                return self._finish({"out": out})
+            outputs = args_memo.native_forward(self, inp, weight, bias, key, call)
+            if outputs is not None:
+                return self._finish(outputs)
         args = self._make_args(inp, is_first_microbatch, fp8_output, fp8_grad, weight, bias,
                                cast, key)
         if call is not None:

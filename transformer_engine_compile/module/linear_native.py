@@ -40,8 +40,9 @@ _DTYPE_NAMES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8
 
 
 class NativeLinear:
-    """One configuration's plan: ``plan(x, w, bias)`` is the layer's output,
-    or None where this call must take the Python path."""
+    """One configuration's plan: ``plan(layer, x, w, bias)`` is the layer's
+    outputs (``{"out": y}``), or None where this call must take the Python
+    path."""
 
     __slots__ = ("ext", "plan", "slot", "slot_keys", "state")
 
@@ -52,7 +53,7 @@ class NativeLinear:
         # backward), which the plan's memo entry serves only while they are
         self.state = list(state)
 
-    def __call__(self, x, w, bias):
+    def __call__(self, layer, x, w, bias):
         if (not kernels._fast_enabled or torch._C._are_functorch_transforms_active()
                 or torch.autograd.forward_ad._current_level >= 0):
             return None
@@ -60,7 +61,8 @@ class NativeLinear:
         if slot is None or (slot != self.slot
                             and (int_key(slot[0]), int_key(slot[1])) != self.slot_keys):
             return None  # the kernels were compiled for other counter addresses
-        return self.ext.linear(self.plan, x, w, bias, slot[0], slot[1], self.state)
+        y = self.ext.linear(self.plan, x, w, bias, slot[0], slot[1], self.state)
+        return None if y is None else {"out": y}
 
 
 def _eligible(args: LinearFwdArgs) -> bool:
