@@ -234,3 +234,35 @@ def test_every_saved_buffer_passes_the_saved_tensor_hooks(name):
     with te.autocast(recipe=rec):
         layer(x).float().sum().backward()
     assert x.grad.any() and layer.weight.grad.any()
+
+
+@pytest.mark.parametrize("name", ["fp8_current", "bf16"])
+def test_args_memo_serves_layernorm_linear(name):
+    """te.LayerNormLinear keeps a memo too: a repeated call skips the checks,
+    and the norm's state is part of it (a frozen or replaced norm parameter,
+    zero-centred gamma switched on, builds again).  Each call equals a
+    memo-less copy's, the norm parameters' gradients included."""
+    rec = recipe.by_name(name)
+    torch.manual_seed(0)
+    layer = te.LayerNormLinear(128, 128, bias=True, normalization="LayerNorm",
+                               params_dtype=torch.bfloat16)
+    x = torch.randn(4, 128, dtype=torch.bfloat16, requires_grad=True)
+    calls = []
+
+    def check(built):
+        before = len(calls)
+        got = _run(layer, x, rec)
+        assert len(calls) - before == int(built)
+        _same(got, _run(copy.deepcopy(layer), x, rec))
+
+    with _counting_builds(calls):
+        check(True)
+        check(False)
+        layer.layer_norm_weight.requires_grad_(False)
+        check(True)
+        check(False)
+        layer.layer_norm_bias = torch.nn.Parameter(layer.layer_norm_bias.detach() + 1)
+        check(True)
+        layer.zero_centered_gamma = True
+        check(True)
+        check(False)
