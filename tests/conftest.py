@@ -86,8 +86,8 @@ def calls(monkeypatch):
     n = {"native": 0}
     real = linear_native.NativeLinear.__call__
 
-    def counted(self, layer, x, w, bias):
-        out = real(self, layer, x, w, bias)
+    def counted(self, *args):
+        out = real(self, *args)
         n["native"] += out is not None
         return out
 

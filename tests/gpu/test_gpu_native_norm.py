@@ -189,3 +189,25 @@ def test_native_layernorm_linear_checkpointed(ext, calls):
             native.ENABLED = was
     _assert_same(*outs)
     assert calls["native"] >= 2
+
+
+def test_native_layernorm_linear_declines_before_its_norm_runs(ext, calls):
+    """Where the linear call may not run natively (here forward-mode AD is
+    active), the norm does not run natively either: the whole layer takes
+    the Python path, with the Python path's result."""
+    layer = _layer(256, 256)
+    ref = copy.deepcopy(layer)
+    x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with te.autocast(recipe=CURRENT):
+        for _ in range(2):
+            layer(x)  # the plan exists after the second call
+        with torch.autograd.forward_ad.dual_level():
+            y = layer(x)
+        was, native.ENABLED = native.ENABLED, False
+        try:
+            want = ref(x)
+        finally:
+            native.ENABLED = was
+    assert type(_plans(layer)[0]) is NativeLayerNormLinear and calls["native"] == 1
+    assert "TeNormBackward" not in {f.name() for f, _ in y.grad_fn.next_functions if f}
+    assert torch.equal(y, want)

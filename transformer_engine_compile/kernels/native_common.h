@@ -113,6 +113,13 @@ inline at::ScalarType dtype_named(const std::string& name) {
   TORCH_CHECK(false, "te native: unsupported dtype ", name);
 }
 
+// Whether the kernels a plan fixed take `t` as it is: a CUDA tensor on the
+// plan's device, of its dtype, not a tensor subclass.
+inline bool plain_on(const at::Tensor& t, int64_t device, at::ScalarType dtype) {
+  return t.is_cuda() && t.get_device() == device && t.scalar_type() == dtype &&
+         !t.unsafeGetTensorImpl()->key_set().has(c10::DispatchKey::Python);
+}
+
 inline bool aligned(const at::Tensor& t) {
   return t.is_contiguous() && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
 }

@@ -282,9 +282,7 @@ struct LinearFp8Backward : public Node {
     variable_list out(num_outputs());
     const at::Tensor& dy = grads[0];
     if (!dy.defined()) return out;
-    bool plain = dy.is_cuda() && dy.get_device() == p.device && dy.scalar_type() == p.act_dtype &&
-                 !dy.unsafeGetTensorImpl()->key_set().has(c10::DispatchKey::Python);
-    if (!plain) {
+    if (!plain_on(dy, p.device, p.act_dtype)) {
       python_path(dy, out);
     } else {
       at::NoGradGuard no_grad;
@@ -442,9 +440,8 @@ at::Tensor linear(const std::shared_ptr<Plan>& plan, const at::Tensor& x, const 
   bool b_req = false;
   if (p.bias) {
     const at::Tensor& b = *bias;
-    if (b.get_device() != p.device || b.scalar_type() != p.act_dtype || b.dim() != 1 ||
-        b.size(0) != p.n || !aligned(b) ||
-        b.unsafeGetTensorImpl()->key_set().has(c10::DispatchKey::Python)) {
+    if (!plain_on(b, p.device, p.act_dtype) || b.dim() != 1 || b.size(0) != p.n ||
+        !aligned(b)) {
       return at::Tensor();
     }
     b_req = b.requires_grad();

@@ -61,9 +61,7 @@ struct NormBackward : public Node {
     at::Tensor x = x_.unpack(), rstd = rstd_.unpack(), gamma = gamma_.unpack();
     at::Tensor mean = p.rms ? rstd : mean_.unpack();
     at::Tensor dx, dw, db;
-    bool plain = dy.is_cuda() && dy.get_device() == p.device && dy.scalar_type() == p.act_dtype &&
-                 !dy.unsafeGetTensorImpl()->key_set().has(c10::DispatchKey::Python);
-    if (!plain) {
+    if (!plain_on(dy, p.device, p.act_dtype)) {
       py::gil_scoped_acquire gil;
       py::object mean_arg = p.rms ? py::object(py::none()) : py::cast(mean);
       py::tuple res = py::handle(p.python_backward.fn)(dy, x, mean_arg, rstd, gamma);
@@ -97,9 +95,7 @@ struct NormBackward : public Node {
 };
 
 bool plain_param(const at::Tensor& t, const NormPlan& p) {
-  return t.is_cuda() && t.get_device() == p.device && t.scalar_type() == p.w_dtype &&
-         t.dim() == 1 && t.size(0) == p.k && aligned(t) &&
-         !t.unsafeGetTensorImpl()->key_set().has(c10::DispatchKey::Python);
+  return plain_on(t, p.device, p.w_dtype) && t.dim() == 1 && t.size(0) == p.k && aligned(t);
 }
 
 // norm(x) with gamma (`w`, or 1 + w when zero-centred) and beta (`b`,

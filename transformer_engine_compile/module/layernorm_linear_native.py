@@ -39,12 +39,16 @@ class NativeLayerNormLinear:
         self.ext, self.norm, self.linear = ext, norm, linear
 
     def __call__(self, layer, x, w, bias):
+        slot = self.linear.slot_for(x)  # the linear call's conditions, before the norm runs
+        if slot is None:
+            return None
         ln_out = self.ext.norm(self.norm, x, layer.layer_norm_weight, layer.layer_norm_bias)
         if ln_out is None:
             return None
-        # where the linear call declines (rare: see NativeLinear), the Python
-        # path runs the whole layer again; the norm's output is dropped
-        out = self.linear(layer, ln_out, w, bias)
+        # where the linear call declines now (the weight or bias moved, other
+        # gradients), the Python path runs the whole layer again; the norm's
+        # output is dropped
+        out = self.linear(layer, ln_out, w, bias, slot)
         if out is not None:
             out["ln_out"] = ln_out
         return out

@@ -53,14 +53,25 @@ class NativeLinear:
         # backward), which the plan's memo entry serves only while they are
         self.state = list(state)
 
-    def __call__(self, layer, x, w, bias):
+    def slot_for(self, x):
+        """The counter slot a native call on ``x`` uses, or None where the
+        call must take the Python path: fast kernels off, a functorch
+        transform or forward-mode AD active, a CUDA graph being captured, or
+        counters elsewhere than the kernels were compiled for."""
         if (not kernels._fast_enabled or torch._C._are_functorch_transforms_active()
                 or torch.autograd.forward_ad._current_level >= 0):
             return None
         slot = grid_state.slot(x.device)  # None while a CUDA graph is captured
         if slot is None or (slot != self.slot
                             and (int_key(slot[0]), int_key(slot[1])) != self.slot_keys):
-            return None  # the kernels were compiled for other counter addresses
+            return None
+        return slot
+
+    def __call__(self, layer, x, w, bias, slot=None):
+        """``slot``: :meth:`slot_for`'s, where the caller asked already."""
+        slot = slot or self.slot_for(x)
+        if slot is None:
+            return None
         y = self.ext.linear(self.plan, x, w, bias, slot[0], slot[1], self.state)
         return None if y is None else {"out": y}
 
