@@ -55,7 +55,8 @@ def _current(memo, layer) -> bool:
     """Whether ``memo`` was made for the layer's current parameter objects."""
     if memo is None or memo[0] is not layer.weight or memo[1] is not layer.bias:
         return False
-    return all(a is b for a, b in zip(memo[3], layer._memo_parameters()))
+    others = memo[3]  # () for te.Linear: nothing more to ask on its hot path
+    return not others or all(a is b for a, b in zip(others, layer._memo_parameters()))
 
 
 def template(layer, key):
