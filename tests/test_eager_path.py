@@ -26,6 +26,8 @@ def _run(layer, x, rec, grad=True):
     layer.zero_grad(set_to_none=True)
     with torch.set_grad_enabled(grad), te.autocast(enabled=rec is not None, recipe=rec):
         y = layer(x)
+    if isinstance(y, tuple):  # return_bias: the output, then the bias
+        y = y[0]
     if grad and y.requires_grad:
         y.float().square().sum().backward()
     return [y.detach()] + [t.grad for t in (x, *layer.parameters())]
@@ -117,6 +119,11 @@ def test_args_memo_serves_torch_autocast_casts(name):
         assert len(calls) - before == 2  # the layer's call and its copy's
 
 
+def _state(module):
+    """The module's DelayedScaling buffers, by name."""
+    return [b.clone() for n, b in sorted(module.named_buffers()) if "fp8_" in n]
+
+
 def test_memo_under_delayed_scaling_follows_the_state_buffers():
     """DelayedScaling binds the layer's state buffers: the memo serves while
     they are the layer's, and rebuilds when they are replaced (here as
@@ -126,9 +133,7 @@ def test_memo_under_delayed_scaling_follows_the_state_buffers():
     layer = _layer()
     x = torch.randn(4, 128, dtype=torch.bfloat16, requires_grad=True)
     calls = []
-
-    def state(m):
-        return [b.clone() for n, b in sorted(m.named_buffers()) if "fp8_" in n]
+    state = _state
 
     with _counting_builds(calls):
         for built in (1, 0, 0):
@@ -141,7 +146,7 @@ def test_memo_under_delayed_scaling_follows_the_state_buffers():
         before = len(calls)
         _run(layer, x, rec)
         assert len(calls) - before == 1
-        assert [t.fields["scale_fwd"] for t in layer._args_memo[2].values()] == [
+        assert [t.fields["scale_fwd"] for t in layer._args_memo[1].values()] == [
             layer.fp8_scale_fwd]
 
 
@@ -266,3 +271,61 @@ def test_args_memo_serves_layernorm_linear(name):
         layer.zero_centered_gamma = True
         check(True)
         check(False)
+
+
+@pytest.mark.parametrize("name", ["fp8_current", "mxfp8", "delayed", "bf16"])
+def test_args_memo_serves_layernorm_mlp(name):
+    """te.LayerNormMLP keeps a memo as te.Linear does: a repeated call skips
+    the checks (one ``_checked_args`` for two calls), and anything its
+    arguments depend on builds them again: a frozen or replaced parameter of
+    the norm or either GEMM, the activation, ``return_bias``, no-grad mode,
+    another input shape.  Each call equals a memo-less copy's, every
+    gradient included; under DelayedScaling the copy runs on the same state."""
+    from transformer_engine_compile.module.layernorm_mlp import LayerNormMLP
+    rec = recipe.DelayedScaling() if name == "delayed" else recipe.by_name(name)
+    torch.manual_seed(0)
+    layer = te.LayerNormMLP(128, 256, normalization="RMSNorm", activation="swiglu",
+                            params_dtype=torch.bfloat16)
+    x = torch.randn(32, 128, dtype=torch.bfloat16, requires_grad=True)
+    calls = []
+
+    def check(built, inp=x, grad=True):
+        before = len(calls)
+        twin = copy.deepcopy(layer)
+        got = _run(layer, inp, rec, grad)
+        assert len(calls) - before == int(built)
+        assert "_args_memo" not in twin.__dict__  # the copy builds its own
+        _same(got, _run(twin, inp, rec, grad))
+        _same(_state(layer), _state(twin))
+
+    full = LayerNormMLP._checked_args
+
+    def counted(self, *args):
+        calls.append(1)
+        return full(self, *args)
+
+    with mock.patch.object(LayerNormMLP, "_checked_args", counted):
+        check(True)
+        check(False)
+        layer.fc2_weight.requires_grad_(False)
+        check(True)
+        check(False)
+        layer.layer_norm_weight.requires_grad_(False)
+        check(True)
+        layer.fc1_bias = torch.nn.Parameter(layer.fc1_bias.detach() + 1)
+        check(True)
+        check(False)
+        layer.activation = "geglu"
+        check(True)
+        layer.return_bias = True
+        check(True)
+        layer.return_bias = False
+        check(False)
+        check(True, grad=False)
+        check(False, grad=False)
+        check(True, inp=x[:16])
+        if name == "delayed":  # a replaced state buffer: the entry is not served
+            layer.register_buffer("fc2_fp8_scale_fwd", layer.fc2_fp8_scale_fwd.clone(),
+                                  persistent=False)
+            check(True, inp=x[:16])
+            check(False, inp=x[:16])

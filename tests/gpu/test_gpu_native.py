@@ -31,7 +31,7 @@ def _two_layers(bias):
 
 def _memo_native(layer):
     """The native plans (or False) of the layer's memo entries, oldest first."""
-    return [t.native for t in layer._args_memo[2].values()]
+    return [t.native for t in layer._args_memo[1].values()]
 
 
 def _python_only(layer):

@@ -35,7 +35,7 @@ def _layer(k, n, normalization="RMSNorm", bias=False, **kw):
 
 
 def _plans(layer):
-    return [t.native for t in layer._args_memo[2].values()]
+    return [t.native for t in layer._args_memo[1].values()]
 
 
 def _run(layer, x, dy, rec, native_on, steps=3, d_ln=None, optimizer=False):

@@ -32,7 +32,8 @@ from . import triton_launch
 
 ENABLED = os.environ.get("TE_COMPILE_NATIVE", "1") == "1"
 _DIR = os.path.dirname(__file__)
-_SOURCES = [os.path.join(_DIR, name) for name in ("native_linear.cpp", "native_norm.cpp")]
+_SOURCES = [os.path.join(_DIR, name) for name in ("native_linear.cpp", "native_norm.cpp",
+                                                  "native_act.cpp")]
 _HEADER = os.path.join(_DIR, "native_common.h")
 _KINDS = {"i32": 1, "i64": 2, "fp32": 3}  # native_linear.cpp's Kind; 0 tensor, 4 lo, 5 hi
 _SIZES = {0: 8, 1: 4, 2: 8, 3: 4, 4: 4, 5: 4}

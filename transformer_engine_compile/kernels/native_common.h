@@ -151,7 +151,9 @@ inline torch::autograd::variable_list once_differentiable(
   return err.apply(std::move(out));
 }
 
-// native_norm.cpp's classes and functions, added to the extension's module
+// native_norm.cpp's and native_act.cpp's classes and functions, added to the
+// extension's module
 void register_norm(py::module& m);
+void register_act(py::module& m);
 
 }  // namespace te_native

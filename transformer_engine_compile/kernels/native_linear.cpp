@@ -603,4 +603,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear);
   m.def("has_block_gemm", &has_block_gemm);
   te_native::register_norm(m);
+  te_native::register_act(m);
 }

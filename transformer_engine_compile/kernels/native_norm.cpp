@@ -1,6 +1,7 @@
-// The normalisation of an eager te.LayerNormLinear (LayerNorm or RMSNorm) as
-// one C++ call and a C++ autograd node, ahead of the layer's native linear
-// call (module/layernorm_linear_native.py builds the plans and says when).
+// The normalisation of an eager te.LayerNormLinear or te.LayerNormMLP
+// (LayerNorm or RMSNorm) as one C++ call and a C++ autograd node, ahead of
+// the module's native linear call (module/layernorm_linear_native.py builds
+// the plans and says when; layernorm_mlp_native.py for te.LayerNormMLP).
 //
 // The same Triton kernels as the Python path, with the same arguments: the
 // forward launch (y, mean, rstd per row), and in the backward the launch
@@ -90,7 +91,7 @@ struct NormBackward : public Node {
       if (should_compute_output(i)) out[i] = j == 0 ? dx : j == 1 ? dw : db;
       ++i;
     }
-    return once_differentiable(grads, std::move(out), "te.LayerNormLinear's norm");
+    return once_differentiable(grads, std::move(out), "the fused modules' norm");
   }
 };
 

@@ -110,29 +110,43 @@ def _plain(x) -> bool:
                                                                torch.float32)
 
 
-def activation_forward(x, name: str):
+def forward_call(x, name: str):
+    """The forward launch for a plain ``x``: ``(grid, key, args, y)``, with
+    ``y`` allocated (module/layernorm_mlp_native.py fixes these arguments
+    in a native launch)."""
     gated = ref.ACTIVATIONS[name][1]
-    if not _plain(x):
-        return ref.activation_forward(x, name)
     n = x.shape[-1]
     m, f = x.numel() // n, n // 2 if gated else n
     y = torch.empty((*x.shape[:-1], f), dtype=x.dtype, device=x.device)
     code, alpha = _CODES[name]
     key = (x.dtype, int_key(m), int_key(n), int_key(f), ptr_key(x), code, alpha, gated)
-    _fwd_launch((cdiv(m, _BM), cdiv(f, _BN)), key, x, y, m, n, f, code, alpha, gated, _BM, _BN)
-    return y
+    return ((cdiv(m, _BM), cdiv(f, _BN)), key, (x, y, m, n, f, code, alpha, gated, _BM, _BN), y)
 
 
-def activation_backward(dy, x, name: str):
+def backward_call(dy, x, name: str):
+    """The backward launch for plain ``dy`` and ``x``: ``(grid, key, args, dx)``."""
     gated = ref.ACTIVATIONS[name][1]
-    if not (_plain(x) and _plain(dy)):
-        return ref.activation_backward(dy, x, name)
     n = x.shape[-1]
     m, f = x.numel() // n, n // 2 if gated else n
     dx = torch.empty_like(x)
     code, alpha = _CODES[name]
     key = (dy.dtype, x.dtype, int_key(m), int_key(n), int_key(f), ptr_key(x), ptr_key(dy),
            code, alpha, gated)
-    _bwd_launch((cdiv(m, _BM), cdiv(f, _BN)), key, dy, x, dx, m, n, f, code, alpha, gated,
-                _BM, _BN)
+    return ((cdiv(m, _BM), cdiv(f, _BN)), key,
+            (dy, x, dx, m, n, f, code, alpha, gated, _BM, _BN), dx)
+
+
+def activation_forward(x, name: str):
+    if not _plain(x):
+        return ref.activation_forward(x, name)
+    grid, key, args, y = forward_call(x, name)
+    _fwd_launch(grid, key, *args)
+    return y
+
+
+def activation_backward(dy, x, name: str):
+    if not (_plain(x) and _plain(dy)):
+        return ref.activation_backward(dy, x, name)
+    grid, key, args, dx = backward_call(dy, x, name)
+    _bwd_launch(grid, key, *args)
     return dx

@@ -75,7 +75,7 @@ class LayerNormLinear(Linear):
         self.reset_layer_norm_parameters()
 
     def _memo_parameters(self) -> tuple:
-        return (self.layer_norm_weight, self.layer_norm_bias)
+        return (self.weight, self.bias, self.layer_norm_weight, self.layer_norm_bias)
 
     def _memo_extra(self) -> tuple:
         """The norm's configuration and its parameters' flags: the memo's

@@ -57,22 +57,23 @@ class NativeLayerNormLinear:
 def plan_for_layernorm_linear(args: LayerNormLinearFwdArgs):
     """A :class:`NativeLayerNormLinear` for this call's configuration, None
     where it has none, ``...`` while the extension is being built."""
-    if not (native.ENABLED and _norm_eligible(args)):
-        return None
+    if not (native.ENABLED and args.amax_history_fwd is None and norm_eligible(args)):
+        return None  # DelayedScaling: its norm kernel writes the FP8 copy itself
     linear = plan_for(args)  # args.inp stands for the norm's output: same shape, dtype, device
     if not linear:
         return linear
     ext = linear.ext
-    norm = _norm_plan(ext, args)
+    norm = norm_plan(ext, args)
     return None if norm is None else NativeLayerNormLinear(ext, norm, linear)
 
 
-def _norm_eligible(args: LayerNormLinearFwdArgs) -> bool:
+def norm_eligible(args) -> bool:
+    """Whether the norm of a fused module's call (its ``inp``, ``ln_weight``,
+    ``ln_bias``, ``normalization``) can run natively."""
     x, w, b = args.inp, args.ln_weight, args.ln_bias
     rms = args.normalization == "RMSNorm"
-    if (args.amax_history_fwd is not None or type(x) is not torch.Tensor or not x.is_cuda
-            or (b is not None) == rms):
-        return False  # DelayedScaling: its norm kernel writes the FP8 copy itself
+    if type(x) is not torch.Tensor or not x.is_cuda or (b is not None) == rms:
+        return False
     from ..kernels import triton_norm  # Triton: imported on CUDA only
     params = (w,) if rms else (w, b)
     return (all(type(p) in (torch.Tensor, torch.nn.Parameter) and p.device == x.device
@@ -82,10 +83,10 @@ def _norm_eligible(args: LayerNormLinearFwdArgs) -> bool:
             and w.dtype in _DTYPE_NAMES and kernels.has_fast("norm_forward", "cuda"))
 
 
-def _norm_plan(ext, args: LayerNormLinearFwdArgs):
-    """The native norm plan (``native_norm.cpp``'s slot tables), compiled on
-    zeroed scratch tensors of the call's shapes; None where a launch cannot
-    be native."""
+def norm_plan(ext, args):
+    """The native norm plan (``native_norm.cpp``'s slot tables) of a fused
+    module's call, compiled on zeroed scratch tensors of the call's shapes;
+    None where a launch cannot be native."""
     from ..kernels import triton_norm as tn  # Triton: imported on CUDA only
     x, w = args.inp, args.ln_weight
     rms = args.normalization == "RMSNorm"
@@ -134,7 +135,7 @@ class _NormPythonBackward:
     another dtype or device): ``(dx, dgamma, dbeta)`` from the saved x, mean,
     rstd and gamma, as ``norm_ops.norm_backward`` makes them."""
 
-    def __init__(self, args: LayerNormLinearFwdArgs):
+    def __init__(self, args):
         self.rms = args.normalization == "RMSNorm"
         self.shape = tuple(args.inp.shape)
         self.needs = (args.norm_input_requires_grad, args.ln_weight_requires_grad,

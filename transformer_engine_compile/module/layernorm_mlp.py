@@ -7,6 +7,7 @@ one-GEMM logic of ``linear.py`` (quantizers, shape checks, state buffers,
 
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple, Optional
 
 import torch
@@ -14,15 +15,17 @@ import torch
 from ..fsdp import check_gathered_weight
 from .. import checkpointing
 from .. import distributed as D
-from ..autocast import get_autocast_recipe
+from ..autocast import get_amax_reduction_group, get_autocast_recipe
 from ..dynamo.arg_views import merge_views
 from ..dynamo.state import ensure_buffers, register_module
 from ..quantization.base import QuantizedTensorStorage
+from . import args_memo
 from .layernorm_linear import check_norm_config
+from .layernorm_mlp_native import plan_for_layernorm_mlp
 from .layernorm_mlp_ops import (GATED, GEMMS, LAYERNORM_MLP_OPS, LayerNormMLPFwdArgs)
 from ..kernels.reference import ACTIVATIONS
 from .norm import reset_norm_parameters
-from .linear import (_parallel_config, init_weight_, _torch_autocast_dtype, check_extra_state,
+from .linear import (_PLAIN_TENSORS, _parallel_config, init_weight_, _torch_autocast_dtype, check_extra_state,
                      check_gemm_shapes, delayed_state_names, first_microbatch_flag,
                      gemm_state, load_without_extra_state, main_grad_of, pack_delayed_state,
                      set_quantizers, state_plan, unpack_delayed_state)
@@ -31,6 +34,9 @@ from .linear_ops import LinearFwdArgs
 __all__ = ["LayerNormMLP"]
 
 _OWNER = "te.LayerNormMLP"
+# the fields each call supplies to a memoized call's arguments (module/args_memo.py)
+_MEMO_TENSORS = ("inp", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias")
+_STATE_NAMES = tuple((p, delayed_state_names(p)) for p in GEMMS)
 
 
 class _Gemm(NamedTuple):
@@ -129,6 +135,15 @@ class LayerNormMLP(torch.nn.Module):
                 p.sequence_parallel = self.sequence_parallel  # as Transformer Engine marks them
         self.reset_parameters()
         self._state_key = register_module(self)  # names it for trace-time buffer allocation
+
+    _native_plan = staticmethod(plan_for_layernorm_mlp)  # module/args_memo.py
+
+    def __getstate__(self):
+        """Pickles and copies leave the eager-arguments memo behind (it keys
+        on this module's parameter objects)."""
+        state = super().__getstate__()
+        state.pop("_args_memo", None)
+        return state
 
     def __setstate__(self, state):
         """Copies and unpickled modules get their own state key (dynamo/state.py)."""
@@ -233,9 +248,48 @@ class LayerNormMLP(torch.nn.Module):
             sequence_parallel=self.sequence_parallel and tp,
             tp_size=self.tp_size if tp else 1, tp_group=self.tp_group if tp else None)
 
-    def _make_args(self, inp, params, is_first_microbatch) -> LayerNormMLPFwdArgs:
+    def _memo_parameters(self) -> tuple:
+        return (self.layer_norm_weight, self.layer_norm_bias) + self._params()
+
+    def _memo_key(self, inp, params, recipe, grad, is_first_microbatch, cast):
+        """The argument memo's key for this call (as ``te.Linear._memo_key``),
+        or None where no memo applies.  ``params``: the layer's fc1/fc2
+        weights and biases, or with ``cast`` torch.autocast's casts of them."""
+        if (is_first_microbatch is None and not torch.compiler.is_compiling()
+                and (cast or all(map(operator.is_, params, self._params())))
+                and type(params[0]) in _PLAIN_TENSORS and type(params[2]) in _PLAIN_TENSORS
+                and not self.fuse_wgrad_accumulation):
+            ln_w, ln_b = self.layer_norm_weight, self.layer_norm_bias
+            return (recipe, grad, inp.shape, inp.dtype, type(inp), inp.requires_grad,
+                    tuple(None if p is None else (p.dtype, p.requires_grad)
+                          for p in (ln_w, ln_b) + params),
+                    cast and self.fc1_weight.dtype, self.return_bias,
+                    self.return_layernorm_output, self.set_parallel_mode, self.sequence_parallel,
+                    self.tp_size, get_amax_reduction_group(), self.normalization, self.eps,
+                    self.zero_centered_gamma, self.activation)
+        return None
+
+    def _make_args(self, inp, params, is_first_microbatch, key=None) -> LayerNormMLPFwdArgs:
         """The forward op's arguments; ``params``: fc1/fc2 weights and biases
-        as the GEMMs take them (cast under torch.autocast)."""
+        as the GEMMs take them (cast under torch.autocast); ``key``: this
+        call's memo key (module/args_memo.py), None for none."""
+        template = args_memo.template(self, key)
+        if template is not None:
+            return template.with_tensors(inp, *self._gemm_params(params))
+        args = self._checked_args(inp, params, is_first_microbatch)
+        if key is not None and args.fc1_weight_workspace is None:  # no FP8 weight cache bound
+            state = tuple(pair for p, names in _STATE_NAMES
+                          for pair in args_memo.delayed_state(args, names, p))
+            args_memo.remember(self, key, args, _MEMO_TENSORS, state)
+        return args
+
+    def _gemm_params(self, params) -> tuple:
+        """fc1/fc2 weights and biases as the op takes them: fc2's bias is
+        returned, not added, with ``return_bias``."""
+        return params[:3] + (None if self.return_bias else params[3],)
+
+    def _checked_args(self, inp, params, is_first_microbatch) -> LayerNormMLPFwdArgs:
+        """:meth:`_make_args` without the memo: every check, every field."""
         self._check_input(inp)
         recipe = get_autocast_recipe()
         grad = torch.is_grad_enabled()
@@ -307,11 +361,21 @@ class LayerNormMLP(torch.nn.Module):
             params = tuple(p if p is None or isinstance(p, QuantizedTensorStorage)
                            or p.dtype == ac_dtype else p.to(ac_dtype) for p in self._params())
             with torch.autocast(inp.device.type, enabled=False):
-                return self._forward(inp.to(ac_dtype), params, is_first_microbatch, call)
+                return self._forward(inp.to(ac_dtype), params, is_first_microbatch, call,
+                                     cast=True)
         return self._forward(inp, self._params(), is_first_microbatch, call)
 
-    def _forward(self, inp, params, is_first_microbatch, call=None):
-        args = self._make_args(inp, params, is_first_microbatch)
+    def _forward(self, inp, params, is_first_microbatch, call=None, cast=False):
+        """``cast``: ``params`` are torch.autocast's casts of the layer's
+        (or the parameters, where no cast was needed)."""
+        key = None
+        if not torch.compiler.is_compiling():
+            key = self._memo_key(inp, params, get_autocast_recipe(), torch.is_grad_enabled(),
+                                 is_first_microbatch, cast)
+            outputs = args_memo.native_forward(self, key, call, inp, *self._gemm_params(params))
+            if outputs is not None:
+                return self._finish(outputs, params[3])
+        args = self._make_args(inp, params, is_first_microbatch, key)
         if call is not None:
             call.bind(args, GEMMS)
         if torch.compiler.is_compiling():

@@ -259,6 +259,7 @@ def init_weight_(weight: torch.Tensor, init_method=None) -> None:
 
 
 _PLAIN_TENSORS = (torch.nn.Parameter, torch.Tensor)
+_MEMO_TENSORS = ("inp", "weight", "bias")  # the fields each memoized call supplies
 
 class Linear(torch.nn.Module):
     """Linear layer with Transformer Engine's argument names.
@@ -439,7 +440,8 @@ class Linear(torch.nn.Module):
         args = self._checked_args(inp, recipe, grad, is_first_microbatch, fp8_output, fp8_grad,
                                   weight, bias)
         if key is not None and args.weight_workspace is None:  # no FP8 weight cache bound
-            args_memo.remember(self, key, args, delayed_state_names())
+            args_memo.remember(self, key, args, _MEMO_TENSORS,
+                               args_memo.delayed_state(args, _DELAYED_STATE))
         return args
 
     def _memo_key(self, inp, recipe, grad, is_first_microbatch, fp8_output, fp8_grad, weight,
@@ -461,9 +463,8 @@ class Linear(torch.nn.Module):
         return None
 
     def _memo_parameters(self) -> tuple:
-        """The parameters besides weight and bias whose objects an argument
-        memo entry holds (a subclass's)."""
-        return ()
+        """The parameters whose objects an argument memo is made for."""
+        return (self.weight, self.bias)
 
     def _memo_extra(self) -> tuple:
         """What else a subclass's memo key holds (its parameters' flags)."""
@@ -602,7 +603,8 @@ class Linear(torch.nn.Module):
         if not torch.compiler.is_compiling():
             key = self._memo_key(inp, get_autocast_recipe(), torch.is_grad_enabled(),
                                  is_first_microbatch, fp8_output, fp8_grad, weight, bias, cast)
-            outputs = args_memo.native_forward(self, inp, weight, bias, key, call)
+            outputs = args_memo.native_forward(self, key, call, inp, weight,
+                                               None if self.return_bias else bias)
             if outputs is not None:
                 return self._finish(outputs)
         args = self._make_args(inp, is_first_microbatch, fp8_output, fp8_grad, weight, bias,
