@@ -153,7 +153,7 @@ def test_native_layernorm_mlp_under_torch_autocast(ext, calls):
     x = torch.randn(128, 256, device="cuda", requires_grad=True)
     dy = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
     y, _ = _compare(layer, x, dy, CURRENT, autocast=torch.bfloat16)
-    assert calls["native"] == 4 and _chain(y) == NATIVE_CHAIN
+    assert calls["native"] == 4 and _chain(y)[:4] == NATIVE_CHAIN  # then x's cast
 
 
 def test_native_layernorm_mlp_eval_and_train_alternate(ext, calls):
