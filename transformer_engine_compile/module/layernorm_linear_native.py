@@ -7,7 +7,7 @@ output (module/linear_native.py, the same plan as a ``te.Linear``'s).  That
 is bit for bit the Python path, whose fused op runs the same norm kernel
 and then quantizes the norm's output exactly as ``te.Linear`` quantizes an
 input (under current scaling the norm kernel hands the cast its amax, the
-same bytes as the cast's own amax pass; ``tests/gpu/test_gpu_native_norm.py``
+same bytes as the cast's own amax pass; ``tests/gpu/test_gpu_native_fused.py``
 compares every output and gradient), and autograd adds ``ln_out``'s
 gradient to the linear call's dgrad as the op adds them.
 

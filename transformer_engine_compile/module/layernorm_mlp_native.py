@@ -10,7 +10,7 @@ path: its op runs the same norm kernel and quantizes the norm's output as
 te.LayerNormLinear does, then the same activation kernel, then fc2 as a
 ``te.Linear``; its backward runs the same steps in reverse, and autograd
 adds ``ln_out``'s gradient to fc1's dgrad as the op adds them
-(``tests/gpu/test_gpu_native_mlp.py`` compares every output and gradient).
+(``tests/gpu/test_gpu_native_fused.py`` compares every output and gradient).
 
 Covered: what both the native linear path and te.LayerNormLinear's native
 norm cover (no DelayedScaling, no tensor parallelism, no weight caching,

@@ -1,0 +1,277 @@
+"""The native eager path of the fused modules: ``te.LayerNormLinear``
+(module/layernorm_linear_native.py: its norm as a native call and node,
+then the layer's native linear call) and ``te.LayerNormMLP``
+(module/layernorm_mlp_native.py: norm, fc1, activation, fc2) give the
+Python path's bits, outputs and gradients, in the ways users train.
+Skips without CUDA."""
+
+import copy
+
+import pytest
+import torch
+
+import transformer_engine_compile as te
+from transformer_engine_compile import recipe as R
+
+from native_steps import assert_same, chain, compare, native_path, plans
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+if torch.cuda.is_available():
+    pytest.importorskip("triton")
+    from transformer_engine_compile.module.layernorm_linear_native import NativeLayerNormLinear
+    from transformer_engine_compile.module.layernorm_mlp_native import NativeLayerNormMLP
+
+CURRENT = R.Float8CurrentScaling()
+BLOCK = R.Float8BlockScaling()
+MX = R.MXFP8BlockScaling()
+RECIPES = pytest.mark.parametrize("rec", [CURRENT, BLOCK, MX],
+                                  ids=["fp8_current", "fp8_block", "mxfp8"])
+_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+LINEAR_CHAIN = ["TeLinearFp8Backward", "TeNormBackward"]
+MLP_CHAIN = ["TeLinearFp8Backward", "TeActivationBackward", "TeLinearFp8Backward",
+             "TeNormBackward"]
+
+
+def _perturbed(module):
+    with torch.no_grad():  # every parameter away from its initial value
+        for p in module.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return module
+
+
+def _lnlinear(k, n, normalization="RMSNorm", bias=False, **kw):
+    torch.manual_seed(0)
+    return _perturbed(te.LayerNormLinear(k, n, bias=bias, normalization=normalization,
+                                         params_dtype=torch.bfloat16, device="cuda", **kw))
+
+
+def _mlp(hidden, ffn, normalization="RMSNorm", bias=False, activation="swiglu",
+         dtype=torch.bfloat16, **kw):
+    torch.manual_seed(0)
+    return _perturbed(te.LayerNormMLP(hidden, ffn, bias=bias, normalization=normalization,
+                                      activation=activation, params_dtype=dtype,
+                                      device="cuda", **kw))
+
+
+# a fused module of each kind, its plan class, native linear calls per module call
+MODULES = {
+    "layernorm_linear": (lambda: _lnlinear(512, 256, "LayerNorm", True),
+                         "NativeLayerNormLinear", 1),
+    "layernorm_mlp": (lambda: _mlp(512, 256, "LayerNorm", True, "gelu"),
+                      "NativeLayerNormMLP", 2),
+}
+BOTH = pytest.mark.parametrize("kind", sorted(MODULES))
+
+
+def _skip_block(rec):
+    if rec is BLOCK and not _HOPPER:
+        pytest.skip("the block-scaled GEMM is cuBLAS's on SM 9.0")
+
+
+# -- te.LayerNormLinear -----------------------------------------------------------
+LINEAR_CASES = [  # (normalization, bias, zero_centered_gamma, return_layernorm_output, shape, n)
+    ("RMSNorm", False, False, False, (2, 128, 512), 384),
+    ("LayerNorm", True, False, False, (256, 256), 512),
+    ("LayerNorm", False, True, True, (4, 64, 512), 256),
+    ("RMSNorm", True, True, True, (256, 1024), 256),
+]
+
+
+@RECIPES
+@pytest.mark.parametrize("case", LINEAR_CASES, ids=str)
+def test_native_layernorm_linear_equals_python_bit_for_bit(ext, calls, rec, case):
+    _skip_block(rec)
+    normalization, bias, zcg, ret_ln, shape, n = case
+    layer = _lnlinear(shape[-1], n, normalization, bias, zero_centered_gamma=zcg,
+                      return_layernorm_output=ret_ln)
+    x = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 2).requires_grad_()
+    dy = torch.randn((*shape[:-1], n), device="cuda", dtype=torch.bfloat16)
+    d_ln = torch.randn(shape, device="cuda", dtype=torch.bfloat16) if ret_ln else None
+    y, y_ref = compare(layer, x, dy, rec, d_ln=d_ln)
+    assert calls["native"] == 2  # calls 2 and 3 (the first builds the memo)
+    assert [type(p) for p in plans(layer)] == [NativeLayerNormLinear]
+    assert chain(y)[:2] == LINEAR_CHAIN
+    assert "TeLinearFp8Backward" not in chain(y_ref)
+
+
+@pytest.mark.parametrize("frozen", ["input", "norm", "linear"])
+def test_native_layernorm_linear_partial_gradients(ext, calls, frozen):
+    """Frozen parts (an input without grad, a frozen norm, a frozen linear
+    weight) plan for the gradients still needed; AdamW over 3 steps."""
+    layer = _lnlinear(512, 256, "LayerNorm", True)
+    if frozen == "norm":
+        layer.layer_norm_weight.requires_grad_(False)
+        layer.layer_norm_bias.requires_grad_(False)
+    if frozen == "linear":
+        layer.weight.requires_grad_(False)
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    x.requires_grad_(frozen != "input")
+    dy = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    compare(layer, x, dy, CURRENT, optimizer=True)
+    assert calls["native"] == 2
+
+
+def test_native_layernorm_linear_replaced_norm_weight_is_read(ext):
+    """A replaced norm parameter drops the memo: the new one is used."""
+    layer = _lnlinear(256, 256)
+    x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+    with te.autocast(recipe=CURRENT):
+        for _ in range(3):
+            layer(x)
+        layer.layer_norm_weight = torch.nn.Parameter(layer.layer_norm_weight.detach() * 2)
+        got = layer(x)
+        layer.__dict__["_args_memo"] = None
+        with native_path(False):
+            want = layer(x)
+    assert torch.equal(got, want)
+
+
+# -- te.LayerNormMLP ----------------------------------------------------------------
+MLP_CASES = [  # normalization, bias, activation, zero_centered_gamma, ln_out, return_bias, x, ffn
+    ("RMSNorm", False, "swiglu", False, False, False, (2, 128, 512), 384),
+    ("LayerNorm", True, "gelu", False, False, False, (256, 256), 512),
+    ("LayerNorm", False, "geglu", True, True, False, (4, 64, 512), 256),
+    ("RMSNorm", True, "srelu", False, True, True, (256, 1024), 256),
+    ("RMSNorm", True, "qgeglu", True, False, True, (128, 256), 256),
+]
+
+
+@RECIPES
+@pytest.mark.parametrize("case", MLP_CASES, ids=str)
+def test_native_layernorm_mlp_equals_python_bit_for_bit(ext, calls, rec, case):
+    _skip_block(rec)
+    normalization, bias, act, zcg, ret_ln, ret_bias, shape, ffn = case
+    layer = _mlp(shape[-1], ffn, normalization, bias, act, zero_centered_gamma=zcg,
+                 return_layernorm_output=ret_ln, return_bias=ret_bias)
+    x = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 2).requires_grad_()
+    dy = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    d_ln = torch.randn(shape, device="cuda", dtype=torch.bfloat16) if ret_ln else None
+    y, y_ref = compare(layer, x, dy, rec, d_ln=d_ln)
+    assert calls["native"] == 4  # two GEMMs in calls 2 and 3 (the first builds the memo)
+    assert [type(p) for p in plans(layer)] == [NativeLayerNormMLP]
+    assert chain(y) == MLP_CHAIN
+    assert "TeLinearFp8Backward" not in chain(y_ref)
+
+
+@pytest.mark.parametrize("frozen", ["input", "norm", "fc1", "fc2", "input+norm+fc1"])
+def test_native_layernorm_mlp_partial_gradients(ext, calls, frozen):
+    """Frozen parts plan for the gradients still needed; AdamW over 3 steps.
+    With the input, the norm and fc1 all frozen fc2's input needs no
+    gradient, and the activation records no node."""
+    layer = _mlp(512, 256, "LayerNorm", True)
+    parts = frozen.split("+")
+    prefixes = tuple({"norm": "layer_norm", "fc1": "fc1_", "fc2": "fc2_"}[q]
+                     for q in parts if q != "input")
+    for name, p in layer.named_parameters():
+        if prefixes and name.startswith(prefixes):
+            p.requires_grad_(False)
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    x.requires_grad_("input" not in parts)
+    dy = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    y, _ = compare(layer, x, dy, CURRENT, optimizer=True)
+    assert calls["native"] == 4
+    if frozen == "input+norm+fc1":
+        assert chain(y) == ["TeLinearFp8Backward"]
+
+
+def test_native_layernorm_mlp_under_torch_autocast(ext, calls):
+    """fp32 parameters under torch.autocast(bf16): the casts are new tensors
+    every call, the memo and the plan still serve (the key holds the
+    parameters' dtype), with the Python path's bits."""
+    layer = _mlp(256, 256, "LayerNorm", True, "gelu", dtype=torch.float32)
+    x = torch.randn(128, 256, device="cuda", requires_grad=True)
+    dy = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+    y, _ = compare(layer, x, dy, CURRENT, autocast=torch.bfloat16)
+    assert calls["native"] == 4 and chain(y)[:4] == MLP_CHAIN  # then x's cast
+
+
+def test_native_activation_node_takes_other_gradients_the_python_way(ext):
+    """A gradient the node's launch does not take (here a strided one) goes
+    through the Python path's activation backward, as the op's would."""
+    from transformer_engine_compile.module.layernorm_mlp_ops import activation_backward
+    layer = _mlp(256, 256)
+    x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+    with te.autocast(recipe=CURRENT):
+        for _ in range(2):
+            layer(x)
+    plan = plans(layer)[0]
+    h = torch.randn(128, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    a = ext.act(plan.act, h)
+    assert a.grad_fn.name() == "TeActivationBackward" and a.shape == (128, 256)
+    dy = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16).t()
+    a.backward(dy)
+    with torch.no_grad():
+        assert torch.equal(h.grad, activation_backward(dy, h.detach(), "swiglu"))
+    assert ext.act(plan.act, h[:64]) is None  # another shape: the Python path's
+
+
+# -- both -------------------------------------------------------------------------
+@BOTH
+def test_native_fused_eval_and_train_alternate(ext, calls, kind):
+    make, plan_class, _ = MODULES[kind]
+    layer = make()
+    ref = copy.deepcopy(layer)
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    x_train = x.clone().requires_grad_()
+    for _ in range(3):
+        evals = []
+        for lay, on in ((layer, True), (ref, False)):
+            with native_path(on), te.autocast(recipe=CURRENT):
+                with torch.no_grad():
+                    evals.append(lay(x))
+                lay(x_train).float().square().sum().backward()
+        assert torch.equal(*evals)
+        for p, q in zip(layer.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad)
+    assert [type(p).__name__ for p in plans(layer)] == [plan_class] * 2
+
+
+@BOTH
+def test_native_fused_declines_delayed_scaling(ext, calls, kind):
+    layer = MODULES[kind][0]()
+    x = torch.randn(128, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with te.autocast(recipe=R.DelayedScaling()):
+        for _ in range(3):
+            layer(x).sum().backward()
+    assert plans(layer) == [False] and calls["native"] == 0
+
+
+@BOTH
+def test_native_fused_checkpointed(ext, calls, kind):
+    """Inside te.checkpoint the recomputation takes the forward's path."""
+    make, _, per_call = MODULES[kind]
+    layer = make()
+    ref = copy.deepcopy(layer)
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    outs = []
+    for lay, on in ((layer, True), (ref, False)):
+        with native_path(on):
+            for _ in range(3):
+                lay.zero_grad(set_to_none=True)
+                with te.autocast(recipe=CURRENT):
+                    y = te.checkpoint(lay, x)
+                y.float().square().sum().backward()
+        outs.append([y.detach(), *[p.grad for p in lay.parameters()]])
+    assert_same(*outs)
+    assert calls["native"] >= 2 * per_call
+
+
+@BOTH
+def test_native_fused_declines_before_its_norm_runs(ext, calls, kind):
+    """Where the linear calls may not run natively (here forward-mode AD is
+    active), the norm does not run natively either: the whole module takes
+    the Python path, with the Python path's result."""
+    make, plan_class, per_call = MODULES[kind]
+    layer = make()
+    ref = copy.deepcopy(layer)
+    x = torch.randn(128, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with te.autocast(recipe=CURRENT):
+        for _ in range(2):
+            layer(x)  # the plan exists after the second call
+        with torch.autograd.forward_ad.dual_level():
+            y = layer(x)
+        with native_path(False):
+            want = ref(x)
+    assert type(plans(layer)[0]).__name__ == plan_class and calls["native"] == per_call
+    assert not set(chain(y)) & set(MLP_CHAIN)
+    assert torch.equal(y, want)
