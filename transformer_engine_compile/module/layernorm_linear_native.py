@@ -39,12 +39,10 @@ class NativeLayerNormLinear:
         self.ext, self.norm, self.linear = ext, norm, linear
 
     def __call__(self, layer, x, w, bias):
-        slot = self.linear.slot_for(x)  # the linear call's conditions, before the norm runs
-        if slot is None:
+        first = native_norm(self.ext, self.norm, self.linear, layer, x)
+        if first is None:
             return None
-        ln_out = self.ext.norm(self.norm, x, layer.layer_norm_weight, layer.layer_norm_bias)
-        if ln_out is None:
-            return None
+        slot, ln_out = first
         # where the linear call declines now (the weight or bias moved, other
         # gradients), the Python path runs the whole layer again; the norm's
         # output is dropped
@@ -52,6 +50,17 @@ class NativeLayerNormLinear:
         if out is not None:
             out["ln_out"] = ln_out
         return out
+
+
+def native_norm(ext, norm, linear, layer, x):
+    """``(slot, ln_out)``: a fused module's norm run natively, once its first
+    native linear call's conditions hold (``linear.slot_for``: checked
+    before the norm runs), else None."""
+    slot = linear.slot_for(x)
+    if slot is None:
+        return None
+    ln_out = ext.norm(norm, x, layer.layer_norm_weight, layer.layer_norm_bias)
+    return None if ln_out is None else (slot, ln_out)
 
 
 def plan_for_layernorm_linear(args: LayerNormLinearFwdArgs):

@@ -24,7 +24,7 @@ import torch
 
 from .. import kernels
 from ..kernels import native
-from .layernorm_linear_native import norm_eligible, norm_plan
+from .layernorm_linear_native import native_norm, norm_eligible, norm_plan
 from .layernorm_mlp_ops import LayerNormMLPFwdArgs, activation_backward
 from .linear_native import _DTYPE_NAMES, plan_for
 
@@ -40,19 +40,16 @@ class NativeLayerNormMLP:
         self.ext, self.norm, self.fc1, self.act, self.fc2 = ext, norm, fc1, act, fc2
 
     def __call__(self, layer, x, fc1_w, fc1_b, fc2_w, fc2_b):
-        slot = self.fc1.slot_for(x)  # the linear calls' conditions, before the norm runs
-        if slot is None:
+        first = native_norm(self.ext, self.norm, self.fc1, layer, x)
+        if first is None:
             return None
-        ext = self.ext
-        ln_out = ext.norm(self.norm, x, layer.layer_norm_weight, layer.layer_norm_bias)
-        if ln_out is None:
-            return None
+        slot, ln_out = first
         # where a later step declines (a parameter moved, other gradients), the
         # Python path runs the whole module again; these outputs are dropped
         h = self.fc1(layer, ln_out, fc1_w, fc1_b, slot)
         if h is None:
             return None
-        a = ext.act(self.act, h["out"])
+        a = self.ext.act(self.act, h["out"])
         if a is None:
             return None
         out = self.fc2(layer, a, fc2_w, fc2_b, slot)
