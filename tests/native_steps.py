@@ -1,4 +1,4 @@
-"""Helpers of the native eager path's GPU tests (tests/gpu/test_gpu_native_fused.py):
+"""Helpers of the native eager path's GPU tests (tests/gpu/test_gpu_native*.py):
 train steps with the native path on or off, and bit-equality of their results."""
 
 import contextlib
@@ -81,3 +81,28 @@ def compare(layer, x, dy, rec, **kw):
     want, y_ref = train_steps(ref, x, dy, rec, False, **kw)
     assert_same(got, want)
     return y, y_ref
+
+
+def _fp8_cache(module) -> list:
+    return [b.clone() for n, b in sorted(module.named_buffers()) if "fp8_weight" in n]
+
+
+def microbatch_steps(module, x, dy, rec, native_on, steps=2, micro=3):
+    """``steps`` gradient-accumulation steps of ``micro`` microbatches with
+    ``is_first_microbatch`` (True, then False) and an AdamW step after each,
+    the native path on or off: every microbatch's output, input gradient and
+    FP8 weight cache, and each step's gradients; and the last output."""
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    results = []
+    with native_path(native_on):
+        for _ in range(steps):
+            for i in range(micro):
+                xx = x.detach().requires_grad_(x.requires_grad)
+                with te.autocast(recipe=rec):
+                    y = module(xx, is_first_microbatch=i == 0)
+                (y * dy).float().sum().backward()
+                results += [y.detach(), xx.grad, *_fp8_cache(module)]
+            results += [p.grad.clone() for p in module.parameters()]
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return results, y

@@ -329,3 +329,55 @@ def test_args_memo_serves_layernorm_mlp(name):
                                   persistent=False)
             check(True, inp=x[:16])
             check(False, inp=x[:16])
+
+
+@pytest.mark.parametrize("module", ["linear", "layernorm_mlp"])
+def test_args_memo_serves_weight_caching(module):
+    """``is_first_microbatch`` (gradient accumulation with the FP8 weight
+    cache) keeps one memo entry per flag: over two accumulation steps with
+    an optimizer step between, True and False each build their arguments
+    once, and every microbatch equals a memo-less copy's, the cache it
+    leaves included.  A re-registered cache buffer rebuilds."""
+    from transformer_engine_compile.module.layernorm_mlp import LayerNormMLP
+    rec = recipe.Float8CurrentScaling()
+    torch.manual_seed(0)
+    if module == "linear":
+        layer, cls = _layer(bias=True), Linear
+    else:
+        layer = te.LayerNormMLP(128, 128, normalization="RMSNorm", activation="swiglu",
+                                params_dtype=torch.bfloat16)
+        cls = LayerNormMLP
+    twin = copy.deepcopy(layer)
+    x = torch.randn(32, 128, dtype=torch.bfloat16, requires_grad=True)
+    calls = []
+    full = cls._checked_args
+
+    def counted(self, *args):
+        calls.append(self is layer)
+        return full(self, *args)
+
+    def cache(m):
+        return [b.clone() for n, b in sorted(m.named_buffers()) if "fp8_weight" in n]
+
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (layer, twin)]
+    with mock.patch.object(cls, "_checked_args", counted):
+        for step in range(2):
+            for first in (True, False, False):
+                got = []
+                for m in (layer, twin):
+                    with te.autocast(recipe=rec):
+                        y = m(x, is_first_microbatch=first)
+                    y.float().square().sum().backward()
+                    got.append([y.detach(), *cache(m)])
+                    twin.__dict__.pop("_args_memo", None)  # the copy never keeps one
+                _same(*got)
+            _same([p.grad for p in layer.parameters()], [p.grad for p in twin.parameters()])
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+        assert calls.count(True) == 2  # the True entry and the False entry
+        name = next(n for n, _ in layer.named_buffers() if "fp8_weight" in n)
+        layer.register_buffer(name, getattr(layer, name).clone(), persistent=False)
+        with te.autocast(recipe=rec):
+            layer(x, is_first_microbatch=False)
+        assert calls.count(True) == 3

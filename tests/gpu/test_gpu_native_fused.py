@@ -13,7 +13,7 @@ import torch
 import transformer_engine_compile as te
 from transformer_engine_compile import recipe as R
 
-from native_steps import assert_same, chain, compare, native_path, plans
+from native_steps import assert_same, chain, compare, microbatch_steps, native_path, plans
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 if torch.cuda.is_available():
@@ -275,3 +275,21 @@ def test_native_fused_declines_before_its_norm_runs(ext, calls, kind):
     assert type(plans(layer)[0]).__name__ == plan_class and calls["native"] == per_call
     assert not set(chain(y)) & set(MLP_CHAIN)
     assert torch.equal(y, want)
+
+
+@BOTH
+def test_native_fused_weight_caching(ext, calls, kind):
+    """Gradient accumulation with the FP8 weight cache (is_first_microbatch)
+    natively: every microbatch's output, input gradient and cache, and each
+    step's gradients, equal the Python path's."""
+    make, plan_class, per_call = MODULES[kind]
+    layer = make()
+    ref = copy.deepcopy(layer)
+    x = torch.randn(128, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(128, 512 if kind == "layernorm_mlp" else 256, device="cuda",
+                     dtype=torch.bfloat16)
+    got, _ = microbatch_steps(layer, x, dy, CURRENT, True)
+    want, _ = microbatch_steps(ref, x, dy, CURRENT, False)
+    assert_same(got, want)
+    assert calls["native"] == 4 * per_call
+    assert [type(p).__name__ for p in plans(layer)] == [plan_class] * 2

@@ -62,11 +62,17 @@ bool has_block_gemm() {
 
 // -- the plan of one te.Linear configuration -------------------------------------
 enum Recipe : int64_t { kCurrent = 0, kBlock = 1, kDelayed = 2, kMx = 3 };
+// Current scaling with is_first_microbatch: the weight's copies written into
+// the layer's FP8 weight cache after the GEMM (as the Python path's update
+// copies them), or read from it instead of quantizing the weight.
+enum Cache : int64_t { kNoCache = 0, kWriteCache = 1, kReadCache = 2 };
 
 // Forward quantize slots: 0 x (M, K), 1 W (N, K), 2 x data, 3 x transpose,
 // 4 x scale_inv, 5 W data, 6 W transpose, 7 W scale_inv.  Backward quantize
 // slots: 0 dy (M, N), 1 dy data, 2 dy transpose, 3 dy scale_inv.  A copy not
-// made points at the kernel's input (never written).  The bias gradient's
+// made points at the kernel's input (never written).  Reading the weight
+// cache, the forward launch quantizes x alone: slots 0 x, 1 x data, 2 x
+// transpose, 3 x scale_inv.  The bias gradient's
 // two launches (column sums of dy): 0 dy, 1 fp32 partial sums, 2 the result.
 // Blockwise: one launch per tensor (x, W, dy), slots 0 the input, 1 rowwise
 // data, 2 rowwise scales, 3 columnwise data, 4 columnwise scales.
@@ -85,6 +91,7 @@ enum Recipe : int64_t { kCurrent = 0, kBlock = 1, kDelayed = 2, kMx = 3 };
 // dequantizations dgrad reads, then those wgrad reads).
 struct Plan {
   int64_t recipe = kCurrent;
+  int64_t cache = kNoCache;  // current scaling: the weight cache (`state`: its buffers)
   Launch fwd, bwd;
   Launch fwd_w;  // blockwise: W's launch (fwd is x's)
   Launch bias_add;  // blockwise with a bias: added to the GEMM's output (slots y, bias)
@@ -166,20 +173,14 @@ Forward forward_block(const Plan& p, const at::Tensor& x, const at::Tensor& w,
           p.w_col ? w_cd : at::Tensor(), p.w_col ? w_cs : at::Tensor()};
 }
 
-// Current or delayed scaling (`state`: the forward history and scales).
-Forward forward_current(const Plan& p, const at::Tensor& x, const at::Tensor& w,
-                        const c10::optional<at::Tensor>& bias, int64_t lo, int64_t hi,
-                        const std::vector<at::Tensor>& state) {
-  at::NoGradGuard no_grad;
-  at::Tensor x2d = operand(x, p.m, p.k), w2d = operand(w, p.n, p.k);
-  auto f32 = x.options().dtype(at::kFloat);
-  at::Tensor x_sinv = at::empty({1}, f32);
-  at::Tensor x_data = fp8_empty(p.m, p.k, p.fp8_fwd, x);
-  at::Tensor x_t = p.x_col ? fp8_empty(p.k, p.m, p.fp8_fwd, x) : x2d;
-  at::Tensor w_sinv = at::empty({1}, f32);
-  at::Tensor w_data = fp8_empty(p.n, p.k, p.fp8_fwd, x);
-  at::Tensor w_t = p.w_col ? fp8_empty(p.k, p.n, p.fp8_fwd, x) : w2d;
-  auto stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+// The forward's casts of x and W (current scaling: one launch; delayed: the
+// plan's list over the layer's state).
+void forward_casts(const Plan& p, const at::Tensor& x2d, const at::Tensor& w2d,
+                   const at::Tensor& x_data, const at::Tensor& x_t, const at::Tensor& x_sinv,
+                   const at::Tensor& w_data, const at::Tensor& w_t, const at::Tensor& w_sinv,
+                   int64_t lo, int64_t hi, const std::vector<at::Tensor>& state,
+                   cudaStream_t stream) {
+  auto f32 = x2d.options().dtype(at::kFloat);
   if (p.recipe == kDelayed) {
     const at::Tensor& scale = state[1];
     std::vector<at::Tensor> slots{x2d,    w2d,    at::zeros({p.amax_len}, f32),
@@ -189,11 +190,44 @@ Forward forward_current(const Plan& p, const at::Tensor& x, const at::Tensor& w,
   } else {
     p.fwd.run({x2d, w2d, x_data, x_t, x_sinv, w_data, w_t, w_sinv}, lo, hi, stream);
   }
+}
+
+// Current or delayed scaling (`state`: the forward history and scales under
+// delayed scaling, the weight cache's data, transpose and scale_inv with one).
+Forward forward_current(const Plan& p, const at::Tensor& x, const at::Tensor& w,
+                        const c10::optional<at::Tensor>& bias, int64_t lo, int64_t hi,
+                        const std::vector<at::Tensor>& state) {
+  at::NoGradGuard no_grad;
+  at::Tensor x2d = operand(x, p.m, p.k);
+  auto f32 = x.options().dtype(at::kFloat);
+  at::Tensor x_sinv = at::empty({1}, f32);
+  at::Tensor x_data = fp8_empty(p.m, p.k, p.fp8_fwd, x);
+  at::Tensor x_t = p.x_col ? fp8_empty(p.k, p.m, p.fp8_fwd, x) : x2d;
+  auto stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  at::Tensor w_sinv, w_data, w_t;
+  if (p.cache == kReadCache) {
+    w_data = state[0];
+    w_t = state[1];
+    w_sinv = state[2];
+    p.fwd.run({x2d, x_data, x_t, x_sinv}, lo, hi, stream);
+  } else {
+    at::Tensor w2d = operand(w, p.n, p.k);
+    w_sinv = at::empty({1}, f32);
+    w_data = fp8_empty(p.n, p.k, p.fp8_fwd, x);
+    w_t = p.w_col ? fp8_empty(p.k, p.n, p.fp8_fwd, x) : w2d;
+    forward_casts(p, x2d, w2d, x_data, x_t, x_sinv, w_data, w_t, w_sinv, lo, hi, state, stream);
+  }
   at::Tensor y = at::empty(p.out_shape, x.options());
   at::Tensor y2d = y.view({p.m, p.n});
   at::_scaled_mm_out(y2d, x_data, w_data.t(), x_sinv, w_sinv, bias, c10::nullopt,
                      x.scalar_type(), /*use_fast_accum=*/true);
-  return {y, p.x_col ? x_t : at::Tensor(), x_sinv, p.w_col ? w_t : at::Tensor(), w_sinv};
+  if (p.cache == kWriteCache) {
+    state[0].copy_(w_data);
+    state[1].copy_(w_t);
+    state[2].copy_(w_sinv);
+  }
+  bool w_col = p.w_col || p.cache == kReadCache;
+  return {y, p.x_col ? x_t : at::Tensor(), x_sinv, w_col ? w_t : at::Tensor(), w_sinv};
 }
 
 at::Tensor u8_empty(int64_t r, int64_t c, const at::Tensor& like) {
@@ -428,12 +462,21 @@ at::Tensor linear(const std::shared_ptr<Plan>& plan, const at::Tensor& x, const 
                   const c10::optional<at::Tensor>& bias, int64_t lo, int64_t hi,
                   const std::vector<at::Tensor>& state) {
   const Plan& p = *plan;
+  size_t n_state = p.recipe == kDelayed ? 4u : p.cache != kNoCache ? 3u : 0u;
   if (!x.is_cuda() || x.get_device() != p.device || w.get_device() != p.device ||
-      bias.has_value() != p.bias || state.size() != (p.recipe == kDelayed ? 4u : 0u)) {
+      bias.has_value() != p.bias || state.size() != n_state) {
     return at::Tensor();
   }
-  for (const at::Tensor& t : state) {  // the kernels were fixed for aligned fp32 buffers
-    if (t.get_device() != p.device || t.scalar_type() != at::kFloat || !aligned(t)) {
+  for (size_t i = 0; i < n_state; ++i) {  // the kernels were fixed for aligned buffers
+    const at::Tensor& t = state[i];
+    // delayed scaling: fp32 histories and scales; the weight cache: W's FP8
+    // data (N, K), transpose (K, N) and its one fp32 scale_inv
+    bool fp8 = p.recipe != kDelayed && i < 2;
+    if (t.get_device() != p.device || !aligned(t) ||
+        t.scalar_type() != (fp8 ? p.fp8_fwd : at::kFloat) ||
+        (p.recipe != kDelayed &&
+         t.sizes() != (i == 0 ? at::IntArrayRef{p.n, p.k}
+                              : i == 1 ? at::IntArrayRef{p.k, p.n} : at::IntArrayRef{1}))) {
       return at::Tensor();
     }
   }
@@ -589,6 +632,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              p.dgrad_list = std::move(dgrad_list);
              p.wgrad_list = std::move(wgrad_list);
              if (bias_add) p.bias_add = std::move(*bias_add);
+           })
+      .def("set_cache",
+           [](Plan& p, int64_t cache) {
+             TORCH_CHECK(p.recipe == kCurrent && cache >= kNoCache && cache <= kReadCache &&
+                             (cache != kWriteCache || p.w_col),
+                         "te native: a weight cache is for current scaling, written with "
+                         "W's columnwise copy");
+             p.cache = cache;
            })
       .def("set_bias_grad", [](Plan& p, Launch rows, Launch cols, int64_t groups) {
         TORCH_CHECK(p.bias && groups > 0, "te native: a bias gradient needs a bias");

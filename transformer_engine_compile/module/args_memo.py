@@ -18,6 +18,7 @@ from __future__ import annotations
 import operator
 
 from ..dynamo import arg_views
+from ..quantization.base import storage_parts
 
 # configurations the argument memo keeps per layer (the oldest goes first): a
 # reentrant checkpoint's no-grad forward and its recomputation, training and
@@ -32,9 +33,10 @@ class ArgsTemplate:
     (``names``: the input, and the parameters as the GEMMs take them, which
     torch.autocast casts anew every call): what the layer's ``_make_args``
     worked out (checks passed, quantizers, flags, and under DelayedScaling
-    the layer's state buffers it bound).  Holds no activation; the state
-    buffers it holds are the layer's own, and serve only while they still
-    are (``state``: their names and objects)."""
+    the layer's state buffers it bound; with ``is_first_microbatch`` its
+    FP8 weight cache).  Holds no activation; the buffers it holds are the
+    layer's own, and serve only while they still are (``state``: their
+    names and objects)."""
 
     __slots__ = ("cls", "fields", "names", "native", "state")
 
@@ -62,6 +64,17 @@ def delayed_state(args, names: tuple, prefix: str = "") -> tuple:
     for the GEMM ``prefix`` (``names``: the buffers' names), () where none."""
     tensors = tuple(getattr(args, prefix + f) for f in _STATE_FIELDS)
     return () if tensors[0] is None else tuple(zip(names, tensors))
+
+
+def weight_cache_state(args, prefix: str = "") -> tuple:
+    """``(buffer name, tensor)`` of the FP8 weight cache ``args`` bound for
+    the GEMM ``prefix`` (``is_first_microbatch``; the buffers
+    ``linear.gemm_state`` names), () where none."""
+    ws = getattr(args, prefix + "weight_workspace")
+    if ws is None:
+        return ()
+    names, buffers, _, _ = storage_parts(ws)
+    return tuple((f"{prefix}fp8_weight_{n}", b) for n, b in zip(names, buffers))
 
 
 def _current(memo, layer) -> bool:

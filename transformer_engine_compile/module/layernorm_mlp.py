@@ -255,7 +255,7 @@ class LayerNormMLP(torch.nn.Module):
         """The argument memo's key for this call (as ``te.Linear._memo_key``),
         or None where no memo applies.  ``params``: the layer's fc1/fc2
         weights and biases, or with ``cast`` torch.autocast's casts of them."""
-        if (is_first_microbatch is None and not torch.compiler.is_compiling()
+        if (not torch.compiler.is_compiling()
                 and (cast or all(map(operator.is_, params, self._params())))
                 and type(params[0]) in _PLAIN_TENSORS and type(params[2]) in _PLAIN_TENSORS
                 and not self.fuse_wgrad_accumulation):
@@ -265,8 +265,8 @@ class LayerNormMLP(torch.nn.Module):
                           for p in (ln_w, ln_b) + params),
                     cast and self.fc1_weight.dtype, self.return_bias,
                     self.return_layernorm_output, self.set_parallel_mode, self.sequence_parallel,
-                    self.tp_size, get_amax_reduction_group(), self.normalization, self.eps,
-                    self.zero_centered_gamma, self.activation)
+                    self.tp_size, get_amax_reduction_group(), is_first_microbatch,
+                    self.normalization, self.eps, self.zero_centered_gamma, self.activation)
         return None
 
     def _make_args(self, inp, params, is_first_microbatch, key=None) -> LayerNormMLPFwdArgs:
@@ -277,9 +277,10 @@ class LayerNormMLP(torch.nn.Module):
         if template is not None:
             return template.with_tensors(inp, *self._gemm_params(params))
         args = self._checked_args(inp, params, is_first_microbatch)
-        if key is not None and args.fc1_weight_workspace is None:  # no FP8 weight cache bound
+        if key is not None:
             state = tuple(pair for p, names in _STATE_NAMES
-                          for pair in args_memo.delayed_state(args, names, p))
+                          for pair in (args_memo.delayed_state(args, names, p)
+                                       + args_memo.weight_cache_state(args, p)))
             args_memo.remember(self, key, args, _MEMO_TENSORS, state)
         return args
 

@@ -439,9 +439,10 @@ class Linear(torch.nn.Module):
             return template.with_tensors(inp, weight, None if self.return_bias else bias)
         args = self._checked_args(inp, recipe, grad, is_first_microbatch, fp8_output, fp8_grad,
                                   weight, bias)
-        if key is not None and args.weight_workspace is None:  # no FP8 weight cache bound
+        if key is not None:
             args_memo.remember(self, key, args, _MEMO_TENSORS,
-                               args_memo.delayed_state(args, _DELAYED_STATE))
+                               args_memo.delayed_state(args, _DELAYED_STATE)
+                               + args_memo.weight_cache_state(args))
         return args
 
     def _memo_key(self, inp, recipe, grad, is_first_microbatch, fp8_output, fp8_grad, weight,
@@ -450,8 +451,7 @@ class Linear(torch.nn.Module):
         applies.  ``weight`` and ``bias`` are the layer's parameters, or with
         ``cast`` torch.autocast's casts of them (new tensors every call: the
         key then holds the parameters' dtype too)."""
-        if (is_first_microbatch is None and not (fp8_output or fp8_grad)
-                and self._MEMO and not torch.compiler.is_compiling()
+        if (not (fp8_output or fp8_grad) and self._MEMO and not torch.compiler.is_compiling()
                 and (cast or (weight is self.weight and bias is self.bias))
                 and type(weight) in _PLAIN_TENSORS and not self.fuse_wgrad_accumulation):
             return (recipe, grad, inp.shape, inp.dtype, type(inp), inp.requires_grad,
@@ -459,7 +459,7 @@ class Linear(torch.nn.Module):
                     None if bias is None else bias.requires_grad, self.return_bias,
                     self.save_original_input, self.parallel_mode, self.sequence_parallel,
                     self.tp_size, cast and self.weight.dtype, get_amax_reduction_group(),
-                    self._memo_extra())
+                    is_first_microbatch, self._memo_extra())
         return None
 
     def _memo_parameters(self) -> tuple:

@@ -10,8 +10,12 @@ the copies dequantized to bf16 for bf16 GEMMs, as the Python path does),
 every dim a multiple of 32.  Each with or without a bias of the input's
 dtype (bf16 or fp16), added as the Python path adds it (in
 ``_scaled_mm``'s epilogue; by the bias kernel after the other GEMMs).
+Under current scaling also the FP8 weight cache of ``is_first_microbatch``:
+True quantizes x and W in one launch as always and copies W's copies into
+the layer's cache after the GEMM (as the Python path's update does), False
+quantizes x alone and reads W from the cache.
 Nothing else: no tensor parallelism, no ``fp8_output`` / ``fp8_grad``, no
-cached or FP8 weight, no ``save_original_input``, no
+FP8 weight, no ``save_original_input``, no
 ``fuse_wgrad_accumulation``, a CUDA input.  Any other call, and any call
 while a CUDA graph is captured, under a functorch transform or forward-mode
 AD, keeps the Python path.  A plan is made once per argument memo entry of
@@ -29,12 +33,15 @@ from ..kernels import reference as ref
 from ..kernels.reference import FP8_DTYPE
 from ..kernels.triton_launch import int_key
 from ..quantization.blockwise import Float8BlockQuantizer
-from ..quantization.float8 import Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer
+from ..quantization.float8 import (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer,
+                                   Float8TensorStorage)
 from ..quantization.mxfp8 import MXFP8Quantizer
 from .linear_ops import (LINEAR_OPS, LinearFwdArgs, _grad_output_quantizer, _input_quantizer,
                          _paired_weight_quantizer, _tp, _weight_quantizer)
 
 _GEMM_OUT = (torch.bfloat16, torch.float16, torch.float32)
+# native_linear.cpp's Cache: no weight cache, write it, read it
+NO_CACHE, WRITE_CACHE, READ_CACHE = 0, 1, 2
 _DTYPE_NAMES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2",
                 torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -50,7 +57,8 @@ class NativeLinear:
         self.ext, self.plan, self.slot = ext, plan, slot
         self.slot_keys = (int_key(slot[0]), int_key(slot[1]))
         # DelayedScaling: the layer's history and scale buffers (forward, then
-        # backward), which the plan's memo entry serves only while they are
+        # backward); the FP8 weight cache: its data, transpose and scale_inv.
+        # The plan's memo entry serves only while they are the layer's
         self.state = list(state)
 
     def slot_for(self, x):
@@ -85,7 +93,6 @@ def _eligible(args: LinearFwdArgs) -> bool:
         return False
     if (not _bias_eligible(args) or _tp(args)[0] is not None or args.output_quantizer is not None
             or args.grad_input_quantizer is not None or args.save_original_input
-            or args.cache_weight or args.weight_workspace is not None
             or args.main_grad is not None or args.amax_group is not None):
         return False
     m, k, n = x.numel() // x.shape[-1], x.shape[-1], w.shape[0]
@@ -94,6 +101,8 @@ def _eligible(args: LinearFwdArgs) -> bool:
     recipe = _recipe(args)
     if (recipe == "delayed") != (args.amax_history_fwd is not None):
         return False  # state bound exactly under delayed scaling
+    if _cache_mode(args) != NO_CACHE and (recipe != "current" or _cache_buffers(args) is None):
+        return False  # the weight cache: current scaling, all its buffers plain
     if recipe in ("current", "delayed"):  # _scaled_mm (SM 8.9+)
         kernel = "quantize_fp8_current_pair" if recipe == "current" else "quantize_fp8_tensorwise"
         return (m % 16 == 0 and k % 16 == 0 and n % 16 == 0
@@ -135,6 +144,28 @@ def _recipe(args: LinearFwdArgs):
     return None
 
 
+def _cache_mode(args: LinearFwdArgs) -> int:
+    """How this call uses the FP8 weight cache (``is_first_microbatch``)."""
+    if args.weight_workspace is None:
+        return NO_CACHE
+    return WRITE_CACHE if args.cache_weight else READ_CACHE
+
+
+def weight_cache_buffers(ws) -> list:
+    """The data, transpose and scale_inv buffers of a current-scaling FP8
+    weight cache, or None where it is not one the native path takes."""
+    if type(ws) is not Float8TensorStorage:
+        return None
+    bufs = [ws._data, ws._transpose, ws._scale_inv]
+    if any(type(b) not in (torch.Tensor, torch.nn.Parameter) for b in bufs):
+        return None
+    return bufs
+
+
+def _cache_buffers(args: LinearFwdArgs):
+    return weight_cache_buffers(args.weight_workspace)
+
+
 def _bias_eligible(args: LinearFwdArgs) -> bool:
     """No bias, or one the Python path adds in a kernel (``_scaled_mm``'s
     epilogue, or ``bias_add`` after the blockwise and MXFP8 GEMMs) of the input's
@@ -170,14 +201,17 @@ def plan_for(args: LinearFwdArgs):
     if _recipe(args) == "mx":
         return _mx_plan(ext, args, m, k, n, slot)
     q = _input_quantizer(args)
-    wq = _paired_weight_quantizer(args, q)
+    cache = _cache_mode(args)
+    # reading the weight cache, x is quantized alone (its own launch, as the
+    # Python path does): W's quantizer then only describes the cached copies
+    wq = _weight_quantizer(args) if cache == READ_CACHE else _paired_weight_quantizer(args, q)
     if wq is None:
         return None
     with torch.no_grad():
         x2d = torch.zeros((m, k), dtype=x.dtype, device=x.device)
-        w2d = torch.zeros((n, k), dtype=w.dtype, device=x.device)
+        w2d = None if cache == READ_CACHE else torch.zeros((n, k), dtype=w.dtype, device=x.device)
         fwd = _launch(ext, x2d, w2d, q, (q.rowwise_usage, q.columnwise_usage),
-                      (wq.rowwise_usage, wq.columnwise_usage), slot)
+                      None if w2d is None else (wq.rowwise_usage, wq.columnwise_usage), slot)
         dgrad, wgrad = args.input_requires_grad, args.weight_requires_grad
         bwd = fmt_bwd = None
         if dgrad or wgrad:
@@ -198,11 +232,13 @@ def plan_for(args: LinearFwdArgs):
                     _DTYPE_NAMES[FP8_DTYPE[fmt_bwd or "e5m2"]], _DTYPE_NAMES[w.dtype],
                     q.columnwise_usage, wq.columnwise_usage, dgrad, wgrad,
                     args.bias is not None, list(x.shape[:-1]) + [n], list(x.shape))
-    return _with_bias_grad(ext, plan, args, slot)
+    plan.set_cache(cache)
+    return _with_bias_grad(ext, plan, args, slot, _cache_buffers(args) if cache else ())
 
 
 def _with_bias_grad(ext, plan, args: LinearFwdArgs, slot, state=()):
-    """The :class:`NativeLinear` of ``plan`` (``state``: see there), with the
+    """The :class:`NativeLinear` of ``plan`` (``state``: see there; the weight
+    cache's buffers with one), with the
     bias gradient's launches where the bias needs one; None where they
     cannot be native."""
     if args.bias_requires_grad:
@@ -462,7 +498,8 @@ def _launch(ext, a2d, b2d, q, a_usage, b_usage, slot):
         b_usage or (False, False), slot)
     tc._fp8_current_launch(grid, key, *args)
     # native_linear.cpp's slot order: forward x, W, x's copies, W's copies;
-    # backward dy, dy's copies (data, transpose, scale_inv each)
+    # backward dy, dy's copies (data, transpose, scale_inv each), and so x
+    # alone where the forward reads the weight cache
     slots = [a2d, *_fp8_copy_args(out_a, a2d)]
     if b2d is not None:
         slots = [a2d, b2d, *_fp8_copy_args(out_a, a2d), *_fp8_copy_args(out_b, b2d)]
