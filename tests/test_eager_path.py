@@ -331,15 +331,19 @@ def test_args_memo_serves_layernorm_mlp(name):
             check(False, inp=x[:16])
 
 
-@pytest.mark.parametrize("module", ["linear", "layernorm_mlp"])
-def test_args_memo_serves_weight_caching(module):
+@pytest.mark.parametrize("module,name", [
+    ("linear", "fp8_current"), ("linear", "fp8_block"), ("linear", "mxfp8"),
+    ("linear", "nvfp4"), ("linear", "delayed"), ("layernorm_mlp", "fp8_current")])
+def test_args_memo_serves_weight_caching(module, name):
     """``is_first_microbatch`` (gradient accumulation with the FP8 weight
     cache) keeps one memo entry per flag: over two accumulation steps with
     an optimizer step between, True and False each build their arguments
     once, and every microbatch equals a memo-less copy's, the cache it
     leaves included.  A re-registered cache buffer rebuilds."""
     from transformer_engine_compile.module.layernorm_mlp import LayerNormMLP
-    rec = recipe.Float8CurrentScaling()
+    rec = {"delayed": recipe.DelayedScaling(),  # deterministic: the twin draws no other bits
+           "nvfp4": recipe.NVFP4BlockScaling(disable_stochastic_rounding=True)}.get(
+               name) or recipe.by_name(name)
     torch.manual_seed(0)
     if module == "linear":
         layer, cls = _layer(bias=True), Linear
@@ -348,7 +352,7 @@ def test_args_memo_serves_weight_caching(module):
                                 params_dtype=torch.bfloat16)
         cls = LayerNormMLP
     twin = copy.deepcopy(layer)
-    x = torch.randn(32, 128, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(128, 128, dtype=torch.bfloat16, requires_grad=True)
     calls = []
     full = cls._checked_args
 

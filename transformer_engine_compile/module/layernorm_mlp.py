@@ -25,8 +25,9 @@ from .layernorm_mlp_native import plan_for_layernorm_mlp
 from .layernorm_mlp_ops import (GATED, GEMMS, LAYERNORM_MLP_OPS, LayerNormMLPFwdArgs)
 from ..kernels.reference import ACTIVATIONS
 from .norm import reset_norm_parameters
-from .linear import (_PLAIN_TENSORS, _parallel_config, init_weight_, _torch_autocast_dtype, check_extra_state,
-                     check_gemm_shapes, delayed_state_names, first_microbatch_flag,
+from .linear import (_PLAIN_TENSORS, _parallel_config, init_weight_, _torch_autocast_dtype,
+                     check_extra_state, check_gemm_shapes, delayed_state_names,
+                     first_microbatch_flag,
                      gemm_state, load_without_extra_state, main_grad_of, pack_delayed_state,
                      set_quantizers, state_plan, unpack_delayed_state)
 from .linear_ops import LinearFwdArgs

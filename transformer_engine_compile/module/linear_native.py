@@ -151,19 +151,17 @@ def _cache_mode(args: LinearFwdArgs) -> int:
     return WRITE_CACHE if args.cache_weight else READ_CACHE
 
 
-def weight_cache_buffers(ws) -> list:
-    """The data, transpose and scale_inv buffers of a current-scaling FP8
-    weight cache, or None where it is not one the native path takes."""
+def _cache_buffers(args: LinearFwdArgs):
+    """The data, transpose and scale_inv buffers of the call's FP8 weight
+    cache, or None where it is not a current-scaling one of plain tensors
+    (what the native path takes)."""
+    ws = args.weight_workspace
     if type(ws) is not Float8TensorStorage:
         return None
     bufs = [ws._data, ws._transpose, ws._scale_inv]
     if any(type(b) not in (torch.Tensor, torch.nn.Parameter) for b in bufs):
         return None
     return bufs
-
-
-def _cache_buffers(args: LinearFwdArgs):
-    return weight_cache_buffers(args.weight_workspace)
 
 
 def _bias_eligible(args: LinearFwdArgs) -> bool:
