@@ -114,9 +114,10 @@ def native_forward(layer, key, call, *tensors):
     Inside activation checkpointing (``call``) a recomputation takes the
     path its forward took (the record says which: torch's non-reentrant
     checkpoint checks that a recomputation saves the same tensors), and
-    nothing under DelayedScaling runs natively there: its recomputation
-    must run on the recorded scales (checkpointing.py), which only the
-    Python path takes."""
+    no entry holding layer buffers runs natively there: under DelayedScaling
+    a recomputation must run on the recorded scales (checkpointing.py),
+    which only the Python path takes; the FP8 weight cache keeps the Python
+    path's handling too."""
     out = _native_call(layer, key, call, tensors)
     if call is not None and not call.replay:
         call.rec.native = out is not None
