@@ -293,3 +293,17 @@ def test_native_fused_weight_caching(ext, calls, kind):
     assert_same(got, want)
     assert calls["native"] == 4 * per_call
     assert [type(p).__name__ for p in plans(layer)] == [plan_class] * 2
+
+
+def test_native_norm_takes_only_its_planned_shape(ext):
+    """The norm node's plan runs on the shape it was made for, not merely the
+    same element count (another shape is the Python path's)."""
+    layer = _lnlinear(512, 256)
+    x = torch.randn(128, 512, device="cuda", dtype=torch.bfloat16)
+    with te.autocast(recipe=CURRENT):
+        for _ in range(2):
+            layer(x)
+    plan = plans(layer)[0]
+    w = layer.layer_norm_weight
+    assert ext.norm(plan.norm, x, w, None).shape == x.shape
+    assert ext.norm(plan.norm, x.view(64, 2, 512), w, None) is None

@@ -107,7 +107,7 @@ at::Tensor norm(const std::shared_ptr<NormPlan>& plan, const at::Tensor& x, cons
                 const c10::optional<at::Tensor>& b) {
   const NormPlan& p = *plan;
   if (!x.is_cuda() || x.get_device() != p.device || x.scalar_type() != p.act_dtype ||
-      x.numel() != p.m * p.k || !plain_param(w, p) || b.has_value() == p.rms ||
+      x.sizes() != at::IntArrayRef(p.shape) || !plain_param(w, p) || b.has_value() == p.rms ||
       (b.has_value() && !plain_param(*b, p))) {
     return at::Tensor();
   }
