@@ -59,22 +59,19 @@ class ArgsTemplate:
         return arg_views.instance(self.cls, fields)
 
 
-def delayed_state(args, names: tuple, prefix: str = "") -> tuple:
-    """``(buffer name, tensor)`` of the DelayedScaling state ``args`` bound
-    for the GEMM ``prefix`` (``names``: the buffers' names), () where none."""
-    tensors = tuple(getattr(args, prefix + f) for f in _STATE_FIELDS)
-    return () if tensors[0] is None else tuple(zip(names, tensors))
-
-
-def weight_cache_state(args, prefix: str = "") -> tuple:
-    """``(buffer name, tensor)`` of the FP8 weight cache ``args`` bound for
-    the GEMM ``prefix`` (``is_first_microbatch``; the buffers
-    ``linear.gemm_state`` names), () where none."""
+def bound_buffers(args, prefix: str = "") -> tuple:
+    """``(buffer name, tensor)`` of the layer buffers ``args`` bound for the
+    GEMM ``prefix``: its DelayedScaling state and, with
+    ``is_first_microbatch``, its FP8 weight cache (the names
+    ``linear.gemm_state`` gives them); () where none."""
+    pairs = ()
+    if getattr(args, prefix + _STATE_FIELDS[0]) is not None:
+        pairs = tuple((f"{prefix}fp8_{f}", getattr(args, prefix + f)) for f in _STATE_FIELDS)
     ws = getattr(args, prefix + "weight_workspace")
-    if ws is None:
-        return ()
-    names, buffers, _, _ = storage_parts(ws)
-    return tuple((f"{prefix}fp8_weight_{n}", b) for n, b in zip(names, buffers))
+    if ws is not None:
+        names, buffers, _, _ = storage_parts(ws)
+        pairs += tuple((f"{prefix}fp8_weight_{n}", b) for n, b in zip(names, buffers))
+    return pairs
 
 
 def _current(memo, layer) -> bool:

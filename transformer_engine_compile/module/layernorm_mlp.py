@@ -37,7 +37,6 @@ __all__ = ["LayerNormMLP"]
 _OWNER = "te.LayerNormMLP"
 # the fields each call supplies to a memoized call's arguments (module/args_memo.py)
 _MEMO_TENSORS = ("inp", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias")
-_STATE_NAMES = tuple((p, delayed_state_names(p)) for p in GEMMS)
 
 
 class _Gemm(NamedTuple):
@@ -279,9 +278,7 @@ class LayerNormMLP(torch.nn.Module):
             return template.with_tensors(inp, *self._gemm_params(params))
         args = self._checked_args(inp, params, is_first_microbatch)
         if key is not None:
-            state = tuple(pair for p, names in _STATE_NAMES
-                          for pair in (args_memo.delayed_state(args, names, p)
-                                       + args_memo.weight_cache_state(args, p)))
+            state = args_memo.bound_buffers(args, "fc1_") + args_memo.bound_buffers(args, "fc2_")
             args_memo.remember(self, key, args, _MEMO_TENSORS, state)
         return args
 

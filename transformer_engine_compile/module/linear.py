@@ -440,9 +440,7 @@ class Linear(torch.nn.Module):
         args = self._checked_args(inp, recipe, grad, is_first_microbatch, fp8_output, fp8_grad,
                                   weight, bias)
         if key is not None:
-            args_memo.remember(self, key, args, _MEMO_TENSORS,
-                               args_memo.delayed_state(args, _DELAYED_STATE)
-                               + args_memo.weight_cache_state(args))
+            args_memo.remember(self, key, args, _MEMO_TENSORS, args_memo.bound_buffers(args))
         return args
 
     def _memo_key(self, inp, recipe, grad, is_first_microbatch, fp8_output, fp8_grad, weight,
