@@ -385,3 +385,66 @@ def test_args_memo_serves_weight_caching(module, name):
         with te.autocast(recipe=rec):
             layer(x, is_first_microbatch=False)
         assert calls.count(True) == 3
+
+
+@pytest.mark.parametrize("module", ["linear", "layernorm_linear", "layernorm_mlp"])
+def test_args_memo_serves_fused_wgrad_accumulation(module):
+    """``fuse_wgrad_accumulation`` keeps a memo entry too: a repeated call
+    skips the checks, each call adds the same into ``main_grad`` as a
+    memo-less copy (``weight.grad`` stays None), and the entry serves only
+    while each weight's ``main_grad`` is the one it bound: a new
+    ``main_grad`` builds again, a deleted one meets the full path's error."""
+    from transformer_engine_compile.module.layernorm_linear import LayerNormLinear
+    from transformer_engine_compile.module.layernorm_mlp import LayerNormMLP
+    rec = recipe.Float8CurrentScaling()
+    torch.manual_seed(0)
+    if module == "linear":
+        layer, cls = te.Linear(128, 128, fuse_wgrad_accumulation=True,
+                               params_dtype=torch.bfloat16), Linear
+    elif module == "layernorm_linear":
+        layer, cls = te.LayerNormLinear(128, 128, normalization="RMSNorm",
+                                        fuse_wgrad_accumulation=True,
+                                        params_dtype=torch.bfloat16), LayerNormLinear
+    else:
+        layer, cls = te.LayerNormMLP(128, 128, normalization="RMSNorm", activation="swiglu",
+                                     fuse_wgrad_accumulation=True,
+                                     params_dtype=torch.bfloat16), LayerNormMLP
+    weights = [n for n, _ in layer.named_parameters() if n.endswith("weight")
+               and "layer_norm" not in n]
+    twin = copy.deepcopy(layer)
+    for m in (layer, twin):
+        for n in weights:
+            m.get_parameter(n).main_grad = torch.zeros(m.get_parameter(n).shape)
+    x = torch.randn(32, 128, dtype=torch.bfloat16, requires_grad=True)
+    calls = []
+    full = cls._checked_args
+
+    def counted(self, *args):
+        calls.append(self is layer)
+        return full(self, *args)
+
+    def step(m):
+        with te.autocast(recipe=rec):
+            y = m(x)
+        y.float().square().sum().backward()
+        return [y.detach()] + [m.get_parameter(n).main_grad.clone() for n in weights]
+
+    with mock.patch.object(cls, "_checked_args", counted):
+        for built in (1, 0, 0):
+            before = calls.count(True)
+            got = step(layer)
+            twin.__dict__.pop("_args_memo", None)  # the copy never keeps one
+            _same(got, step(twin))
+            assert calls.count(True) - before == built
+            assert all(layer.get_parameter(n).grad is None for n in weights)
+        assert got[1].abs().sum() > 0
+        for m in (layer, twin):  # a new main_grad (as a training loop's bucket swap)
+            m.get_parameter(weights[-1]).main_grad = torch.ones(layer.get_parameter(
+                weights[-1]).shape)
+        got = step(layer)
+        twin.__dict__.pop("_args_memo", None)
+        _same(got, step(twin))
+        assert calls.count(True) == 2
+        del layer.get_parameter(weights[0]).main_grad
+        with pytest.raises(RuntimeError, match="main_grad"):
+            step(layer)

@@ -502,3 +502,98 @@ def test_native_weight_caching_equals_python(ext, calls, bias):
     # the first True and False calls build the memo; the other four run natively
     assert calls["native"] == 4 and y.grad_fn.name() == "TeLinearFp8Backward"
     assert len(_memo_native(layer)) == 2 and all(_memo_native(layer))
+
+
+DELAYED = R.DelayedScaling()
+
+
+def _main_grad_steps(layer, x, dy, rec, native_on, x_only_step=True):
+    """Gradient accumulation into ``weight.main_grad``: two steps of
+    ``layer(x).backward(dy)``, then (``x_only_step``) one that asks for x's
+    gradient alone (``torch.autograd.grad``: main_grad is still added to, as
+    the Python path's update adds it); each step's output, x's gradient and
+    main_grad, and weight.grad (None throughout)."""
+    out = []
+    with (_Null() if native_on else _NoNative()):
+        for step in range(3):
+            xx = x.detach().requires_grad_(True)
+            with te.autocast(recipe=rec):
+                y = layer(xx)
+            loss = (y * dy).float().sum()
+            if step == 2 and x_only_step:
+                (gx,) = torch.autograd.grad(loss, [xx])
+            else:
+                loss.backward()
+                gx = xx.grad
+            out += [y.detach(), gx, layer.weight.main_grad.clone(), layer.weight.grad]
+    return out, y
+
+
+@pytest.mark.parametrize("rec,bias,dtype", [
+    (REC, False, torch.float32), (REC, True, torch.bfloat16), (DELAYED, False, torch.float32),
+    (BLOCK, True, torch.float32)], ids=["fp8_current", "fp8_current-bias-bf16-main-grad",
+                                        "delayed", "fp8_block-bias"])
+def test_native_fused_wgrad_accumulation_equals_python(ext, calls, rec, bias, dtype):
+    """``fuse_wgrad_accumulation``: the native node adds W's gradient (the
+    wgrad GEMM's output in main_grad's dtype) into ``weight.main_grad`` and
+    gives W none, as the Python path does: outputs, x's gradients and
+    main_grad after every step equal the Python path's bit for bit (and so
+    the DelayedScaling state), also for a backward asking for x's gradient
+    alone."""
+    _skip_block(rec)
+    torch.manual_seed(3)
+    layer = te.Linear(256, 512, bias=bias, params_dtype=torch.bfloat16, device="cuda",
+                      fuse_wgrad_accumulation=True)
+    ref = _python_only(layer)
+    for m in (layer, ref):
+        m.weight.main_grad = torch.zeros(512, 256, device="cuda", dtype=dtype)
+    x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(128, 512, device="cuda", dtype=torch.bfloat16)
+    got, y = _main_grad_steps(layer, x, dy, rec, True)
+    want, y_ref = _main_grad_steps(ref, x, dy, rec, False)
+    assert y.grad_fn.name() == "TeLinearFp8Backward" != y_ref.grad_fn.name()
+    assert calls["native"] == 2  # the first call builds the memo
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert _equal(g, w), i
+    assert layer.weight.grad is None and got[-2].abs().sum() > 0
+    if rec is DELAYED:
+        for name, t in _delayed_state(layer).items():
+            assert torch.equal(t, _delayed_state(ref)[name]), name
+
+
+def test_native_fused_wgrad_accumulation_follows_main_grad(ext, calls):
+    """A new ``main_grad`` (a training loop's buffer swap) is the one added
+    into from the next call on; a quantized dy (a next layer's fp8_grad)
+    goes through the Python path's backward, which adds into main_grad too;
+    a main_grad the native GEMM cannot write (MXFP8's emulation) keeps the
+    Python path."""
+    torch.manual_seed(4)
+    fc1 = te.Linear(256, 512, params_dtype=torch.bfloat16, device="cuda",
+                    fuse_wgrad_accumulation=True)
+    fc2 = te.Linear(512, 256, params_dtype=torch.bfloat16, device="cuda")
+    ref1, ref2 = _python_only(fc1), _python_only(fc2)
+    x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for (a, b), off in (((fc1, fc2), False), ((ref1, ref2), True)):
+        a.weight.main_grad = torch.zeros(512, 256, device="cuda")
+        old = a.weight.main_grad
+        with (_NoNative() if off else _Null()):
+            for step in range(4):
+                if step == 2:
+                    a.weight.main_grad = torch.zeros(512, 256, device="cuda")
+                with te.autocast(recipe=REC):
+                    y = b(a(x), fp8_grad=step == 3)
+                y.float().pow(2).sum().backward()
+        results.append((old, a.weight.main_grad, b.weight.grad))
+    for g, w in zip(*results):
+        assert torch.equal(g, w)
+    assert results[0][1].abs().sum() > 0 and not torch.equal(results[0][0], results[0][1])
+    # fc1 at steps 1 and 3 (the new main_grad's entry is built at step 2), fc2 at 1-2
+    assert calls["native"] == 4
+    mx = te.Linear(256, 256, params_dtype=torch.bfloat16, device="cuda",
+                   fuse_wgrad_accumulation=True)
+    mx.weight.main_grad = torch.zeros(256, 256, device="cuda")
+    with te.autocast(recipe=MX):
+        for _ in range(3):
+            mx(x).sum().backward()
+    assert _memo_native(mx) == [False]

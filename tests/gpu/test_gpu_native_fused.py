@@ -13,7 +13,8 @@ import torch
 import transformer_engine_compile as te
 from transformer_engine_compile import recipe as R
 
-from native_steps import assert_same, chain, compare, microbatch_steps, native_path, plans
+from native_steps import (assert_same, chain, compare, microbatch_steps, native_path, plans,
+                          train_steps)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 if torch.cuda.is_available():
@@ -293,6 +294,35 @@ def test_native_fused_weight_caching(ext, calls, kind):
     assert_same(got, want)
     assert calls["native"] == 4 * per_call
     assert [type(p).__name__ for p in plans(layer)] == [plan_class] * 2
+
+
+@BOTH
+def test_native_fused_wgrad_accumulation(ext, calls, kind):
+    """``fuse_wgrad_accumulation``: each GEMM's native node adds its weight
+    gradient into that weight's ``main_grad`` (fp32) and gives the weight
+    none; over three steps outputs, the other gradients and every main_grad
+    equal the Python path's bit for bit."""
+    make, plan_class, per_call = MODULES[kind]
+    layer = make()
+    layer.fuse_wgrad_accumulation = True
+    ref = copy.deepcopy(layer)
+    weights = [n for n, _ in layer.named_parameters()
+               if n.endswith("weight") and not n.startswith("layer_norm")]
+    for m in (layer, ref):
+        for n in weights:
+            m.get_parameter(n).main_grad = torch.zeros(m.get_parameter(n).shape, device="cuda")
+    x = torch.randn(128, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(128, 512 if kind == "layernorm_mlp" else 256, device="cuda",
+                     dtype=torch.bfloat16)
+    got, y = train_steps(layer, x, dy, CURRENT, True)
+    want, _ = train_steps(ref, x, dy, CURRENT, False)
+    assert_same(got, want)
+    assert_same([layer.get_parameter(n).main_grad for n in weights],
+                [ref.get_parameter(n).main_grad for n in weights])
+    assert all(layer.get_parameter(n).grad is None for n in weights)
+    assert all(layer.get_parameter(n).main_grad.abs().sum() > 0 for n in weights)
+    assert calls["native"] == 2 * per_call and chain(y)[0] == "TeLinearFp8Backward"
+    assert [type(p).__name__ for p in plans(layer)] == [plan_class]
 
 
 def test_native_norm_takes_only_its_planned_shape(ext):

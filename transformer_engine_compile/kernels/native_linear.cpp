@@ -113,6 +113,9 @@ struct Plan {
   // summed over `bias_groups` row groups (triton_bias.column_sum)
   bool bias = false, bias_grad = false;
   int64_t bias_groups = 0;
+  // fuse_wgrad_accumulation: W's gradient (of wgrad_dtype) is added into the
+  // weight's main_grad, the last `state` tensor, and W's edge gets none
+  bool main_grad = false;
   std::vector<int64_t> out_shape, in_shape;
 };
 
@@ -273,6 +276,7 @@ struct LinearFp8Backward : public Node {
   std::shared_ptr<const Plan> plan;
   SavedVariable x_t_, x_sinv_, w_t_, w_sinv_;
   at::Tensor history_bwd, scale_bwd;  // delayed scaling: the layer's buffers (updated)
+  at::Tensor main_grad;  // fuse_wgrad_accumulation: receives W's gradient (add_)
   int64_t lo = 0, hi = 0;
   // next edges: x, W, then the bias, each where it needs a gradient
   bool x_grad = false, w_grad = false, b_grad = false;
@@ -309,6 +313,7 @@ struct LinearFp8Backward : public Node {
     w_sinv_.reset_data();
     history_bwd.reset();
     scale_bwd.reset();
+    main_grad.reset();
   }
 
   variable_list apply(variable_list&& grads) override {
@@ -343,6 +348,17 @@ struct LinearFp8Backward : public Node {
     return once_differentiable(grads, std::move(out), "te.Linear");
   }
 
+  // W's gradient: W's output, or under fuse_wgrad_accumulation added into
+  // main_grad (as the Python path's "main_grad" update adds it, also where
+  // W's gradient itself is not asked for) with none for W
+  void wgrad_out(const at::Tensor& dw, variable_list& out, size_t i) {
+    if (main_grad.defined()) {
+      main_grad.add_(dw);
+    } else {
+      out[i] = dw;
+    }
+  }
+
   // dgrad and wgrad under current scaling; `i` moves past their outputs
   void current_grads(const Plan& p, const at::Tensor& dy, const at::Tensor& dy2d,
                      variable_list& out, size_t& i, int64_t lo, int64_t hi,
@@ -374,10 +390,11 @@ struct LinearFp8Backward : public Node {
       ++i;
     }
     if (w_grad) {
-      if (should_compute_output(i)) {
+      if (should_compute_output(i) || main_grad.defined()) {
         at::Tensor x_t = x_t_.unpack(), x_sinv = x_sinv_.unpack();
-        out[i] = at::_scaled_mm(tr, x_t.t(), sinv, x_sinv, c10::nullopt, c10::nullopt,
-                                p.wgrad_dtype, false);
+        wgrad_out(at::_scaled_mm(tr, x_t.t(), sinv, x_sinv, c10::nullopt, c10::nullopt,
+                                 p.wgrad_dtype, false),
+                  out, i);
       }
       ++i;
     }
@@ -443,12 +460,12 @@ struct LinearFp8Backward : public Node {
       ++i;
     }
     if (w_grad) {
-      if (should_compute_output(i)) {
+      if (should_compute_output(i) || main_grad.defined()) {
         at::Tensor x_t = x_t_.unpack(), x_s = x_sinv_.unpack();
         at::Tensor dw = at::empty({p.n, p.k}, dy.options().dtype(p.wgrad_dtype));
         block_gemm(p, d_cd, d_cs.view({p.m / B, p.n}).t(), x_t, x_s.view({p.m / B, p.k}).t(),
                    false, dw);
-        out[i] = dw;
+        wgrad_out(dw, out, i);
       }
       ++i;
     }
@@ -464,8 +481,15 @@ at::Tensor linear(const std::shared_ptr<Plan>& plan, const at::Tensor& x, const 
   const Plan& p = *plan;
   size_t n_state = p.recipe == kDelayed ? 4u : p.cache != kNoCache ? 3u : 0u;
   if (!x.is_cuda() || x.get_device() != p.device || w.get_device() != p.device ||
-      bias.has_value() != p.bias || state.size() != n_state) {
+      bias.has_value() != p.bias || state.size() != n_state + (p.main_grad ? 1u : 0u)) {
     return at::Tensor();
+  }
+  if (p.main_grad) {  // W's gradient is added into it in place
+    const at::Tensor& g = state.back();
+    if (!plain_on(g, p.device, p.wgrad_dtype) ||
+        g.sizes() != at::IntArrayRef{p.n, p.k}) {
+      return at::Tensor();
+    }
   }
   for (size_t i = 0; i < n_state; ++i) {  // the kernels were fixed for aligned buffers
     const at::Tensor& t = state[i];
@@ -510,6 +534,7 @@ at::Tensor linear(const std::shared_ptr<Plan>& plan, const at::Tensor& x, const 
     node->history_bwd = state[2];
     node->scale_bwd = state[3];
   }
+  if (p.main_grad) node->main_grad = state.back();
   torch::autograd::edge_list edges;
   if (node->x_grad) edges.push_back(torch::autograd::impl::gradient_edge(x));
   if (node->w_grad) edges.push_back(torch::autograd::impl::gradient_edge(w));
@@ -640,6 +665,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                          "te native: a weight cache is for current scaling, written with "
                          "W's columnwise copy");
              p.cache = cache;
+           })
+      .def("set_main_grad",
+           [](Plan& p) {
+             TORCH_CHECK(p.wgrad && p.recipe != kMx,
+                         "te native: main_grad is for a weight gradient under FP8 current, "
+                         "delayed or blockwise scaling");
+             p.main_grad = true;
            })
       .def("set_bias_grad", [](Plan& p, Launch rows, Launch cols, int64_t groups) {
         TORCH_CHECK(p.bias && groups > 0, "te native: a bias gradient needs a bias");

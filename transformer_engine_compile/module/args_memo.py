@@ -34,23 +34,32 @@ class ArgsTemplate:
     torch.autocast casts anew every call): what the layer's ``_make_args``
     worked out (checks passed, quantizers, flags, and under DelayedScaling
     the layer's state buffers it bound; with ``is_first_microbatch`` its
-    FP8 weight cache).  Holds no activation; the buffers it holds are the
+    FP8 weight cache; with ``fuse_wgrad_accumulation`` the weights'
+    ``main_grad``).  Holds no activation; the buffers it holds are the
     layer's own, and serve only while they still are (``state``: their
-    names and objects)."""
+    names and objects; ``grads``: the weights' names and their
+    ``main_grad`` objects)."""
 
-    __slots__ = ("cls", "fields", "names", "native", "state")
+    __slots__ = ("cls", "fields", "names", "native", "state", "grads")
 
-    def __init__(self, args, names: tuple, state: tuple):
+    def __init__(self, args, names: tuple, state: tuple, grads: tuple = ()):
         self.cls, self.names = type(args), names
         self.fields = {**args.__dict__, **dict.fromkeys(names)}
         # the native plan: None not asked yet, False none for this configuration
         self.native = None
         self.state = state
+        self.grads = grads
 
     def state_current(self, buffers: dict) -> bool:
         """Whether the bound state buffers are still the layer's (a
         ``module.to()`` or a re-allocation replaces them)."""
         return all(buffers.get(name) is t for name, t in self.state)
+
+    def grads_current(self, parameters: dict) -> bool:
+        """Whether each bound ``main_grad`` is still its weight's (a
+        training loop may give a weight a new one)."""
+        return all(getattr(parameters.get(name), "main_grad", None) is g
+                   for name, g in self.grads)
 
     def with_tensors(self, *tensors):
         """The arguments with this call's tensors (in ``names``' order)."""
@@ -74,6 +83,14 @@ def bound_buffers(args, prefix: str = "") -> tuple:
     return pairs
 
 
+def bound_main_grads(args, prefix: str = "") -> tuple:
+    """``(weight name, main_grad)`` of GEMM ``prefix`` where ``args`` add its
+    weight's gradient into ``main_grad`` (``fuse_wgrad_accumulation``); ()
+    where not."""
+    g = getattr(args, prefix + "main_grad")
+    return () if g is None else ((prefix + "weight", g),)
+
+
 def _current(memo, layer) -> bool:
     """Whether ``memo`` was made for the layer's current parameter objects."""
     return memo is not None and all(map(operator.is_, memo[0], layer._memo_parameters()))
@@ -86,14 +103,15 @@ def template(layer, key):
     if key is None or not _current(memo, layer):
         return None
     entry = memo[1].get(key)
-    if entry is None or (entry.state and not entry.state_current(layer._buffers)):
+    if entry is None or (entry.state and not entry.state_current(layer._buffers)) or (
+            entry.grads and not entry.grads_current(layer._parameters)):
         return None
     return entry
 
 
-def remember(layer, key, args, names: tuple, state: tuple) -> None:
+def remember(layer, key, args, names: tuple, state: tuple, grads: tuple = ()) -> None:
     """Keep ``args`` as the entry of ``key`` (the oldest entry goes when
-    full); ``names`` and ``state``: :class:`ArgsTemplate`'s."""
+    full); ``names``, ``state`` and ``grads``: :class:`ArgsTemplate`'s."""
     memo = layer.__dict__.get("_args_memo")
     if not _current(memo, layer):
         memo = layer.__dict__["_args_memo"] = (layer._memo_parameters(), {})
@@ -101,7 +119,7 @@ def remember(layer, key, args, names: tuple, state: tuple) -> None:
     entries.pop(key, None)
     if len(entries) >= MEMO_ENTRIES:
         del entries[next(iter(entries))]
-    entries[key] = ArgsTemplate(args, names, state)
+    entries[key] = ArgsTemplate(args, names, state, grads)
 
 
 def native_forward(layer, key, call, *tensors):

@@ -257,8 +257,7 @@ class LayerNormMLP(torch.nn.Module):
         weights and biases, or with ``cast`` torch.autocast's casts of them."""
         if (not torch.compiler.is_compiling()
                 and (cast or all(map(operator.is_, params, self._params())))
-                and type(params[0]) in _PLAIN_TENSORS and type(params[2]) in _PLAIN_TENSORS
-                and not self.fuse_wgrad_accumulation):
+                and type(params[0]) in _PLAIN_TENSORS and type(params[2]) in _PLAIN_TENSORS):
             ln_w, ln_b = self.layer_norm_weight, self.layer_norm_bias
             return (recipe, grad, inp.shape, inp.dtype, type(inp), inp.requires_grad,
                     tuple(None if p is None else (p.dtype, p.requires_grad)
@@ -266,7 +265,8 @@ class LayerNormMLP(torch.nn.Module):
                     cast and self.fc1_weight.dtype, self.return_bias,
                     self.return_layernorm_output, self.set_parallel_mode, self.sequence_parallel,
                     self.tp_size, get_amax_reduction_group(), is_first_microbatch,
-                    self.normalization, self.eps, self.zero_centered_gamma, self.activation)
+                    self.normalization, self.eps, self.zero_centered_gamma, self.activation,
+                    self.fuse_wgrad_accumulation)
         return None
 
     def _make_args(self, inp, params, is_first_microbatch, key=None) -> LayerNormMLPFwdArgs:
@@ -279,7 +279,9 @@ class LayerNormMLP(torch.nn.Module):
         args = self._checked_args(inp, params, is_first_microbatch)
         if key is not None:
             state = args_memo.bound_buffers(args, "fc1_") + args_memo.bound_buffers(args, "fc2_")
-            args_memo.remember(self, key, args, _MEMO_TENSORS, state)
+            grads = (args_memo.bound_main_grads(args, "fc1_")
+                     + args_memo.bound_main_grads(args, "fc2_"))
+            args_memo.remember(self, key, args, _MEMO_TENSORS, state, grads)
         return args
 
     def _gemm_params(self, params) -> tuple:

@@ -440,7 +440,8 @@ class Linear(torch.nn.Module):
         args = self._checked_args(inp, recipe, grad, is_first_microbatch, fp8_output, fp8_grad,
                                   weight, bias)
         if key is not None:
-            args_memo.remember(self, key, args, _MEMO_TENSORS, args_memo.bound_buffers(args))
+            args_memo.remember(self, key, args, _MEMO_TENSORS, args_memo.bound_buffers(args),
+                               args_memo.bound_main_grads(args))
         return args
 
     def _memo_key(self, inp, recipe, grad, is_first_microbatch, fp8_output, fp8_grad, weight,
@@ -451,13 +452,13 @@ class Linear(torch.nn.Module):
         key then holds the parameters' dtype too)."""
         if (not (fp8_output or fp8_grad) and self._MEMO and not torch.compiler.is_compiling()
                 and (cast or (weight is self.weight and bias is self.bias))
-                and type(weight) in _PLAIN_TENSORS and not self.fuse_wgrad_accumulation):
+                and type(weight) in _PLAIN_TENSORS):
             return (recipe, grad, inp.shape, inp.dtype, type(inp), inp.requires_grad,
                     weight.dtype, weight.requires_grad,
                     None if bias is None else bias.requires_grad, self.return_bias,
                     self.save_original_input, self.parallel_mode, self.sequence_parallel,
                     self.tp_size, cast and self.weight.dtype, get_amax_reduction_group(),
-                    is_first_microbatch, self._memo_extra())
+                    is_first_microbatch, self.fuse_wgrad_accumulation, self._memo_extra())
         return None
 
     def _memo_parameters(self) -> tuple:

@@ -93,12 +93,14 @@ def _eligible(args: LinearFwdArgs) -> bool:
         return False
     if (not _bias_eligible(args) or _tp(args)[0] is not None or args.output_quantizer is not None
             or args.grad_input_quantizer is not None or args.save_original_input
-            or args.main_grad is not None or args.amax_group is not None):
+            or args.amax_group is not None):
         return False
     m, k, n = x.numel() // x.shape[-1], x.shape[-1], w.shape[0]
     if m == 0 or tuple(w.shape) != (n, k):
         return False
     recipe = _recipe(args)
+    if args.main_grad is not None and not _main_grad_eligible(args, recipe, n, k):
+        return False
     if (recipe == "delayed") != (args.amax_history_fwd is not None):
         return False  # state bound exactly under delayed scaling
     if _cache_mode(args) != NO_CACHE and (recipe != "current" or _cache_buffers(args) is None):
@@ -119,6 +121,23 @@ def _eligible(args: LinearFwdArgs) -> bool:
                 and cuda_gemm._has_block_scaled_mm()
                 and kernels.has_fast("quantize_fp8_blockwise", "cuda"))
     return False
+
+
+def _main_grad_eligible(args: LinearFwdArgs, recipe, n: int, k: int) -> bool:
+    """Whether ``fuse_wgrad_accumulation``'s ``main_grad`` can take the
+    native wgrad: a plain tensor of W's shape on x's device, of a dtype
+    the wgrad GEMM writes; under current, delayed or blockwise scaling (the
+    MXFP8 emulation writes a non-bf16 wgrad by another GEMM)."""
+    g = args.main_grad
+    return (recipe in ("current", "delayed", "block") and args.weight_requires_grad
+            and type(g) is torch.Tensor and g.device == args.inp.device
+            and tuple(g.shape) == (n, k) and g.dtype in _GEMM_OUT)
+
+
+def _wgrad_dtype(args: LinearFwdArgs) -> str:
+    """The name of the wgrad GEMM's output dtype: main_grad's with
+    ``fuse_wgrad_accumulation``, else the weight's."""
+    return _DTYPE_NAMES[(args.weight if args.main_grad is None else args.main_grad).dtype]
 
 
 def _recipe(args: LinearFwdArgs):
@@ -227,7 +246,7 @@ def plan_for(args: LinearFwdArgs):
     python_backward = _PythonBackward(args, q, wq, ("transpose", "scale_inv"))
     plan = ext.Plan(fwd, bwd, python_backward, _DTYPE_NAMES[x.dtype], x.device.index, m, k, n,
                     _DTYPE_NAMES[FP8_DTYPE[q.fp8_format]],
-                    _DTYPE_NAMES[FP8_DTYPE[fmt_bwd or "e5m2"]], _DTYPE_NAMES[w.dtype],
+                    _DTYPE_NAMES[FP8_DTYPE[fmt_bwd or "e5m2"]], _wgrad_dtype(args),
                     q.columnwise_usage, wq.columnwise_usage, dgrad, wgrad,
                     args.bias is not None, list(x.shape[:-1]) + [n], list(x.shape))
     plan.set_cache(cache)
@@ -237,8 +256,12 @@ def plan_for(args: LinearFwdArgs):
 def _with_bias_grad(ext, plan, args: LinearFwdArgs, slot, state=()):
     """The :class:`NativeLinear` of ``plan`` (``state``: see there; the weight
     cache's buffers with one), with the
-    bias gradient's launches where the bias needs one; None where they
-    cannot be native."""
+    bias gradient's launches where the bias needs one, and ``main_grad``
+    last in its state with ``fuse_wgrad_accumulation``; None where the
+    launches cannot be native."""
+    if args.main_grad is not None:
+        plan.set_main_grad()
+        state = (*state, args.main_grad)
     if args.bias_requires_grad:
         x = args.inp
         launches = _bias_grad_launches(ext, x.numel() // x.shape[-1], args.weight.shape[0],
@@ -299,7 +322,7 @@ def _delayed_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
                                                     state[2:]),
                     _DTYPE_NAMES[x.dtype], dev.index, m, k, n,
                     _DTYPE_NAMES[FP8_DTYPE[q.fp8_format]], _DTYPE_NAMES[FP8_DTYPE[fmt_bwd]],
-                    _DTYPE_NAMES[w.dtype], q.columnwise_usage, wq.columnwise_usage, dgrad, wgrad,
+                    _wgrad_dtype(args), q.columnwise_usage, wq.columnwise_usage, dgrad, wgrad,
                     args.bias is not None, list(x.shape[:-1]) + [n], list(x.shape))
     plan.set_delayed(fwd, bwd, ref.STEP_COUNTER + 1)
     return _with_bias_grad(ext, plan, args, slot, state)
@@ -410,7 +433,7 @@ def _block_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
     plan = ext.Plan(fwd_x, bwd, _PythonBackward(args, q, wq, ("columnwise_data",
                                                               "columnwise_scale_inv")),
                     _DTYPE_NAMES[x.dtype], x.device.index, m, k, n, e4m3, e4m3,
-                    _DTYPE_NAMES[w.dtype], q.columnwise_usage, wq.columnwise_usage, dgrad, wgrad,
+                    _wgrad_dtype(args), q.columnwise_usage, wq.columnwise_usage, dgrad, wgrad,
                     args.bias is not None, list(x.shape[:-1]) + [n], list(x.shape))
     plan.set_block(fwd_w, F.ScalingType.BlockWise1x128.value,
                    F.ScalingType.BlockWise128x128.value, bias_add)
@@ -466,11 +489,13 @@ class _PythonBackward:
         self.names = names  # the buffer names of a columnwise copy and its scales
         self.state_bwd = state_bwd  # DelayedScaling: the backward history and scales
         self.values = LINEAR_OPS.setup_context(args)
+        self.main_grad = args.main_grad  # fuse_wgrad_accumulation: W's gradient added there
         self.x_shape, self.x_dtype = tuple(args.inp.shape), args.inp.dtype
         self.w_shape, self.w_dtype = tuple(args.weight.shape), args.weight.dtype
         self.xq, self.wq = q.usage_variant(False, True), wq.usage_variant(False, True)
 
     def __call__(self, dy, x_t, x_sinv, w_t, w_sinv):
+        from ..dynamo.custom_op import apply_updates
         from ..kernels.tracing import eager_buffers_in_place
         x = w = None
         data, scale = self.names
@@ -478,12 +503,13 @@ class _PythonBackward:
             x = self.xq.from_buffers(self.x_shape, self.x_dtype, {data: x_t, scale: x_sinv})
         if w_t is not None:
             w = self.wq.from_buffers(self.w_shape, self.w_dtype, {data: w_t, scale: w_sinv})
-        saved = {"inputmat": x, "weightmat": w, "main_grad": None,
+        saved = {"inputmat": x, "weightmat": w, "main_grad": self.main_grad,
                  "amax_history_bwd": self.state_bwd[0], "scale_bwd": self.state_bwd[1]}
+        bwd_args = LINEAR_OPS.make_bwd_args(saved, self.values, {"grad_output": dy})
         with torch.no_grad(), eager_buffers_in_place():
-            grads = LINEAR_OPS.backward(LINEAR_OPS.make_bwd_args(saved, self.values,
-                                                                 {"grad_output": dy}))
-        return grads["inp"], grads["weight"], grads["bias"]
+            grads = LINEAR_OPS.backward(bwd_args)
+            grads = apply_updates(LINEAR_OPS.backward_updates, bwd_args, grads)
+        return grads["inp"], grads.get("weight"), grads["bias"]
 
 
 def _launch(ext, a2d, b2d, q, a_usage, b_usage, slot):
