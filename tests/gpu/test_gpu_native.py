@@ -484,21 +484,31 @@ def test_native_node_takes_a_quantized_gradient_through_the_python_path(ext, cal
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_native_weight_caching_equals_python(ext, calls, bias):
+@pytest.mark.parametrize("bias,rec", [(False, REC), (True, REC), (False, "delayed"),
+                                      (True, "delayed")], ids=str)
+def test_native_weight_caching_equals_python(ext, calls, bias, rec):
     """Gradient accumulation with the FP8 weight cache (is_first_microbatch):
     True writes the cache natively (the copies after the GEMM), False reads
-    it and quantizes x alone; outputs, caches, gradients and the weights
-    after AdamW steps equal the Python path's bit for bit."""
+    it and quantizes x alone (under DelayedScaling: x's cast, W's amax and
+    the step, as the Python path launches them); outputs, caches, gradients,
+    the weights after AdamW steps and the DelayedScaling state equal the
+    Python path's bit for bit."""
+    if rec == "delayed":
+        rec = R.DelayedScaling(amax_history_len=4, amax_compute_algo="max")
     layer = te.Linear(256, 512, bias=bias, params_dtype=torch.bfloat16, device="cuda")
     ref = _python_only(layer)
     x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(128, 512, device="cuda", dtype=torch.bfloat16)
-    got, y = microbatch_steps(layer, x, dy, REC, True)
-    want, _ = microbatch_steps(ref, x, dy, REC, False)
+    got, y = microbatch_steps(layer, x, dy, rec, True)
+    want, _ = microbatch_steps(ref, x, dy, rec, False)
     assert len(got) == len(want)
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+    state, ref_state = _delayed_state(layer), _delayed_state(ref)
+    assert state.keys() == ref_state.keys()
+    assert any("amax_history" in name for name in state) == (rec is not REC)
+    for name, t in state.items():
+        assert torch.equal(t, ref_state[name]), name
     # the first True and False calls build the memo; the other four run natively
     assert calls["native"] == 4 and y.grad_fn.name() == "TeLinearFp8Backward"
     assert len(_memo_native(layer)) == 2 and all(_memo_native(layer))

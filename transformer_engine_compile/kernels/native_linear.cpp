@@ -62,9 +62,10 @@ bool has_block_gemm() {
 
 // -- the plan of one te.Linear configuration -------------------------------------
 enum Recipe : int64_t { kCurrent = 0, kBlock = 1, kDelayed = 2, kMx = 3 };
-// Current scaling with is_first_microbatch: the weight's copies written into
-// the layer's FP8 weight cache after the GEMM (as the Python path's update
-// copies them), or read from it instead of quantizing the weight.
+// Current or delayed scaling with is_first_microbatch: the weight's copies
+// written into the layer's FP8 weight cache after the GEMM (as the Python
+// path's update copies them), or read from it instead of quantizing the
+// weight.
 enum Cache : int64_t { kNoCache = 0, kWriteCache = 1, kReadCache = 2 };
 
 // Forward quantize slots: 0 x (M, K), 1 W (N, K), 2 x data, 3 x transpose,
@@ -80,6 +81,8 @@ enum Cache : int64_t { kNoCache = 0, kWriteCache = 1, kReadCache = 2 };
 // fused into the last cast) over one slot table each.  Forward: 0 x, 1 W,
 // 2 the zeroed amaxes, 3 scale[0], 4 scale[1], 5-7 x's data, transpose,
 // scale_inv, 8-10 W's, 11 the forward history, 12 the forward scales.
+// Reading the weight cache, 8-10 are the cache's buffers and the list is x's
+// cast, W's amax and the step, as the Python path launches them.
 // Backward: 0 dy, 1 the zeroed amaxes, 2 scale[0], 3-5 dy's data,
 // transpose, scale_inv, 6 the backward history, 7 the backward scales.
 // MXFP8: lists too.  Forward: 0 x, 1 W, 2-5 x's rowwise data and scales,
@@ -91,7 +94,7 @@ enum Cache : int64_t { kNoCache = 0, kWriteCache = 1, kReadCache = 2 };
 // dequantizations dgrad reads, then those wgrad reads).
 struct Plan {
   int64_t recipe = kCurrent;
-  int64_t cache = kNoCache;  // current scaling: the weight cache (`state`: its buffers)
+  int64_t cache = kNoCache;  // the weight cache (`state`: its buffers, after delayed state)
   Launch fwd, bwd;
   Launch fwd_w;  // blockwise: W's launch (fwd is x's)
   Launch bias_add;  // blockwise with a bias: added to the GEMM's output (slots y, bias)
@@ -195,8 +198,9 @@ void forward_casts(const Plan& p, const at::Tensor& x2d, const at::Tensor& w2d,
   }
 }
 
-// Current or delayed scaling (`state`: the forward history and scales under
-// delayed scaling, the weight cache's data, transpose and scale_inv with one).
+// Current or delayed scaling (`state`: the forward and backward histories
+// and scales under delayed scaling, then the weight cache's data, transpose
+// and scale_inv with one).
 Forward forward_current(const Plan& p, const at::Tensor& x, const at::Tensor& w,
                         const c10::optional<at::Tensor>& bias, int64_t lo, int64_t hi,
                         const std::vector<at::Tensor>& state) {
@@ -207,12 +211,18 @@ Forward forward_current(const Plan& p, const at::Tensor& x, const at::Tensor& w,
   at::Tensor x_data = fp8_empty(p.m, p.k, p.fp8_fwd, x);
   at::Tensor x_t = p.x_col ? fp8_empty(p.k, p.m, p.fp8_fwd, x) : x2d;
   auto stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  size_t c = p.recipe == kDelayed ? 4 : 0;  // the cache's first buffer in `state`
   at::Tensor w_sinv, w_data, w_t;
   if (p.cache == kReadCache) {
-    w_data = state[0];
-    w_t = state[1];
-    w_sinv = state[2];
-    p.fwd.run({x2d, x_data, x_t, x_sinv}, lo, hi, stream);
+    w_data = state[c];
+    w_t = state[c + 1];
+    w_sinv = state[c + 2];
+    if (p.recipe == kDelayed) {  // x's cast, W's amax, the step
+      forward_casts(p, x2d, operand(w, p.n, p.k), x_data, x_t, x_sinv, w_data, w_t, w_sinv, lo,
+                    hi, state, stream);
+    } else {
+      p.fwd.run({x2d, x_data, x_t, x_sinv}, lo, hi, stream);
+    }
   } else {
     at::Tensor w2d = operand(w, p.n, p.k);
     w_sinv = at::empty({1}, f32);
@@ -225,9 +235,9 @@ Forward forward_current(const Plan& p, const at::Tensor& x, const at::Tensor& w,
   at::_scaled_mm_out(y2d, x_data, w_data.t(), x_sinv, w_sinv, bias, c10::nullopt,
                      x.scalar_type(), /*use_fast_accum=*/true);
   if (p.cache == kWriteCache) {
-    state[0].copy_(w_data);
-    state[1].copy_(w_t);
-    state[2].copy_(w_sinv);
+    state[c].copy_(w_data);
+    state[c + 1].copy_(w_t);
+    state[c + 2].copy_(w_sinv);
   }
   bool w_col = p.w_col || p.cache == kReadCache;
   return {y, p.x_col ? x_t : at::Tensor(), x_sinv, w_col ? w_t : at::Tensor(), w_sinv};
@@ -479,7 +489,8 @@ at::Tensor linear(const std::shared_ptr<Plan>& plan, const at::Tensor& x, const 
                   const c10::optional<at::Tensor>& bias, int64_t lo, int64_t hi,
                   const std::vector<at::Tensor>& state) {
   const Plan& p = *plan;
-  size_t n_state = p.recipe == kDelayed ? 4u : p.cache != kNoCache ? 3u : 0u;
+  size_t n_delayed = p.recipe == kDelayed ? 4u : 0u;
+  size_t n_state = n_delayed + (p.cache != kNoCache ? 3u : 0u);
   if (!x.is_cuda() || x.get_device() != p.device || w.get_device() != p.device ||
       bias.has_value() != p.bias || state.size() != n_state + (p.main_grad ? 1u : 0u)) {
     return at::Tensor();
@@ -495,12 +506,14 @@ at::Tensor linear(const std::shared_ptr<Plan>& plan, const at::Tensor& x, const 
     const at::Tensor& t = state[i];
     // delayed scaling: fp32 histories and scales; the weight cache: W's FP8
     // data (N, K), transpose (K, N) and its one fp32 scale_inv
-    bool fp8 = p.recipe != kDelayed && i < 2;
+    bool cache = i >= n_delayed;
+    size_t j = i - n_delayed;
+    bool fp8 = cache && j < 2;
     if (t.get_device() != p.device || !aligned(t) ||
         t.scalar_type() != (fp8 ? p.fp8_fwd : at::kFloat) ||
-        (p.recipe != kDelayed &&
-         t.sizes() != (i == 0 ? at::IntArrayRef{p.n, p.k}
-                              : i == 1 ? at::IntArrayRef{p.k, p.n} : at::IntArrayRef{1}))) {
+        (cache &&
+         t.sizes() != (j == 0 ? at::IntArrayRef{p.n, p.k}
+                              : j == 1 ? at::IntArrayRef{p.k, p.n} : at::IntArrayRef{1}))) {
       return at::Tensor();
     }
   }
@@ -660,10 +673,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            })
       .def("set_cache",
            [](Plan& p, int64_t cache) {
-             TORCH_CHECK(p.recipe == kCurrent && cache >= kNoCache && cache <= kReadCache &&
-                             (cache != kWriteCache || p.w_col),
-                         "te native: a weight cache is for current scaling, written with "
-                         "W's columnwise copy");
+             TORCH_CHECK((p.recipe == kCurrent || p.recipe == kDelayed) && cache >= kNoCache &&
+                             cache <= kReadCache && (cache != kWriteCache || p.w_col),
+                         "te native: a weight cache is for current or delayed scaling, "
+                         "written with W's columnwise copy");
              p.cache = cache;
            })
       .def("set_main_grad",

@@ -10,13 +10,14 @@ the copies dequantized to bf16 for bf16 GEMMs, as the Python path does),
 every dim a multiple of 32.  Each with or without a bias of the input's
 dtype (bf16 or fp16), added as the Python path adds it (in
 ``_scaled_mm``'s epilogue; by the bias kernel after the other GEMMs).
-Under current scaling also the FP8 weight cache of ``is_first_microbatch``:
-True quantizes x and W in one launch as always and copies W's copies into
-the layer's cache after the GEMM (as the Python path's update does), False
-quantizes x alone and reads W from the cache.
-Nothing else: no tensor parallelism, no ``fp8_output`` / ``fp8_grad``, no
-FP8 weight, no ``save_original_input``, no
-``fuse_wgrad_accumulation``, a CUDA input.  Any other call, and any call
+Under current and delayed scaling also the FP8 weight cache of
+``is_first_microbatch``: True quantizes x and W as always and copies W's
+copies into the layer's cache after the GEMM (as the Python path's update
+does), False quantizes x alone and reads W from the cache (delayed: then
+W's amax and the step).  Under current, delayed and blockwise scaling
+``fuse_wgrad_accumulation``: W's gradient is added into its ``main_grad``
+by the node.  Nothing else: no tensor parallelism, no ``fp8_output`` /
+``fp8_grad``, no FP8 weight, no ``save_original_input``, a CUDA input.  Any other call, and any call
 while a CUDA graph is captured, under a functorch transform or forward-mode
 AD, keeps the Python path.  A plan is made once per argument memo entry of
 the layer (module/linear.py), from the same helpers the Python path decides
@@ -103,8 +104,9 @@ def _eligible(args: LinearFwdArgs) -> bool:
         return False
     if (recipe == "delayed") != (args.amax_history_fwd is not None):
         return False  # state bound exactly under delayed scaling
-    if _cache_mode(args) != NO_CACHE and (recipe != "current" or _cache_buffers(args) is None):
-        return False  # the weight cache: current scaling, all its buffers plain
+    if _cache_mode(args) != NO_CACHE and (recipe not in ("current", "delayed")
+                                          or _cache_buffers(args) is None):
+        return False  # the weight cache: current or delayed scaling, all its buffers plain
     if recipe in ("current", "delayed"):  # _scaled_mm (SM 8.9+)
         kernel = "quantize_fp8_current_pair" if recipe == "current" else "quantize_fp8_tensorwise"
         return (m % 16 == 0 and k % 16 == 0 and n % 16 == 0
@@ -276,14 +278,16 @@ def _delayed_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
     """A :class:`NativeLinear` under DelayedScaling: x's cast and W's cast
     with the layer's scales, recording their amaxes, W's running the step
     over the forward history (dy's over the backward one), as the Python
-    path launches them.  The launches are compiled on scratch buffers of
-    the state's shapes (zeros: the values do not matter), so planning
-    leaves the layer's state untouched and copies nothing."""
+    path launches them; reading the FP8 weight cache, x's cast, W's amax
+    and the step.  The launches are compiled on scratch buffers of the
+    state's shapes (zeros: the values do not matter), so planning leaves
+    the layer's state untouched and copies nothing."""
     from ..kernels import triton_quant as tq  # Triton: imported on CUDA only
     x, w = args.inp, args.weight
     q, wq = _input_quantizer(args), _weight_quantizer(args)
     dgrad, wgrad = args.input_requires_grad, args.weight_requires_grad
     dev = x.device
+    cache = _cache_mode(args)
     with torch.no_grad():
         hist, scale = torch.zeros_like(args.amax_history_fwd), torch.zeros_like(args.scale_fwd)
         x2d = torch.zeros((m, k), dtype=x.dtype, device=dev)
@@ -293,8 +297,15 @@ def _delayed_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
         step = ref.StepAfter(hist, hist, scale, q.fp8_format, q.margin, q.amax_compute_algo)
         lx, out_x = tq.fp8_tensorwise_calls(x2d, q.fp8_format, True, q.columnwise_usage,
                                             scale=s0, amax_out=ref.AmaxSlot(amaxes, 0))
-        lw, out_w = tq.fp8_tensorwise_calls(w2d, wq.fp8_format, True, wq.columnwise_usage,
-                                            scale=s1, amax_out=ref.AmaxSlot(amaxes, 1, step))
+        if cache == READ_CACHE:  # W's copies are the cache's (scratch of their shapes here)
+            lw, out_w = _amax_then_step(w2d, amaxes, step), {
+                "data": torch.zeros((n, k), dtype=out_x["data"].dtype, device=dev),
+                "transpose": torch.zeros((k, n), dtype=out_x["data"].dtype, device=dev),
+                "scale_inv": torch.zeros(1, dtype=torch.float32, device=dev)}
+        else:
+            lw, out_w = tq.fp8_tensorwise_calls(w2d, wq.fp8_format, True, wq.columnwise_usage,
+                                                scale=s1,
+                                                amax_out=ref.AmaxSlot(amaxes, 1, step))
         fwd = _listed_launches(ext, dev, lx + lw, [
             x2d, w2d, amaxes, s0, s1, *tq._fp8_copy_args(out_x, x2d),
             *tq._fp8_copy_args(out_w, w2d), hist, scale])
@@ -325,7 +336,23 @@ def _delayed_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
                     _wgrad_dtype(args), q.columnwise_usage, wq.columnwise_usage, dgrad, wgrad,
                     args.bias is not None, list(x.shape[:-1]) + [n], list(x.shape))
     plan.set_delayed(fwd, bwd, ref.STEP_COUNTER + 1)
-    return _with_bias_grad(ext, plan, args, slot, state)
+    plan.set_cache(cache)
+    return _with_bias_grad(ext, plan, args, slot, state + tuple(_cache_buffers(args) or ()))
+
+
+def _amax_then_step(w2d, amaxes, step) -> list:
+    """The launches a forward reading the FP8 weight cache runs after x's
+    cast under DelayedScaling: W's amax into ``amaxes[1]``, then the step
+    over the forward history (``linear_ops._weight_for_gemm`` and
+    ``_delayed_updates``: the Python path's own launches)."""
+    from ..kernels import triton_quant as tq  # Triton: imported on CUDA only
+    from ..kernels.triton_launch import ptr_key
+    m, k = w2d.shape
+    amax = (tq._amax_launch, (-(-m // tq._AMAX_BM), -(-k // tq._AMAX_BK)),
+            (tq._x_key(w2d, m, k), ptr_key(amaxes), int_key(1)),
+            (w2d, m, k, amaxes, 1, tq._AMAX_BM, tq._AMAX_BK))
+    return [amax, tq._step_call(step.history, amaxes, step.new_history, step.new_scale,
+                                step.fmt, step.margin, step.algo)]
 
 
 def _mx_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
