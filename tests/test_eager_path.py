@@ -33,15 +33,16 @@ def _run(layer, x, rec, grad=True):
     return [y.detach()] + [t.grad for t in (x, *layer.parameters())]
 
 
-def _counting_builds(calls: list):
-    """Appends to ``calls`` for every full argument build (``_checked_args``)."""
-    full = Linear._checked_args
+def _counting_builds(calls: list, cls=Linear, layer=None):
+    """Appends to ``calls`` for every full argument build (``cls._checked_args``):
+    True, or with ``layer`` whether it was that layer's."""
+    full = cls._checked_args
 
     def counted(self, *args):
-        calls.append(1)
+        calls.append(layer is None or self is layer)
         return full(self, *args)
 
-    return mock.patch.object(Linear, "_checked_args", counted)
+    return mock.patch.object(cls, "_checked_args", counted)
 
 
 def _same(a, b):
@@ -298,13 +299,7 @@ def test_args_memo_serves_layernorm_mlp(name):
         _same(got, _run(twin, inp, rec, grad))
         _same(_state(layer), _state(twin))
 
-    full = LayerNormMLP._checked_args
-
-    def counted(self, *args):
-        calls.append(1)
-        return full(self, *args)
-
-    with mock.patch.object(LayerNormMLP, "_checked_args", counted):
+    with _counting_builds(calls, LayerNormMLP):
         check(True)
         check(False)
         layer.fc2_weight.requires_grad_(False)
@@ -354,17 +349,11 @@ def test_args_memo_serves_weight_caching(module, name):
     twin = copy.deepcopy(layer)
     x = torch.randn(128, 128, dtype=torch.bfloat16, requires_grad=True)
     calls = []
-    full = cls._checked_args
-
-    def counted(self, *args):
-        calls.append(self is layer)
-        return full(self, *args)
-
     def cache(m):
         return [b.clone() for n, b in sorted(m.named_buffers()) if "fp8_weight" in n]
 
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (layer, twin)]
-    with mock.patch.object(cls, "_checked_args", counted):
+    with _counting_builds(calls, cls, layer):
         for step in range(2):
             for first in (True, False, False):
                 got = []
@@ -417,19 +406,13 @@ def test_args_memo_serves_fused_wgrad_accumulation(module):
             m.get_parameter(n).main_grad = torch.zeros(m.get_parameter(n).shape)
     x = torch.randn(32, 128, dtype=torch.bfloat16, requires_grad=True)
     calls = []
-    full = cls._checked_args
-
-    def counted(self, *args):
-        calls.append(self is layer)
-        return full(self, *args)
-
     def step(m):
         with te.autocast(recipe=rec):
             y = m(x)
         y.float().square().sum().backward()
         return [y.detach()] + [m.get_parameter(n).main_grad.clone() for n in weights]
 
-    with mock.patch.object(cls, "_checked_args", counted):
+    with _counting_builds(calls, cls, layer):
         for built in (1, 0, 0):
             before = calls.count(True)
             got = step(layer)

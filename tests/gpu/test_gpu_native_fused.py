@@ -64,6 +64,14 @@ MODULES = {
 BOTH = pytest.mark.parametrize("kind", sorted(MODULES))
 
 
+def _inputs(kind):
+    """x (128 x 512, requiring grad) and an output gradient for MODULES[kind]."""
+    x = torch.randn(128, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(128, 512 if kind == "layernorm_mlp" else 256, device="cuda",
+                     dtype=torch.bfloat16)
+    return x, dy
+
+
 def _skip_block(rec):
     if rec is BLOCK and not _HOPPER:
         pytest.skip("the block-scaled GEMM is cuBLAS's on SM 9.0")
@@ -286,9 +294,7 @@ def test_native_fused_weight_caching(ext, calls, kind):
     make, plan_class, per_call = MODULES[kind]
     layer = make()
     ref = copy.deepcopy(layer)
-    x = torch.randn(128, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(128, 512 if kind == "layernorm_mlp" else 256, device="cuda",
-                     dtype=torch.bfloat16)
+    x, dy = _inputs(kind)
     got, _ = microbatch_steps(layer, x, dy, CURRENT, True)
     want, _ = microbatch_steps(ref, x, dy, CURRENT, False)
     assert_same(got, want)
@@ -311,9 +317,7 @@ def test_native_fused_wgrad_accumulation(ext, calls, kind):
     for m in (layer, ref):
         for n in weights:
             m.get_parameter(n).main_grad = torch.zeros(m.get_parameter(n).shape, device="cuda")
-    x = torch.randn(128, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(128, 512 if kind == "layernorm_mlp" else 256, device="cuda",
-                     dtype=torch.bfloat16)
+    x, dy = _inputs(kind)
     got, y = train_steps(layer, x, dy, CURRENT, True)
     want, _ = train_steps(ref, x, dy, CURRENT, False)
     assert_same(got, want)
