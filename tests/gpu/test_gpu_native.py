@@ -609,3 +609,37 @@ def test_native_fused_wgrad_accumulation_follows_main_grad(ext, calls):
         for _ in range(3):
             mx(x).sum().backward()
     assert _memo_native(mx) == [False]
+
+
+@pytest.mark.parametrize("how", ["te", "torch", "torch_reentrant"])
+def test_native_fused_wgrad_accumulation_inside_checkpointing(ext, calls, how):
+    """Inside activation checkpointing a native layer's ``main_grad`` is added
+    to once per backward (by the node its forward or its recomputation
+    made, whichever runs the backward), as on the Python path: x's gradient
+    and both main_grads after three steps equal the Python path's."""
+    torch.manual_seed(8)
+    model = _two_layers(False)
+    for layer in (model[0], model[2]):
+        layer.fuse_wgrad_accumulation = True
+    ref = copy.deepcopy(model)
+    ckpt = {"te": te.checkpoint,
+            "torch": lambda f, x: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False),
+            "torch_reentrant": lambda f, x: torch.utils.checkpoint.checkpoint(
+                f, x, use_reentrant=True)}[how]
+    x0 = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for m, off in ((model, False), (ref, True)):
+        for layer in (m[0], m[2]):
+            layer.weight.main_grad = torch.zeros(layer.weight.shape, device="cuda")
+        with (_NoNative() if off else _Null()):
+            for _ in range(3):
+                x = x0.clone().requires_grad_(True)
+                with te.autocast(recipe=REC):
+                    y = ckpt(m, x)
+                y.float().square().sum().backward()
+        results.append((y.detach(), x.grad, m[0].weight.main_grad, m[2].weight.main_grad,
+                        m[0].weight.grad))
+    assert results[0][4] is None and results[1][4] is None
+    for got, want in zip(results[0][:4], results[1][:4]):
+        assert torch.equal(got, want)
+    assert calls["native"] > 0
