@@ -335,6 +335,13 @@ def test_native_checkpoint_retain_graph_and_double_backward(ext, calls):
     assert torch.equal(x.grad, g1)
 
 
+# activation checkpointing of each kind, as ``ckpt(module, x)``
+_CHECKPOINTS = {
+    "te": lambda f, x: te.checkpoint(f, x),
+    "torch": lambda f, x: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False),
+    "torch_reentrant": lambda f, x: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=True)}
+
+
 @pytest.mark.parametrize("rec", [REC, MX], ids=["fp8_current", "mxfp8"])
 @pytest.mark.parametrize("how", ["te", "torch", "torch_reentrant"])
 def test_native_inside_activation_checkpointing(ext, calls, how, rec):
@@ -347,10 +354,7 @@ def test_native_inside_activation_checkpointing(ext, calls, how, rec):
     torch.manual_seed(7)
     model = _two_layers(True)
     ref = copy.deepcopy(model)
-    ckpt = {"te": te.checkpoint,
-            "torch": lambda f, x: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False),
-            "torch_reentrant": lambda f, x: torch.utils.checkpoint.checkpoint(
-                f, x, use_reentrant=True)}[how]
+    ckpt = _CHECKPOINTS[how]
     x0 = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
     results, held = [], []
     for m, off in ((model, False), (ref, True)):
@@ -622,10 +626,7 @@ def test_native_fused_wgrad_accumulation_inside_checkpointing(ext, calls, how):
     for layer in (model[0], model[2]):
         layer.fuse_wgrad_accumulation = True
     ref = copy.deepcopy(model)
-    ckpt = {"te": te.checkpoint,
-            "torch": lambda f, x: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False),
-            "torch_reentrant": lambda f, x: torch.utils.checkpoint.checkpoint(
-                f, x, use_reentrant=True)}[how]
+    ckpt = _CHECKPOINTS[how]
     x0 = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
     results = []
     for m, off in ((model, False), (ref, True)):

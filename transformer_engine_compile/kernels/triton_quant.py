@@ -341,10 +341,18 @@ def amax(x: torch.Tensor, out=None) -> torch.Tensor:
         vector, index = torch.zeros(1, dtype=torch.float32, device=x2d.device), 0
     else:
         vector, index = out.amaxes, out.index
-    _amax_launch((cdiv(m, _AMAX_BM), cdiv(k, _AMAX_BK)),
-                 (_x_key(x2d, m, k), ptr_key(vector), int_key(index)),
-                 x2d, m, k, vector, index, _AMAX_BM, _AMAX_BK)
+    launcher, grid, key, args = amax_call(x2d, vector, index)
+    launcher(grid, key, *args)
     return vector.reshape(()) if out is None else out.element()
+
+
+def amax_call(x2d: torch.Tensor, vector: torch.Tensor, index: int) -> tuple:
+    """The launch of :func:`amax` on a contiguous ``x2d`` raising ``vector[index]``:
+    ``(launcher, grid, key, args)`` (the native eager path fixes the same launch)."""
+    m, k = x2d.shape
+    return (_amax_launch, (cdiv(m, _AMAX_BM), cdiv(k, _AMAX_BK)),
+            (_x_key(x2d, m, k), ptr_key(vector), int_key(index)),
+            (x2d, m, k, vector, index, _AMAX_BM, _AMAX_BK))
 
 
 def _fp8_outputs(dev, dt, m, k, rowwise, columnwise) -> dict:

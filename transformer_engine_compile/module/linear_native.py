@@ -346,12 +346,7 @@ def _amax_then_step(w2d, amaxes, step) -> list:
     over the forward history (``linear_ops._weight_for_gemm`` and
     ``_delayed_updates``: the Python path's own launches)."""
     from ..kernels import triton_quant as tq  # Triton: imported on CUDA only
-    from ..kernels.triton_launch import ptr_key
-    m, k = w2d.shape
-    amax = (tq._amax_launch, (-(-m // tq._AMAX_BM), -(-k // tq._AMAX_BK)),
-            (tq._x_key(w2d, m, k), ptr_key(amaxes), int_key(1)),
-            (w2d, m, k, amaxes, 1, tq._AMAX_BM, tq._AMAX_BK))
-    return [amax, tq._step_call(step.history, amaxes, step.new_history, step.new_scale,
+    return [tq.amax_call(w2d, amaxes, 1), tq._step_call(step.history, amaxes, step.new_history, step.new_scale,
                                 step.fmt, step.margin, step.algo)]
 
 
