@@ -84,12 +84,16 @@ def calls(monkeypatch):
     not counted)."""
     from transformer_engine_compile.module import linear_native
     n = {"native": 0}
-    real = linear_native.NativeLinear.__call__
 
-    def counted(self, *args):
-        out = real(self, *args)
-        n["native"] += out is not None
-        return out
+    def counting(real):
+        def counted(self, *args):
+            out = real(self, *args)
+            n["native"] += out is not None
+            return out
+        return counted
 
-    monkeypatch.setattr(linear_native.NativeLinear, "__call__", counted)
+    # with_norm: a fused module's norm and first GEMM under DelayedScaling
+    for name in ("__call__", "with_norm"):
+        monkeypatch.setattr(linear_native.NativeLinear, name,
+                            counting(getattr(linear_native.NativeLinear, name)))
     return n

@@ -83,8 +83,9 @@ def compare(layer, x, dy, rec, **kw):
     return y, y_ref
 
 
-def _fp8_cache(module) -> list:
-    return [b.clone() for n, b in sorted(module.named_buffers()) if "fp8_weight" in n]
+def _fp8_buffers(module) -> list:
+    """The FP8 weight cache and, under DelayedScaling, the histories and scales."""
+    return [b.clone() for n, b in sorted(module.named_buffers()) if "fp8_" in n]
 
 
 def microbatch_steps(module, x, dy, rec, native_on, steps=2, micro=3):
@@ -101,7 +102,7 @@ def microbatch_steps(module, x, dy, rec, native_on, steps=2, micro=3):
                 with te.autocast(recipe=rec):
                     y = module(xx, is_first_microbatch=i == 0)
                 (y * dy).float().sum().backward()
-                results += [y.detach(), xx.grad, *_fp8_cache(module)]
+                results += [y.detach(), xx.grad, *_fp8_buffers(module)]
             results += [p.grad.clone() for p in module.parameters()]
             opt.step()
             opt.zero_grad(set_to_none=True)

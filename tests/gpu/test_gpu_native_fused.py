@@ -25,8 +25,12 @@ if torch.cuda.is_available():
 CURRENT = R.Float8CurrentScaling()
 BLOCK = R.Float8BlockScaling()
 MX = R.MXFP8BlockScaling()
-RECIPES = pytest.mark.parametrize("rec", [CURRENT, BLOCK, MX],
-                                  ids=["fp8_current", "fp8_block", "mxfp8"])
+# a short history and "max": the scales move within a few steps
+DELAYED = R.DelayedScaling(amax_history_len=16, amax_compute_algo="max", margin=1)
+RECIPES = pytest.mark.parametrize("rec", [CURRENT, BLOCK, MX, DELAYED],
+                                  ids=["fp8_current", "fp8_block", "mxfp8", "fp8_delayed"])
+CURRENT_DELAYED = pytest.mark.parametrize("rec", [CURRENT, DELAYED],
+                                          ids=["fp8_current", "fp8_delayed"])
 _HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 LINEAR_CHAIN = ["TeLinearFp8Backward", "TeNormBackward"]
 MLP_CHAIN = ["TeLinearFp8Backward", "TeActivationBackward", "TeLinearFp8Backward",
@@ -103,21 +107,25 @@ def test_native_layernorm_linear_equals_python_bit_for_bit(ext, calls, rec, case
     assert "TeLinearFp8Backward" not in chain(y_ref)
 
 
-@pytest.mark.parametrize("frozen", ["input", "norm", "linear"])
-def test_native_layernorm_linear_partial_gradients(ext, calls, frozen):
+@CURRENT_DELAYED
+@pytest.mark.parametrize("frozen", ["input", "norm", "linear", "input_and_norm"])
+def test_native_layernorm_linear_partial_gradients(ext, calls, rec, frozen):
     """Frozen parts (an input without grad, a frozen norm, a frozen linear
-    weight) plan for the gradients still needed; AdamW over 3 steps."""
+    weight, both an input without grad and a frozen norm: then the norm
+    records nothing and the GEMM no dgrad) plan for the gradients still
+    needed; AdamW over 3 steps."""
     layer = _lnlinear(512, 256, "LayerNorm", True)
-    if frozen == "norm":
+    if frozen in ("norm", "input_and_norm"):
         layer.layer_norm_weight.requires_grad_(False)
         layer.layer_norm_bias.requires_grad_(False)
     if frozen == "linear":
         layer.weight.requires_grad_(False)
     x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
-    x.requires_grad_(frozen != "input")
+    x.requires_grad_(frozen not in ("input", "input_and_norm"))
     dy = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
-    compare(layer, x, dy, CURRENT, optimizer=True)
+    y, _ = compare(layer, x, dy, rec, optimizer=True)
     assert calls["native"] == 2
+    assert chain(y) == (["TeLinearFp8Backward"] if frozen == "input_and_norm" else LINEAR_CHAIN)
 
 
 def test_native_layernorm_linear_replaced_norm_weight_is_read(ext):
@@ -215,8 +223,9 @@ def test_native_activation_node_takes_other_gradients_the_python_way(ext):
 
 
 # -- both -------------------------------------------------------------------------
+@CURRENT_DELAYED
 @BOTH
-def test_native_fused_eval_and_train_alternate(ext, calls, kind):
+def test_native_fused_eval_and_train_alternate(ext, calls, kind, rec):
     make, plan_class, _ = MODULES[kind]
     layer = make()
     ref = copy.deepcopy(layer)
@@ -225,24 +234,76 @@ def test_native_fused_eval_and_train_alternate(ext, calls, kind):
     for _ in range(3):
         evals = []
         for lay, on in ((layer, True), (ref, False)):
-            with native_path(on), te.autocast(recipe=CURRENT):
+            with native_path(on), te.autocast(recipe=rec):
                 with torch.no_grad():
                     evals.append(lay(x))
                 lay(x_train).float().square().sum().backward()
         assert torch.equal(*evals)
         for p, q in zip(layer.parameters(), ref.parameters()):
             assert torch.equal(p.grad, q.grad)
+        assert_same(_state(layer), _state(ref))
     assert [type(p).__name__ for p in plans(layer)] == [plan_class] * 2
 
 
+def _state(module) -> list:
+    """The module's FP8 buffers (DelayedScaling's histories and scales, a
+    weight cache), by name."""
+    return [b.clone() for n, b in sorted(module.named_buffers()) if "fp8_" in n]
+
+
 @BOTH
-def test_native_fused_declines_delayed_scaling(ext, calls, kind):
-    layer = MODULES[kind][0]()
-    x = torch.randn(128, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    with te.autocast(recipe=R.DelayedScaling()):
-        for _ in range(3):
-            layer(x).sum().backward()
-    assert plans(layer) == [False] and calls["native"] == 0
+@pytest.mark.parametrize("ret_ln", [False, True], ids=["ln_out_kept", "ln_out_returned"])
+def test_native_fused_delayed_scaling_with_its_state(ext, calls, kind, ret_ln):
+    """DelayedScaling: the norm kernel writes the first GEMM's FP8 input
+    with the layer's scale (one native call with that GEMM: norm_linear),
+    and the high-precision norm output only where it is returned.  Each
+    step's outputs, gradients and state buffers equal the Python path's bit
+    for bit (AdamW between steps)."""
+    torch.manual_seed(3)
+    make = _lnlinear if kind == "layernorm_linear" else _mlp
+    layer = make(512, 256, "LayerNorm", True, return_layernorm_output=ret_ln)
+    ref = copy.deepcopy(layer)
+    x, dy = _inputs(kind)
+    x = x.detach().mul(3).requires_grad_()
+    d_ln = torch.randn_like(x) if ret_ln else None
+    for step in range(4):
+        got, y = train_steps(layer, x, dy, DELAYED, True, steps=1, d_ln=d_ln, optimizer=True)
+        want, y_ref = train_steps(ref, x, dy, DELAYED, False, steps=1, d_ln=d_ln,
+                                  optimizer=True)
+        assert_same(got, want)
+        state = _state(layer)
+        assert len(state) == 4 * MODULES[kind][2]
+        assert_same(state, _state(ref))
+    assert (got[1] is not None) == ret_ln
+    want_chain = LINEAR_CHAIN if kind == "layernorm_linear" else MLP_CHAIN
+    assert chain(y)[:len(want_chain)] == want_chain and "TeNormBackward" not in chain(y_ref)
+    assert calls["native"] == 3 * MODULES[kind][2]
+    assert [type(p).__name__ for p in plans(layer)] == [MODULES[kind][1]]
+    assert plans(layer)[0].fp8_norm
+
+
+def test_native_fused_delayed_plans_run_only_together(ext):
+    """A DelayedScaling plan's norm writes FP8 for its GEMM, whose plan
+    takes that copy: neither runs alone, and a call one of them does not
+    fit runs neither (the layer's state untouched)."""
+    layer = _lnlinear(512, 256)
+    x = torch.randn(128, 512, device="cuda", dtype=torch.bfloat16)
+    with te.autocast(recipe=DELAYED):
+        for _ in range(2):
+            layer(x)
+    plan = plans(layer)[0]
+    lin, w, ln_w = plan.linear, layer.weight, layer.layer_norm_weight
+    before = _state(layer)
+    assert ext.norm(plan.norm, x, ln_w, None) is None
+    assert ext.linear(lin.plan, x, w, None, *lin.slot, lin.state) is None
+    assert ext.norm_linear(lin.plan, plan.norm, x, ln_w, None, w, None, *lin.slot,
+                           lin.state[:3]) == []
+    assert ext.norm_linear(lin.plan, plan.norm, x[:64], ln_w, None, w, None, *lin.slot,
+                           lin.state) == []
+    assert_same(_state(layer), before)
+    y, ln_out = ext.norm_linear(lin.plan, plan.norm, x, ln_w, None, w, None, *lin.slot,
+                                lin.state)
+    assert y.shape == (128, 256) and ln_out is None
 
 
 @BOTH
@@ -286,8 +347,9 @@ def test_native_fused_declines_before_its_norm_runs(ext, calls, kind):
     assert torch.equal(y, want)
 
 
+@CURRENT_DELAYED
 @BOTH
-def test_native_fused_weight_caching(ext, calls, kind):
+def test_native_fused_weight_caching(ext, calls, kind, rec):
     """Gradient accumulation with the FP8 weight cache (is_first_microbatch)
     natively: every microbatch's output, input gradient and cache, and each
     step's gradients, equal the Python path's."""
@@ -295,15 +357,16 @@ def test_native_fused_weight_caching(ext, calls, kind):
     layer = make()
     ref = copy.deepcopy(layer)
     x, dy = _inputs(kind)
-    got, _ = microbatch_steps(layer, x, dy, CURRENT, True)
-    want, _ = microbatch_steps(ref, x, dy, CURRENT, False)
+    got, _ = microbatch_steps(layer, x, dy, rec, True)
+    want, _ = microbatch_steps(ref, x, dy, rec, False)
     assert_same(got, want)
     assert calls["native"] == 4 * per_call
     assert [type(p).__name__ for p in plans(layer)] == [plan_class] * 2
 
 
+@CURRENT_DELAYED
 @BOTH
-def test_native_fused_wgrad_accumulation(ext, calls, kind):
+def test_native_fused_wgrad_accumulation(ext, calls, kind, rec):
     """``fuse_wgrad_accumulation``: each GEMM's native node adds its weight
     gradient into that weight's ``main_grad`` (fp32) and gives the weight
     none; over three steps outputs, the other gradients and every main_grad
@@ -318,8 +381,8 @@ def test_native_fused_wgrad_accumulation(ext, calls, kind):
         for n in weights:
             m.get_parameter(n).main_grad = torch.zeros(m.get_parameter(n).shape, device="cuda")
     x, dy = _inputs(kind)
-    got, y = train_steps(layer, x, dy, CURRENT, True)
-    want, _ = train_steps(ref, x, dy, CURRENT, False)
+    got, y = train_steps(layer, x, dy, rec, True)
+    want, _ = train_steps(ref, x, dy, rec, False)
     assert_same(got, want)
     assert_same([layer.get_parameter(n).main_grad for n in weights],
                 [ref.get_parameter(n).main_grad for n in weights])

@@ -154,6 +154,22 @@ inline torch::autograd::variable_list once_differentiable(
 // native_norm.cpp's and native_act.cpp's classes and functions, added to the
 // extension's module
 void register_norm(py::module& m);
+// native_norm.cpp's FP8-writing norm (delayed scaling), which
+// native_linear.cpp's norm_linear runs ahead of a fused module's first GEMM:
+// the plan behind a Python NormPlan; -1 where the plan does not fit the
+// call, else whether it records for autograd; the norm run and recorded.
+struct NormPlan;
+struct NormFp8 {
+  at::Tensor ln_out;  // what autograd sees of y (y itself only where the plan writes it)
+  at::Tensor data, t, sinv;  // y's FP8 copy, its transpose (where planned), scale_inv
+  bool with_y = false;  // whether ln_out holds y
+};
+std::shared_ptr<NormPlan> norm_plan_of(py::handle plan);
+int norm_fp8_fits(const NormPlan& p, const at::Tensor& x, const at::Tensor& w,
+                  const c10::optional<at::Tensor>& b);
+NormFp8 norm_fp8(const std::shared_ptr<NormPlan>& plan, const at::Tensor& x,
+                 const at::Tensor& w, const c10::optional<at::Tensor>& b,
+                 const at::Tensor& scale, const at::Tensor& amaxes, bool record);
 void register_act(py::module& m);
 
 }  // namespace te_native

@@ -119,7 +119,16 @@ struct Plan {
   // fuse_wgrad_accumulation: W's gradient (of wgrad_dtype) is added into the
   // weight's main_grad, the last `state` tensor, and W's edge gets none
   bool main_grad = false;
+  // delayed scaling in a fused module: x comes quantized by its norm's
+  // kernel (norm_linear), the forward list holds W's launches alone
+  bool given_x = false;
   std::vector<int64_t> out_shape, in_shape;
+};
+
+// x's FP8 copies made by a fused module's norm kernel (norm_linear), and the
+// call's amax vector with x's amax recorded in it
+struct GivenX {
+  at::Tensor data, t, sinv, amaxes;
 };
 
 at::Tensor fp8_empty(int64_t r, int64_t c, at::ScalarType dt, const at::Tensor& like) {
@@ -185,11 +194,12 @@ void forward_casts(const Plan& p, const at::Tensor& x2d, const at::Tensor& w2d,
                    const at::Tensor& x_data, const at::Tensor& x_t, const at::Tensor& x_sinv,
                    const at::Tensor& w_data, const at::Tensor& w_t, const at::Tensor& w_sinv,
                    int64_t lo, int64_t hi, const std::vector<at::Tensor>& state,
-                   cudaStream_t stream) {
-  auto f32 = x2d.options().dtype(at::kFloat);
+                   const GivenX* given, cudaStream_t stream) {
   if (p.recipe == kDelayed) {
     const at::Tensor& scale = state[1];
-    std::vector<at::Tensor> slots{x2d,    w2d,    at::zeros({p.amax_len}, f32),
+    at::Tensor amaxes =
+        given ? given->amaxes : at::zeros({p.amax_len}, x2d.options().dtype(at::kFloat));
+    std::vector<at::Tensor> slots{x2d,    w2d,    amaxes,
                                   scale.select(0, 0), scale.select(0, 1),
                                   x_data, x_t,    x_sinv, w_data, w_t, w_sinv, state[0], scale};
     for (const Launch& l : p.fwd_list) l.run(slots, lo, hi, stream);
@@ -200,16 +210,24 @@ void forward_casts(const Plan& p, const at::Tensor& x2d, const at::Tensor& w2d,
 
 // Current or delayed scaling (`state`: the forward and backward histories
 // and scales under delayed scaling, then the weight cache's data, transpose
-// and scale_inv with one).
+// and scale_inv with one; `given`: x's copies where its norm made them, x
+// then only stands for the norm's output and is not read).
 Forward forward_current(const Plan& p, const at::Tensor& x, const at::Tensor& w,
                         const c10::optional<at::Tensor>& bias, int64_t lo, int64_t hi,
-                        const std::vector<at::Tensor>& state) {
+                        const std::vector<at::Tensor>& state, const GivenX* given) {
   at::NoGradGuard no_grad;
-  at::Tensor x2d = operand(x, p.m, p.k);
   auto f32 = x.options().dtype(at::kFloat);
-  at::Tensor x_sinv = at::empty({1}, f32);
-  at::Tensor x_data = fp8_empty(p.m, p.k, p.fp8_fwd, x);
-  at::Tensor x_t = p.x_col ? fp8_empty(p.k, p.m, p.fp8_fwd, x) : x2d;
+  at::Tensor x2d, x_sinv, x_data, x_t;
+  if (given) {  // the launches never read x's slot then: its data stands in
+    x2d = x_data = given->data;
+    x_sinv = given->sinv;
+    x_t = p.x_col ? given->t : x2d;
+  } else {
+    x2d = operand(x, p.m, p.k);
+    x_sinv = at::empty({1}, f32);
+    x_data = fp8_empty(p.m, p.k, p.fp8_fwd, x);
+    x_t = p.x_col ? fp8_empty(p.k, p.m, p.fp8_fwd, x) : x2d;
+  }
   auto stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
   size_t c = p.recipe == kDelayed ? 4 : 0;  // the cache's first buffer in `state`
   at::Tensor w_sinv, w_data, w_t;
@@ -219,7 +237,7 @@ Forward forward_current(const Plan& p, const at::Tensor& x, const at::Tensor& w,
     w_sinv = state[c + 2];
     if (p.recipe == kDelayed) {  // x's cast, W's amax, the step
       forward_casts(p, x2d, operand(w, p.n, p.k), x_data, x_t, x_sinv, w_data, w_t, w_sinv, lo,
-                    hi, state, stream);
+                    hi, state, given, stream);
     } else {
       p.fwd.run({x2d, x_data, x_t, x_sinv}, lo, hi, stream);
     }
@@ -228,7 +246,8 @@ Forward forward_current(const Plan& p, const at::Tensor& x, const at::Tensor& w,
     w_sinv = at::empty({1}, f32);
     w_data = fp8_empty(p.n, p.k, p.fp8_fwd, x);
     w_t = p.w_col ? fp8_empty(p.k, p.n, p.fp8_fwd, x) : w2d;
-    forward_casts(p, x2d, w2d, x_data, x_t, x_sinv, w_data, w_t, w_sinv, lo, hi, state, stream);
+    forward_casts(p, x2d, w2d, x_data, x_t, x_sinv, w_data, w_t, w_sinv, lo, hi, state, given,
+                  stream);
   }
   at::Tensor y = at::empty(p.out_shape, x.options());
   at::Tensor y2d = y.view({p.m, p.n});
@@ -482,24 +501,24 @@ struct LinearFp8Backward : public Node {
   }
 };
 
-// y = x W^T, recorded for autograd when grad mode is on and x or W needs a
-// gradient; None (an undefined tensor) for operands on another device than
-// the plan's (a layer moved since): the caller then takes the Python path.
-at::Tensor linear(const std::shared_ptr<Plan>& plan, const at::Tensor& x, const at::Tensor& w,
-                  const c10::optional<at::Tensor>& bias, int64_t lo, int64_t hi,
-                  const std::vector<at::Tensor>& state) {
-  const Plan& p = *plan;
+// -1 where the plan does not fit this call (operands on another device
+// than the plan's, a layer moved since, other gradients, state buffers not
+// the planned ones: the caller then takes the Python path), else whether
+// it records for autograd (grad mode on and x, W or the bias needing a
+// gradient); `x_req`: whether x needs one.
+int fits(const Plan& p, bool x_req, int64_t x_device, const at::Tensor& w,
+         const c10::optional<at::Tensor>& bias, const std::vector<at::Tensor>& state) {
   size_t n_delayed = p.recipe == kDelayed ? 4u : 0u;
   size_t n_state = n_delayed + (p.cache != kNoCache ? 3u : 0u);
-  if (!x.is_cuda() || x.get_device() != p.device || w.get_device() != p.device ||
-      bias.has_value() != p.bias || state.size() != n_state + (p.main_grad ? 1u : 0u)) {
-    return at::Tensor();
+  if (x_device != p.device || w.get_device() != p.device || bias.has_value() != p.bias ||
+      state.size() != n_state + (p.main_grad ? 1u : 0u)) {
+    return -1;
   }
   if (p.main_grad) {  // W's gradient is added into it in place
     const at::Tensor& g = state.back();
     if (!plain_on(g, p.device, p.wgrad_dtype) ||
         g.sizes() != at::IntArrayRef{p.n, p.k}) {
-      return at::Tensor();
+      return -1;
     }
   }
   for (size_t i = 0; i < n_state; ++i) {  // the kernels were fixed for aligned buffers
@@ -514,7 +533,7 @@ at::Tensor linear(const std::shared_ptr<Plan>& plan, const at::Tensor& x, const 
         (cache &&
          t.sizes() != (j == 0 ? at::IntArrayRef{p.n, p.k}
                               : j == 1 ? at::IntArrayRef{p.k, p.n} : at::IntArrayRef{1}))) {
-      return at::Tensor();
+      return -1;
     }
   }
   bool b_req = false;
@@ -522,19 +541,26 @@ at::Tensor linear(const std::shared_ptr<Plan>& plan, const at::Tensor& x, const 
     const at::Tensor& b = *bias;
     if (!plain_on(b, p.device, p.act_dtype) || b.dim() != 1 || b.size(0) != p.n ||
         !aligned(b)) {
-      return at::Tensor();
+      return -1;
     }
     b_req = b.requires_grad();
   }
-  bool record = at::GradMode::is_enabled() && (x.requires_grad() || w.requires_grad() || b_req);
-  if (record && (x.requires_grad() != p.dgrad || w.requires_grad() != p.wgrad ||
-                 b_req != p.bias_grad)) {
-    return at::Tensor();  // planned for other gradients
+  bool record = at::GradMode::is_enabled() && (x_req || w.requires_grad() || b_req);
+  if (record && (x_req != p.dgrad || w.requires_grad() != p.wgrad || b_req != p.bias_grad)) {
+    return -1;  // planned for other gradients
   }
+  return record ? 1 : 0;
+}
+
+// The forward, and its node where `record`.
+at::Tensor run(const std::shared_ptr<Plan>& plan, const at::Tensor& x, const at::Tensor& w,
+               const c10::optional<at::Tensor>& bias, int64_t lo, int64_t hi,
+               const std::vector<at::Tensor>& state, bool record, const GivenX* given) {
+  const Plan& p = *plan;
   c10::cuda::CUDAGuard guard(x.device());
   Forward f = p.recipe == kBlock ? forward_block(p, x, w, bias)
               : p.recipe == kMx  ? forward_mx(p, x, w, bias)
-                                 : forward_current(p, x, w, bias, lo, hi, state);
+                                 : forward_current(p, x, w, bias, lo, hi, state, given);
   if (!record) return f.y;
   auto node = NodeMaker<LinearFp8Backward, NodeHolder>::make();
   node->plan = plan;
@@ -542,7 +568,7 @@ at::Tensor linear(const std::shared_ptr<Plan>& plan, const at::Tensor& x, const 
   node->hi = hi;
   node->x_grad = x.requires_grad();
   node->w_grad = w.requires_grad();
-  node->b_grad = b_req;
+  node->b_grad = p.bias && bias->requires_grad();
   if (p.recipe == kDelayed) {
     node->history_bwd = state[2];
     node->scale_bwd = state[3];
@@ -563,6 +589,42 @@ at::Tensor linear(const std::shared_ptr<Plan>& plan, const at::Tensor& x, const 
   }
   torch::autograd::set_history(f.y, NodeHolder(node));
   return f.y;
+}
+
+// y = x W^T, recorded for autograd when grad mode is on and x or W needs a
+// gradient; None (an undefined tensor) where the plan does not fit the call
+// (fits): the caller then takes the Python path.
+at::Tensor linear(const std::shared_ptr<Plan>& plan, const at::Tensor& x, const at::Tensor& w,
+                  const c10::optional<at::Tensor>& bias, int64_t lo, int64_t hi,
+                  const std::vector<at::Tensor>& state) {
+  int rec = !x.is_cuda() || plan->given_x ? -1 : fits(*plan, x.requires_grad(), x.get_device(),
+                                                      w, bias, state);
+  return rec < 0 ? at::Tensor() : run(plan, x, w, bias, lo, hi, state, rec > 0, nullptr);
+}
+
+// A fused module's norm and first GEMM under delayed scaling: the norm's
+// kernel writes its output's FP8 copy with the layer's forward scale[0]
+// (native_norm.cpp's norm_fp8), which the GEMM reads; both record their
+// nodes, joined by the norm's output.  [y, ln_out] (ln_out None where the
+// plan does not write it), or [] where either plan does not fit the call
+// (checked before anything runs): the caller then takes the Python path.
+std::vector<at::Tensor> norm_linear(const std::shared_ptr<Plan>& plan, py::handle norm_plan,
+                                    const at::Tensor& x, const at::Tensor& ln_w,
+                                    const c10::optional<at::Tensor>& ln_b, const at::Tensor& w,
+                                    const c10::optional<at::Tensor>& bias, int64_t lo,
+                                    int64_t hi, const std::vector<at::Tensor>& state) {
+  const Plan& p = *plan;
+  std::shared_ptr<NormPlan> norm = norm_plan_of(norm_plan);
+  int norm_rec = p.given_x ? norm_fp8_fits(*norm, x, ln_w, ln_b) : -1;
+  if (norm_rec < 0) return {};
+  int rec = fits(p, norm_rec > 0, x.get_device(), w, bias, state);
+  if (rec < 0) return {};
+  c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor amaxes = at::zeros({p.amax_len}, x.options().dtype(at::kFloat));
+  NormFp8 n = norm_fp8(norm, x, ln_w, ln_b, state[1].select(0, 0), amaxes, norm_rec > 0);
+  GivenX given{n.data, n.t, n.sinv, amaxes};
+  at::Tensor y = run(plan, n.ln_out, w, bias, lo, hi, state, rec > 0, &given);
+  return {y, n.with_y ? n.ln_out : at::Tensor()};
 }
 
 Launch make_launch(int64_t function, std::vector<int64_t> grid, int64_t threads, int64_t shared,
@@ -679,6 +741,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                          "written with W's columnwise copy");
              p.cache = cache;
            })
+      .def("set_given_x",
+           [](Plan& p) {
+             TORCH_CHECK(p.recipe == kDelayed && p.fwd_list.size() >= 1,
+                         "te native: a norm-quantized x is for delayed scaling");
+             p.given_x = true;
+           })
       .def("set_main_grad",
            [](Plan& p) {
              TORCH_CHECK(p.wgrad && p.recipe != kMx,
@@ -697,6 +765,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("param_info", &param_info);
   m.def("run_launch", &run_launch);
   m.def("linear", &linear);
+  m.def("norm_linear", &norm_linear);
   m.def("has_block_gemm", &has_block_gemm);
   te_native::register_norm(m);
   te_native::register_act(m);

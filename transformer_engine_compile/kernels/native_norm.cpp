@@ -17,18 +17,21 @@
 #include <torch/csrc/autograd/saved_variable.h>
 
 namespace te_native __attribute__((visibility("hidden"))) {
-namespace {
 
 using torch::autograd::Node;
 using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 
 // Forward slots: 0 x (M, K), 1 gamma, 2 beta (gamma for RMSNorm), 3 y,
-// 4 mean (x for RMSNorm), 5 rstd.  Backward slots: 0 dy, 1 x, 2 gamma,
-// 3 mean (rstd for RMSNorm), 4 rstd, 5 dx (x when not needed), 6 the fp32
-// partial sums, 7 the (n_sums, K) dgamma / dbeta sums (partials when none).
-// An argument the kernels never touch (their flags are constexpr) points
-// at a tensor of the table, as the Python path points it at an input.
+// 4 mean (x for RMSNorm), 5 rstd; under delayed scaling (`fp8`) also 6 the
+// call's zeroed amax vector, 7 the layer's forward scale[0], 8 y's FP8
+// data, 9 its scale_inv, 10 the data's transpose (the transpose launch's
+// output; x without it), and y is x where not written.  Backward slots:
+// 0 dy, 1 x, 2 gamma, 3 mean (rstd for RMSNorm), 4 rstd, 5 dx (x when not
+// needed), 6 the fp32 partial sums, 7 the (n_sums, K) dgamma / dbeta sums
+// (partials when none).  An argument the kernels never touch (their flags
+// are constexpr) points at a tensor of the table, as the Python path points
+// it at an input.
 struct NormPlan {
   Launch fwd, bwd, sums;
   bool rms = false, zero_centered = false;  // gamma = 1 + weight (fp32) when zero_centered
@@ -36,9 +39,16 @@ struct NormPlan {
   at::ScalarType act_dtype = at::kBFloat16, w_dtype = at::kBFloat16;
   int64_t device = 0, m = 0, k = 0, part_rows = 0, n_sums = 0;
   std::vector<int64_t> shape;  // x's (and y's)
+  // delayed scaling: the forward launch writes y's FP8 copy with the layer's
+  // scale (y itself only `with_y`), then `transpose` its columnwise copy
+  bool fp8 = false, with_y = true, fp8_col = false;
+  at::ScalarType fp8_dtype = at::kFloat8_e4m3fn;
+  Launch transpose;
   // the Python path's backward, for a gradient these launches do not take
   PyCallable python_backward;
 };
+
+namespace {
 
 struct NormBackward : public Node {
   std::shared_ptr<const NormPlan> plan;
@@ -99,6 +109,51 @@ bool plain_param(const at::Tensor& t, const NormPlan& p) {
   return plain_on(t, p.device, p.w_dtype) && t.dim() == 1 && t.size(0) == p.k && aligned(t);
 }
 
+// -1 where the plan does not fit this call (the caller then takes the
+// Python path), else whether it records for autograd: grad mode on and x,
+// w or b needing a gradient (the gradients planned for).
+int fits(const NormPlan& p, const at::Tensor& x, const at::Tensor& w,
+         const c10::optional<at::Tensor>& b) {
+  if (!x.is_cuda() || x.get_device() != p.device || x.scalar_type() != p.act_dtype ||
+      x.sizes() != at::IntArrayRef(p.shape) || !plain_param(w, p) || b.has_value() == p.rms ||
+      (b.has_value() && !plain_param(*b, p))) {
+    return -1;
+  }
+  bool b_req = b.has_value() && b->requires_grad();
+  bool record = at::GradMode::is_enabled() && (x.requires_grad() || w.requires_grad() || b_req);
+  if (record && (x.requires_grad() != p.dx || w.requires_grad() != p.dw || b_req != p.db)) {
+    return -1;  // planned for other gradients
+  }
+  return record ? 1 : 0;
+}
+
+// The node of a norm call whose output is `y`: it saves what the Python
+// path's op saves (x, mean for LayerNorm, rstd, gamma).
+void record(const std::shared_ptr<NormPlan>& plan, const at::Tensor& x, const at::Tensor& w,
+            const c10::optional<at::Tensor>& b, const at::Tensor& y, const at::Tensor& x2d,
+            const at::Tensor& mean, const at::Tensor& rstd, const at::Tensor& gamma) {
+  auto node = NodeMaker<NormBackward, NodeHolder>::make();
+  node->plan = plan;
+  node->x_grad = x.requires_grad();
+  node->w_grad = w.requires_grad();
+  node->b_grad = b.has_value() && b->requires_grad();
+  torch::autograd::edge_list edges;
+  if (node->x_grad) edges.push_back(torch::autograd::impl::gradient_edge(x));
+  if (node->w_grad) edges.push_back(torch::autograd::impl::gradient_edge(w));
+  if (node->b_grad) edges.push_back(torch::autograd::impl::gradient_edge(*b));
+  node->set_next_edges(std::move(edges));
+  node->x_ = SavedVariable(x2d, false);
+  if (!plan->rms) node->mean_ = SavedVariable(mean, false);
+  node->rstd_ = SavedVariable(rstd, false);
+  node->gamma_ = SavedVariable(gamma, false);
+  torch::autograd::set_history(y, NodeHolder(node));
+}
+
+// gamma as the kernels take it (norm_ops._gamma)
+at::Tensor gamma_of(const NormPlan& p, const at::Tensor& w) {
+  return p.zero_centered ? w.to(at::kFloat).add(1) : w;
+}
+
 // norm(x) with gamma (`w`, or 1 + w when zero-centred) and beta (`b`,
 // LayerNorm), recorded for autograd when grad mode is on and x, w or b needs
 // a gradient; None (an undefined tensor) where the plan does not fit this
@@ -106,22 +161,14 @@ bool plain_param(const at::Tensor& t, const NormPlan& p) {
 at::Tensor norm(const std::shared_ptr<NormPlan>& plan, const at::Tensor& x, const at::Tensor& w,
                 const c10::optional<at::Tensor>& b) {
   const NormPlan& p = *plan;
-  if (!x.is_cuda() || x.get_device() != p.device || x.scalar_type() != p.act_dtype ||
-      x.sizes() != at::IntArrayRef(p.shape) || !plain_param(w, p) || b.has_value() == p.rms ||
-      (b.has_value() && !plain_param(*b, p))) {
-    return at::Tensor();
-  }
-  bool b_req = b.has_value() && b->requires_grad();
-  bool record = at::GradMode::is_enabled() && (x.requires_grad() || w.requires_grad() || b_req);
-  if (record && (x.requires_grad() != p.dx || w.requires_grad() != p.dw || b_req != p.db)) {
-    return at::Tensor();  // planned for other gradients
-  }
+  int rec = p.fp8 ? -1 : fits(p, x, w, b);  // an FP8-writing plan runs in norm_fp8
+  if (rec < 0) return at::Tensor();
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor x2d, gamma, mean, rstd, y;
   {
     at::NoGradGuard no_grad;
     x2d = operand(x, p.m, p.k);
-    gamma = p.zero_centered ? w.to(at::kFloat).add(1) : w;  // norm_ops._gamma
+    gamma = gamma_of(p, w);
     auto f32 = x.options().dtype(at::kFloat);
     rstd = at::empty({p.m}, f32);
     mean = p.rms ? x2d : at::empty({p.m}, f32);
@@ -129,26 +176,54 @@ at::Tensor norm(const std::shared_ptr<NormPlan>& plan, const at::Tensor& x, cons
     auto stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
     p.fwd.run({x2d, gamma, p.rms ? gamma : *b, y.view({p.m, p.k}), mean, rstd}, 0, 0, stream);
   }
-  if (!record) return y;
-  auto node = NodeMaker<NormBackward, NodeHolder>::make();
-  node->plan = plan;
-  node->x_grad = x.requires_grad();
-  node->w_grad = w.requires_grad();
-  node->b_grad = b_req;
-  torch::autograd::edge_list edges;
-  if (node->x_grad) edges.push_back(torch::autograd::impl::gradient_edge(x));
-  if (node->w_grad) edges.push_back(torch::autograd::impl::gradient_edge(w));
-  if (node->b_grad) edges.push_back(torch::autograd::impl::gradient_edge(*b));
-  node->set_next_edges(std::move(edges));
-  node->x_ = SavedVariable(x2d, false);
-  if (!p.rms) node->mean_ = SavedVariable(mean, false);
-  node->rstd_ = SavedVariable(rstd, false);
-  node->gamma_ = SavedVariable(gamma, false);
-  torch::autograd::set_history(y, NodeHolder(node));
+  if (rec) record(plan, x, w, b, y, x2d, mean, rstd, gamma);
   return y;
 }
 
 }  // namespace
+
+std::shared_ptr<NormPlan> norm_plan_of(py::handle plan) {
+  return plan.cast<std::shared_ptr<NormPlan>>();
+}
+
+int norm_fp8_fits(const NormPlan& p, const at::Tensor& x, const at::Tensor& w,
+                  const c10::optional<at::Tensor>& b) {
+  return p.fp8 ? fits(p, x, w, b) : -1;
+}
+
+NormFp8 norm_fp8(const std::shared_ptr<NormPlan>& plan, const at::Tensor& x,
+                 const at::Tensor& w, const c10::optional<at::Tensor>& b,
+                 const at::Tensor& scale, const at::Tensor& amaxes, bool rec) {
+  const NormPlan& p = *plan;
+  NormFp8 out;
+  out.with_y = p.with_y;
+  at::Tensor x2d, gamma, mean, rstd;
+  {
+    at::NoGradGuard no_grad;
+    x2d = operand(x, p.m, p.k);
+    gamma = gamma_of(p, w);
+    auto f32 = x.options().dtype(at::kFloat);
+    rstd = at::empty({p.m}, f32);
+    mean = p.rms ? x2d : at::empty({p.m}, f32);
+    // what autograd sees of the norm's output where y is not written: its
+    // shape and dtype over one element of storage, never read (the linear
+    // reads the FP8 copies)
+    out.ln_out = p.with_y ? at::empty(p.shape, x.options())
+                          : at::empty_strided(p.shape, std::vector<int64_t>(p.shape.size(), 0),
+                                              x.options());
+    out.data = at::empty({p.m, p.k}, x.options().dtype(p.fp8_dtype));
+    out.sinv = at::empty({1}, f32);
+    out.t = p.fp8_col ? at::empty({p.k, p.m}, x.options().dtype(p.fp8_dtype)) : x2d;
+    auto stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+    std::vector<at::Tensor> slots{x2d,     gamma, p.rms ? gamma : *b,
+                                  p.with_y ? out.ln_out.view({p.m, p.k}) : x2d,
+                                  mean,    rstd,  amaxes, scale, out.data, out.sinv, out.t};
+    p.fwd.run(slots, 0, 0, stream);
+    if (p.fp8_col) p.transpose.run(slots, 0, 0, stream);
+  }
+  if (rec) record(plan, x, w, b, out.ln_out, x2d, mean, rstd, gamma);
+  return out;
+}
 
 void register_norm(py::module& m) {
   py::class_<NormPlan, std::shared_ptr<NormPlan>>(m, "NormPlan")
@@ -180,7 +255,15 @@ void register_norm(py::module& m) {
         p->n_sums = n_sums;
         p->shape = std::move(shape);
         return p;
-      }));
+      }))
+      .def("set_fp8", [](NormPlan& p, std::optional<Launch> transpose,
+                         const std::string& fp8_dtype, bool with_y) {
+        p.fp8 = true;  // fwd is the FP8-writing launch then
+        p.fp8_col = transpose.has_value();
+        if (transpose) p.transpose = std::move(*transpose);
+        p.fp8_dtype = dtype_named(fp8_dtype);
+        p.with_y = with_y;
+      });
   m.def("norm", &norm);
 }
 

@@ -172,11 +172,19 @@ def transpose_bytes(x2d: torch.Tensor, out=None) -> torch.Tensor:
         out = torch.empty((k, m), dtype=x2d.dtype, device=x2d.device)
     if x2d.numel() == 0:
         return out
-    x8, y8 = _matrix(x2d).view(torch.uint8), out.view(torch.uint8)
-    _transpose_launch((cdiv(m, _T_BLOCK), cdiv(k, _T_BLOCK)),
-                      (ptr_key(x8), ptr_key(y8), int_key(m), int_key(k)),
-                      x8, y8, m, k, _T_BLOCK, _T_BLOCK)
+    launcher, grid, key, args = transpose_call(x2d, out)
+    launcher(grid, key, *args)
     return out
+
+
+def transpose_call(x2d: torch.Tensor, out: torch.Tensor) -> tuple:
+    """:func:`transpose_bytes`'s launch into ``out``, not launched:
+    ``(launcher, grid, key, args)`` (the native eager path fixes the same
+    launch; its pointers are byte views of ``x2d`` and ``out``)."""
+    m, k = x2d.shape
+    x8, y8 = _matrix(x2d).view(torch.uint8), out.view(torch.uint8)
+    return (_transpose_launch, (cdiv(m, _T_BLOCK), cdiv(k, _T_BLOCK)),
+            (ptr_key(x8), ptr_key(y8), int_key(m), int_key(k)), (x8, y8, m, k, _T_BLOCK, _T_BLOCK))
 
 
 # -- FP8 per-tensor ------------------------------------------------------------------

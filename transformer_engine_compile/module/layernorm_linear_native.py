@@ -11,11 +11,19 @@ same bytes as the cast's own amax pass; ``tests/gpu/test_gpu_native_fused.py``
 compares every output and gradient), and autograd adds ``ln_out``'s
 gradient to the linear call's dgrad as the op adds them.
 
-Covered: what the native linear path covers (module/linear_native.py),
-except DelayedScaling, whose norm kernel writes the FP8 copy itself (other
-bytes than casting the rounded output); LayerNorm or RMSNorm, zero-centred
-gamma, ``return_layernorm_output``; norm parameters of one dtype, rows of
-at most ``triton_norm.MAX_K``.  Anything else keeps the Python path.
+Under DelayedScaling the Python path's norm kernel writes the FP8 copy of
+its output itself with the layer's scale (other bytes than casting the
+rounded output), and the high-precision output only where the module
+returns it.  Natively that is one call (``native_linear.cpp``'s
+``norm_linear``): the same norm launch and the copy's transpose, then the
+linear call's weight cast and step, reading x's copies from the norm; the
+norm's node and the linear's are joined by the norm's output, which holds
+no data where it is not returned.
+
+Covered: what the native linear path covers (module/linear_native.py);
+LayerNorm or RMSNorm, zero-centred gamma, ``return_layernorm_output``;
+norm parameters of one dtype, rows of at most ``triton_norm.MAX_K``.
+Anything else keeps the Python path.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from .. import kernels
 from ..kernels import native
 from .layernorm_linear_ops import LayerNormLinearFwdArgs
 from .linear_native import _DTYPE_NAMES, plan_for
+from .linear_ops import _input_quantizer
 from .norm_ops import _gamma
 
 
@@ -33,47 +42,56 @@ class NativeLayerNormLinear:
     """One configuration's plans: ``plan(layer, x, w, bias)`` is the layer's
     outputs, or None where this call must take the Python path."""
 
-    __slots__ = ("ext", "norm", "linear")
+    __slots__ = ("ext", "norm", "linear", "fp8_norm")
 
-    def __init__(self, ext, norm, linear):
-        self.ext, self.norm, self.linear = ext, norm, linear
+    def __init__(self, ext, norm, linear, fp8_norm):
+        self.ext, self.norm, self.linear, self.fp8_norm = ext, norm, linear, fp8_norm
 
     def __call__(self, layer, x, w, bias):
-        first = native_norm(self.ext, self.norm, self.linear, layer, x)
-        if first is None:
-            return None
-        slot, ln_out = first
-        # where the linear call declines now (the weight or bias moved, other
-        # gradients), the Python path runs the whole layer again; the norm's
-        # output is dropped
-        out = self.linear(layer, ln_out, w, bias, slot)
-        if out is not None:
-            out["ln_out"] = ln_out
-        return out
+        first = norm_then_linear(self.ext, self.norm, self.linear, self.fp8_norm, layer, x, w,
+                                 bias)
+        return None if first is None else first[0]
 
 
-def native_norm(ext, norm, linear, layer, x):
-    """``(slot, ln_out)``: a fused module's norm run natively, once its first
-    native linear call's conditions hold (``linear.slot_for``: checked
-    before the norm runs), else None."""
+def norm_then_linear(ext, norm, linear, fp8_norm, layer, x, w, bias):
+    """``(outputs, slot)``: a fused module's norm and first linear call run
+    natively (``outputs``: ``{"out": y, "ln_out": ln_out}``, ln_out None
+    where an FP8-writing norm (``fp8_norm``) does not write it), once the
+    linear call's conditions hold (``linear.slot_for``: checked before the
+    norm runs); else None."""
     slot = linear.slot_for(x)
     if slot is None:
         return None
-    ln_out = ext.norm(norm, x, layer.layer_norm_weight, layer.layer_norm_bias)
-    return None if ln_out is None else (slot, ln_out)
+    ln_w, ln_b = layer.layer_norm_weight, layer.layer_norm_bias
+    if fp8_norm:  # one call, which checks both plans before running either
+        out = linear.with_norm(norm, x, ln_w, ln_b, w, bias, slot)
+        return None if out is None else (out, slot)
+    ln_out = ext.norm(norm, x, ln_w, ln_b)
+    if ln_out is None:
+        return None
+    # where the linear call declines now (the weight or bias moved, other
+    # gradients), the Python path runs the whole layer again; the norm's
+    # output is dropped
+    out = linear(layer, ln_out, w, bias, slot)
+    if out is None:
+        return None
+    out["ln_out"] = ln_out
+    return out, slot
 
 
 def plan_for_layernorm_linear(args: LayerNormLinearFwdArgs):
     """A :class:`NativeLayerNormLinear` for this call's configuration, None
     where it has none, ``...`` while the extension is being built."""
-    if not (native.ENABLED and args.amax_history_fwd is None and norm_eligible(args)):
-        return None  # DelayedScaling: its norm kernel writes the FP8 copy itself
-    linear = plan_for(args)  # args.inp stands for the norm's output: same shape, dtype, device
+    if not (native.ENABLED and norm_eligible(args)):
+        return None
+    fp8_norm = args.amax_history_fwd is not None  # DelayedScaling: see the module's docstring
+    # args.inp stands for the norm's output: same shape, dtype, device
+    linear = plan_for(args, given_x=fp8_norm)
     if not linear:
         return linear
     ext = linear.ext
-    norm = norm_plan(ext, args)
-    return None if norm is None else NativeLayerNormLinear(ext, norm, linear)
+    norm = norm_plan(ext, args, args if fp8_norm else None)
+    return None if norm is None else NativeLayerNormLinear(ext, norm, linear, fp8_norm)
 
 
 def norm_eligible(args) -> bool:
@@ -92,10 +110,12 @@ def norm_eligible(args) -> bool:
             and w.dtype in _DTYPE_NAMES and kernels.has_fast("norm_forward", "cuda"))
 
 
-def norm_plan(ext, args):
+def norm_plan(ext, args, fp8_args=None):
     """The native norm plan (``native_norm.cpp``'s slot tables) of a fused
     module's call, compiled on zeroed scratch tensors of the call's shapes;
-    None where a launch cannot be native."""
+    None where a launch cannot be native.  ``fp8_args``: the first GEMM's
+    arguments under DelayedScaling, whose input quantizer the norm kernel
+    writes the FP8 copy for (``triton_norm.norm_forward_fp8``)."""
     from ..kernels import triton_norm as tn  # Triton: imported on CUDA only
     x, w = args.inp, args.ln_weight
     rms = args.normalization == "RMSNorm"
@@ -107,12 +127,17 @@ def norm_plan(ext, args):
         x2d = torch.zeros((m, k), dtype=x.dtype, device=dev)
         gamma = _gamma(torch.zeros(k, dtype=w.dtype, device=dev), args.zero_centered_gamma)
         beta = None if rms else torch.zeros(k, dtype=w.dtype, device=dev)
-        launcher, grid, key, largs, (y, mean, rstd, _, _) = tn.forward_call(
-            x2d, gamma, beta, args.eps, rms)
-        launcher(grid, key, *largs)
-        fwd = native.launch_spec(ext, launcher, dev.index, grid, key, largs,
-                                 [x2d, gamma, gamma if rms else beta, y,
-                                  x2d if rms else mean, rstd])
+        if fp8_args is None:
+            launcher, grid, key, largs, (y, mean, rstd, _, _) = tn.forward_call(
+                x2d, gamma, beta, args.eps, rms)
+            launcher(grid, key, *largs)
+            fwd = native.launch_spec(ext, launcher, dev.index, grid, key, largs,
+                                     [x2d, gamma, gamma if rms else beta, y,
+                                      x2d if rms else mean, rstd])
+            fp8 = None
+        else:
+            fwd, fp8, mean, rstd = _fp8_launches(ext, fp8_args, x2d, gamma, beta, args.eps, rms,
+                                                 args.return_layernorm_output)
         bwd = sums = None
         parts_rows, n_sums = 1, 0
         if need_dx or need_dw or need_db:
@@ -130,12 +155,55 @@ def norm_plan(ext, args):
             if None in specs:
                 return None
             bwd, sums = specs[0], (specs[1] if n_sums else None)
-    if fwd is None:
+    if fwd is None or (fp8_args is not None and fp8 is None):
         return None
-    return ext.NormPlan(fwd, bwd if bwd is not None else fwd, sums, _NormPythonBackward(args),
+    plan = ext.NormPlan(fwd, bwd if bwd is not None else fwd, sums, _NormPythonBackward(args),
                         rms, args.zero_centered_gamma, need_dx, need_dw, need_db,
                         _DTYPE_NAMES[x.dtype], _DTYPE_NAMES[w.dtype], dev.index, parts_rows,
                         n_sums, list(x.shape))
+    if fp8 is not None:
+        plan.set_fp8(*fp8, args.return_layernorm_output)
+    return plan
+
+
+def _fp8_launches(ext, args, x2d, gamma, beta, eps, rms, with_y):
+    """``(forward, (transpose or None, FP8 dtype name), mean, rstd)``: the
+    native launch of ``triton_norm.norm_forward_fp8`` for the GEMM ``args``
+    (its input quantizer and forward scale) on the scratch ``x2d``,
+    ``gamma``, ``beta`` (and its mean and rstd scratch, which the backward
+    launches are compiled on), then the transpose of the copy where the GEMM
+    keeps x's columnwise copy; the first two None where a launch cannot be
+    native."""
+    from ..kernels import reference as ref
+    from ..kernels import triton_norm as tn
+    from ..kernels import triton_quant as tq
+    q = _input_quantizer(args)
+    m, k, dev = x2d.shape[0], x2d.shape[1], x2d.device
+    dtype = ref.FP8_DTYPE[q.fp8_format]
+    amaxes = torch.zeros(ref.STEP_COUNTER + 1, dtype=torch.float32, device=dev)
+    s0 = torch.zeros_like(args.scale_fwd)[0]
+    data = torch.empty((m, k), dtype=dtype, device=dev)
+    sinv = torch.empty(1, dtype=torch.float32, device=dev)
+    t = torch.empty((k, m), dtype=dtype, device=dev) if q.columnwise_usage else x2d
+    launcher, grid, key, largs, (y, mean, rstd, _, _) = tn.forward_call(
+        x2d, gamma, beta, eps, rms, True, None,
+        (s0, q.fp8_format, ref.AmaxSlot(amaxes, 0), with_y,
+         {"data": data, "scale_inv": sinv}))
+    launcher(grid, key, *largs)
+    # native_norm.cpp's forward slot table under delayed scaling
+    slots = [x2d, gamma, gamma if rms else beta, x2d if y is None else y,
+             x2d if rms else mean, rstd, amaxes, s0, data, sinv, t]
+    fwd = native.launch_spec(ext, launcher, dev.index, grid, key, largs, slots)
+    tr = None
+    if q.columnwise_usage:
+        launcher, grid, key, largs = tq.transpose_call(data, t)
+        launcher(grid, key, *largs)
+        by_bytes = list(slots)
+        by_bytes[8], by_bytes[10] = largs[0], largs[1]  # the launch takes byte views
+        tr = native.launch_spec(ext, launcher, dev.index, grid, key, largs, by_bytes)
+        if tr is None:
+            return None, None, mean, rstd
+    return fwd, (tr, _DTYPE_NAMES[dtype]), mean, rstd
 
 
 class _NormPythonBackward:

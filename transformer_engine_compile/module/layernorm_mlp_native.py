@@ -12,10 +12,12 @@ te.LayerNormLinear does, then the same activation kernel, then fc2 as a
 adds ``ln_out``'s gradient to fc1's dgrad as the op adds them
 (``tests/gpu/test_gpu_native_fused.py`` compares every output and gradient).
 
+Under DelayedScaling the norm and fc1 are one native call, as in
+te.LayerNormLinear (module/layernorm_linear_native.py: the norm kernel
+writes fc1's FP8 input itself, as the Python path's does).
+
 Covered: what both the native linear path and te.LayerNormLinear's native
-norm cover (no DelayedScaling, no tensor parallelism, no weight caching,
-no ``fuse_wgrad_accumulation``), every activation.  Anything else keeps
-the Python path.
+norm cover, every activation.  Anything else keeps the Python path.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 
 from .. import kernels
 from ..kernels import native
-from .layernorm_linear_native import native_norm, norm_eligible, norm_plan
+from .layernorm_linear_native import norm_eligible, norm_plan, norm_then_linear
 from .layernorm_mlp_ops import LayerNormMLPFwdArgs, activation_backward
 from .linear_native import _DTYPE_NAMES, plan_for
 
@@ -34,38 +36,39 @@ class NativeLayerNormMLP:
     fc2_b)`` is the module's outputs (``fc2_b`` None where it is returned,
     not added), or None where this call must take the Python path."""
 
-    __slots__ = ("ext", "norm", "fc1", "act", "fc2")
+    __slots__ = ("ext", "norm", "fc1", "act", "fc2", "fp8_norm")
 
-    def __init__(self, ext, norm, fc1, act, fc2):
+    def __init__(self, ext, norm, fc1, act, fc2, fp8_norm):
         self.ext, self.norm, self.fc1, self.act, self.fc2 = ext, norm, fc1, act, fc2
+        self.fp8_norm = fp8_norm
 
     def __call__(self, layer, x, fc1_w, fc1_b, fc2_w, fc2_b):
-        first = native_norm(self.ext, self.norm, self.fc1, layer, x)
+        first = norm_then_linear(self.ext, self.norm, self.fc1, self.fp8_norm, layer, x, fc1_w,
+                                 fc1_b)
         if first is None:
             return None
-        slot, ln_out = first
+        h, slot = first
         # where a later step declines (a parameter moved, other gradients), the
         # Python path runs the whole module again; these outputs are dropped
-        h = self.fc1(layer, ln_out, fc1_w, fc1_b, slot)
-        if h is None:
-            return None
         a = self.ext.act(self.act, h["out"])
         if a is None:
             return None
         out = self.fc2(layer, a, fc2_w, fc2_b, slot)
         if out is not None:
-            out["ln_out"] = ln_out
+            out["ln_out"] = h["ln_out"]
         return out
 
 
 def plan_for_layernorm_mlp(args: LayerNormMLPFwdArgs):
     """A :class:`NativeLayerNormMLP` for this call's configuration, None
     where it has none, ``...`` while the extension is being built."""
-    if not (native.ENABLED and args.fc1_amax_history_fwd is None and norm_eligible(args)
+    if not (native.ENABLED and norm_eligible(args)
             and kernels.has_fast("activation_forward", "cuda")):
-        return None  # DelayedScaling: its norm kernel writes fc1's FP8 copy itself
+        return None
     x = args.inp  # stands for the norm's output: same shape, dtype, device
-    fc1 = plan_for(args.gemm("fc1_", x))
+    fc1_args = args.gemm("fc1_", x)
+    fp8_norm = fc1_args.amax_history_fwd is not None  # DelayedScaling: the norm writes FP8
+    fc1 = plan_for(fc1_args, given_x=fp8_norm)
     if not fc1:
         return fc1
     ext = fc1.ext
@@ -76,8 +79,8 @@ def plan_for_layernorm_mlp(args: LayerNormMLPFwdArgs):
     fc2 = plan_for(args.gemm("fc2_", a))
     if not fc2 or fc2.slot_keys != fc1.slot_keys:
         return None
-    norm = norm_plan(ext, args)
-    return None if norm is None else NativeLayerNormMLP(ext, norm, fc1, act, fc2)
+    norm = norm_plan(ext, args, fc1_args if fp8_norm else None)
+    return None if norm is None else NativeLayerNormMLP(ext, norm, fc1, act, fc2, fp8_norm)
 
 
 def _act_plan(ext, args: LayerNormMLPFwdArgs):

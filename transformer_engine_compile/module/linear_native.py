@@ -84,6 +84,16 @@ class NativeLinear:
         y = self.ext.linear(self.plan, x, w, bias, slot[0], slot[1], self.state)
         return None if y is None else {"out": y}
 
+    def with_norm(self, norm, x, ln_w, ln_b, w, bias, slot):
+        """A fused module's norm (``norm``: its FP8-writing plan) and this
+        GEMM under DelayedScaling as one native call
+        (layernorm_linear_native.py): ``{"out": y, "ln_out": ln_out}``, ln_out
+        None where the norm does not write it; None where either plan
+        declines the call (checked before either runs)."""
+        res = self.ext.norm_linear(self.plan, norm, x, ln_w, ln_b, w, bias, slot[0], slot[1],
+                                   self.state)
+        return {"out": res[0], "ln_out": res[1]} if res else None
+
 
 def _eligible(args: LinearFwdArgs) -> bool:
     x, w = args.inp, args.weight
@@ -199,11 +209,13 @@ def _bias_eligible(args: LinearFwdArgs) -> bool:
             and (not args.bias_requires_grad or kernels.has_fast("column_sum", "cuda")))
 
 
-def plan_for(args: LinearFwdArgs):
+def plan_for(args: LinearFwdArgs, given_x: bool = False):
     """A :class:`NativeLinear` for this call's configuration; None where it
     has none (``False`` from the caller's view: never for this memo entry)
-    or the extension is not built yet (``...``: ask again later)."""
-    if not native.ENABLED or not _eligible(args):
+    or the extension is not built yet (``...``: ask again later).
+    ``given_x``: a fused module's first GEMM under DelayedScaling, whose
+    norm kernel quantizes x (``ext.norm_linear``); None under other recipes."""
+    if not native.ENABLED or not _eligible(args) or (given_x and _recipe(args) != "delayed"):
         return None
     ext = native.extension()
     if ext is None:
@@ -216,7 +228,7 @@ def plan_for(args: LinearFwdArgs):
     if _recipe(args) == "block":
         return _block_plan(ext, args, m, k, n, slot)
     if _recipe(args) == "delayed":
-        return _delayed_plan(ext, args, m, k, n, slot)
+        return _delayed_plan(ext, args, m, k, n, slot, given_x)
     if _recipe(args) == "mx":
         return _mx_plan(ext, args, m, k, n, slot)
     q = _input_quantizer(args)
@@ -274,14 +286,16 @@ def _with_bias_grad(ext, plan, args: LinearFwdArgs, slot, state=()):
     return NativeLinear(ext, plan, slot, state)
 
 
-def _delayed_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
+def _delayed_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot, given_x=False):
     """A :class:`NativeLinear` under DelayedScaling: x's cast and W's cast
     with the layer's scales, recording their amaxes, W's running the step
     over the forward history (dy's over the backward one), as the Python
     path launches them; reading the FP8 weight cache, x's cast, W's amax
-    and the step.  The launches are compiled on scratch buffers of the
-    state's shapes (zeros: the values do not matter), so planning leaves
-    the layer's state untouched and copies nothing."""
+    and the step.  ``given_x``: without x's cast (a fused module's norm
+    kernel writes x's copies and amax: layernorm_linear_native.py).  The
+    launches are compiled on scratch buffers of the state's shapes (zeros:
+    the values do not matter), so planning leaves the layer's state
+    untouched and copies nothing."""
     from ..kernels import triton_quant as tq  # Triton: imported on CUDA only
     x, w = args.inp, args.weight
     q, wq = _input_quantizer(args), _weight_quantizer(args)
@@ -306,7 +320,7 @@ def _delayed_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
             lw, out_w = tq.fp8_tensorwise_calls(w2d, wq.fp8_format, True, wq.columnwise_usage,
                                                 scale=s1,
                                                 amax_out=ref.AmaxSlot(amaxes, 1, step))
-        fwd = _listed_launches(ext, dev, lx + lw, [
+        fwd = _listed_launches(ext, dev, lw if given_x else lx + lw, [
             x2d, w2d, amaxes, s0, s1, *tq._fp8_copy_args(out_x, x2d),
             *tq._fp8_copy_args(out_w, w2d), hist, scale])
         bwd, fmt_bwd = [], "e5m2"
@@ -337,6 +351,8 @@ def _delayed_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
                     args.bias is not None, list(x.shape[:-1]) + [n], list(x.shape))
     plan.set_delayed(fwd, bwd, ref.STEP_COUNTER + 1)
     plan.set_cache(cache)
+    if given_x:
+        plan.set_given_x()
     return _with_bias_grad(ext, plan, args, slot, state + tuple(_cache_buffers(args) or ()))
 
 
