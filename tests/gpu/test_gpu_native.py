@@ -489,14 +489,17 @@ def test_native_node_takes_a_quantized_gradient_through_the_python_path(ext, cal
 
 
 @pytest.mark.parametrize("bias,rec", [(False, REC), (True, REC), (False, "delayed"),
-                                      (True, "delayed")], ids=str)
+                                      (True, "delayed"), (False, BLOCK), (True, BLOCK)], ids=str)
 def test_native_weight_caching_equals_python(ext, calls, bias, rec):
     """Gradient accumulation with the FP8 weight cache (is_first_microbatch):
     True writes the cache natively (the copies after the GEMM), False reads
     it and quantizes x alone (under DelayedScaling: x's cast, W's amax and
-    the step, as the Python path launches them); outputs, caches, gradients,
-    the weights after AdamW steps and the DelayedScaling state equal the
-    Python path's bit for bit."""
+    the step, as the Python path launches them; blockwise: the cache holds
+    both 128x128-scaled copies); outputs, caches, gradients, the weights
+    after AdamW steps and the DelayedScaling state equal the Python path's
+    bit for bit."""
+    if rec is BLOCK and not _HOPPER:
+        pytest.skip("the block-scaled GEMM is cuBLAS's on SM 9.0")
     if rec == "delayed":
         rec = R.DelayedScaling(amax_history_len=4, amax_compute_algo="max")
     layer = te.Linear(256, 512, bias=bias, params_dtype=torch.bfloat16, device="cuda")
@@ -510,12 +513,24 @@ def test_native_weight_caching_equals_python(ext, calls, bias, rec):
         assert torch.equal(g, w)
     state, ref_state = _delayed_state(layer), _delayed_state(ref)
     assert state.keys() == ref_state.keys()
-    assert any("amax_history" in name for name in state) == (rec is not REC)
+    assert any("amax_history" in name for name in state) == isinstance(rec, R.DelayedScaling)
     for name, t in state.items():
         assert torch.equal(t, ref_state[name]), name
     # the first True and False calls build the memo; the other four run natively
     assert calls["native"] == 4 and y.grad_fn.name() == "TeLinearFp8Backward"
     assert len(_memo_native(layer)) == 2 and all(_memo_native(layer))
+
+
+def test_native_weight_caching_mxfp8_declines(ext, calls):
+    """MXFP8 with the weight cache keeps the Python path (no native plan)."""
+    layer = te.Linear(256, 512, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    ref = _python_only(layer)
+    x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(128, 512, device="cuda", dtype=torch.bfloat16)
+    got, _ = microbatch_steps(layer, x, dy, MX, True)
+    want, _ = microbatch_steps(ref, x, dy, MX, False)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert calls["native"] == 0 and _memo_native(layer) == [False, False]
 
 
 DELAYED = R.DelayedScaling()

@@ -62,10 +62,10 @@ bool has_block_gemm() {
 
 // -- the plan of one te.Linear configuration -------------------------------------
 enum Recipe : int64_t { kCurrent = 0, kBlock = 1, kDelayed = 2, kMx = 3 };
-// Current or delayed scaling with is_first_microbatch: the weight's copies
-// written into the layer's FP8 weight cache after the GEMM (as the Python
-// path's update copies them), or read from it instead of quantizing the
-// weight.
+// Current, delayed or blockwise scaling with is_first_microbatch: the
+// weight's copies written into the layer's FP8 weight cache after the GEMM
+// (as the Python path's update copies them), or read from it instead of
+// quantizing the weight.
 enum Cache : int64_t { kNoCache = 0, kWriteCache = 1, kReadCache = 2 };
 
 // Forward quantize slots: 0 x (M, K), 1 W (N, K), 2 x data, 3 x transpose,
@@ -163,29 +163,47 @@ void block_gemm(const Plan& p, const at::Tensor& a, const at::Tensor& a_s, const
                           {}, false, out);
 }
 
+// `state`: the weight cache's rowwise data and scales, columnwise data and
+// scales where the plan has one (then main_grad where it has one).
 Forward forward_block(const Plan& p, const at::Tensor& x, const at::Tensor& w,
-                      const c10::optional<at::Tensor>& bias) {
+                      const c10::optional<at::Tensor>& bias, const std::vector<at::Tensor>& state) {
   constexpr int64_t B = 128;
   at::NoGradGuard no_grad;
-  at::Tensor x2d = operand(x, p.m, p.k), w2d = operand(w, p.n, p.k);
+  at::Tensor x2d = operand(x, p.m, p.k);
   auto f32 = x.options().dtype(at::kFloat);
   at::Tensor x_rd = fp8_empty(p.m, p.k, p.fp8_fwd, x);
   at::Tensor x_rs = at::empty({p.k / B, p.m}, f32);
   at::Tensor x_cd = p.x_col ? fp8_empty(p.k, p.m, p.fp8_fwd, x) : x2d;
   at::Tensor x_cs = p.x_col ? at::empty({p.m / B * p.k}, f32) : x2d;
-  at::Tensor w_rd = fp8_empty(p.n, p.k, p.fp8_fwd, x);
-  at::Tensor w_rs = at::empty({p.n / B, p.k / B}, f32);
-  at::Tensor w_cd = p.w_col ? fp8_empty(p.k, p.n, p.fp8_fwd, x) : w2d;
-  at::Tensor w_cs = p.w_col ? at::empty({p.k / B, p.n / B}, f32) : w2d;
   auto stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
   p.fwd.run({x2d, x_rd, x_rs, x_cd, x_cs}, 0, 0, stream);
-  p.fwd_w.run({w2d, w_rd, w_rs, w_cd, w_cs}, 0, 0, stream);
+  at::Tensor w_rd, w_rs, w_cd, w_cs;
+  if (p.cache == kReadCache) {
+    w_rd = state[0];
+    w_rs = state[1];
+    w_cd = state[2];
+    w_cs = state[3];
+  } else {
+    at::Tensor w2d = operand(w, p.n, p.k);
+    w_rd = fp8_empty(p.n, p.k, p.fp8_fwd, x);
+    w_rs = at::empty({p.n / B, p.k / B}, f32);
+    w_cd = p.w_col ? fp8_empty(p.k, p.n, p.fp8_fwd, x) : w2d;
+    w_cs = p.w_col ? at::empty({p.k / B, p.n / B}, f32) : w2d;
+    p.fwd_w.run({w2d, w_rd, w_rs, w_cd, w_cs}, 0, 0, stream);
+  }
   at::Tensor y = at::empty(p.out_shape, x.options());
   at::Tensor y2d = y.view({p.m, p.n});
   block_gemm(p, x_rd, x_rs.t(), w_rd, w_rs, true, y2d);
   if (p.bias) p.bias_add.run({y2d, *bias}, 0, 0, stream);
+  if (p.cache == kWriteCache) {
+    state[0].copy_(w_rd);
+    state[1].copy_(w_rs);
+    state[2].copy_(w_cd);
+    state[3].copy_(w_cs);
+  }
+  bool w_col = p.w_col || p.cache == kReadCache;
   return {y, p.x_col ? x_cd : at::Tensor(), p.x_col ? x_cs : at::Tensor(),
-          p.w_col ? w_cd : at::Tensor(), p.w_col ? w_cs : at::Tensor()};
+          w_col ? w_cd : at::Tensor(), w_col ? w_cs : at::Tensor()};
 }
 
 // The forward's casts of x and W (current scaling: one launch; delayed: the
@@ -501,6 +519,26 @@ struct LinearFp8Backward : public Node {
   }
 };
 
+// Whether `t` is the plan's weight cache buffer `j`: W's FP8 data (N, K),
+// transpose (K, N) and its one fp32 scale_inv; blockwise, the rowwise data
+// (N, K) and its fp32 128x128 scales, the columnwise data (K, N) and scales.
+bool cache_buffer_fits(const Plan& p, const at::Tensor& t, size_t j) {
+  constexpr int64_t B = 128;
+  if (p.recipe == kBlock) {
+    bool fp8 = j % 2 == 0;
+    int64_t rows = j < 2 ? p.n : p.k, cols = j < 2 ? p.k : p.n;
+    if (!fp8) {
+      rows /= B;
+      cols /= B;
+    }
+    return t.scalar_type() == (fp8 ? p.fp8_fwd : at::kFloat) && t.dim() == 2 &&
+           t.size(0) == rows && t.size(1) == cols;
+  }
+  if (j == 2) return t.scalar_type() == at::kFloat && t.dim() == 1 && t.size(0) == 1;
+  return t.scalar_type() == p.fp8_fwd && t.dim() == 2 && t.size(0) == (j == 0 ? p.n : p.k) &&
+         t.size(1) == (j == 0 ? p.k : p.n);
+}
+
 // -1 where the plan does not fit this call (operands on another device
 // than the plan's, a layer moved since, other gradients, state buffers not
 // the planned ones: the caller then takes the Python path), else whether
@@ -509,7 +547,8 @@ struct LinearFp8Backward : public Node {
 int fits(const Plan& p, bool x_req, int64_t x_device, const at::Tensor& w,
          const c10::optional<at::Tensor>& bias, const std::vector<at::Tensor>& state) {
   size_t n_delayed = p.recipe == kDelayed ? 4u : 0u;
-  size_t n_state = n_delayed + (p.cache != kNoCache ? 3u : 0u);
+  size_t n_cache = p.cache == kNoCache ? 0u : p.recipe == kBlock ? 4u : 3u;
+  size_t n_state = n_delayed + n_cache;
   if (x_device != p.device || w.get_device() != p.device || bias.has_value() != p.bias ||
       state.size() != n_state + (p.main_grad ? 1u : 0u)) {
     return -1;
@@ -523,16 +562,9 @@ int fits(const Plan& p, bool x_req, int64_t x_device, const at::Tensor& w,
   }
   for (size_t i = 0; i < n_state; ++i) {  // the kernels were fixed for aligned buffers
     const at::Tensor& t = state[i];
-    // delayed scaling: fp32 histories and scales; the weight cache: W's FP8
-    // data (N, K), transpose (K, N) and its one fp32 scale_inv
-    bool cache = i >= n_delayed;
-    size_t j = i - n_delayed;
-    bool fp8 = cache && j < 2;
+    // delayed scaling: fp32 histories and scales; then the weight cache
     if (t.get_device() != p.device || !aligned(t) ||
-        t.scalar_type() != (fp8 ? p.fp8_fwd : at::kFloat) ||
-        (cache &&
-         t.sizes() != (j == 0 ? at::IntArrayRef{p.n, p.k}
-                              : j == 1 ? at::IntArrayRef{p.k, p.n} : at::IntArrayRef{1}))) {
+        (i < n_delayed ? t.scalar_type() != at::kFloat : !cache_buffer_fits(p, t, i - n_delayed))) {
       return -1;
     }
   }
@@ -558,7 +590,7 @@ at::Tensor run(const std::shared_ptr<Plan>& plan, const at::Tensor& x, const at:
                const std::vector<at::Tensor>& state, bool record, const GivenX* given) {
   const Plan& p = *plan;
   c10::cuda::CUDAGuard guard(x.device());
-  Forward f = p.recipe == kBlock ? forward_block(p, x, w, bias)
+  Forward f = p.recipe == kBlock ? forward_block(p, x, w, bias, state)
               : p.recipe == kMx  ? forward_mx(p, x, w, bias)
                                  : forward_current(p, x, w, bias, lo, hi, state, given);
   if (!record) return f.y;
@@ -735,9 +767,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            })
       .def("set_cache",
            [](Plan& p, int64_t cache) {
-             TORCH_CHECK((p.recipe == kCurrent || p.recipe == kDelayed) && cache >= kNoCache &&
+             TORCH_CHECK(p.recipe != kMx && cache >= kNoCache &&
                              cache <= kReadCache && (cache != kWriteCache || p.w_col),
-                         "te native: a weight cache is for current or delayed scaling, "
+                         "te native: a weight cache is for current, delayed or blockwise scaling, "
                          "written with W's columnwise copy");
              p.cache = cache;
            })

@@ -10,7 +10,7 @@ the copies dequantized to bf16 for bf16 GEMMs, as the Python path does),
 every dim a multiple of 32.  Each with or without a bias of the input's
 dtype (bf16 or fp16), added as the Python path adds it (in
 ``_scaled_mm``'s epilogue; by the bias kernel after the other GEMMs).
-Under current and delayed scaling also the FP8 weight cache of
+Under current, delayed and blockwise scaling also the FP8 weight cache of
 ``is_first_microbatch``: True quantizes x and W as always and copies W's
 copies into the layer's cache after the GEMM (as the Python path's update
 does), False quantizes x alone and reads W from the cache (delayed: then
@@ -33,7 +33,7 @@ from ..kernels import grid_state, native
 from ..kernels import reference as ref
 from ..kernels.reference import FP8_DTYPE
 from ..kernels.triton_launch import int_key
-from ..quantization.blockwise import Float8BlockQuantizer
+from ..quantization.blockwise import Float8BlockQuantizer, Float8BlockwiseQTensorStorage
 from ..quantization.float8 import (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer,
                                    Float8TensorStorage)
 from ..quantization.mxfp8 import MXFP8Quantizer
@@ -58,7 +58,7 @@ class NativeLinear:
         self.ext, self.plan, self.slot = ext, plan, slot
         self.slot_keys = (int_key(slot[0]), int_key(slot[1]))
         # DelayedScaling: the layer's history and scale buffers (forward, then
-        # backward); the FP8 weight cache: its data, transpose and scale_inv.
+        # backward); the FP8 weight cache's buffers (_cache_buffers).
         # The plan's memo entry serves only while they are the layer's
         self.state = list(state)
 
@@ -114,9 +114,8 @@ def _eligible(args: LinearFwdArgs) -> bool:
         return False
     if (recipe == "delayed") != (args.amax_history_fwd is not None):
         return False  # state bound exactly under delayed scaling
-    if _cache_mode(args) != NO_CACHE and (recipe not in ("current", "delayed")
-                                          or _cache_buffers(args) is None):
-        return False  # the weight cache: current or delayed scaling, all its buffers plain
+    if _cache_mode(args) != NO_CACHE and (recipe == "mx" or _cache_buffers(args) is None):
+        return False  # the weight cache: current, delayed or blockwise scaling, plain buffers
     if recipe in ("current", "delayed"):  # _scaled_mm (SM 8.9+)
         kernel = "quantize_fp8_current_pair" if recipe == "current" else "quantize_fp8_tensorwise"
         return (m % 16 == 0 and k % 16 == 0 and n % 16 == 0
@@ -183,13 +182,19 @@ def _cache_mode(args: LinearFwdArgs) -> int:
 
 
 def _cache_buffers(args: LinearFwdArgs):
-    """The data, transpose and scale_inv buffers of the call's FP8 weight
-    cache, or None where it is not a current-scaling one of plain tensors
+    """The buffers of the call's FP8 weight cache in native_linear.cpp's
+    order: per-tensor scaling's data, transpose and scale_inv; blockwise
+    (128x128 blocks) the rowwise data and scales, the columnwise data and
+    scales.  None where it is neither, or a buffer is not a plain tensor
     (what the native path takes)."""
     ws = args.weight_workspace
-    if type(ws) is not Float8TensorStorage:
+    if type(ws) is Float8TensorStorage:
+        bufs = [ws._data, ws._transpose, ws._scale_inv]
+    elif type(ws) is Float8BlockwiseQTensorStorage and ws._block_scaling_dim == 2:
+        bufs = [ws._rowwise_data, ws._rowwise_scale_inv, ws._columnwise_data,
+                ws._columnwise_scale_inv]
+    else:
         return None
-    bufs = [ws._data, ws._transpose, ws._scale_inv]
     if any(type(b) not in (torch.Tensor, torch.nn.Parameter) for b in bufs):
         return None
     return bufs
@@ -475,7 +480,9 @@ def _block_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
                     args.bias is not None, list(x.shape[:-1]) + [n], list(x.shape))
     plan.set_block(fwd_w, F.ScalingType.BlockWise1x128.value,
                    F.ScalingType.BlockWise128x128.value, bias_add)
-    return _with_bias_grad(ext, plan, args, slot)
+    cache = _cache_mode(args)
+    plan.set_cache(cache)
+    return _with_bias_grad(ext, plan, args, slot, _cache_buffers(args) if cache else ())
 
 
 def _bias_add_launch(ext, y2d, bias):
