@@ -27,8 +27,11 @@ BLOCK = R.Float8BlockScaling()
 MX = R.MXFP8BlockScaling()
 # a short history and "max": the scales move within a few steps
 DELAYED = R.DelayedScaling(amax_history_len=16, amax_compute_algo="max", margin=1)
-RECIPES = pytest.mark.parametrize("rec", [CURRENT, BLOCK, MX, DELAYED],
-                                  ids=["fp8_current", "fp8_block", "mxfp8", "fp8_delayed"])
+# NVFP4 without stochastic rounding: the two paths' steps draw nothing
+NVFP4_PLAIN = R.NVFP4BlockScaling(disable_stochastic_rounding=True)
+RECIPES = pytest.mark.parametrize("rec", [CURRENT, BLOCK, MX, DELAYED, NVFP4_PLAIN],
+                                  ids=["fp8_current", "fp8_block", "mxfp8", "fp8_delayed",
+                                       "nvfp4"])
 CURRENT_DELAYED = pytest.mark.parametrize("rec", [CURRENT, DELAYED],
                                           ids=["fp8_current", "fp8_delayed"])
 _HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)

@@ -60,8 +60,27 @@ bool has_block_gemm() {
   }
 }
 
+// -- the bf16 GEMM with an fp32 product (NVFP4's emulation), looked up too -------
+using MmDtype = at::Tensor(const at::Tensor&, const at::Tensor&, at::ScalarType);
+
+const c10::TypedOperatorHandle<MmDtype>& mm_dtype() {
+  static auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("aten::mm", "dtype").typed<MmDtype>();
+  return op;
+}
+
+// Whether this torch has aten::mm.dtype with the schema above.
+bool has_mm_dtype() {
+  try {
+    mm_dtype();
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
 // -- the plan of one te.Linear configuration -------------------------------------
-enum Recipe : int64_t { kCurrent = 0, kBlock = 1, kDelayed = 2, kMx = 3 };
+enum Recipe : int64_t { kCurrent = 0, kBlock = 1, kDelayed = 2, kMx = 3, kNvfp4 = 4 };
 // Current, delayed or blockwise scaling with is_first_microbatch: the
 // weight's copies written into the layer's FP8 weight cache after the GEMM
 // (as the Python path's update copies them), or read from it instead of
@@ -92,6 +111,19 @@ enum Cache : int64_t { kNoCache = 0, kWriteCache = 1, kReadCache = 2 };
 // bf16, 7 dy columnwise in bf16, 8 x columnwise in bf16, 9-10 x's saved
 // columnwise copy and scales, 11-12 W's (dy's quantization, then the
 // dequantizations dgrad reads, then those wgrad reads).
+// NVFP4 (emulated: each operand's blocks dequantized to bf16, a bf16 GEMM
+// with an fp32 product, the epilogue dividing by both per-tensor scales):
+// lists and an epilogue per GEMM.  Forward: 0 x, 1 W, 2 x's amax partials,
+// 3-8 x's rowwise data, scales, amax, columnwise data, scales, amax, 9 W's
+// partials, 10-15 W's copies, 16 x in bf16, 17 W in bf16, 18 the fp32
+// product, 19 y, 20 the bias (the product without one); the list is x's
+// amax and quantize passes, W's, then the two dequantizations.  Backward:
+// 0 dy, 1 its partials, 2-3 the stochastic draws for dy's rowwise and
+// columnwise copies (the partials where none), 4-9 dy's copies, 10-12 x's
+// saved columnwise copy, 13-15 W's, 16 dy rowwise in bf16, 17 W columnwise
+// in bf16, 18 dy columnwise in bf16, 19 x columnwise in bf16, 20 dgrad's
+// product, 21 dx, 22 wgrad's product, 23 dW.  An absent copy is the
+// partials (a buffer not needed, dy).
 struct Plan {
   int64_t recipe = kCurrent;
   int64_t cache = kNoCache;  // the weight cache (`state`: its buffers, after delayed state)
@@ -99,7 +131,10 @@ struct Plan {
   Launch fwd_w;  // blockwise: W's launch (fwd is x's)
   Launch bias_add;  // blockwise with a bias: added to the GEMM's output (slots y, bias)
   std::vector<Launch> fwd_list, bwd_list;  // delayed scaling, MXFP8
-  std::vector<Launch> dgrad_list, wgrad_list;  // MXFP8: the operands' dequantizations
+  std::vector<Launch> dgrad_list, wgrad_list;  // MXFP8, NVFP4: the operands' dequantizations
+  Launch epilogue, dgrad_epilogue, wgrad_epilogue;  // NVFP4
+  int64_t parts_x = 0, parts_w = 0, parts_dy = 0;  // NVFP4: int32 amax partials per tensor
+  bool stochastic = false;  // NVFP4: dy rounded stochastically (torch.rand draws)
   int64_t amax_len = 0;  // delayed scaling: elements of the zeroed amax vector
   int64_t scaling_1x128 = 0, scaling_128x128 = 0;  // F.ScalingType values
   Launch bias_rows, bias_cols;  // the bias gradient (when bias_grad)
@@ -139,6 +174,7 @@ at::Tensor fp8_empty(int64_t r, int64_t c, at::ScalarType dt, const at::Tensor& 
 // copies and their scales (current scaling: a one-element scale_inv each).
 struct Forward {
   at::Tensor y, x_t, x_sinv, w_t, w_sinv;
+  at::Tensor x_amax, w_amax;  // NVFP4: the columnwise copies' amaxes
 };
 
 // (rows, blocks) 128x128 scales with the blocks padded to a multiple of 4
@@ -318,10 +354,61 @@ Forward forward_mx(const Plan& p, const at::Tensor& x, const at::Tensor& w,
           p.w_col ? w_cd : at::Tensor(), p.w_col ? w_cs : at::Tensor()};
 }
 
+// The NVFP4 copies of one (rows, cols) tensor: rowwise data, scales, amax,
+// columnwise data, scales, amax; an absent copy's buffers are `parts`.
+std::array<at::Tensor, 6> nvfp4_copies(int64_t rows, int64_t cols, bool rowwise, bool columnwise,
+                                       const at::Tensor& parts) {
+  constexpr int64_t B = 16;
+  auto u8 = parts.options().dtype(at::kByte), e4m3 = parts.options().dtype(at::kFloat8_e4m3fn);
+  auto f32 = parts.options().dtype(at::kFloat);
+  return {rowwise ? at::empty({rows, cols / 2}, u8) : parts,
+          rowwise ? at::empty({rows, cols / B}, e4m3) : parts,
+          rowwise ? at::empty({1}, f32) : parts,
+          columnwise ? at::empty({cols, rows / 2}, u8) : parts,
+          columnwise ? at::empty({cols, rows / B}, e4m3) : parts,
+          columnwise ? at::empty({1}, f32) : parts};
+}
+
+Forward forward_nvfp4(const Plan& p, const at::Tensor& x, const at::Tensor& w,
+                      const c10::optional<at::Tensor>& bias) {
+  at::NoGradGuard no_grad;
+  at::Tensor x2d = operand(x, p.m, p.k), w2d = operand(w, p.n, p.k);
+  at::Tensor xp = at::empty({p.parts_x}, x.options().dtype(at::kInt));
+  at::Tensor wp = at::empty({p.parts_w}, x.options().dtype(at::kInt));
+  auto xc = nvfp4_copies(p.m, p.k, true, p.x_col, xp);
+  auto wc = nvfp4_copies(p.n, p.k, true, p.w_col, wp);
+  auto bf16 = x.options().dtype(at::kBFloat16);
+  at::Tensor x16 = at::empty({p.m, p.k}, bf16), w16 = at::empty({p.n, p.k}, bf16);
+  std::vector<at::Tensor> slots{x2d,   w2d,   xp,    xc[0], xc[1], xc[2], xc[3],
+                                xc[4], xc[5], wp,    wc[0], wc[1], wc[2], wc[3],
+                                wc[4], wc[5], x16,   w16};
+  auto stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  for (const Launch& l : p.fwd_list) l.run(slots, 0, 0, stream);
+  at::Tensor acc = mm_dtype().call(x16, w16.t(), at::kFloat);
+  at::Tensor y = at::empty(p.out_shape, x.options());
+  slots.push_back(acc);
+  slots.push_back(y.view({p.m, p.n}));
+  slots.push_back(p.bias ? *bias : acc);
+  p.epilogue.run(slots, 0, 0, stream);
+  Forward f{y};
+  if (p.x_col) {
+    f.x_t = xc[3];
+    f.x_sinv = xc[4];
+    f.x_amax = xc[5];
+  }
+  if (p.w_col) {
+    f.w_t = wc[3];
+    f.w_sinv = wc[4];
+    f.w_amax = wc[5];
+  }
+  return f;
+}
+
 // -- the autograd node ---------------------------------------------------------
 struct LinearFp8Backward : public Node {
   std::shared_ptr<const Plan> plan;
   SavedVariable x_t_, x_sinv_, w_t_, w_sinv_;
+  SavedVariable x_amax_, w_amax_;  // NVFP4
   at::Tensor history_bwd, scale_bwd;  // delayed scaling: the layer's buffers (updated)
   at::Tensor main_grad;  // fuse_wgrad_accumulation: receives W's gradient (add_)
   int64_t lo = 0, hi = 0;
@@ -333,18 +420,22 @@ struct LinearFp8Backward : public Node {
   // The gradients by the Python path's backward from the same saved copies.
   void python_path(const at::Tensor& dy, variable_list& out) {
     auto arg = [](const at::Tensor& t) { return t.defined() ? py::cast(t) : py::none(); };
-    at::Tensor x_t, x_sinv, w_t, w_sinv;
+    at::Tensor x_t, x_sinv, w_t, w_sinv, x_amax, w_amax;
+    bool nvfp4 = plan->recipe == kNvfp4;
     if (w_grad) {
       x_t = x_t_.unpack();
       x_sinv = x_sinv_.unpack();
+      if (nvfp4) x_amax = x_amax_.unpack();
     }
     if (x_grad) {
       w_t = w_t_.unpack();
       w_sinv = w_sinv_.unpack();
+      if (nvfp4) w_amax = w_amax_.unpack();
     }
     py::gil_scoped_acquire gil;
     py::tuple res = py::handle(plan->python_backward.fn)(arg(dy), arg(x_t), arg(x_sinv),
-                                                          arg(w_t), arg(w_sinv));
+                                                          arg(w_t), arg(w_sinv), arg(x_amax),
+                                                          arg(w_amax));
     size_t i = 0;
     for (int k = 0; k < 3; ++k) {
       if ((k == 0 && !x_grad) || (k == 1 && !w_grad) || (k == 2 && !b_grad)) continue;
@@ -358,6 +449,8 @@ struct LinearFp8Backward : public Node {
     x_sinv_.reset_data();
     w_t_.reset_data();
     w_sinv_.reset_data();
+    x_amax_.reset_data();
+    w_amax_.reset_data();
     history_bwd.reset();
     scale_bwd.reset();
     main_grad.reset();
@@ -380,6 +473,8 @@ struct LinearFp8Backward : public Node {
         block_grads(p, dy, dy2d, out, i, stream);
       } else if (p.recipe == kMx) {
         mx_grads(p, dy, dy2d, out, i, stream);
+      } else if (p.recipe == kNvfp4) {
+        nvfp4_grads(p, dy, dy2d, out, i, stream);
       } else {
         current_grads(p, dy, dy2d, out, i, lo, hi, stream);
       }
@@ -480,6 +575,54 @@ struct LinearFp8Backward : public Node {
         for (const Launch& l : p.wgrad_list) l.run(slots, 0, 0, stream);
         at::Tensor dw = at::mm(dy16c.t(), x16c);
         out[i] = dw.scalar_type() == p.wgrad_dtype ? dw : dw.to(p.wgrad_dtype);
+      }
+      ++i;
+    }
+  }
+
+  // dgrad and wgrad under NVFP4 (cuda_gemm._emulated_nvfp4's calls)
+  void nvfp4_grads(const Plan& p, const at::Tensor& dy, const at::Tensor& dy2d,
+                   variable_list& out, size_t& i, cudaStream_t stream) {
+    if (!(x_grad || w_grad)) return;
+    at::Tensor dp = at::empty({p.parts_dy}, dy.options().dtype(at::kInt));
+    auto f32 = dy.options().dtype(at::kFloat);
+    // the draws in the Python path's order: the rowwise copy's, then the columnwise one's
+    at::Tensor r_row = p.stochastic && p.dgrad ? at::rand({p.m, p.n}, f32) : dp;
+    at::Tensor r_col = p.stochastic && p.wgrad ? at::rand({p.n, p.m}, f32) : dp;
+    auto dc = nvfp4_copies(p.m, p.n, p.dgrad, p.wgrad, dp);
+    auto saved = [&](bool on, SavedVariable& t, SavedVariable& s, SavedVariable& a) {
+      return on ? std::array<at::Tensor, 3>{t.unpack(), s.unpack(), a.unpack()}
+                : std::array<at::Tensor, 3>{dy2d, dy2d, dy2d};
+    };
+    auto xc = saved(w_grad, x_t_, x_sinv_, x_amax_), wc = saved(x_grad, w_t_, w_sinv_, w_amax_);
+    auto bf16 = dy.options().dtype(at::kBFloat16);
+    at::Tensor dy16 = x_grad ? at::empty({p.m, p.n}, bf16) : dy2d;
+    at::Tensor w16c = x_grad ? at::empty({p.k, p.n}, bf16) : dy2d;
+    at::Tensor dy16c = w_grad ? at::empty({p.n, p.m}, bf16) : dy2d;
+    at::Tensor x16c = w_grad ? at::empty({p.k, p.m}, bf16) : dy2d;
+    std::vector<at::Tensor> slots{dy2d,  dp,    r_row, r_col, dc[0], dc[1], dc[2], dc[3],
+                                  dc[4], dc[5], xc[0], xc[1], xc[2], wc[0], wc[1], wc[2],
+                                  dy16,  w16c,  dy16c, x16c,  dy2d,  dy2d,  dy2d,  dy2d};
+    for (const Launch& l : p.bwd_list) l.run(slots, 0, 0, stream);
+    if (x_grad) {
+      if (should_compute_output(i)) {
+        for (const Launch& l : p.dgrad_list) l.run(slots, 0, 0, stream);
+        at::Tensor dx = at::empty(p.in_shape, dy.options());
+        slots[20] = mm_dtype().call(dy16, w16c.t(), at::kFloat);
+        slots[21] = dx.view({p.m, p.k});
+        p.dgrad_epilogue.run(slots, 0, 0, stream);
+        out[i] = dx;
+      }
+      ++i;
+    }
+    if (w_grad) {
+      if (should_compute_output(i)) {
+        for (const Launch& l : p.wgrad_list) l.run(slots, 0, 0, stream);
+        at::Tensor dw = at::empty({p.n, p.k}, dy.options().dtype(p.wgrad_dtype));
+        slots[22] = mm_dtype().call(dy16c, x16c.t(), at::kFloat);
+        slots[23] = dw;
+        p.wgrad_epilogue.run(slots, 0, 0, stream);
+        out[i] = dw;
       }
       ++i;
     }
@@ -590,9 +733,10 @@ at::Tensor run(const std::shared_ptr<Plan>& plan, const at::Tensor& x, const at:
                const std::vector<at::Tensor>& state, bool record, const GivenX* given) {
   const Plan& p = *plan;
   c10::cuda::CUDAGuard guard(x.device());
-  Forward f = p.recipe == kBlock ? forward_block(p, x, w, bias, state)
-              : p.recipe == kMx  ? forward_mx(p, x, w, bias)
-                                 : forward_current(p, x, w, bias, lo, hi, state, given);
+  Forward f = p.recipe == kBlock   ? forward_block(p, x, w, bias, state)
+              : p.recipe == kMx    ? forward_mx(p, x, w, bias)
+              : p.recipe == kNvfp4 ? forward_nvfp4(p, x, w, bias)
+                                   : forward_current(p, x, w, bias, lo, hi, state, given);
   if (!record) return f.y;
   auto node = NodeMaker<LinearFp8Backward, NodeHolder>::make();
   node->plan = plan;
@@ -614,10 +758,12 @@ at::Tensor run(const std::shared_ptr<Plan>& plan, const at::Tensor& x, const at:
   if (node->x_grad) {
     node->w_t_ = SavedVariable(f.w_t, false);
     node->w_sinv_ = SavedVariable(f.w_sinv, false);
+    if (f.w_amax.defined()) node->w_amax_ = SavedVariable(f.w_amax, false);
   }
   if (node->w_grad) {
     node->x_t_ = SavedVariable(f.x_t, false);
     node->x_sinv_ = SavedVariable(f.x_sinv, false);
+    if (f.x_amax.defined()) node->x_amax_ = SavedVariable(f.x_amax, false);
   }
   torch::autograd::set_history(f.y, NodeHolder(node));
   return f.y;
@@ -765,9 +911,32 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              p.wgrad_list = std::move(wgrad_list);
              if (bias_add) p.bias_add = std::move(*bias_add);
            })
+      .def("set_nvfp4",
+           [](Plan& p, std::vector<Launch> fwd_list, Launch epilogue, std::vector<Launch> bwd_list,
+              std::vector<Launch> dgrad_list, std::optional<Launch> dgrad_epilogue,
+              std::vector<Launch> wgrad_list, std::optional<Launch> wgrad_epilogue,
+              int64_t parts_x, int64_t parts_w, int64_t parts_dy, bool stochastic) {
+             TORCH_CHECK(fwd_list.size() == 6 && p.m % 16 == 0 && p.k % 16 == 0 &&
+                             p.n % 16 == 0 && parts_x > 0 && parts_w > 0 &&
+                             (!p.dgrad || dgrad_epilogue.has_value()) &&
+                             (!p.wgrad || wgrad_epilogue.has_value()),
+                         "te native: bad NVFP4 plan");
+             p.recipe = kNvfp4;
+             p.fwd_list = std::move(fwd_list);
+             p.epilogue = std::move(epilogue);
+             p.bwd_list = std::move(bwd_list);
+             p.dgrad_list = std::move(dgrad_list);
+             p.wgrad_list = std::move(wgrad_list);
+             if (dgrad_epilogue) p.dgrad_epilogue = std::move(*dgrad_epilogue);
+             if (wgrad_epilogue) p.wgrad_epilogue = std::move(*wgrad_epilogue);
+             p.parts_x = parts_x;
+             p.parts_w = parts_w;
+             p.parts_dy = parts_dy;
+             p.stochastic = stochastic;
+           })
       .def("set_cache",
            [](Plan& p, int64_t cache) {
-             TORCH_CHECK(p.recipe != kMx && cache >= kNoCache &&
+             TORCH_CHECK(p.recipe != kMx && p.recipe != kNvfp4 && cache >= kNoCache &&
                              cache <= kReadCache && (cache != kWriteCache || p.w_col),
                          "te native: a weight cache is for current, delayed or blockwise scaling, "
                          "written with W's columnwise copy");
@@ -781,7 +950,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            })
       .def("set_main_grad",
            [](Plan& p) {
-             TORCH_CHECK(p.wgrad && p.recipe != kMx,
+             TORCH_CHECK(p.wgrad && p.recipe != kMx && p.recipe != kNvfp4,
                          "te native: main_grad is for a weight gradient under FP8 current, "
                          "delayed or blockwise scaling");
              p.main_grad = true;
@@ -799,6 +968,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear);
   m.def("norm_linear", &norm_linear);
   m.def("has_block_gemm", &has_block_gemm);
+  m.def("has_mm_dtype", &has_mm_dtype);
   te_native::register_norm(m);
   te_native::register_act(m);
 }

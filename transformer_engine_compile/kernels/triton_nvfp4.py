@@ -276,7 +276,19 @@ def quantize_nvfp4(x2d, block_2d, rht, stochastic, rowwise, columnwise) -> dict:
     if (x2d.numel() == 0 or m % b or k % b or x2d.dtype not in _DTYPES
             or not (rowwise or columnwise)):
         return ref.quantize_nvfp4(x2d, block_2d, rht, stochastic, rowwise, columnwise)
-    x2d = _matrix(x2d)
+    launches, out = quantize_calls(_matrix(x2d), block_2d, rht, stochastic, rowwise, columnwise)
+    for launcher, grid, key, args in launches:
+        launcher(grid, key, *args)
+    return out
+
+
+def quantize_calls(x2d, block_2d, rht, stochastic, rowwise, columnwise) -> tuple:
+    """:func:`quantize_nvfp4`'s launches on a contiguous ``x2d`` of its fast
+    case, not launched: ``([(launcher, grid, key, args)] * 2, out)`` (the
+    amax pass, then the quantize pass; the native eager path fixes the same
+    launches).  The buffers and the stochastic draws are made here."""
+    m, k = x2d.shape
+    b = ref.NVFP4_BLOCK
     dev = x2d.device
     out = {}
     for name, rows, cols, on in (("rowwise", m, k, rowwise), ("columnwise", k, m, columnwise)):
@@ -290,8 +302,8 @@ def quantize_nvfp4(x2d, block_2d, rht, stochastic, rowwise, columnwise) -> dict:
     xkey = _x_key(x2d, m, k)
     n_parts = min(cdiv(m, _AMAX_BM) * cdiv(k, _AMAX_BK), _MAX_PARTS)
     parts = torch.empty(2 * n_parts, dtype=torch.int32, device=dev)
-    _amax_launch((n_parts,), (xkey, int_key(n_parts), x_amax, rht_amax), x2d, m, k, parts,
-                 n_parts, x_amax, rht_amax, _AMAX_BM, _AMAX_BK)
+    amax = (_amax_launch, (n_parts,), (xkey, int_key(n_parts), x_amax, rht_amax),
+            (x2d, m, k, parts, n_parts, x_amax, rht_amax, _AMAX_BM, _AMAX_BK))
     # the reference's draws: rand_like of the rowwise copy, then the columnwise one;
     # without them the kernel gets ``parts`` (read only), as do absent copies
     r_row = (torch.rand((m, k), dtype=torch.float32, device=dev) if stochastic and rowwise
@@ -300,9 +312,9 @@ def quantize_nvfp4(x2d, block_2d, rht, stochastic, rowwise, columnwise) -> dict:
              else parts)
     bufs = tuple(out[name] if name in out else _unused(parts) for name in _BUFFERS)
     flags = (bool(block_2d), bool(rht), bool(stochastic), bool(rowwise), bool(columnwise))
-    _nvfp4_launch((cdiv(m, _BM), cdiv(k, _BK)), (xkey, int_key(n_parts), flags),
-                  x2d, m, k, parts, n_parts, r_row, r_col, *bufs, *flags, _BM, _BK, _MAX_PARTS)
-    return out
+    quant = (_nvfp4_launch, (cdiv(m, _BM), cdiv(k, _BK)), (xkey, int_key(n_parts), flags),
+             (x2d, m, k, parts, n_parts, r_row, r_col, *bufs, *flags, _BM, _BK, _MAX_PARTS))
+    return [amax, quant], out
 
 
 # -- the emulated GEMM's operands and epilogue ----------------------------------------
@@ -355,12 +367,19 @@ def dequantize_nvfp4_blocks(packed, scale_q, out_dtype=torch.bfloat16) -> torch.
     if (packed.numel() == 0 or out_dtype not in _TL_OUT or scale_q.shape != (r, c // 16)
             or packed.dtype != torch.uint8 or scale_q.dtype != torch.float8_e4m3fn):
         return ref.dequantize_nvfp4_blocks(packed, scale_q, out_dtype)
-    packed, scale_q = _matrix(packed), _matrix(scale_q)
     out = torch.empty((r, c), dtype=out_dtype, device=packed.device)
-    _blocks_launch((cdiv(r, _G_BM), cdiv(c, _G_BK)),
-                   (ptr_key(packed), ptr_key(scale_q), int_key(r), int_key(c), out_dtype),
-                   packed, scale_q, out, r, c, _TL_OUT[out_dtype], _G_BM, _G_BK)
+    launcher, grid, key, args = dequantize_call(_matrix(packed), _matrix(scale_q), out)
+    launcher(grid, key, *args)
     return out
+
+
+def dequantize_call(packed, scale_q, out) -> tuple:
+    """:func:`dequantize_nvfp4_blocks`' launch into ``out`` (contiguous
+    operands of its fast case), not launched: ``(launcher, grid, key, args)``."""
+    r, c = out.shape
+    return (_blocks_launch, (cdiv(r, _G_BM), cdiv(c, _G_BK)),
+            (ptr_key(packed), ptr_key(scale_q), int_key(r), int_key(c), out.dtype),
+            (packed, scale_q, out, r, c, _TL_OUT[out.dtype], _G_BM, _G_BK))
 
 
 def nvfp4_gemm_epilogue(acc, amax_a, amax_b, bias, out_dtype) -> torch.Tensor:
@@ -368,13 +387,21 @@ def nvfp4_gemm_epilogue(acc, amax_a, amax_b, bias, out_dtype) -> torch.Tensor:
             or out_dtype not in _TL_OUT or (bias is not None and bias.dtype not in _TL_OUT)):
         return ref.nvfp4_gemm_epilogue(acc, amax_a, amax_b, bias, out_dtype)
     acc = _matrix(acc)
-    m, n = acc.shape
-    out = torch.empty((m, n), dtype=out_dtype, device=acc.device)
-    has_bias = bias is not None
-    bias_arg = _matrix(bias) if has_bias else acc
-    _epilogue_launch((cdiv(m, _G_BM), cdiv(n, _G_BK)),
-                     (_x_key(acc, m, n), amax_a.dtype, ptr_key(amax_a), amax_b.dtype,
-                      ptr_key(amax_b), bias_arg.dtype, ptr_key(bias_arg), has_bias, out_dtype),
-                     acc, amax_a, amax_b, bias_arg, out, m, n, has_bias, _TL_OUT[out_dtype],
-                     _G_BM, _G_BK)
+    out = torch.empty(acc.shape, dtype=out_dtype, device=acc.device)
+    launcher, grid, key, args = epilogue_call(acc, amax_a, amax_b,
+                                              None if bias is None else _matrix(bias), out)
+    launcher(grid, key, *args)
     return out
+
+
+def epilogue_call(acc, amax_a, amax_b, bias, out) -> tuple:
+    """:func:`nvfp4_gemm_epilogue`'s launch into ``out`` (contiguous operands
+    of its fast case), not launched: ``(launcher, grid, key, args)``."""
+    m, n = acc.shape
+    has_bias = bias is not None
+    bias_arg = bias if has_bias else acc
+    return (_epilogue_launch, (cdiv(m, _G_BM), cdiv(n, _G_BK)),
+            (_x_key(acc, m, n), amax_a.dtype, ptr_key(amax_a), amax_b.dtype,
+             ptr_key(amax_b), bias_arg.dtype, ptr_key(bias_arg), has_bias, out.dtype),
+            (acc, amax_a, amax_b, bias_arg, out, m, n, has_bias, _TL_OUT[out.dtype],
+             _G_BM, _G_BK))

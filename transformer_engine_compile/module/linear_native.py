@@ -37,6 +37,7 @@ from ..quantization.blockwise import Float8BlockQuantizer, Float8BlockwiseQTenso
 from ..quantization.float8 import (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer,
                                    Float8TensorStorage)
 from ..quantization.mxfp8 import MXFP8Quantizer
+from ..quantization.nvfp4 import NVFP4Quantizer
 from .linear_ops import (LINEAR_OPS, LinearFwdArgs, _grad_output_quantizer, _input_quantizer,
                          _paired_weight_quantizer, _tp, _weight_quantizer)
 
@@ -125,6 +126,11 @@ def _eligible(args: LinearFwdArgs) -> bool:
         return (m % 32 == 0 and k % 32 == 0 and n % 32 == 0 and x.dtype != torch.float32
                 and w.dtype != torch.float32 and kernels.has_fast("quantize_mxfp8", "cuda")
                 and kernels.has_fast("dequantize_mxfp8", "cuda"))
+    if recipe == "nvfp4":  # the Python path's GEMMs are the bf16 emulation then
+        from ..kernels import cuda_gemm
+        return (m % 16 == 0 and k % 16 == 0 and n % 16 == 0 and cuda_gemm._has_mm_out_dtype()
+                and all(kernels.has_fast(name, "cuda") for name in (
+                    "quantize_nvfp4", "dequantize_nvfp4_blocks", "nvfp4_gemm_epilogue")))
     if recipe == "block":  # the Python path's GEMM is cuBLAS's block-scaled one then
         from ..kernels import cuda_gemm
         return (m % 128 == 0 and k % 128 == 0 and n % 128 == 0
@@ -152,8 +158,8 @@ def _wgrad_dtype(args: LinearFwdArgs) -> str:
 
 
 def _recipe(args: LinearFwdArgs):
-    """"current", "delayed", "block" or "mx" where the quantizers are ones a
-    plan runs, else None."""
+    """"current", "delayed", "block", "mx" or "nvfp4" where the quantizers
+    are ones a plan runs, else None."""
     q, wq, dq = args.input_quantizer, args.weight_quantizer, args.grad_output_quantizer
     grads = args.input_requires_grad or args.weight_requires_grad
     if (type(q) is Float8DelayedScalingQuantizer and type(wq) is type(q)
@@ -166,6 +172,9 @@ def _recipe(args: LinearFwdArgs):
     if all(type(t) is MXFP8Quantizer and t.fp8_format == "e4m3" for t in (q, wq)):
         if not grads or type(dq) is MXFP8Quantizer:
             return "mx"
+    if all(type(t) is NVFP4Quantizer for t in (q, wq)) and (not grads
+                                                            or type(dq) is NVFP4Quantizer):
+        return "nvfp4"
     if all(type(t) is Float8BlockQuantizer and t.fp8_format == "e4m3" for t in (q, wq)) and (
             q.block_scaling_dim == 1 and wq.block_scaling_dim == 2):
         if not grads or (type(dq) is Float8BlockQuantizer and dq.fp8_format == "e4m3"
@@ -236,6 +245,8 @@ def plan_for(args: LinearFwdArgs, given_x: bool = False):
         return _delayed_plan(ext, args, m, k, n, slot, given_x)
     if _recipe(args) == "mx":
         return _mx_plan(ext, args, m, k, n, slot)
+    if _recipe(args) == "nvfp4":
+        return _nvfp4_plan(ext, args, m, k, n, slot)
     q = _input_quantizer(args)
     cache = _cache_mode(args)
     # reading the weight cache, x is quantized alone (its own launch, as the
@@ -440,6 +451,92 @@ def _mx_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
     return _with_bias_grad(ext, plan, args, slot)
 
 
+def _nvfp4_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
+    """A :class:`NativeLinear` under NVFP4BlockScaling (emulated, as the
+    Python path runs it: cuda_gemm._emulated_nvfp4): x, W and dy quantized
+    by the NVFP4 kernels (amax pass, quantize pass; dy with the stochastic
+    draws), each GEMM's operands dequantized to bf16 by the blocks kernel,
+    torch's bf16 GEMM with an fp32 product, and the epilogue kernel."""
+    from ..kernels import triton_nvfp4 as tn  # Triton: imported on CUDA only
+    x, w = args.inp, args.weight
+    q, wq = _input_quantizer(args), _weight_quantizer(args)
+    if not ext.has_mm_dtype() or q.stochastic_rounding or wq.stochastic_rounding:
+        return None  # the forward's copies are rounded to nearest (the recipe's)
+    dgrad, wgrad = args.input_requires_grad, args.weight_requires_grad
+    dev, bf16, f32 = x.device, torch.bfloat16, torch.float32
+
+    def quant(a2d, quantizer):  # (launches, (parts, six buffers), the two draws)
+        launches, out = tn.quantize_calls(a2d, quantizer.with_2d_quantization,
+                                          quantizer.with_rht, quantizer.stochastic_rounding,
+                                          quantizer.rowwise_usage, quantizer.columnwise_usage)
+        qargs = launches[1][3]
+        parts = qargs[3]
+        return launches, (parts, *(out.get(name, parts) for name in tn._BUFFERS)), qargs[5:7]
+
+    def empty(r, c, dtype=bf16):
+        return torch.zeros((r, c), dtype=dtype, device=dev)
+
+    # planning draws dy's stochastic rounding on scratch: the generator is left
+    # as it was, so the run's draws stay the Python path's
+    with torch.no_grad(), torch.random.fork_rng(devices=[dev.index]):
+        x2d, w2d = empty(m, k, x.dtype), empty(n, k, w.dtype)
+        lqx, xs, _ = quant(x2d, q)
+        lqw, ws, _ = quant(w2d, wq)
+        x16, w16 = empty(m, k), empty(n, k)
+        acc, y2d = empty(m, n, f32), empty(m, n, x.dtype)
+        bias = None if args.bias is None else torch.zeros(n, dtype=x.dtype, device=dev)
+        table = [x2d, w2d, *xs, *ws, x16, w16, acc, y2d, acc if bias is None else bias]
+        fwd = _listed_launches(ext, dev, [*lqx, *lqw, tn.dequantize_call(xs[1], xs[2], x16),
+                                          tn.dequantize_call(ws[1], ws[2], w16)], table)
+        epilogue = _listed_launches(ext, dev, [tn.epilogue_call(acc, xs[3], ws[3], bias, y2d)],
+                                    table)
+        bwd, dgrad_list, wgrad_list, epis = [], [], [], [None, None]
+        parts_dy, stochastic = 0, False
+        if dgrad or wgrad:
+            dq = _grad_output_quantizer(args)
+            stochastic = dq.stochastic_rounding
+            dy2d = empty(m, n, x.dtype)
+            lqd, ds, (r_row, r_col) = quant(dy2d, dq)
+            parts_dy = ds[0].shape[0]
+            # the saved columnwise copies: scratch of their shapes (dy2d where absent)
+            u8, e4m3 = torch.uint8, torch.float8_e4m3fn
+            x_c = ((empty(k, m // 2, u8), empty(k, m // 16, e4m3), empty(1, 1, f32).view(1))
+                   if wgrad else (dy2d,) * 3)
+            w_c = ((empty(k, n // 2, u8), empty(k, n // 16, e4m3), empty(1, 1, f32).view(1))
+                   if dgrad else (dy2d,) * 3)
+            dy16, w16c = (empty(m, n), empty(k, n)) if dgrad else (dy2d, dy2d)
+            dy16c, x16c = (empty(n, m), empty(k, m)) if wgrad else (dy2d, dy2d)
+            acc_d, dx = (empty(m, k, f32), empty(m, k, x.dtype)) if dgrad else (dy2d, dy2d)
+            acc_w, dw = ((empty(n, k, f32), empty(n, k, w.dtype)) if wgrad
+                         else (dy2d, dy2d))
+            table = [dy2d, ds[0], r_row, r_col, *ds[1:], *x_c, *w_c, dy16, w16c, dy16c, x16c,
+                     acc_d, dx, acc_w, dw]
+            bwd = _listed_launches(ext, dev, lqd, table)
+            if dgrad:
+                dgrad_list = _listed_launches(ext, dev, [
+                    tn.dequantize_call(ds[1], ds[2], dy16),
+                    tn.dequantize_call(w_c[0], w_c[1], w16c)], table)
+                epis[0] = _listed_launches(ext, dev, [
+                    tn.epilogue_call(acc_d, ds[3], w_c[2], None, dx)], table)
+            if wgrad:
+                wgrad_list = _listed_launches(ext, dev, [
+                    tn.dequantize_call(ds[4], ds[5], dy16c),
+                    tn.dequantize_call(x_c[0], x_c[1], x16c)], table)
+                epis[1] = _listed_launches(ext, dev, [
+                    tn.epilogue_call(acc_w, ds[6], x_c[2], None, dw)], table)
+    if None in (fwd, epilogue, bwd, dgrad_list, wgrad_list) or (
+            (dgrad and epis[0] is None) or (wgrad and epis[1] is None)):
+        return None
+    names = ("columnwise_data", "columnwise_scale_inv", "columnwise_amax")
+    plan = ext.Plan(fwd[0], fwd[0], _PythonBackward(args, q, wq, names),
+                    _DTYPE_NAMES[x.dtype], dev.index, m, k, n, "float8_e4m3fn", "float8_e4m3fn",
+                    _DTYPE_NAMES[w.dtype], q.columnwise_usage, wq.columnwise_usage, dgrad, wgrad,
+                    args.bias is not None, list(x.shape[:-1]) + [n], list(x.shape))
+    plan.set_nvfp4(fwd, epilogue[0], bwd, dgrad_list, epis[0] and epis[0][0], wgrad_list,
+                   epis[1] and epis[1][0], xs[0].shape[0], ws[0].shape[0], parts_dy, stochastic)
+    return _with_bias_grad(ext, plan, args, slot)
+
+
 def _listed_launches(ext, device, launches, slots):
     """Native launches of ``launches`` (each launched once here, which
     compiles it) over the slot table ``slots``; None if one cannot be."""
@@ -531,7 +628,7 @@ class _PythonBackward:
     The saved copies become the storages the Python forward would have saved."""
 
     def __init__(self, args: LinearFwdArgs, q, wq, names, state_bwd=(None, None)):
-        self.names = names  # the buffer names of a columnwise copy and its scales
+        self.names = names  # the buffer names of a columnwise copy, its scales (and amax)
         self.state_bwd = state_bwd  # DelayedScaling: the backward history and scales
         self.values = LINEAR_OPS.setup_context(args)
         self.main_grad = args.main_grad  # fuse_wgrad_accumulation: W's gradient added there
@@ -539,15 +636,18 @@ class _PythonBackward:
         self.w_shape, self.w_dtype = tuple(args.weight.shape), args.weight.dtype
         self.xq, self.wq = q.usage_variant(False, True), wq.usage_variant(False, True)
 
-    def __call__(self, dy, x_t, x_sinv, w_t, w_sinv):
+    def __call__(self, dy, x_t, x_sinv, w_t, w_sinv, x_amax=None, w_amax=None):
         from ..dynamo.custom_op import apply_updates
         from ..kernels.tracing import eager_buffers_in_place
         x = w = None
-        data, scale = self.names
+
+        def buffers(*tensors):  # NVFP4's copies also have their amax
+            return dict(zip(self.names, tensors))
+
         if x_t is not None:
-            x = self.xq.from_buffers(self.x_shape, self.x_dtype, {data: x_t, scale: x_sinv})
+            x = self.xq.from_buffers(self.x_shape, self.x_dtype, buffers(x_t, x_sinv, x_amax))
         if w_t is not None:
-            w = self.wq.from_buffers(self.w_shape, self.w_dtype, {data: w_t, scale: w_sinv})
+            w = self.wq.from_buffers(self.w_shape, self.w_dtype, buffers(w_t, w_sinv, w_amax))
         saved = {"inputmat": x, "weightmat": w, "main_grad": self.main_grad,
                  "amax_history_bwd": self.state_bwd[0], "scale_bwd": self.state_bwd[1]}
         bwd_args = LINEAR_OPS.make_bwd_args(saved, self.values, {"grad_output": dy})
