@@ -149,9 +149,22 @@ void record(const std::shared_ptr<NormPlan>& plan, const at::Tensor& x, const at
   torch::autograd::set_history(y, NodeHolder(node));
 }
 
-// gamma as the kernels take it (norm_ops._gamma)
-at::Tensor gamma_of(const NormPlan& p, const at::Tensor& w) {
-  return p.zero_centered ? w.to(at::kFloat).add(1) : w;
+// What a forward launch reads and writes besides y: x as (M, K), gamma as
+// the kernels take it (norm_ops._gamma: 1 + w in fp32 when zero-centred),
+// the fp32 mean (x for RMSNorm: not written) and rstd per row.
+struct NormInputs {
+  at::Tensor x2d, gamma, mean, rstd;
+};
+
+NormInputs inputs(const NormPlan& p, const at::Tensor& x, const at::Tensor& w) {
+  at::NoGradGuard no_grad;
+  NormInputs in;
+  in.x2d = operand(x, p.m, p.k);
+  in.gamma = p.zero_centered ? w.to(at::kFloat).add(1) : w;
+  auto f32 = x.options().dtype(at::kFloat);
+  in.rstd = at::empty({p.m}, f32);
+  in.mean = p.rms ? in.x2d : at::empty({p.m}, f32);
+  return in;
 }
 
 // norm(x) with gamma (`w`, or 1 + w when zero-centred) and beta (`b`,
@@ -164,19 +177,16 @@ at::Tensor norm(const std::shared_ptr<NormPlan>& plan, const at::Tensor& x, cons
   int rec = p.fp8 ? -1 : fits(p, x, w, b);  // an FP8-writing plan runs in norm_fp8
   if (rec < 0) return at::Tensor();
   c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor x2d, gamma, mean, rstd, y;
+  NormInputs in = inputs(p, x, w);
+  at::Tensor y;
   {
     at::NoGradGuard no_grad;
-    x2d = operand(x, p.m, p.k);
-    gamma = gamma_of(p, w);
-    auto f32 = x.options().dtype(at::kFloat);
-    rstd = at::empty({p.m}, f32);
-    mean = p.rms ? x2d : at::empty({p.m}, f32);
     y = at::empty(p.shape, x.options());
     auto stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
-    p.fwd.run({x2d, gamma, p.rms ? gamma : *b, y.view({p.m, p.k}), mean, rstd}, 0, 0, stream);
+    p.fwd.run({in.x2d, in.gamma, p.rms ? in.gamma : *b, y.view({p.m, p.k}), in.mean, in.rstd},
+              0, 0, stream);
   }
-  if (rec) record(plan, x, w, b, y, x2d, mean, rstd, gamma);
+  if (rec) record(plan, x, w, b, y, in.x2d, in.mean, in.rstd, in.gamma);
   return y;
 }
 
@@ -197,14 +207,11 @@ NormFp8 norm_fp8(const std::shared_ptr<NormPlan>& plan, const at::Tensor& x,
   const NormPlan& p = *plan;
   NormFp8 out;
   out.with_y = p.with_y;
-  at::Tensor x2d, gamma, mean, rstd;
+  NormInputs in = inputs(p, x, w);
+  const at::Tensor& x2d = in.x2d;
   {
     at::NoGradGuard no_grad;
-    x2d = operand(x, p.m, p.k);
-    gamma = gamma_of(p, w);
     auto f32 = x.options().dtype(at::kFloat);
-    rstd = at::empty({p.m}, f32);
-    mean = p.rms ? x2d : at::empty({p.m}, f32);
     // what autograd sees of the norm's output where y is not written: its
     // shape and dtype over one element of storage, never read (the linear
     // reads the FP8 copies)
@@ -215,13 +222,13 @@ NormFp8 norm_fp8(const std::shared_ptr<NormPlan>& plan, const at::Tensor& x,
     out.sinv = at::empty({1}, f32);
     out.t = p.fp8_col ? at::empty({p.k, p.m}, x.options().dtype(p.fp8_dtype)) : x2d;
     auto stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
-    std::vector<at::Tensor> slots{x2d,     gamma, p.rms ? gamma : *b,
+    std::vector<at::Tensor> slots{x2d,     in.gamma, p.rms ? in.gamma : *b,
                                   p.with_y ? out.ln_out.view({p.m, p.k}) : x2d,
-                                  mean,    rstd,  amaxes, scale, out.data, out.sinv, out.t};
+                                  in.mean, in.rstd, amaxes, scale, out.data, out.sinv, out.t};
     p.fwd.run(slots, 0, 0, stream);
     if (p.fp8_col) p.transpose.run(slots, 0, 0, stream);
   }
-  if (rec) record(plan, x, w, b, out.ln_out, x2d, mean, rstd, gamma);
+  if (rec) record(plan, x, w, b, out.ln_out, x2d, in.mean, in.rstd, in.gamma);
   return out;
 }
 

@@ -476,6 +476,13 @@ def _nvfp4_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
     def empty(r, c, dtype=bf16):
         return torch.zeros((r, c), dtype=dtype, device=dev)
 
+    def gemm(a, b, a16, b16, acc, out, bias, table):
+        """A GEMM's launches over ``table`` (``a``, ``b``: an operand's data,
+        scales and amax): the operands' dequantizations, then the epilogue."""
+        return (_listed_launches(ext, dev, [tn.dequantize_call(a[0], a[1], a16),
+                                            tn.dequantize_call(b[0], b[1], b16)], table),
+                _listed_launches(ext, dev, [tn.epilogue_call(acc, a[2], b[2], bias, out)], table))
+
     # planning draws dy's stochastic rounding on scratch: the generator is left
     # as it was, so the run's draws stay the Python path's
     with torch.no_grad(), torch.random.fork_rng(devices=[dev.index]):
@@ -486,10 +493,9 @@ def _nvfp4_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
         acc, y2d = empty(m, n, f32), empty(m, n, x.dtype)
         bias = None if args.bias is None else torch.zeros(n, dtype=x.dtype, device=dev)
         table = [x2d, w2d, *xs, *ws, x16, w16, acc, y2d, acc if bias is None else bias]
-        fwd = _listed_launches(ext, dev, [*lqx, *lqw, tn.dequantize_call(xs[1], xs[2], x16),
-                                          tn.dequantize_call(ws[1], ws[2], w16)], table)
-        epilogue = _listed_launches(ext, dev, [tn.epilogue_call(acc, xs[3], ws[3], bias, y2d)],
-                                    table)
+        fwd = _listed_launches(ext, dev, lqx + lqw, table)
+        deq, epilogue = gemm(xs[1:4], ws[1:4], x16, w16, acc, y2d, bias, table)
+        fwd = None if None in (fwd, deq) else fwd + deq
         bwd, dgrad_list, wgrad_list, epis = [], [], [], [None, None]
         parts_dy, stochastic = 0, False
         if dgrad or wgrad:
@@ -512,18 +518,10 @@ def _nvfp4_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
             table = [dy2d, ds[0], r_row, r_col, *ds[1:], *x_c, *w_c, dy16, w16c, dy16c, x16c,
                      acc_d, dx, acc_w, dw]
             bwd = _listed_launches(ext, dev, lqd, table)
-            if dgrad:
-                dgrad_list = _listed_launches(ext, dev, [
-                    tn.dequantize_call(ds[1], ds[2], dy16),
-                    tn.dequantize_call(w_c[0], w_c[1], w16c)], table)
-                epis[0] = _listed_launches(ext, dev, [
-                    tn.epilogue_call(acc_d, ds[3], w_c[2], None, dx)], table)
-            if wgrad:
-                wgrad_list = _listed_launches(ext, dev, [
-                    tn.dequantize_call(ds[4], ds[5], dy16c),
-                    tn.dequantize_call(x_c[0], x_c[1], x16c)], table)
-                epis[1] = _listed_launches(ext, dev, [
-                    tn.epilogue_call(acc_w, ds[6], x_c[2], None, dw)], table)
+            if dgrad:  # dy rowwise times W columnwise
+                dgrad_list, epis[0] = gemm(ds[1:4], w_c, dy16, w16c, acc_d, dx, None, table)
+            if wgrad:  # dy columnwise times x columnwise
+                wgrad_list, epis[1] = gemm(ds[4:7], x_c, dy16c, x16c, acc_w, dw, None, table)
     if None in (fwd, epilogue, bwd, dgrad_list, wgrad_list) or (
             (dgrad and epis[0] is None) or (wgrad and epis[1] is None)):
         return None
