@@ -369,7 +369,8 @@ def test_native_fused_weight_caching(ext, calls, kind, rec):
     assert [type(p).__name__ for p in plans(layer)] == [plan_class] * 2
 
 
-@CURRENT_DELAYED
+@pytest.mark.parametrize("rec", [CURRENT, DELAYED, NVFP4_PLAIN],
+                         ids=["fp8_current", "fp8_delayed", "nvfp4"])
 @BOTH
 def test_native_fused_wgrad_accumulation(ext, calls, kind, rec):
     """``fuse_wgrad_accumulation``: each GEMM's native node adds its weight

@@ -616,13 +616,13 @@ struct LinearFp8Backward : public Node {
       ++i;
     }
     if (w_grad) {
-      if (should_compute_output(i)) {
+      if (should_compute_output(i) || main_grad.defined()) {
         for (const Launch& l : p.wgrad_list) l.run(slots, 0, 0, stream);
         at::Tensor dw = at::empty({p.n, p.k}, dy.options().dtype(p.wgrad_dtype));
         slots[22] = mm_dtype().call(dy16c, x16c.t(), at::kFloat);
         slots[23] = dw;
         p.wgrad_epilogue.run(slots, 0, 0, stream);
-        out[i] = dw;
+        wgrad_out(dw, out, i);
       }
       ++i;
     }
@@ -950,9 +950,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            })
       .def("set_main_grad",
            [](Plan& p) {
-             TORCH_CHECK(p.wgrad && p.recipe != kMx && p.recipe != kNvfp4,
+             TORCH_CHECK(p.wgrad && p.recipe != kMx,
                          "te native: main_grad is for a weight gradient under FP8 current, "
-                         "delayed or blockwise scaling");
+                         "delayed or blockwise scaling, or NVFP4");
              p.main_grad = true;
            })
       .def("set_bias_grad", [](Plan& p, Launch rows, Launch cols, int64_t groups) {

@@ -46,6 +46,7 @@ _GEMM_OUT = (torch.bfloat16, torch.float16, torch.float32)
 NO_CACHE, WRITE_CACHE, READ_CACHE = 0, 1, 2
 _DTYPE_NAMES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2",
                 torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+_GEMM_DTYPE = {_DTYPE_NAMES[t]: t for t in _GEMM_OUT}
 
 
 class NativeLinear:
@@ -143,10 +144,11 @@ def _eligible(args: LinearFwdArgs) -> bool:
 def _main_grad_eligible(args: LinearFwdArgs, recipe, n: int, k: int) -> bool:
     """Whether ``fuse_wgrad_accumulation``'s ``main_grad`` can take the
     native wgrad: a plain tensor of W's shape on x's device, of a dtype
-    the wgrad GEMM writes; under current, delayed or blockwise scaling (the
-    MXFP8 emulation writes a non-bf16 wgrad by another GEMM)."""
+    the wgrad GEMM writes; under current, delayed or blockwise scaling, or
+    NVFP4 (its epilogue writes main_grad's dtype; the MXFP8 emulation
+    writes a non-bf16 wgrad by another GEMM)."""
     g = args.main_grad
-    return (recipe in ("current", "delayed", "block") and args.weight_requires_grad
+    return (recipe in ("current", "delayed", "block", "nvfp4") and args.weight_requires_grad
             and type(g) is torch.Tensor and g.device == args.inp.device
             and tuple(g.shape) == (n, k) and g.dtype in _GEMM_OUT)
 
@@ -513,8 +515,8 @@ def _nvfp4_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
             dy16, w16c = (empty(m, n), empty(k, n)) if dgrad else (dy2d, dy2d)
             dy16c, x16c = (empty(n, m), empty(k, m)) if wgrad else (dy2d, dy2d)
             acc_d, dx = (empty(m, k, f32), empty(m, k, x.dtype)) if dgrad else (dy2d, dy2d)
-            acc_w, dw = ((empty(n, k, f32), empty(n, k, w.dtype)) if wgrad
-                         else (dy2d, dy2d))
+            acc_w, dw = ((empty(n, k, f32), empty(n, k, _GEMM_DTYPE[_wgrad_dtype(args)]))
+                         if wgrad else (dy2d, dy2d))
             table = [dy2d, ds[0], r_row, r_col, *ds[1:], *x_c, *w_c, dy16, w16c, dy16c, x16c,
                      acc_d, dx, acc_w, dw]
             bwd = _listed_launches(ext, dev, lqd, table)
@@ -528,7 +530,7 @@ def _nvfp4_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
     names = ("columnwise_data", "columnwise_scale_inv", "columnwise_amax")
     plan = ext.Plan(fwd[0], fwd[0], _PythonBackward(args, q, wq, names),
                     _DTYPE_NAMES[x.dtype], dev.index, m, k, n, "float8_e4m3fn", "float8_e4m3fn",
-                    _DTYPE_NAMES[w.dtype], q.columnwise_usage, wq.columnwise_usage, dgrad, wgrad,
+                    _wgrad_dtype(args), q.columnwise_usage, wq.columnwise_usage, dgrad, wgrad,
                     args.bias is not None, list(x.shape[:-1]) + [n], list(x.shape))
     plan.set_nvfp4(fwd, epilogue[0], bwd, dgrad_list, epis[0] and epis[0][0], wgrad_list,
                    epis[1] and epis[1][0], xs[0].shape[0], ws[0].shape[0], parts_dy, stochastic)
