@@ -357,15 +357,19 @@ _CHECKPOINTS = {
     "torch_reentrant": lambda f, x: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=True)}
 
 
-@pytest.mark.parametrize("rec", [REC, MX], ids=["fp8_current", "mxfp8"])
+@pytest.mark.parametrize("rec", [REC, MX, "delayed"], ids=["fp8_current", "mxfp8", "delayed"])
 @pytest.mark.parametrize("how", ["te", "torch", "torch_reentrant"])
 def test_native_inside_activation_checkpointing(ext, calls, how, rec):
     """te.checkpoint and torch's checkpoint (non-reentrant and reentrant)
     run the layers natively in the forward and in the recomputation (which
     repeats its forward's path: the non-reentrant checkpoint checks that it
     saves the same tensors); the reentrant forward runs without grad, its
-    recomputation with, and the memo keeps both entries.  Gradients equal
-    the Python path's."""
+    recomputation with, and the memo keeps both entries.  Under
+    DelayedScaling the recomputation runs on the forward's recorded scales
+    and discards its own update.  Gradients and the layers' state equal the
+    Python path's."""
+    if rec == "delayed":
+        rec = R.DelayedScaling(amax_history_len=8, amax_compute_algo="max")
     torch.manual_seed(7)
     model = _two_layers(True)
     ref = copy.deepcopy(model)
@@ -384,8 +388,10 @@ def test_native_inside_activation_checkpointing(ext, calls, how, rec):
                 after = torch.cuda.memory_allocated()
                 y.float().square().sum().backward()
         held.append(after - base)  # the last step's forward: the output, nothing saved
-        results.append((y.detach(), x.grad, *(p.grad for p in m.parameters())))
+        results.append((y.detach(), x.grad, *(p.grad for p in m.parameters()),
+                        *_delayed_state(m).values()))
     assert held[0] == held[1]
+    assert len(results[0]) == 6 + (8 if isinstance(rec, R.DelayedScaling) else 0)
     # two layers, a forward and a recomputation per step: the first step's
     # forwards build their memo entries in Python, and a recomputation takes
     # its forward's path, so steps 2 and 3 run natively.  The non-reentrant

@@ -309,9 +309,12 @@ def test_native_fused_delayed_plans_run_only_together(ext):
     assert y.shape == (128, 256) and ln_out is None
 
 
+@CURRENT_DELAYED
 @BOTH
-def test_native_fused_checkpointed(ext, calls, kind):
-    """Inside te.checkpoint the recomputation takes the forward's path."""
+def test_native_fused_checkpointed(ext, calls, kind, rec):
+    """Inside te.checkpoint the recomputation takes the forward's path
+    (under DelayedScaling on the forward's recorded scales, its own update
+    discarded): outputs, gradients and state equal the Python path's."""
     make, _, per_call = MODULES[kind]
     layer = make()
     ref = copy.deepcopy(layer)
@@ -321,10 +324,10 @@ def test_native_fused_checkpointed(ext, calls, kind):
         with native_path(on):
             for _ in range(3):
                 lay.zero_grad(set_to_none=True)
-                with te.autocast(recipe=CURRENT):
+                with te.autocast(recipe=rec):
                     y = te.checkpoint(lay, x)
                 y.float().square().sum().backward()
-        outs.append([y.detach(), *[p.grad for p in lay.parameters()]])
+        outs.append([y.detach(), *[p.grad for p in lay.parameters()], *_state(lay)])
     assert_same(*outs)
     assert calls["native"] >= 2 * per_call
 

@@ -128,11 +128,11 @@ def native_forward(layer, key, call, *tensors):
     else None; ``tensors``: the entry's ``names``, as this call has them.
     Inside activation checkpointing (``call``) a recomputation takes the
     path its forward took (the record says which: torch's non-reentrant
-    checkpoint checks that a recomputation saves the same tensors), and
-    no entry holding layer buffers runs natively there: under DelayedScaling
-    a recomputation must run on the recorded scales (checkpointing.py),
-    which only the Python path takes; the FP8 weight cache keeps the Python
-    path's handling too."""
+    checkpoint checks that a recomputation saves the same tensors); under
+    DelayedScaling the forward records its scales and the recomputation runs
+    on copies of them and of the forward history, whose update it discards
+    (checkpointing._Call.bind, as on the Python path).  An entry holding
+    the FP8 weight cache keeps the Python path there."""
     out = _native_call(layer, key, call, tensors)
     if call is not None and not call.replay:
         call.rec.native = out is not None
@@ -143,7 +143,7 @@ def _native_call(layer, key, call, tensors):
     entry = template(layer, key)
     if entry is None or entry.native is False:
         return None
-    if call is not None and (entry.state or (call.replay and not call.rec.native)):
+    if call is not None and (_holds_cache(entry) or (call.replay and not call.rec.native)):
         return None
     plan = entry.native
     if plan is None:
@@ -153,4 +153,33 @@ def _native_call(layer, key, call, tensors):
         entry.native = plan = plan or False
         if plan is False:
             return None
+    if call is not None and entry.state:
+        return _checkpointed(plan, layer, call, tensors)
     return plan(layer, *tensors)
+
+
+def _holds_cache(entry) -> bool:
+    return any("fp8_weight_" in name for name, _ in entry.state)
+
+
+def _checkpointed(plan, layer, call, tensors):
+    """A native call under DelayedScaling inside activation checkpointing:
+    the forward records each GEMM's scales (``plan.gemms()``: its prefix and
+    native linear call) before they are updated; the recomputation runs on
+    a copy of the recorded scales and of the forward history, so the update
+    it makes is discarded and the backward state stays the layer's."""
+    gemms = plan.gemms()
+    if not call.replay:
+        for prefix, linear in gemms:
+            call.rec.scale_fwd[prefix] = linear.state[1].clone()
+        return plan(layer, *tensors)
+    kept = [linear.state for _, linear in gemms]
+    try:
+        for prefix, linear in gemms:
+            state = list(linear.state)
+            state[0], state[1] = state[0].clone(), call.rec.scale_fwd[prefix].clone()
+            linear.state = state
+        return plan(layer, *tensors)
+    finally:
+        for (_, linear), state in zip(gemms, kept):
+            linear.state = state

@@ -47,6 +47,9 @@ class NativeLayerNormLinear:
     def __init__(self, ext, norm, linear, fp8_norm):
         self.ext, self.norm, self.linear, self.fp8_norm = ext, norm, linear, fp8_norm
 
+    def gemms(self):
+        return (("", self.linear),)
+
     def __call__(self, layer, x, w, bias):
         first = norm_then_linear(self.ext, self.norm, self.linear, self.fp8_norm, layer, x, w,
                                  bias)

@@ -42,6 +42,9 @@ class NativeLayerNormMLP:
         self.ext, self.norm, self.fc1, self.act, self.fc2 = ext, norm, fc1, act, fc2
         self.fp8_norm = fp8_norm
 
+    def gemms(self):
+        return (("fc1_", self.fc1), ("fc2_", self.fc2))
+
     def __call__(self, layer, x, fc1_w, fc1_b, fc2_w, fc2_b):
         first = norm_then_linear(self.ext, self.norm, self.fc1, self.fp8_norm, layer, x, fc1_w,
                                  fc1_b)

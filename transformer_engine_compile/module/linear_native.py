@@ -64,6 +64,11 @@ class NativeLinear:
         # The plan's memo entry serves only while they are the layer's
         self.state = list(state)
 
+    def gemms(self):
+        """``((state prefix, native linear call),)``: checkpointing's view
+        (module/args_memo.py)."""
+        return (("", self),)
+
     def slot_for(self, x):
         """The counter slot a native call on ``x`` uses, or None where the
         call must take the Python path: fast kernels off, a functorch
