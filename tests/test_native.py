@@ -94,3 +94,21 @@ def test_cpu_layer_records_no_plan_and_keeps_its_results(rec):
     if rec is not None:  # bias-free bf16 runs F.linear: no memo at all
         (template,) = layer._args_memo[1].values()
         assert template.native is False  # asked once, at the second call
+
+
+def test_fused_planners_say_the_extension_is_still_building(monkeypatch):
+    """While the extension builds in the background, ``plan_for`` answers
+    ``...`` (ask again later); the fused modules' planners pass that on
+    instead of reading a plan from it (a fresh machine's first
+    te.LayerNormLinear / te.LayerNormMLP calls used to fail so)."""
+    from transformer_engine_compile.module import layernorm_linear_native as lln
+    from transformer_engine_compile.module import layernorm_mlp_native as lmn
+    for mod in (lln, lmn):
+        monkeypatch.setattr(mod, "norm_eligible", lambda args: True)
+        monkeypatch.setattr(mod, "plan_for", lambda args, given_x=False: ...)
+    monkeypatch.setattr(lmn.kernels, "has_fast", lambda *names: True)
+    monkeypatch.setattr(native, "ENABLED", True)
+    assert lln.plan_for_layernorm_linear(SimpleNamespace(amax_history_fwd=None)) is ...
+    mlp_args = SimpleNamespace(inp=torch.zeros(2, 2),
+                               gemm=lambda prefix, x: SimpleNamespace(amax_history_fwd=None))
+    assert lmn.plan_for_layernorm_mlp(mlp_args) is ...

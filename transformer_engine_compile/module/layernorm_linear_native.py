@@ -90,7 +90,7 @@ def plan_for_layernorm_linear(args: LayerNormLinearFwdArgs):
     fp8_norm = args.amax_history_fwd is not None  # DelayedScaling: see the module's docstring
     # args.inp stands for the norm's output: same shape, dtype, device
     linear = plan_for(args, given_x=fp8_norm)
-    if not linear:
+    if linear is None or linear is ...:  # none, or the extension still building
         return linear
     ext = linear.ext
     norm = norm_plan(ext, args, args if fp8_norm else None)

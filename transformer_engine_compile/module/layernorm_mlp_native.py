@@ -72,7 +72,7 @@ def plan_for_layernorm_mlp(args: LayerNormMLPFwdArgs):
     fc1_args = args.gemm("fc1_", x)
     fp8_norm = fc1_args.amax_history_fwd is not None  # DelayedScaling: the norm writes FP8
     fc1 = plan_for(fc1_args, given_x=fp8_norm)
-    if not fc1:
+    if fc1 is None or fc1 is ...:  # none, or the extension still building
         return fc1
     ext = fc1.ext
     act = _act_plan(ext, args)
@@ -80,7 +80,7 @@ def plan_for_layernorm_mlp(args: LayerNormMLPFwdArgs):
         return None
     act, a = act
     fc2 = plan_for(args.gemm("fc2_", a))
-    if not fc2 or fc2.slot_keys != fc1.slot_keys:
+    if fc2 is None or fc2 is ... or fc2.slot_keys != fc1.slot_keys:
         return None
     norm = norm_plan(ext, args, fc1_args if fp8_norm else None)
     return None if norm is None else NativeLayerNormMLP(ext, norm, fc1, act, fc2, fp8_norm)
