@@ -167,7 +167,10 @@ def _checkpointed(plan, layer, call, tensors):
     the forward records each GEMM's scales (``plan.gemms()``: its prefix and
     native linear call) before they are updated; the recomputation runs on
     a copy of the recorded scales and of the forward history, so the update
-    it makes is discarded and the backward state stays the layer's."""
+    it makes is discarded and the backward state stays the layer's.  The
+    plans' state lists are swapped for this one call and restored before it
+    returns (the recomputation runs while its caller waits in backward, so
+    no other call of the layer sees them)."""
     gemms = plan.gemms()
     if not call.replay:
         for prefix, linear in gemms:
