@@ -525,8 +525,7 @@ def test_native_weight_caching_equals_python(ext, calls, bias, rec):
     both 128x128-scaled copies); outputs, caches, gradients, the weights
     after AdamW steps and the DelayedScaling state equal the Python path's
     bit for bit."""
-    if rec is BLOCK and not _HOPPER:
-        pytest.skip("the block-scaled GEMM is cuBLAS's on SM 9.0")
+    _skip_block(rec)
     if rec == "delayed":
         rec = R.DelayedScaling(amax_history_len=4, amax_compute_algo="max")
     layer = te.Linear(256, 512, bias=bias, params_dtype=torch.bfloat16, device="cuda")

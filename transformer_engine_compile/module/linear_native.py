@@ -46,7 +46,6 @@ _GEMM_OUT = (torch.bfloat16, torch.float16, torch.float32)
 NO_CACHE, WRITE_CACHE, READ_CACHE = 0, 1, 2
 _DTYPE_NAMES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2",
                 torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-_GEMM_DTYPE = {_DTYPE_NAMES[t]: t for t in _GEMM_OUT}
 
 
 class NativeLinear:
@@ -158,10 +157,10 @@ def _main_grad_eligible(args: LinearFwdArgs, recipe, n: int, k: int) -> bool:
             and tuple(g.shape) == (n, k) and g.dtype in _GEMM_OUT)
 
 
-def _wgrad_dtype(args: LinearFwdArgs) -> str:
-    """The name of the wgrad GEMM's output dtype: main_grad's with
+def _wgrad_dtype(args: LinearFwdArgs) -> torch.dtype:
+    """The wgrad GEMM's output dtype: main_grad's with
     ``fuse_wgrad_accumulation``, else the weight's."""
-    return _DTYPE_NAMES[(args.weight if args.main_grad is None else args.main_grad).dtype]
+    return (args.weight if args.main_grad is None else args.main_grad).dtype
 
 
 def _recipe(args: LinearFwdArgs):
@@ -236,7 +235,10 @@ def plan_for(args: LinearFwdArgs, given_x: bool = False):
     or the extension is not built yet (``...``: ask again later).
     ``given_x``: a fused module's first GEMM under DelayedScaling, whose
     norm kernel quantizes x (``ext.norm_linear``); None under other recipes."""
-    if not native.ENABLED or not _eligible(args) or (given_x and _recipe(args) != "delayed"):
+    if not native.ENABLED or not _eligible(args):
+        return None
+    recipe = _recipe(args)
+    if given_x and recipe != "delayed":
         return None
     ext = native.extension()
     if ext is None:
@@ -246,13 +248,13 @@ def plan_for(args: LinearFwdArgs, given_x: bool = False):
         return ...
     x, w = args.inp, args.weight
     m, k, n = x.numel() // x.shape[-1], x.shape[-1], w.shape[0]
-    if _recipe(args) == "block":
+    if recipe == "block":
         return _block_plan(ext, args, m, k, n, slot)
-    if _recipe(args) == "delayed":
+    if recipe == "delayed":
         return _delayed_plan(ext, args, m, k, n, slot, given_x)
-    if _recipe(args) == "mx":
+    if recipe == "mx":
         return _mx_plan(ext, args, m, k, n, slot)
-    if _recipe(args) == "nvfp4":
+    if recipe == "nvfp4":
         return _nvfp4_plan(ext, args, m, k, n, slot)
     q = _input_quantizer(args)
     cache = _cache_mode(args)
@@ -283,7 +285,8 @@ def plan_for(args: LinearFwdArgs, given_x: bool = False):
     python_backward = _PythonBackward(args, q, wq, ("transpose", "scale_inv"))
     plan = ext.Plan(fwd, bwd, python_backward, _DTYPE_NAMES[x.dtype], x.device.index, m, k, n,
                     _DTYPE_NAMES[FP8_DTYPE[q.fp8_format]],
-                    _DTYPE_NAMES[FP8_DTYPE[fmt_bwd or "e5m2"]], _wgrad_dtype(args),
+                    _DTYPE_NAMES[FP8_DTYPE[fmt_bwd or "e5m2"]],
+                    _DTYPE_NAMES[_wgrad_dtype(args)],
                     q.columnwise_usage, wq.columnwise_usage, dgrad, wgrad,
                     args.bias is not None, list(x.shape[:-1]) + [n], list(x.shape))
     plan.set_cache(cache)
@@ -370,7 +373,8 @@ def _delayed_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot, given_
                                                     state[2:]),
                     _DTYPE_NAMES[x.dtype], dev.index, m, k, n,
                     _DTYPE_NAMES[FP8_DTYPE[q.fp8_format]], _DTYPE_NAMES[FP8_DTYPE[fmt_bwd]],
-                    _wgrad_dtype(args), q.columnwise_usage, wq.columnwise_usage, dgrad, wgrad,
+                    _DTYPE_NAMES[_wgrad_dtype(args)], q.columnwise_usage, wq.columnwise_usage,
+                    dgrad, wgrad,
                     args.bias is not None, list(x.shape[:-1]) + [n], list(x.shape))
     plan.set_delayed(fwd, bwd, ref.STEP_COUNTER + 1)
     plan.set_cache(cache)
@@ -385,8 +389,9 @@ def _amax_then_step(w2d, amaxes, step) -> list:
     over the forward history (``linear_ops._weight_for_gemm`` and
     ``_delayed_updates``: the Python path's own launches)."""
     from ..kernels import triton_quant as tq  # Triton: imported on CUDA only
-    return [tq.amax_call(w2d, amaxes, 1), tq._step_call(step.history, amaxes, step.new_history, step.new_scale,
-                                step.fmt, step.margin, step.algo)]
+    return [tq.amax_call(w2d, amaxes, 1),
+            tq._step_call(step.history, amaxes, step.new_history, step.new_scale, step.fmt,
+                          step.margin, step.algo)]
 
 
 def _mx_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
@@ -520,7 +525,7 @@ def _nvfp4_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
             dy16, w16c = (empty(m, n), empty(k, n)) if dgrad else (dy2d, dy2d)
             dy16c, x16c = (empty(n, m), empty(k, m)) if wgrad else (dy2d, dy2d)
             acc_d, dx = (empty(m, k, f32), empty(m, k, x.dtype)) if dgrad else (dy2d, dy2d)
-            acc_w, dw = ((empty(n, k, f32), empty(n, k, _GEMM_DTYPE[_wgrad_dtype(args)]))
+            acc_w, dw = ((empty(n, k, f32), empty(n, k, _wgrad_dtype(args)))
                          if wgrad else (dy2d, dy2d))
             table = [dy2d, ds[0], r_row, r_col, *ds[1:], *x_c, *w_c, dy16, w16c, dy16c, x16c,
                      acc_d, dx, acc_w, dw]
@@ -535,7 +540,8 @@ def _nvfp4_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
     names = ("columnwise_data", "columnwise_scale_inv", "columnwise_amax")
     plan = ext.Plan(fwd[0], fwd[0], _PythonBackward(args, q, wq, names),
                     _DTYPE_NAMES[x.dtype], dev.index, m, k, n, "float8_e4m3fn", "float8_e4m3fn",
-                    _wgrad_dtype(args), q.columnwise_usage, wq.columnwise_usage, dgrad, wgrad,
+                    _DTYPE_NAMES[_wgrad_dtype(args)], q.columnwise_usage, wq.columnwise_usage,
+                    dgrad, wgrad,
                     args.bias is not None, list(x.shape[:-1]) + [n], list(x.shape))
     plan.set_nvfp4(fwd, epilogue[0], bwd, dgrad_list, epis[0] and epis[0][0], wgrad_list,
                    epis[1] and epis[1][0], xs[0].shape[0], ws[0].shape[0], parts_dy, stochastic)
@@ -578,7 +584,8 @@ def _block_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
     plan = ext.Plan(fwd_x, bwd, _PythonBackward(args, q, wq, ("columnwise_data",
                                                               "columnwise_scale_inv")),
                     _DTYPE_NAMES[x.dtype], x.device.index, m, k, n, e4m3, e4m3,
-                    _wgrad_dtype(args), q.columnwise_usage, wq.columnwise_usage, dgrad, wgrad,
+                    _DTYPE_NAMES[_wgrad_dtype(args)], q.columnwise_usage, wq.columnwise_usage,
+                    dgrad, wgrad,
                     args.bias is not None, list(x.shape[:-1]) + [n], list(x.shape))
     plan.set_block(fwd_w, F.ScalingType.BlockWise1x128.value,
                    F.ScalingType.BlockWise128x128.value, bias_add)
