@@ -3,6 +3,7 @@ train steps with the native path on or off, and bit-equality of their results.""
 
 import contextlib
 import copy
+import functools
 
 import torch
 
@@ -88,19 +89,21 @@ def _fp8_buffers(module) -> list:
     return [b.clone() for n, b in sorted(module.named_buffers()) if "fp8_" in n]
 
 
-def microbatch_steps(module, x, dy, rec, native_on, steps=2, micro=3):
+def microbatch_steps(module, x, dy, rec, native_on, steps=2, micro=3, ckpt=None):
     """``steps`` gradient-accumulation steps of ``micro`` microbatches with
     ``is_first_microbatch`` (True, then False) and an AdamW step after each,
     the native path on or off: every microbatch's output, input gradient and
-    FP8 weight cache, and each step's gradients; and the last output."""
+    FP8 weight cache, and each step's gradients; and the last output.
+    ``ckpt(function, x)``: each call inside that activation checkpoint."""
     opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
     results = []
     with native_path(native_on):
         for _ in range(steps):
             for i in range(micro):
                 xx = x.detach().requires_grad_(x.requires_grad)
+                call = functools.partial(module, is_first_microbatch=i == 0)
                 with te.autocast(recipe=rec):
-                    y = module(xx, is_first_microbatch=i == 0)
+                    y = call(xx) if ckpt is None else ckpt(call, xx)
                 (y * dy).float().sum().backward()
                 results += [y.detach(), xx.grad, *_fp8_buffers(module)]
             results += [p.grad.clone() for p in module.parameters()]

@@ -547,6 +547,38 @@ def test_native_weight_caching_equals_python(ext, calls, bias, rec):
     assert len(_memo_native(layer)) == 2 and all(_memo_native(layer))
 
 
+@pytest.mark.parametrize("rec", [REC, "delayed", BLOCK], ids=["fp8_current", "delayed", "fp8_block"])
+@pytest.mark.parametrize("how", ["te", "torch", "torch_reentrant"])
+def test_native_weight_caching_inside_checkpointing(ext, calls, how, rec):
+    """The FP8 weight cache inside activation checkpointing natively: the
+    recomputation repeats its forward's use of the cache (True quantizes
+    the unchanged weight again and writes the same bytes, under
+    DelayedScaling with the recorded scale; False reads it).  Every
+    microbatch's output, input gradient, cache and state, and each step's
+    gradients, equal the Python path's bit for bit."""
+    _skip_block(rec)
+    if rec == "delayed":
+        rec = R.DelayedScaling(amax_history_len=4, amax_compute_algo="max")
+    layer = te.Linear(256, 512, bias=True, params_dtype=torch.bfloat16, device="cuda")
+    ref = _python_only(layer)
+    x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(128, 512, device="cuda", dtype=torch.bfloat16)
+    ckpt = _CHECKPOINTS[how]
+    got, y = microbatch_steps(layer, x, dy, rec, True, ckpt=ckpt)
+    want, _ = microbatch_steps(ref, x, dy, rec, False, ckpt=ckpt)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    # step 1 builds the True and False entries in Python (a recomputation
+    # takes its forward's path); from the third microbatch on every call is
+    # native.  The reentrant checkpoint's forward runs without grad and its
+    # recomputation with (two entries per flag, both counted); the
+    # non-reentrant one stops its recomputation inside the layer's call
+    # (torch's early stop), which then returns nothing to count
+    assert calls["native"] == (8 if how == "torch_reentrant" else 4)
+    assert all(_memo_native(layer))
+
+
 def test_native_weight_caching_mxfp8_declines(ext, calls):
     """MXFP8 with the weight cache keeps the Python path (no native plan)."""
     layer = te.Linear(256, 512, bias=False, params_dtype=torch.bfloat16, device="cuda")

@@ -131,8 +131,11 @@ def native_forward(layer, key, call, *tensors):
     checkpoint checks that a recomputation saves the same tensors); under
     DelayedScaling the forward records its scales and the recomputation runs
     on copies of them and of the forward history, whose update it discards
-    (checkpointing._Call.bind, as on the Python path).  An entry holding
-    the FP8 weight cache keeps the Python path there."""
+    (checkpointing._Call.bind, as on the Python path).  With the FP8
+    weight cache the recomputation repeats its forward's use of it, as the
+    Python path does: ``is_first_microbatch=True`` quantizes the unchanged
+    weight again (under DelayedScaling with the recorded scale) and writes
+    the same bytes into the cache, False reads it."""
     out = _native_call(layer, key, call, tensors)
     if call is not None and not call.replay:
         call.rec.native = out is not None
@@ -143,7 +146,7 @@ def _native_call(layer, key, call, tensors):
     entry = template(layer, key)
     if entry is None or entry.native is False:
         return None
-    if call is not None and (_holds_cache(entry) or (call.replay and not call.rec.native)):
+    if call is not None and call.replay and not call.rec.native:
         return None
     plan = entry.native
     if plan is None:
@@ -153,13 +156,14 @@ def _native_call(layer, key, call, tensors):
         entry.native = plan = plan or False
         if plan is False:
             return None
-    if call is not None and entry.state:
+    if call is not None and _delayed(entry):
         return _checkpointed(plan, layer, call, tensors)
     return plan(layer, *tensors)
 
 
-def _holds_cache(entry) -> bool:
-    return any("fp8_weight_" in name for name, _ in entry.state)
+def _delayed(entry) -> bool:
+    """Whether the entry bound DelayedScaling state (bound_buffers' names)."""
+    return any(name.endswith("fp8_" + _STATE_FIELDS[1]) for name, _ in entry.state)
 
 
 def _checkpointed(plan, layer, call, tensors):
