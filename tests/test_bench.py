@@ -2,7 +2,9 @@
 themselves live in docs/benchmarks.md; they are never asserted in tests)."""
 
 import json
+import math
 
+import pytest
 import torch
 
 from transformer_engine_compile import bench, kernels
@@ -101,6 +103,29 @@ def test_llama_smoke_run_prints_every_candidate(tmp_path, capsys):
     for r in rows:
         assert "error" not in r and 0 < r["host_ms"] <= r["ms"] and r["loss"] == r["loss"]
     assert "tokens/s" in capsys.readouterr().out
+
+
+def test_hugging_face_llama_config_trains_every_candidate(tmp_path):
+    """``hf-llama-tiny``: Hugging Face's LlamaForCausalLM as is and after
+    te.convert, its own loss; te bf16 computes torch bf16's losses bit for
+    bit (te.convert keeps the GEMMs), and the FP8 candidate trains."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "rows.json"
+    assert bench.main(["--device", "cpu", "--configs", "hf-llama-tiny", "--recipes",
+                       "fp8_current", "--modes", "eager", "--steps", "2", "--json",
+                       str(out)]) == 0
+    rows = {r["candidate"]: r for r in json.loads(out.read_text())["llama"]}
+    assert set(rows) == {"torch bf16", "te bf16", "te fp8_current"}
+    assert rows["te bf16"]["loss"] == rows["torch bf16"]["loss"]
+    # the losses are the models' cross-entropy: about log(vocab) at the start
+    assert all(0 < r["loss"] < 2 * math.log(512) for r in rows.values())
+
+
+def test_hugging_face_model_refuses_packed_kinds():
+    pytest.importorskip("transformers")
+    from transformer_engine_compile import bench_llama as bl
+    with pytest.raises(ValueError, match="no 'te-fused' variant"):
+        bl.build(bl.TINY_HF["hf-llama-tiny"], "te-fused", "cpu")
 
 
 def test_autograd_threads_off_holds_for_the_run_only(tmp_path, monkeypatch):

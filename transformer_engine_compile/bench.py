@@ -6,6 +6,7 @@ in one process, on one GPU.
     python -m transformer_engine_compile.bench --configs launch --json out.json
     python -m transformer_engine_compile.bench --configs stack --fp8-grad
     python -m transformer_engine_compile.bench --configs llama-a llama-b   # whole steps
+    python -m transformer_engine_compile.bench --configs hf-llama-a   # Hugging Face's model
     python -m transformer_engine_compile.bench --configs host   # host time per op call
 
 Each row is one (config, candidate, mode).  ``x bf16`` is the time of bf16
@@ -18,7 +19,9 @@ element back (as a loop reading its loss does), so host time is not hidden
 behind a full GPU queue (``--no-sync`` times back-to-back steps instead).
 
 The ``llama-*`` configs time whole training steps of the Llama-style model
-of ``bench_llama``; ``host`` runs ``bench_host``'s per-call host times.
+of ``bench_llama``, the ``hf-*`` configs those of Hugging Face's
+``LlamaForCausalLM`` converted (where ``transformers`` is installed; by
+default only then); ``host`` runs ``bench_host``'s per-call host times.
 docs/benchmarks.md has results.
 """
 
@@ -48,8 +51,8 @@ CONFIGS = {  # name: (tokens M, in K, out N, layers)
 TINY = {"tiny": (64, 128, 128, 2)}  # CPU smoke run
 RECIPES = {"fp8_delayed": R.DelayedScaling(),
            **{name: R.by_name(name) for name in ("fp8_current", "fp8_block", "mxfp8", "nvfp4")}}
-ALL_CONFIGS = [*CONFIGS, *bench_llama.LLAMA_CONFIGS, "host"]
-CPU_CONFIGS = {**TINY, **bench_llama.TINY_LLAMA}
+ALL_CONFIGS = [*CONFIGS, *bench_llama.LLAMA_CONFIGS, *bench_llama.HF_CONFIGS, "host"]
+CPU_CONFIGS = {**TINY, **bench_llama.TINY_LLAMA, **bench_llama.TINY_HF}
 MODES = ("eager", "default", "reduce-overhead")
 
 
@@ -345,7 +348,9 @@ def main(argv=None):
 
 def _main(args) -> int:
     device = torch.device(args.device)
-    names = args.configs or (ALL_CONFIGS if device.type == "cuda" else ["tiny"])
+    names = args.configs or (
+        [c for c in ALL_CONFIGS if c not in bench_llama.HF_CONFIGS or bench_llama.hf_available()]
+        if device.type == "cuda" else ["tiny"])
     modes = [m for m in args.modes if device.type == "cuda" or m != "reduce-overhead"]
     with_torchao = False if args.no_torchao else (device.type == "cuda" and torchao_available())
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
@@ -363,8 +368,7 @@ def _main(args) -> int:
         print("native eager path: " + ("built" if ext is not None else
                                       f"not used ({native._state['failed'] or 'disabled'})"))
     layer_cfgs = {c: {**CONFIGS, **TINY}[c] for c in names if c in CONFIGS or c in TINY}
-    llama_cfgs = {c: {**bench_llama.LLAMA_CONFIGS, **bench_llama.TINY_LLAMA}[c] for c in names
-                  if c.startswith("llama")}
+    llama_cfgs = {c: bench_llama.ALL_LLAMA[c] for c in names if c in bench_llama.ALL_LLAMA}
     rows, llama_rows, ok = [], [], True
     if layer_cfgs:
         print(HEADER)

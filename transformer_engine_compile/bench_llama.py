@@ -11,6 +11,14 @@ against a fixed target, computed in fp32.
 One training step, as a user's loop runs it: forward under the recipe,
 loss, backward, fused AdamW step, ``loss.item()`` (the loop logs it, so the
 host waits for the GPU every step).  Parameters are bf16.
+
+The ``hf-*`` configs run a real model instead: Hugging Face's
+``LlamaForCausalLM`` (where ``transformers`` is installed) at the same
+sizes with a 32000-token vocabulary, SDPA attention, token ids in, its own
+cross-entropy loss out (the labels are the tokens).  ``te`` candidates are
+the model after ``te.convert`` (every ``torch.nn.Linear``, the LM head
+included), torchao's after ``convert_to_float8_training``: what a user
+converting a model gets.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ class LlamaConfig:
     kv_heads: int
     batch: int
     seq: int
+    # > 0: Hugging Face's LlamaForCausalLM with this vocabulary (hf_model)
+    vocab: int = 0
 
     @property
     def tokens(self) -> int:
@@ -46,6 +56,18 @@ LLAMA_CONFIGS = {
 }
 TINY_LLAMA = {"llama-tiny": LlamaConfig(layers=2, hidden=256, ffn=256, heads=4, kv_heads=2,
                                         batch=2, seq=64)}
+HF_CONFIGS = {"hf-llama-a": dataclasses.replace(LLAMA_CONFIGS["llama-a"], vocab=32000)}
+TINY_HF = {"hf-llama-tiny": dataclasses.replace(TINY_LLAMA["llama-tiny"], vocab=512)}
+ALL_LLAMA = {**LLAMA_CONFIGS, **TINY_LLAMA, **HF_CONFIGS, **TINY_HF}
+
+
+def hf_available() -> bool:
+    """Whether Hugging Face ``transformers`` imports (the ``hf-*`` configs)."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 class RMSNorm(torch.nn.Module):
@@ -172,10 +194,52 @@ def te_linear(k, n, device):
     return Linear(k, n, bias=False, params_dtype=torch.bfloat16, device=device)
 
 
+class CausalLMLoss(torch.nn.Module):
+    """A causal LM whose forward is its training loss: the model's own
+    cross-entropy of next-token predictions, ``forward(tokens, labels)``."""
+
+    returns_loss = True  # make_step: no loss of its own
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens, labels):
+        return self.model(tokens, labels=labels).loss
+
+
+def hf_model(cfg: LlamaConfig, kind: str, device, float8_config=None) -> CausalLMLoss:
+    """Hugging Face's ``LlamaForCausalLM`` at ``cfg``'s sizes, bf16: as is
+    ("torch"), after ``te.convert`` ("te") or torchao's
+    ``convert_to_float8_training`` ("torchao")."""
+    import transformers
+    if kind not in ("torch", "te", "torchao"):
+        raise ValueError(f"no {kind!r} variant of the Hugging Face model")
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
+        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.seq,
+        attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(hf_cfg)
+    model = model.to(torch.bfloat16)
+    if kind == "te":
+        from .convert import convert
+        convert(model)
+    elif kind == "torchao":
+        from torchao.float8 import convert_to_float8_training
+        convert_to_float8_training(model, config=float8_config)
+    return CausalLMLoss(model)
+
+
 def build(cfg, kind, device, float8_config=None):
     """The model for a candidate kind: "torch", "te", "torchao", or the
-    packed-projection models "te-fused" / "te-unfused" (:class:`PackedBlock`).
+    packed-projection models "te-fused" / "te-unfused" (:class:`PackedBlock`);
+    for an ``hf-*`` config (``cfg.vocab``) :func:`hf_model`'s.
     ``float8_config``: torchao's ``Float8LinearConfig`` (its default when None)."""
+    if cfg.vocab:
+        return hf_model(cfg, kind, device, float8_config)
     torch.manual_seed(0)
     if kind == "te":
         return Llama(cfg, te_linear, device)
@@ -199,6 +263,8 @@ def make_step(model, rec, mode, lr=1e-4, amax_reduction_group=None, after_step=N
     def loss_fn(x, target):
         with autocast(enabled=rec is not None, recipe=rec,
                       amax_reduction_group=amax_reduction_group):
+            if getattr(model, "returns_loss", False):  # CausalLMLoss: tokens, labels
+                return model(x, target)
             y = model(x)
         return F.mse_loss(y.float(), target)
 
@@ -239,7 +305,12 @@ def time_steps(step, x, target, warmup=3, steps=10):
 
 
 def inputs(cfg, device, seed=1):
+    """(x, target): hidden states and a target for the MSE loss; for an
+    ``hf-*`` config token ids, which are also the labels."""
     gen = torch.Generator(device=device).manual_seed(seed)
+    if cfg.vocab:
+        tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), device=device, generator=gen)
+        return tokens, tokens
     x = torch.randn(cfg.batch, cfg.seq, cfg.hidden, device=device, dtype=torch.bfloat16,
                     generator=gen)
     target = torch.randn(cfg.batch, cfg.seq, cfg.hidden, device=device, generator=gen)
@@ -328,7 +399,8 @@ def _entries(configs, recipes, modes, device, with_torchao, only, fused):
     (config, candidate, mode), in table order."""
     for cname, cfg in configs.items():
         x, target = inputs(cfg, device)
-        for label, kind, rec in candidates(recipes, with_torchao, fused):
+        # the Hugging Face model has no packed-projection variant
+        for label, kind, rec in candidates(recipes, with_torchao, fused and not cfg.vocab):
             if only and not any(label == o for o in only):
                 continue
             for mode in modes:
