@@ -97,3 +97,14 @@ def calls(monkeypatch):
         monkeypatch.setattr(linear_native.NativeLinear, name,
                             counting(getattr(linear_native.NativeLinear, name)))
     return n
+
+
+@pytest.fixture
+def compile_caches_off():
+    """Inductor's and AOTAutograd's compile caches off (a cached graph is not
+    traced again), through the config modules' own ``patch``: pytest's
+    monkeypatch restores a torch 2.15 config entry by deleting it, which
+    hides it from torch itself."""
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        yield

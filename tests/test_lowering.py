@@ -567,11 +567,9 @@ def test_cuda_lowering_norm_hands_both_amaxes_to_one_cast(module, options):
 def _count_input_quantizations(monkeypatch) -> list:
     """Patch the quantizers to count quantizations of the layers' input
     here (3-D with 128 features; weights are 2-D, gradients have 256),
-    traced or run; returns the count holder.  The compile caches are off:
-    a cached graph is not traced."""
+    traced or run; returns the count holder.  The callers turn the compile
+    caches off (``compile_caches_off``): a cached graph is not traced."""
     from transformer_engine_compile.quantization import base, float8
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     count = [0]
 
     def counting(method):
@@ -618,7 +616,8 @@ def _three_layers_on_one_input(name, mutate: bool):
 
 
 @pytest.mark.parametrize("name", ["fp8_current", "fp8_block", "mxfp8"])
-def test_layers_reading_one_input_quantize_it_once(lowered_on_cpu, monkeypatch, name):
+def test_layers_reading_one_input_quantize_it_once(lowered_on_cpu, compile_caches_off, monkeypatch,
+                                                  name):
     """q, k and v on one input: the lowered trace quantizes it once and the
     other two layers reuse its buffers (dynamo/shared_inputs.py), bit for
     bit what eager computes; once h changes in place, the layers after it
@@ -632,7 +631,7 @@ def test_layers_reading_one_input_quantize_it_once(lowered_on_cpu, monkeypatch, 
     assert (traced_once, count[0] - 3) == (1, 2)
 
 
-def test_input_sharing_needs_equal_quantizers(lowered_on_cpu, monkeypatch):
+def test_input_sharing_needs_equal_quantizers(lowered_on_cpu, compile_caches_off, monkeypatch):
     """A layer that saves its input unquantized quantizes it rowwise only
     (and columnwise again in its backward): another quantizer, so it makes
     its own copy, while the third layer reuses the first one's."""
