@@ -515,6 +515,27 @@ def test_native_node_takes_a_quantized_gradient_through_the_python_path(ext, cal
         assert torch.equal(got, want)
 
 
+def _caching_steps(rec, bias, ckpt=None):
+    """:func:`microbatch_steps` (``ckpt``: each call inside that checkpoint)
+    of a 256 -> 512 te.Linear natively and of a Python-path copy, asserted
+    equal bit for bit (every microbatch's output, input gradient and FP8
+    buffers, each step's gradients); (recipe, layer, copy, last output).
+    ``rec`` "delayed": DelayedScaling with a history of 4."""
+    _skip_block(rec)
+    if rec == "delayed":
+        rec = R.DelayedScaling(amax_history_len=4, amax_compute_algo="max")
+    layer = te.Linear(256, 512, bias=bias, params_dtype=torch.bfloat16, device="cuda")
+    ref = _python_only(layer)
+    x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(128, 512, device="cuda", dtype=torch.bfloat16)
+    got, y = microbatch_steps(layer, x, dy, rec, True, ckpt=ckpt)
+    want, _ = microbatch_steps(ref, x, dy, rec, False, ckpt=ckpt)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    return rec, layer, ref, y
+
+
 @pytest.mark.parametrize("bias,rec", [(False, REC), (True, REC), (False, "delayed"),
                                       (True, "delayed"), (False, BLOCK), (True, BLOCK)], ids=str)
 def test_native_weight_caching_equals_python(ext, calls, bias, rec):
@@ -525,18 +546,7 @@ def test_native_weight_caching_equals_python(ext, calls, bias, rec):
     both 128x128-scaled copies); outputs, caches, gradients, the weights
     after AdamW steps and the DelayedScaling state equal the Python path's
     bit for bit."""
-    _skip_block(rec)
-    if rec == "delayed":
-        rec = R.DelayedScaling(amax_history_len=4, amax_compute_algo="max")
-    layer = te.Linear(256, 512, bias=bias, params_dtype=torch.bfloat16, device="cuda")
-    ref = _python_only(layer)
-    x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(128, 512, device="cuda", dtype=torch.bfloat16)
-    got, y = microbatch_steps(layer, x, dy, rec, True)
-    want, _ = microbatch_steps(ref, x, dy, rec, False)
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        assert torch.equal(g, w)
+    rec, layer, ref, y = _caching_steps(rec, bias)
     state, ref_state = _delayed_state(layer), _delayed_state(ref)
     assert state.keys() == ref_state.keys()
     assert any("amax_history" in name for name in state) == isinstance(rec, R.DelayedScaling)
@@ -547,7 +557,8 @@ def test_native_weight_caching_equals_python(ext, calls, bias, rec):
     assert len(_memo_native(layer)) == 2 and all(_memo_native(layer))
 
 
-@pytest.mark.parametrize("rec", [REC, "delayed", BLOCK], ids=["fp8_current", "delayed", "fp8_block"])
+@pytest.mark.parametrize("rec", [REC, "delayed", BLOCK],
+                         ids=["fp8_current", "delayed", "fp8_block"])
 @pytest.mark.parametrize("how", ["te", "torch", "torch_reentrant"])
 def test_native_weight_caching_inside_checkpointing(ext, calls, how, rec):
     """The FP8 weight cache inside activation checkpointing natively: the
@@ -556,19 +567,7 @@ def test_native_weight_caching_inside_checkpointing(ext, calls, how, rec):
     DelayedScaling with the recorded scale; False reads it).  Every
     microbatch's output, input gradient, cache and state, and each step's
     gradients, equal the Python path's bit for bit."""
-    _skip_block(rec)
-    if rec == "delayed":
-        rec = R.DelayedScaling(amax_history_len=4, amax_compute_algo="max")
-    layer = te.Linear(256, 512, bias=True, params_dtype=torch.bfloat16, device="cuda")
-    ref = _python_only(layer)
-    x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(128, 512, device="cuda", dtype=torch.bfloat16)
-    ckpt = _CHECKPOINTS[how]
-    got, y = microbatch_steps(layer, x, dy, rec, True, ckpt=ckpt)
-    want, _ = microbatch_steps(ref, x, dy, rec, False, ckpt=ckpt)
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        assert torch.equal(g, w)
+    _, layer, _, _ = _caching_steps(rec, True, _CHECKPOINTS[how])
     # step 1 builds the True and False entries in Python (a recomputation
     # takes its forward's path); from the third microbatch on every call is
     # native.  The reentrant checkpoint's forward runs without grad and its
