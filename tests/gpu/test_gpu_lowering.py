@@ -299,3 +299,52 @@ def test_layers_reading_one_input_quantize_it_once_on_cuda(name):
         assert torch.equal(w, g)
     for w, g in zip(eager, compiled):
         assert torch.equal(w.weight.grad, g.weight.grad)
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_each_kernel_analysed_once_per_signature(compile_caches_off, monkeypatch, mode):
+    """torch analyses which arguments a user Triton kernel writes for every
+    kernel node, at several stages (dynamo/kernel_analysis.py): with the
+    memo, a compile of four layers runs torch's analysis as often as one of
+    two, and the compiled steps still equal eager bit for bit."""
+    from torch._higher_order_ops import triton_kernel_wrap
+
+    from transformer_engine_compile.dynamo import compat, kernel_analysis
+    _, name = compat.triton_access_analysis()
+    torch_analysis = getattr(triton_kernel_wrap, name).__wrapped__
+    recipe = te.recipe.Float8CurrentScaling()
+
+    def analyses(layers):
+        calls = []
+
+        def counted(*args, **kwargs):
+            calls.append(args[0])
+            return torch_analysis(*args, **kwargs)
+
+        monkeypatch.setattr(triton_kernel_wrap, name, kernel_analysis.memoized(counted))
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        eager = torch.nn.Sequential(*[te.Linear(256, 256, bias=False, device="cuda",
+                                                params_dtype=torch.bfloat16)
+                                      for _ in range(layers)])
+        compiled = copy.deepcopy(eager)
+
+        def loss(model, x):
+            with te.autocast(recipe=recipe):
+                return model(x).float().square().sum()
+
+        closs = torch.compile(loss, fullgraph=True, mode=mode)
+        for i in range(2):
+            x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+            loss(eager, x).backward()
+            if mode == "reduce-overhead":
+                torch.compiler.cudagraph_mark_step_begin()
+            closs(compiled, x).backward()
+            for a, b in zip(eager, compiled):  # read before the next replay
+                assert torch.equal(a.weight.grad, b.weight.grad)
+                a.weight.grad = b.weight.grad = None
+        return len(calls)
+
+    two = analyses(2)
+    assert two > 0
+    assert analyses(4) == two

@@ -407,6 +407,22 @@ def _force_stride_order():
     return None if packet is None else packet.default
 
 
+def triton_access_analysis():
+    """``(module, name)`` of torch's analysis of which arguments a user
+    Triton kernel accesses: ``identify_accessed_tensors`` (torch 2.13 on,
+    returns reads and writes) or ``identify_mutated_tensors`` (torch 2.11,
+    returns the written names); both take ``(kernel, kwargs,
+    tma_descriptor_metadata)``.  None where neither exists."""
+    try:
+        from torch._higher_order_ops import triton_kernel_wrap as module
+    except ImportError:  # pragma: no cover - a torch without it
+        return None
+    for name in ("identify_accessed_tensors", "identify_mutated_tensors"):
+        if callable(getattr(module, name, None)):
+            return module, name
+    return None  # pragma: no cover - another torch's internals
+
+
 def compiling_for_cuda_graphs() -> bool:
     """Whether the inductor compile in progress records CUDA graphs
     (``mode="reduce-overhead"`` patches this config for its compile)."""

@@ -50,7 +50,7 @@ from typing import Callable
 
 from ..kernels import grid_state
 from ..kernels.tracing import fast_kernels_traced
-from . import compat
+from . import compat, kernel_analysis
 
 _DEVICES = {"cuda"} if os.environ.get("TE_COMPILE_LOWER_OPS", "1") != "0" else set()
 
@@ -167,6 +167,7 @@ def register(op, plan, predicate, impl: Callable, written=()) -> bool:
                       "the ops run as ops under inductor")
         return False
     table[op] = decomposition
+    kernel_analysis.install()  # each kernel analysed once per signature, not per node
     cached = getattr(inductor_decomp, "fast_random_decomps", None)
     if hasattr(cached, "cache_clear"):  # a copy of the table, cached on first use
         cached.cache_clear()
