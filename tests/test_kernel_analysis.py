@@ -127,3 +127,38 @@ def test_the_package_kernels_are_recognised():
     assert ka.is_own_kernel(kernel) and ka.is_own_kernel(_autotuner(kernel))
     assert {"FMT_MAX", "BM", "BK"} <= ka._constexpr_names(kernel)
     assert "a_ptr" not in ka._constexpr_names(kernel)
+
+
+def test_a_lowered_trace_analyses_each_kernel_once(monkeypatch):
+    """The real analysis (TTIR for an sm_90 target, no GPU: tests/cuda_trace.py)
+    over the lowered calls of 1 and of 3 te.Linear layers: three times the
+    kernel nodes, the same number of analyses."""
+    pytest.importorskip("triton")
+    from cuda_trace import lowered_cuda_traces
+
+    import transformer_engine_compile as te
+    module, name = compat.triton_access_analysis()
+    torch_analysis = getattr(module, name).__wrapped__
+
+    def trace(layers):
+        calls = []
+
+        def counted(*args, **kwargs):
+            calls.append(args[0])
+            return torch_analysis(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, ka.memoized(counted))
+        model = torch.nn.Sequential(*[te.Linear(256, 256, bias=False, device="meta",
+                                                params_dtype=torch.bfloat16)
+                                      for _ in range(layers)])
+        x = torch.empty(2, 128, 256, dtype=torch.bfloat16, device="meta", requires_grad=True)
+        traces = lowered_cuda_traces(model, x, te.recipe.Float8CurrentScaling(),
+                                     one_launch=True)
+        hop = torch.ops.higher_order.triton_kernel_wrapper_functional
+        nodes = sum(n.target is hop for _, _, gm in traces for n in gm.graph.nodes)
+        return nodes, len(calls)
+
+    nodes_one, analyses_one = trace(1)
+    nodes_three, analyses_three = trace(3)
+    assert nodes_three == 3 * nodes_one > 0
+    assert analyses_three == analyses_one > 0
