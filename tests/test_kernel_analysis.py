@@ -40,6 +40,21 @@ def _args(dtype=torch.float32, n=4096, scale=0.5, block=128):
     return {"x_ptr": torch.empty(2, dtype=dtype), "n": n, "scale": scale, "BLOCK": block}
 
 
+def counted_analyses(monkeypatch) -> list:
+    """A fresh memo over torch's own analysis, recording (in the list
+    returned) each kernel torch really analyses, until the test ends."""
+    module, name = compat.triton_access_analysis()
+    torch_analysis = getattr(module, name).__wrapped__
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return torch_analysis(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, ka.memoized(counted))
+    return calls
+
+
 @pytest.fixture
 def counted():
     calls = []
@@ -137,17 +152,9 @@ def test_a_lowered_trace_analyses_each_kernel_once(monkeypatch):
     from cuda_trace import lowered_cuda_traces
 
     import transformer_engine_compile as te
-    module, name = compat.triton_access_analysis()
-    torch_analysis = getattr(module, name).__wrapped__
 
     def trace(layers):
-        calls = []
-
-        def counted(*args, **kwargs):
-            calls.append(args[0])
-            return torch_analysis(*args, **kwargs)
-
-        monkeypatch.setattr(module, name, ka.memoized(counted))
+        calls = counted_analyses(monkeypatch)
         model = torch.nn.Sequential(*[te.Linear(256, 256, bias=False, device="meta",
                                                 params_dtype=torch.bfloat16)
                                       for _ in range(layers)])

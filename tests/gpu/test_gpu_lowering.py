@@ -307,21 +307,11 @@ def test_each_kernel_analysed_once_per_signature(compile_caches_off, monkeypatch
     kernel node, at several stages (dynamo/kernel_analysis.py): with the
     memo, a compile of four layers runs torch's analysis as often as one of
     two, and the compiled steps still equal eager bit for bit."""
-    from torch._higher_order_ops import triton_kernel_wrap
-
-    from transformer_engine_compile.dynamo import compat, kernel_analysis
-    _, name = compat.triton_access_analysis()
-    torch_analysis = getattr(triton_kernel_wrap, name).__wrapped__
+    from test_kernel_analysis import counted_analyses
     recipe = te.recipe.Float8CurrentScaling()
 
     def analyses(layers):
-        calls = []
-
-        def counted(*args, **kwargs):
-            calls.append(args[0])
-            return torch_analysis(*args, **kwargs)
-
-        monkeypatch.setattr(triton_kernel_wrap, name, kernel_analysis.memoized(counted))
+        calls = counted_analyses(monkeypatch)
         torch._dynamo.reset()
         torch.manual_seed(0)
         eager = torch.nn.Sequential(*[te.Linear(256, 256, bias=False, device="cuda",
