@@ -3,12 +3,12 @@
 A lowered op call puts its Triton kernels into the graph as user-defined
 kernels (dynamo/lowering.py).  For each such node torch works out which
 arguments the kernel reads and writes by compiling the kernel to TTIR and
-walking it: tens of milliseconds, and torch 2.11-2.15 repeat it for every
-node at every stage that asks (AOTAutograd's functionalization, inductor's
-graph lowering, its kernel IR node), with no cache.  A llama-a step has
-112 kernel nodes of a handful of distinct kernels, so most of a compile's
-extra time over torch's own model went there (docs/benchmarks.md,
-thirty-first session).
+walking it: tens of milliseconds, and torch (2.11 and 2.13 checked)
+repeats it for every node at each stage that asks (AOTAutograd's
+functionalization, inductor's graph lowering, on 2.13 its kernel IR node),
+with no cache.  A llama-a step under Float8CurrentScaling has 112 kernel
+nodes, all of one kernel: about half of te's compile time over torch's own
+model went there (docs/benchmarks.md, thirty-first session).
 
 The answer depends only on the kernel and on what ``generate_ttir`` hands
 Triton's code generator: a tensor becomes an empty tensor of its dtype, a
@@ -17,7 +17,7 @@ a value, the generated code sees a ``constexpr``'s value itself, and of an
 integer argument its type and what Triton specializes on (equal to 1,
 divisible by 16); a float argument is an fp32 scalar whatever its value.
 That is the signature.  (Shapes and buffer addresses, such as a counter
-slot's, differ from call to call; the analysis never depended on them.)
+slot's, differ from call to call; only their specialization enters it.)
 :func:`install` wraps torch's analysis so that, for this package's kernels
 only, it runs once per (kernel, signature) and later calls get a copy of
 the result; every other kernel goes through torch's analysis untouched.  A
