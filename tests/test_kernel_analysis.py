@@ -1,8 +1,9 @@
 """dynamo/kernel_analysis.py: torch's access analysis of a user Triton kernel
 runs once per (kernel, signature) for this package's kernels and every time
-for anyone else's.  The analysis itself needs a GPU (it compiles to TTIR);
-here a counting stand-in takes its place.  The GPU test
-(tests/gpu/test_gpu_lowering.py) counts the real one in a compile."""
+for anyone else's.  Most tests put a counting stand-in in place of torch's
+analysis; one runs the real analysis over a lowering traced on CPU (TTIR
+for an sm_90 target, tests/cuda_trace.py), and the GPU test
+(tests/gpu/test_gpu_lowering.py) counts it in a real compile."""
 
 import types
 
@@ -40,16 +41,20 @@ def _args(dtype=torch.float32, n=4096, scale=0.5, block=128):
     return {"x_ptr": torch.empty(2, dtype=dtype), "n": n, "scale": scale, "BLOCK": block}
 
 
+_FOUND = compat.triton_access_analysis()
+# torch's own analysis, under the memo the package installed at import
+_TORCH_ANALYSIS = None if _FOUND is None else getattr(*_FOUND).__wrapped__
+
+
 def counted_analyses(monkeypatch) -> list:
     """A fresh memo over torch's own analysis, recording (in the list
     returned) each kernel torch really analyses, until the test ends."""
-    module, name = compat.triton_access_analysis()
-    torch_analysis = getattr(module, name).__wrapped__
+    module, name = _FOUND
     calls = []
 
     def counted(*args, **kwargs):
         calls.append(args[0])
-        return torch_analysis(*args, **kwargs)
+        return _TORCH_ANALYSIS(*args, **kwargs)
 
     monkeypatch.setattr(module, name, ka.memoized(counted))
     return calls
