@@ -237,6 +237,28 @@ def test_llama_fused_model_computes_the_unfused_model():
     assert losses[2] < losses[0]
 
 
+def test_llama_split_model_is_the_unfused_model():
+    """The packed model with q/k/v and gate/up as parameters of their own
+    (``parameters_split``), loaded from the unfused model's packed weights,
+    trains bit for bit as the unfused model (fp8_current, eager)."""
+    from transformer_engine_compile import bench_llama as bl
+    from transformer_engine_compile import recipe
+    cfg = bl.TINY_LLAMA["llama-tiny"]
+    split, unfused = bl.build(cfg, "te-split", "cpu"), bl.build(cfg, "te-unfused", "cpu")
+    assert "blocks.0.qkv.key_weight" in split.state_dict()
+    assert "blocks.0.fc1.up_weight" in split.state_dict()
+    for a, b in zip(split.blocks, unfused.blocks):
+        for name in ("qkv", "fc1"):
+            getattr(a, name).load_full_weight_(getattr(b, name).weight.detach())
+        a.load_state_dict({k: v for k, v in b.state_dict().items()
+                           if not k.startswith(("qkv.", "fc1."))}, strict=False)
+    x, target = bl.inputs(cfg, torch.device("cpu"))
+    rec = recipe.by_name("fp8_current")
+    losses = [[bl.make_step(m, rec, "eager", lr=1e-2)(x, target) for _ in range(3)]
+              for m in (split, unfused)]
+    assert losses[0] == losses[1] and losses[0][2] < losses[0][0]
+
+
 def test_bench_bias_flag_builds_layers_with_a_bias(tmp_path):
     out = tmp_path / "rows.json"
     rc = bench.main(["--device", "cpu", "--configs", "tiny", "--recipes", "fp8_current",

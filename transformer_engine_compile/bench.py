@@ -331,8 +331,9 @@ def main(argv=None):
                         "many rounds that take turns (robust ratios on a drifting host or GPU)")
     p.add_argument("--fused", action="store_true",
                    help="llama configs: also the packed-projection model from te.LayerNormLinear "
-                        "+ te.LayerNormMLP ('fused') and from separate norms + te.Linear "
-                        "('unfused')")
+                        "+ te.LayerNormMLP ('fused'), from separate norms + te.Linear "
+                        "('unfused') and the same with q/k/v and gate/up as parameters of "
+                        "their own ('split': parameters_split)")
     p.add_argument("--bias", action="store_true",
                    help="single-layer configs: layers with a bias (te.Linear's default)")
     p.add_argument("--autograd-threads", choices=("on", "off"), default="on",

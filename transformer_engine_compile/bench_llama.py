@@ -131,9 +131,12 @@ class PackedBlock(torch.nn.Module):
     in one, SwiGLU as Transformer Engine defines it: ``silu(first half) *
     second half``), on te modules.  ``fused``: ``te.LayerNormLinear`` (norm
     + QKV) and ``te.LayerNormMLP`` (norm + SwiGLU MLP), else the same model
-    from separate norms and ``te.Linear``s (issue 17's comparison)."""
+    from separate norms and ``te.Linear``s (issue 17's comparison);
+    ``split``: those ``te.Linear``s hold q/k/v and gate/up as parameters of
+    their own (``parameters_split``), as a model loaded from separately
+    stored weights would."""
 
-    def __init__(self, cfg: LlamaConfig, device, fused: bool):
+    def __init__(self, cfg: LlamaConfig, device, fused: bool, split: bool = False):
         super().__init__()
         from . import module as M
         hd = cfg.hidden // cfg.heads
@@ -147,8 +150,10 @@ class PackedBlock(torch.nn.Module):
                                       activation="swiglu", **kw)
         else:
             self.attn_norm, self.mlp_norm = RMSNorm(cfg.hidden, device), RMSNorm(cfg.hidden, device)
-            self.qkv = M.Linear(cfg.hidden, sum(self.split), **kw)
-            self.fc1 = M.Linear(cfg.hidden, 2 * cfg.ffn, **kw)
+            parts = ({"query": self.split[0], "key": self.split[1], "value": self.split[2]},
+                     ("gate", "up")) if split else (None, None)
+            self.qkv = M.Linear(cfg.hidden, sum(self.split), parameters_split=parts[0], **kw)
+            self.fc1 = M.Linear(cfg.hidden, 2 * cfg.ffn, parameters_split=parts[1], **kw)
             self.fc2 = M.Linear(cfg.ffn, cfg.hidden, **kw)
         self.o = M.Linear(cfg.heads * hd, cfg.hidden, **kw)
 
@@ -235,7 +240,8 @@ def hf_model(cfg: LlamaConfig, kind: str, device, float8_config=None) -> CausalL
 
 def build(cfg, kind, device, float8_config=None):
     """The model for a candidate kind: "torch", "te", "torchao", or the
-    packed-projection models "te-fused" / "te-unfused" (:class:`PackedBlock`);
+    packed-projection models "te-fused" / "te-unfused" / "te-split"
+    (:class:`PackedBlock`);
     for an ``hf-*`` config (``cfg.vocab``) :func:`hf_model`'s.
     ``float8_config``: torchao's ``Float8LinearConfig`` (its default when None)."""
     if cfg.vocab:
@@ -243,9 +249,10 @@ def build(cfg, kind, device, float8_config=None):
     torch.manual_seed(0)
     if kind == "te":
         return Llama(cfg, te_linear, device)
-    if kind in ("te-fused", "te-unfused"):
+    if kind in ("te-fused", "te-unfused", "te-split"):
         return Llama(cfg, None, device,
-                     block=lambda: PackedBlock(cfg, device, fused=kind == "te-fused"))
+                     block=lambda: PackedBlock(cfg, device, fused=kind == "te-fused",
+                                               split=kind == "te-split"))
     model = Llama(cfg, torch_linear, device)
     if kind == "torchao":
         from torchao.float8 import convert_to_float8_training
@@ -320,7 +327,8 @@ def inputs(cfg, device, seed=1):
 def candidates(recipes, with_torchao, fused=False):
     """(label, model kind, recipe) in table order; ``fused`` adds the
     packed-projection model built from separate norms + te.Linear
-    ("unfused") and from te.LayerNormLinear + te.LayerNormMLP ("fused")."""
+    ("unfused"; "split": the same with ``parameters_split``) and from
+    te.LayerNormLinear + te.LayerNormMLP ("fused")."""
     out = [("torch bf16", "torch", None)]
     if with_torchao:
         out.append(("torchao fp8 tensorwise", "torchao", None))
@@ -328,7 +336,8 @@ def candidates(recipes, with_torchao, fused=False):
     out += [(f"te {name}", "te", rec) for name, rec in recipes.items()]
     if fused:
         for name, rec in {"bf16": None, **recipes}.items():
-            out += [(f"te {name} {kind}", f"te-{kind}", rec) for kind in ("unfused", "fused")]
+            out += [(f"te {name} {kind}", f"te-{kind}", rec)
+                    for kind in ("unfused", "split", "fused")]
     return out
 
 

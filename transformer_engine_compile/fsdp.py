@@ -81,13 +81,16 @@ _KEEP_WRAPPER = {
 
 def gemm_weight_names(module: torch.nn.Module) -> tuple:
     """Names of ``module``'s own GEMM weights (``te.Linear`` / ``te.LayerNormLinear``:
-    ``weight``; ``te.LayerNormMLP``: ``fc1_weight``, ``fc2_weight``), else ()."""
+    ``weight``; ``te.LayerNormMLP``: ``fc1_weight``, ``fc2_weight``), else ().
+    A layer with ``parameters_split`` has none: its GEMM weight is its parts
+    joined, whose quantization no part's gathered copy equals, so FSDP2
+    gathers the parts in high precision."""
     from .module.layernorm_mlp import LayerNormMLP
     from .module.linear import Linear
 
     if isinstance(module, LayerNormMLP):
         return ("fc1_weight", "fc2_weight")
-    if isinstance(module, Linear):
+    if isinstance(module, Linear) and module.parameters_split is None:
         return ("weight",)
     return ()
 

@@ -51,9 +51,11 @@ def tp_split_dims(layer: torch.nn.Module) -> dict:
     if isinstance(layer, Linear):
         if layer.parallel_mode is None or layer.tp_size == 1:
             return {}
-        dims = {"weight": 0 if layer.parallel_mode == "column" else 1}
-        if layer.parallel_mode == "column" and layer.bias is not None:
-            dims["bias"] = 0
+        # under parameters_split each part holds its own rows of the shard
+        dim = 0 if layer.parallel_mode == "column" else 1
+        dims = dict.fromkeys(layer._weight_names, dim)
+        if layer.parallel_mode == "column" and layer._has_bias():
+            dims.update(dict.fromkeys(layer._bias_names, 0))
         return dims
     if isinstance(layer, LayerNormMLP):
         if not layer._tp_active():

@@ -51,7 +51,8 @@ class LayerNormLinear(Linear):
                  params_dtype: Optional[torch.dtype] = None, device=None, init_method=None,
                  return_bias: bool = False, parallel_mode: Optional[str] = None, tp_group=None,
                  tp_size: int = 1, sequence_parallel: bool = False,
-                 fuse_wgrad_accumulation: bool = False, name: Optional[str] = None):
+                 fuse_wgrad_accumulation: bool = False, parameters_split=None,
+                 name: Optional[str] = None):
         check_norm_config("te.LayerNormLinear", normalization, eps)
         if parallel_mode not in (None, "column"):
             raise ValueError("te.LayerNormLinear: parallel_mode must be None or 'column' (the "
@@ -60,11 +61,12 @@ class LayerNormLinear(Linear):
                          device=device, init_method=init_method, return_bias=return_bias,
                          parallel_mode=parallel_mode, tp_group=tp_group, tp_size=tp_size,
                          sequence_parallel=sequence_parallel,
-                         fuse_wgrad_accumulation=fuse_wgrad_accumulation, name=name)
+                         fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+                         parameters_split=parameters_split, name=name)
         self.eps, self.normalization = float(eps), normalization
         self.zero_centered_gamma = bool(zero_centered_gamma)
         self.return_layernorm_output = bool(return_layernorm_output)
-        dtype = self.weight.dtype
+        dtype = self._weights()[0].dtype
         self.layer_norm_weight = torch.nn.Parameter(
             torch.empty(in_features, dtype=dtype, device=device))
         self.layer_norm_bias = (torch.nn.Parameter(
@@ -75,7 +77,7 @@ class LayerNormLinear(Linear):
         self.reset_layer_norm_parameters()
 
     def _memo_parameters(self) -> tuple:
-        return (self.weight, self.bias, self.layer_norm_weight, self.layer_norm_bias)
+        return super()._memo_parameters() + (self.layer_norm_weight, self.layer_norm_bias)
 
     def _memo_extra(self) -> tuple:
         """The norm's configuration and its parameters' flags: the memo's
@@ -127,7 +129,7 @@ class LayerNormLinear(Linear):
         """Transformer Engine's order: ``out[, bias][, ln_out]``."""
         out = (outputs["out"],)
         if self.return_bias:
-            out = out + (self.bias,)
+            out = out + (self._returned_bias(),)
         if self.return_layernorm_output:
             out = out + (outputs["ln_out"],)
         return out[0] if len(out) == 1 else out

@@ -21,6 +21,7 @@ from ..quantization import factory
 from . import args_memo
 from .linear_native import plan_for
 from .linear_ops import LINEAR_OPS, LinearBwdArgs, LinearFwdArgs, _input_usage
+from .param_split import adjacent_rows, join_rows, split_layout
 
 __all__ = ["Linear", "LinearFwdArgs", "LinearBwdArgs", "LINEAR_OPS"]
 
@@ -268,6 +269,13 @@ class Linear(torch.nn.Module):
     the eager ``autograd.Function`` or, under ``torch.compile``, the custom
     ops (no Dynamo-disabling decorator); configurations the ops do not model
     fall back to eager (see ``compile_fallbacks``, docs/fallback.md).
+
+    ``parameters_split``: hold the weight (and bias) as several parameters
+    split along the output features, as Transformer Engine does: a tuple of
+    names (equal parts) or a dict of name -> rows; ``("query_", "key_",
+    "value_")`` gives ``query_weight``, ``key_weight``, ``value_weight``
+    (and ``*_bias``) instead of ``weight`` / ``bias``.  The GEMM still runs
+    once on the joined weight (docs/linear.md, "Split parameters").
     """
 
     _OPS = LINEAR_OPS  # the op pair; LayerNormLinear runs its own
@@ -281,7 +289,7 @@ class Linear(torch.nn.Module):
                  return_bias: bool = False, parallel_mode: Optional[str] = None, tp_group=None,
                  tp_size: int = 1, sequence_parallel: bool = False,
                  fuse_wgrad_accumulation: bool = False, save_original_input: bool = False,
-                 name: Optional[str] = None):
+                 parameters_split=None, name: Optional[str] = None):
         super().__init__()
         for arg, value in (("in_features", in_features), ("out_features", out_features)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -308,12 +316,26 @@ class Linear(torch.nn.Module):
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.save_original_input = save_original_input
         self.name = name
-        self.weight = torch.nn.Parameter(torch.empty(
-            self.local_out_features, self.local_in_features, dtype=params_dtype, device=device))
-        bias_features = self.local_out_features if parallel_mode == "column" else out_features
-        self.bias = (torch.nn.Parameter(torch.zeros(bias_features, dtype=params_dtype,
-                                                    device=device))
-                     if bias else None)
+        split = split_layout(parameters_split, out_features, parallel_mode, self.tp_size,
+                             "te.Linear")
+        if split is not None and fuse_wgrad_accumulation:
+            raise NotImplementedError(
+                "te.Linear: fuse_wgrad_accumulation=True with parameters_split is not supported "
+                "(the GEMM computes the joined weight's gradient; main_grad is per parameter)")
+        self.parameters_split = None if split is None else dict(split)  # rows on this rank
+        self._weight_names, self._bias_names = (
+            ("weight",), ("bias",)) if split is None else (
+            tuple(f"{n}_weight" for n, _ in split), tuple(f"{n}_bias" for n, _ in split))
+        weight = torch.empty(self.local_out_features, self.local_in_features,
+                             dtype=params_dtype, device=device)
+        bias_full = torch.zeros(self.local_out_features if parallel_mode == "column"
+                                else out_features, dtype=params_dtype, device=device)
+        # a split layer's parameters are adjacent row slices of one buffer
+        for names, full in ((self._weight_names, weight), (self._bias_names, bias_full)):
+            parts = (full,) if split is None else full.split(list(self.parameters_split.values()))
+            for name, part in zip(names, parts):
+                self.register_parameter(name, torch.nn.Parameter(part)
+                                        if full is weight or bias else None)
         self.init_method = init_method
         self.reset_parameters()
         self._state_key = register_module(self)  # names it for trace-time buffer allocation
@@ -330,7 +352,49 @@ class Linear(torch.nn.Module):
         super().__setstate__(state)
         self.__dict__.setdefault("_label", f"te.Linear({self.in_features} -> "
                                            f"{self.out_features})")  # pickled before it existed
+        # pickled before parameters_split existed
+        self.__dict__.setdefault("parameters_split", None)
+        self.__dict__.setdefault("_weight_names", ("weight",))
+        self.__dict__.setdefault("_bias_names", ("bias",))
         self._state_key = register_module(self)
+        self._pack_split_parameters()  # copies hold each part in a storage of its own
+
+    def _apply(self, fn, recurse=True):
+        """``module.to()`` / ``.cuda()`` / ``.to_empty()`` move each part of a
+        split weight alone: lay them out one after another again."""
+        out = super()._apply(fn, recurse)
+        self._pack_split_parameters()
+        return out
+
+    @torch.no_grad()
+    def _pack_split_parameters(self) -> None:
+        """Make a split layer's plain parameters adjacent row slices of one
+        buffer again (their objects stay), so eager GEMMs read them without
+        a copy (param_split.join_rows).  Others are left as they are."""
+        if self.parameters_split is None:
+            return
+        for names in (self._weight_names, self._bias_names):
+            parts = [self._parameters.get(n) for n in names]
+            if (parts[0] is None or any(type(p) is not torch.nn.Parameter for p in parts)
+                    or len({(p.dtype, p.device, p.shape[1:]) for p in parts}) != 1
+                    or parts[0].is_meta or adjacent_rows(parts)):
+                continue
+            full = torch.cat([p.detach() for p in parts])
+            for p, part in zip(parts, full.split([p.shape[0] for p in parts])):
+                p.data = part
+
+    def _weights(self) -> list:
+        """The weight's parameters (one, or the ``parameters_split`` parts)."""
+        return [self._parameters[n] for n in self._weight_names]
+
+    def _gemm_parameters(self) -> tuple:
+        """``(weight, bias)`` as the GEMM takes them: the parameters, or
+        under ``parameters_split`` the parts joined (bias None without one)."""
+        if self.parameters_split is None:
+            return self.weight, self.bias
+        biases = [self._parameters[n] for n in self._bias_names]
+        return (join_rows(self._weights()),
+                None if biases[0] is None else join_rows(biases))
 
     def get_extra_state(self) -> torch.Tensor:
         """``state_dict()['..._extra_state']``, as Transformer Engine's: the
@@ -340,7 +404,7 @@ class Linear(torch.nn.Module):
         before the layer ran under DelayedScaling.  The cached FP8 weight is
         not saved: it is a function of the weight, rebuilt by the next
         ``is_first_microbatch=True``."""
-        return pack_delayed_state(self, _DELAYED_STATE, self.weight.device)
+        return pack_delayed_state(self, _DELAYED_STATE, self._weights()[0].device)
 
     @torch.no_grad()
     def set_extra_state(self, state) -> None:
@@ -349,7 +413,7 @@ class Linear(torch.nn.Module):
         CUDA graphs keep their addresses); state the checkpoint lacks (saved
         before the layer ran, or from a bf16 run) is dropped."""
         check_extra_state("te.Linear", state)
-        unpack_delayed_state(self, _DELAYED_STATE, state, self.weight.device)
+        unpack_delayed_state(self, _DELAYED_STATE, state, self._weights()[0].device)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
@@ -366,17 +430,24 @@ class Linear(torch.nn.Module):
         ``to_empty(device=...)``, this gives an initialised layer (the FSDP2
         recipe).  A TP layer initialises its own shard.  The FP8 state
         (delayed-scaling history, cached weight) is left as it is."""
-        if self.weight.is_meta:
+        if self._weights()[0].is_meta:
             return
-        init_weight_(self.weight, self.init_method)
-        if self.bias is not None:
-            self.bias.zero_()
+        for weight in self._weights():  # each part initialised as a layer of its own
+            init_weight_(weight, self.init_method)
+        for name in self._bias_names:
+            if self._parameters[name] is not None:
+                self._parameters[name].zero_()
 
     def extra_repr(self) -> str:
         tp = (f", parallel_mode={self.parallel_mode!r}, tp_size={self.tp_size}, "
               f"sequence_parallel={self.sequence_parallel}" if self.parallel_mode else "")
+        split = ("" if self.parameters_split is None
+                 else f", parameters_split={self.parameters_split}")
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, dtype={self.weight.dtype}{tp}")
+                f"bias={self._has_bias()}, dtype={self._weights()[0].dtype}{tp}{split}")
+
+    def _has_bias(self) -> bool:
+        return self._parameters[self._bias_names[0]] is not None
 
     @torch.no_grad()
     def load_full_weight_(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
@@ -386,14 +457,21 @@ class Linear(torch.nn.Module):
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(f"te.Linear.load_full_weight_: expected a weight of shape "
                              f"{(self.out_features, self.in_features)}, got {tuple(weight.shape)}")
+        if bias is not None and (not self._has_bias()
+                                 or tuple(bias.shape) != (self.out_features,)):
+            raise ValueError(f"te.Linear.load_full_weight_: bias must be of shape "
+                             f"({self.out_features},) on a layer with a bias")
         rank = 0 if self.tp_group is None else torch.distributed.get_rank(self.tp_group)
-        self.weight.copy_(D.shard_parameter(weight, self.parallel_mode, rank, self.tp_size))
-        if bias is not None:
-            if self.bias is None or tuple(bias.shape) != (self.out_features,):
-                raise ValueError(f"te.Linear.load_full_weight_: bias must be of shape "
-                                 f"({self.out_features},) on a layer with a bias")
-            self.bias.copy_(D.shard_parameter(bias, self.parallel_mode, rank, self.tp_size,
-                                              is_bias=True))
+        # under parameters_split each part is sharded on its own (its rows of every part)
+        rows = [self.out_features] if self.parameters_split is None else [
+            r * (self.tp_size if self.parallel_mode == "column" else 1)
+            for r in self.parameters_split.values()]
+        for i, part in enumerate(weight.split(rows)):
+            self._parameters[self._weight_names[i]].copy_(
+                D.shard_parameter(part, self.parallel_mode, rank, self.tp_size))
+            if bias is not None:
+                self._parameters[self._bias_names[i]].copy_(D.shard_parameter(
+                    bias.split(rows)[i], self.parallel_mode, rank, self.tp_size, is_bias=True))
         return self
 
     # -- argument building (runs in eager and in traced code) -----------------------------
@@ -429,7 +507,8 @@ class Linear(torch.nn.Module):
         default the layer's; ``key``: this call's memo key, if computed."""
         recipe = get_autocast_recipe()
         if weight is None:
-            weight, bias = self.weight, self.bias
+            weight, bias = self._gemm_parameters()
+            cast = self.parameters_split is not None  # joined: new tensors every call
         grad = torch.is_grad_enabled()
         if key is ...:
             key = self._memo_key(inp, recipe, grad, is_first_microbatch, fp8_output, fp8_grad,
@@ -448,8 +527,9 @@ class Linear(torch.nn.Module):
                   bias, cast=False):
         """The argument memo's key for this call, or None where no memo
         applies.  ``weight`` and ``bias`` are the layer's parameters, or with
-        ``cast`` torch.autocast's casts of them (new tensors every call: the
-        key then holds the parameters' dtype too)."""
+        ``cast`` torch.autocast's casts of them or the joined
+        ``parameters_split`` parts (new tensors every call: the key then holds
+        the parameters' dtype too)."""
         if (not (fp8_output or fp8_grad) and self._MEMO and not torch.compiler.is_compiling()
                 and (cast or (weight is self.weight and bias is self.bias))
                 and type(weight) in _PLAIN_TENSORS):
@@ -457,13 +537,13 @@ class Linear(torch.nn.Module):
                     weight.dtype, weight.requires_grad,
                     None if bias is None else bias.requires_grad, self.return_bias,
                     self.save_original_input, self.parallel_mode, self.sequence_parallel,
-                    self.tp_size, cast and self.weight.dtype, get_amax_reduction_group(),
+                    self.tp_size, cast and self._weights()[0].dtype, get_amax_reduction_group(),
                     is_first_microbatch, self.fuse_wgrad_accumulation, self._memo_extra())
         return None
 
     def _memo_parameters(self) -> tuple:
         """The parameters whose objects an argument memo is made for."""
-        return (self.weight, self.bias)
+        return tuple(self._parameters[n] for n in self._weight_names + self._bias_names)
 
     def _memo_extra(self) -> tuple:
         """What else a subclass's memo key holds (its parameters' flags)."""
@@ -543,7 +623,7 @@ class Linear(torch.nn.Module):
         on the first microbatch (``cache_weight``) and read on the others."""
         layout, bind = gemm_state(self, "", "te.Linear", args, delayed_recipe, first_microbatch,
                                   self.save_original_input)
-        ensure_buffers(self._state_key, layout, self.weight.device)
+        ensure_buffers(self._state_key, layout, self._weights()[0].device)
         bind()
 
     def _check_shapes(self, args: LinearFwdArgs, inp) -> None:
@@ -576,26 +656,26 @@ class Linear(torch.nn.Module):
 
     def _forward_autocast(self, inp, is_first_microbatch, fp8_output, fp8_grad, call):
         ac_dtype = _torch_autocast_dtype(inp)
+        weight, bias = self._gemm_parameters()
         if ac_dtype is not None:
             # torch.autocast: compute in its dtype as torch.nn.Linear does, casting
             # here (traced, differentiable) and running the ops with autocast off,
             # so eager and compiled run the same GEMMs
-            weight = self.weight
             if not isinstance(weight, QuantizedTensorStorage) and weight.dtype != ac_dtype:
                 weight = weight.to(ac_dtype)
-            bias = self.bias
             if bias is not None and bias.dtype != ac_dtype:
                 bias = bias.to(ac_dtype)
             with torch.autocast(inp.device.type, enabled=False):
                 return self._forward(inp.to(ac_dtype), weight, bias, is_first_microbatch,
                                      fp8_output, fp8_grad, call, cast=True)
-        return self._forward(inp, self.weight, self.bias, is_first_microbatch, fp8_output,
-                             fp8_grad, call)
+        return self._forward(inp, weight, bias, is_first_microbatch, fp8_output, fp8_grad,
+                             call, cast=self.parameters_split is not None)
 
     def _forward(self, inp, weight, bias, is_first_microbatch, fp8_output, fp8_grad,
                  call=None, cast=False):
         """``cast``: ``weight`` and ``bias`` are torch.autocast's casts of the
-        parameters (or the parameters, where no cast was needed)."""
+        parameters (or the parameters, where no cast was needed), or the
+        joined ``parameters_split`` parts."""
         if not (fp8_output or fp8_grad) and self._runs_as_torch_linear(inp, weight):
             return self._finish({"out": torch.nn.functional.linear(inp, weight)})
         key = ...
@@ -637,7 +717,7 @@ class Linear(torch.nn.Module):
         fused norm) never do.  The input checks still apply."""
         if (self._OPS is not LINEAR_OPS or get_autocast_recipe() is not None
                 or self._tp_active()
-                or (self.bias is not None and not self.return_bias)
+                or (self._has_bias() and not self.return_bias)
                 or (self.fuse_wgrad_accumulation and weight.requires_grad)
                 or type(weight) not in (torch.nn.Parameter, torch.Tensor)):
             return False
@@ -646,7 +726,12 @@ class Linear(torch.nn.Module):
 
     def _finish(self, outputs: dict):
         out = outputs["out"]
-        return (out, self.bias) if self.return_bias else out
+        return (out, self._returned_bias()) if self.return_bias else out
+
+    def _returned_bias(self):
+        """What ``return_bias`` hands back for the caller to add: the bias
+        parameter, or the joined ``parameters_split`` parts."""
+        return self.bias if self.parameters_split is None else self._gemm_parameters()[1]
 
     @torch.compiler.disable
     def _eager_fallback(self, reason, inp, weight, bias, is_first_microbatch, fp8_output,
