@@ -186,17 +186,21 @@ def test_torch_autocast_split_equals_unsplit():
 
 # -- storage: the GEMM reads the parameters in place --------------------------------------
 def _reads_in_place(layer) -> bool:
-    w, _ = layer._gemm_parameters()
-    return w.data_ptr() == layer._weights()[0].data_ptr() and w.grad_fn is not None and (
-        type(w.grad_fn).__name__ == "_JoinRowsBackward")
+    """Whether a call without gradients reads the parts where they lie."""
+    with torch.no_grad():
+        w, _ = layer._gemm_parameters()
+    return w.data_ptr() == layer._weights()[0].data_ptr()
 
 
-def test_eager_gemm_reads_the_parameters_without_a_copy():
-    """The parts are adjacent rows of one buffer, also after ``.to()``, a
-    deep copy and ``torch.save`` / ``torch.load``; where they are not (an
-    assigning load), the layer concatenates them and stays correct."""
+def test_gradient_free_calls_read_the_parameters_without_a_copy():
+    """Without gradients the parts, adjacent rows of one buffer, are read in
+    place, also after ``.to()``, a deep copy and ``torch.save`` /
+    ``torch.load``; where they are not adjacent (an assigning load), and
+    wherever a gradient is recorded, the layer concatenates them."""
     _, layer = _pair()
     assert _reads_in_place(layer)
+    w, _ = layer._gemm_parameters()  # a recorded gradient: torch.cat, its C++ backward
+    assert w.grad_fn.name() == "CatBackward0"
     layer.to(torch.float32)
     assert _reads_in_place(layer) and layer.query_weight.dtype == torch.float32
     assert _reads_in_place(copy.deepcopy(layer))
@@ -206,13 +210,15 @@ def test_eager_gemm_reads_the_parameters_without_a_copy():
     loaded = torch.load(buf, weights_only=False)
     assert _reads_in_place(loaded)
     x = torch.randn(4, 128)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), layer(x))
     assert torch.equal(loaded(x), layer(x))
 
     fresh = {k: v.clone() for k, v in layer.state_dict().items()}
     layer.load_state_dict(fresh, assign=True)
-    w, _ = layer._gemm_parameters()
-    assert w.data_ptr() != layer.query_weight.data_ptr()  # concatenated
-    assert torch.equal(layer(x), loaded(x))
+    assert not _reads_in_place(layer)  # concatenated
+    with torch.no_grad():
+        assert torch.equal(layer(x), loaded(x))
     layer(x).sum().backward()
     assert layer.value_weight.grad is not None
 
@@ -237,6 +243,8 @@ def test_join_rows_copies_what_is_not_adjacent():
     a, b = torch.randn(2, 3, requires_grad=True), torch.randn(1, 3, requires_grad=True)
     j = join_rows([a, b])
     assert torch.equal(j, torch.cat([a, b])) and j.grad_fn.name() == "CatBackward0"
+    with torch.no_grad():
+        assert torch.equal(join_rows([a, b]), j)
     assert join_rows([a]) is a and join_rows([]) is None
 
 

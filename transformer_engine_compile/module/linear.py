@@ -369,8 +369,9 @@ class Linear(torch.nn.Module):
     @torch.no_grad()
     def _pack_split_parameters(self) -> None:
         """Make a split layer's plain parameters adjacent row slices of one
-        buffer again (their objects stay), so eager GEMMs read them without
-        a copy (param_split.join_rows).  Others are left as they are."""
+        buffer again (their objects stay), so eager calls without gradients
+        read them without a copy (param_split.join_rows).  Others are left as
+        they are."""
         if self.parameters_split is None:
             return
         for names in (self._weight_names, self._bias_names):

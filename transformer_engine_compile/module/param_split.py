@@ -4,12 +4,13 @@ parameters, as Transformer Engine's ``Linear(..., parameters_split=...)``.
 A fused q/k/v (or gate/up) projection runs one GEMM but keeps ``query_weight``,
 ``key_weight``, ``value_weight`` as parameters of their own (checkpoints,
 per-part optimizer groups, loading a model whose weights are stored apart).
-The parts are row slices of one buffer, so in eager the GEMM reads that
-buffer as it is (:func:`join_rows`, no copy); where the parts no longer lie
-one after another in one storage (``load_state_dict(assign=True)``, FSDP2,
-a ``.to()`` of one part) and inside ``torch.compile`` they are concatenated
-(one copy per forward).  Both give the same values and the same gradient
-slices, so compiled still equals eager bit for bit.
+The parts are row slices of one buffer.  A call that records a gradient,
+and any call inside ``torch.compile``, concatenates them (one copy of the
+weight per forward; the backward hands each part its rows of the weight
+gradient).  A call without gradients (validation, inference) reads the
+buffer in place where the parts still lie one after another in one
+storage (:func:`join_rows`).  Both give the same values, so compiled still
+equals eager bit for bit.
 """
 
 from __future__ import annotations
@@ -88,29 +89,24 @@ def adjacent_rows(parts) -> bool:
     return True
 
 
-class _JoinRows(torch.autograd.Function):
-    """The rows of adjacent parts as one tensor over their storage (no copy);
-    the gradient goes back as row slices, as ``torch.cat``'s does."""
-
-    @staticmethod
-    def forward(ctx, *parts):
-        ctx.rows = [p.shape[0] for p in parts]
-        first = parts[0]
-        return first.as_strided((sum(ctx.rows), *first.shape[1:]), first.stride())
-
-    @staticmethod
-    def backward(ctx, grad):
-        return tuple(grad.split(ctx.rows, dim=0))
-
-
 def join_rows(parts) -> Optional[torch.Tensor]:
-    """``torch.cat(parts)`` (None for no parts; the part itself for one),
-    without the copy in eager where the parts are adjacent rows of one
-    storage."""
+    """``torch.cat(parts)`` (None for no parts; the part itself for one).
+
+    Where no gradient is recorded (validation, inference) and the parts are
+    adjacent rows of one storage, the whole is a view of that storage, with
+    no copy.  A recorded gradient takes ``torch.cat``, whose backward (row
+    slices) is C++: an ``autograd.Function`` aliasing the parts would save
+    the copy but put a Python node on the autograd engine's device thread,
+    measured slower per call than the copy (docs/linear.md, "Split
+    parameters")."""
     if not parts:
         return None
     if len(parts) == 1:
         return parts[0]
-    if not torch.compiler.is_compiling() and adjacent_rows(parts):
-        return _JoinRows.apply(*parts)
+    if (not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and any(p.requires_grad for p in parts))
+            and adjacent_rows(parts)):
+        first = parts[0]
+        return first.as_strided((sum(p.shape[0] for p in parts), *first.shape[1:]),
+                                first.stride())
     return torch.cat(parts, dim=0)
