@@ -32,16 +32,21 @@ def _pair(cls=te.Linear, bias=True, split=QKV, dtype=torch.bfloat16, **kw):
     return ref, layer
 
 
-def _steps(layer, step, x0, steps=3):
-    """Forward, backward, SGD; [out, dx, wgrad, bgrad] per step, the split
-    layer's gradients joined."""
+def run_steps(layer, step, x0, steps=3, dy=None):
+    """Forward, backward (of ``dy``, else of a weighted sum), SGD; [out, dx,
+    wgrad, bgrad] per step, the split layer's gradients joined (also the
+    GPU tests')."""
     out = []
     torch.manual_seed(1)  # NVFP4 stochastic rounding draws from the global RNG
     for i in range(steps):
+        torch.compiler.cudagraph_mark_step_begin()  # a no-op unless reduce-overhead
         x = (x0 * (1 + 0.1 * i)).requires_grad_()
         layer.zero_grad(set_to_none=True)
         y = step(x)
-        (y.float() * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
+        if dy is not None:
+            y.backward(dy)
+        else:
+            (y.float() * torch.linspace(-1, 1, y.shape[-1], device=y.device)).sum().backward()
         grads = [torch.cat([layer._parameters[n].grad for n in names])
                  for names in (layer._weight_names, layer._bias_names)
                  if layer._parameters[names[0]] is not None]
@@ -52,7 +57,7 @@ def _steps(layer, step, x0, steps=3):
     return out
 
 
-def _step(layer, rec):
+def make_step(layer, rec):
     def step(x):
         with te.autocast(enabled=rec is not None, recipe=rec):
             return layer(x)
@@ -123,13 +128,13 @@ def test_split_layer_equals_the_unsplit_layer_eager_and_compiled(name, bias):
     ref, layer = _pair(bias=bias)
     state = copy.deepcopy(layer.state_dict())
     x0 = torch.randn(64, 128, dtype=torch.bfloat16)
-    expected = _steps(ref, _step(ref, rec), x0)
-    eager = _steps(layer, _step(layer, rec), x0)
+    expected = run_steps(ref, make_step(ref, rec), x0)
+    eager = run_steps(layer, make_step(layer, rec), x0)
     _assert_equal(expected, eager, f"{name} split eager vs unsplit")
     torch._dynamo.reset()
     counters.clear()
     layer.load_state_dict(state)
-    compiled = _steps(layer, torch.compile(_step(layer, rec), fullgraph=True,
+    compiled = run_steps(layer, torch.compile(make_step(layer, rec), fullgraph=True,
                                            backend="aot_eager"), x0)
     _assert_equal(eager, compiled, f"{name} split compiled vs eager")
     assert counters["stats"]["unique_graphs"] == 1
@@ -140,10 +145,11 @@ def test_split_layer_compiles_with_inductor():
     rec = RECIPES["fp8_current"]
     ref, layer = _pair()
     x0 = torch.randn(64, 128, dtype=torch.bfloat16)
-    expected = _steps(ref, _step(ref, rec), x0, steps=2)
+    expected = run_steps(ref, make_step(ref, rec), x0, steps=2)
     torch._dynamo.reset()
-    _assert_equal(expected, _steps(layer, torch.compile(_step(layer, rec), fullgraph=True),
-                                   x0, steps=2), "inductor")
+    compiled = run_steps(layer, torch.compile(make_step(layer, rec), fullgraph=True), x0,
+                         steps=2)
+    _assert_equal(expected, compiled, "inductor")
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp8_current", "mxfp8"])
@@ -152,11 +158,11 @@ def test_layernorm_linear_split_equals_unsplit(name):
     ref, layer = _pair(te.LayerNormLinear, normalization="RMSNorm")
     assert [n for n, _ in layer.named_parameters()][-1] == "layer_norm_weight"
     x0 = torch.randn(64, 128, dtype=torch.bfloat16)
-    expected = _steps(ref, _step(ref, rec), x0)
-    _assert_equal(expected, _steps(layer, _step(layer, rec), x0), f"{name} eager")
+    expected = run_steps(ref, make_step(ref, rec), x0)
+    _assert_equal(expected, run_steps(layer, make_step(layer, rec), x0), f"{name} eager")
     torch._dynamo.reset()
     ref2, layer2 = _pair(te.LayerNormLinear, normalization="RMSNorm")
-    compiled = _steps(layer2, torch.compile(_step(layer2, rec), fullgraph=True,
+    compiled = run_steps(layer2, torch.compile(make_step(layer2, rec), fullgraph=True,
                                             backend="aot_eager"), x0)
     _assert_equal(expected, compiled, f"{name} compiled")
 

@@ -9,6 +9,7 @@ import transformer_engine_compile as te
 from transformer_engine_compile import recipe
 
 from native_steps import native_path, plans
+from test_parameters_split import make_step, run_steps
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -29,29 +30,6 @@ def _layers(bias):
     return ref, layer
 
 
-def _run(layer, step, x0, dy, steps=3):
-    out = []
-    for i in range(steps):
-        torch.compiler.cudagraph_mark_step_begin()
-        x = (x0 * (1 + 0.1 * i)).requires_grad_()
-        layer.zero_grad(set_to_none=True)
-        y = step(x)
-        y.backward(dy)
-        wgrad = torch.cat([layer._parameters[n].grad for n in layer._weight_names])
-        out.append([y.detach().clone(), x.grad.clone(), wgrad.clone()])
-        with torch.no_grad():
-            for p in layer.parameters():
-                p -= 0.01 * p.grad
-    return out
-
-
-def _step(layer, rec):
-    def step(x):
-        with te.autocast(enabled=rec is not None, recipe=rec):
-            return layer(x)
-    return step
-
-
 @pytest.mark.parametrize("name", RECIPES)
 def test_split_layer_equals_unsplit_native_and_compiled(name):
     """Eager (the native path where it applies: one native plan per memo
@@ -62,17 +40,17 @@ def test_split_layer_equals_unsplit_native_and_compiled(name):
     dy = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16)
     ref, layer = _layers(bias=False)
     with native_path(True):
-        expected = _run(ref, _step(ref, rec), x0, dy)
+        expected = run_steps(ref, make_step(ref, rec), x0, dy=dy)
         state = {k: v.clone() for k, v in layer.state_dict().items()}
-        got = _run(layer, _step(layer, rec), x0, dy)
+        got = run_steps(layer, make_step(layer, rec), x0, dy=dy)
         if rec is not None:
             assert any(p for p in plans(layer)), "the split layer left the native path"
     for mode in (None, "reduce-overhead"):
         layer.load_state_dict(state)
         torch._dynamo.reset()
-        compiled = _run(layer, torch.compile(_step(layer, rec), fullgraph=True, mode=mode),
-                        x0, dy)
-        for what, runs in ((f"eager", got), (f"compiled {mode}", compiled)):
+        compiled = run_steps(layer, torch.compile(make_step(layer, rec), fullgraph=True,
+                                                  mode=mode), x0, dy=dy)
+        for what, runs in (("eager", got), (f"compiled {mode}", compiled)):
             for i, (e, g) in enumerate(zip(expected, runs)):
                 for part, a, b in zip(("out", "dgrad", "wgrad"), e, g):
                     assert torch.equal(a, b), f"{name} {what}: step {i} {part} differs"
