@@ -25,11 +25,11 @@ from .layernorm_mlp_native import plan_for_layernorm_mlp
 from .layernorm_mlp_ops import (GATED, GEMMS, LAYERNORM_MLP_OPS, LayerNormMLPFwdArgs)
 from ..kernels.reference import ACTIVATIONS
 from .norm import reset_norm_parameters
+from .extra_state import (check_extra_state, delayed_state_names, load_without_extra_state,
+                          pack_delayed_state, unpack_delayed_state)
 from .linear import (_PLAIN_TENSORS, _parallel_config, init_weight_, _torch_autocast_dtype,
-                     check_extra_state, check_gemm_shapes, delayed_state_names,
-                     first_microbatch_flag,
-                     gemm_state, load_without_extra_state, main_grad_of, pack_delayed_state,
-                     set_quantizers, state_plan, unpack_delayed_state)
+                     check_gemm_shapes, first_microbatch_flag, gemm_state, main_grad_of,
+                     set_quantizers, state_plan)
 from .linear_ops import LinearFwdArgs
 
 __all__ = ["LayerNormMLP"]

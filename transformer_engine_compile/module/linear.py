@@ -19,9 +19,11 @@ from ..fsdp import check_gathered_weight
 from ..quantization.base import QuantizedTensorStorage
 from ..quantization import factory
 from . import args_memo
+from .extra_state import (check_extra_state, delayed_state_names, load_without_extra_state,
+                          pack_delayed_state, unpack_delayed_state)
 from .linear_native import plan_for
 from .linear_ops import LINEAR_OPS, LinearBwdArgs, LinearFwdArgs, _input_usage
-from .param_split import adjacent_rows, join_rows, split_layout
+from .param_split import join_rows, pack_rows, register_rows, split_layout
 
 __all__ = ["Linear", "LinearFwdArgs", "LinearBwdArgs", "LINEAR_OPS"]
 
@@ -34,68 +36,7 @@ def _torch_autocast_dtype(inp) -> Optional[torch.dtype]:
     return torch.get_autocast_dtype(device_type)
 
 
-def delayed_state_names(prefix: str = "") -> tuple:
-    """The buffers of one GEMM's DelayedScaling state a resumed run needs
-    (``get_extra_state``): ``te.Linear``'s, or ``fc1_...`` of a LayerNormMLP."""
-    return tuple(f"{prefix}fp8_{n}" for n in ("amax_history_fwd", "scale_fwd",
-                                               "amax_history_bwd", "scale_bwd"))
-
-
 _DELAYED_STATE = delayed_state_names()
-
-
-def pack_delayed_state(module, names, device) -> torch.Tensor:
-    """One GEMM's buffers ``names`` packed into a 1-D fp32 tensor (history fwd
-    (L, 2), scale fwd (2,), history bwd (L, 2), scale bwd (2,): 4 L + 4
-    values), or an empty one when the module has not run under DelayedScaling."""
-    parts = [module._buffers.get(n) for n in names]
-    if any(p is None for p in parts):
-        return torch.empty(0, dtype=torch.float32, device=device)
-    return torch.cat([p.detach().reshape(-1) for p in parts])
-
-
-def check_extra_state(owner: str, state, gemms: int = 1) -> None:
-    """Refuse (ValueError naming ``owner``) what is not ``gemms`` equally long
-    :func:`pack_delayed_state` results concatenated."""
-    n = state.numel() if isinstance(state, torch.Tensor) else -1
-    one = n // gemms if n > 0 else n
-    if (n < 0 or state.dim() != 1 or state.dtype != torch.float32
-            or (n and (n % gemms or one < 8 or one % 4))):
-        count = "" if gemms == 1 else f"{gemms} x "
-        raise ValueError(f"{owner}: the extra state must be the 1-D fp32 tensor of "
-                         f"get_extra_state() ({count}(4 * amax_history_len + 4) values, or "
-                         f"none), got {type(state).__name__} "
-                         f"{tuple(state.shape) if isinstance(state, torch.Tensor) else ''}")
-
-
-@torch.no_grad()
-def unpack_delayed_state(module, names, state, device) -> None:
-    """Restore what :func:`pack_delayed_state` saved (checked by
-    :func:`check_extra_state`).  Buffers of the same layout are copied into
-    (so CUDA graphs keep their addresses); an empty state drops them."""
-    n = state.numel()
-    if n == 0:
-        for name in names:
-            module._buffers.pop(name, None)
-        return
-    length = (n - 4) // 4
-    values = state.to(device).split([2 * length, 2, 2 * length, 2])
-    shapes = ((length, 2), (2,), (length, 2), (2,))
-    for name, value, shape in zip(names, values, shapes):
-        value = value.reshape(shape)
-        cur = module._buffers.get(name)
-        if cur is not None and cur.shape == value.shape and cur.dtype == value.dtype:
-            cur.copy_(value)
-        else:
-            module.register_buffer(name, value.clone(), persistent=False)
-
-
-def load_without_extra_state(missing_keys, state_dict, prefix) -> None:
-    """A checkpoint without extra state (older, or a plain torch module's)
-    loads strictly too; the layer's FP8 state is then left as it is."""
-    key = prefix + "_extra_state"
-    if key in missing_keys and key not in state_dict:
-        missing_keys.remove(key)
 
 
 # -- the module ----------------------------------------------------------------------
@@ -330,12 +271,9 @@ class Linear(torch.nn.Module):
                              dtype=params_dtype, device=device)
         bias_full = torch.zeros(self.local_out_features if parallel_mode == "column"
                                 else out_features, dtype=params_dtype, device=device)
-        # a split layer's parameters are adjacent row slices of one buffer
-        for names, full in ((self._weight_names, weight), (self._bias_names, bias_full)):
-            parts = (full,) if split is None else full.split(list(self.parameters_split.values()))
-            for name, part in zip(names, parts):
-                self.register_parameter(name, torch.nn.Parameter(part)
-                                        if full is weight or bias else None)
+        rows = None if split is None else list(self.parameters_split.values())
+        register_rows(self, self._weight_names, weight, rows)
+        register_rows(self, self._bias_names, bias_full if bias else None, rows)
         self.init_method = init_method
         self.reset_parameters()
         self._state_key = register_module(self)  # names it for trace-time buffer allocation
@@ -366,23 +304,14 @@ class Linear(torch.nn.Module):
         self._pack_split_parameters()
         return out
 
-    @torch.no_grad()
     def _pack_split_parameters(self) -> None:
         """Make a split layer's plain parameters adjacent row slices of one
         buffer again (their objects stay), so eager calls without gradients
         read them without a copy (param_split.join_rows).  Others are left as
         they are."""
-        if self.parameters_split is None:
-            return
-        for names in (self._weight_names, self._bias_names):
-            parts = [self._parameters.get(n) for n in names]
-            if (parts[0] is None or any(type(p) is not torch.nn.Parameter for p in parts)
-                    or len({(p.dtype, p.device, p.shape[1:]) for p in parts}) != 1
-                    or parts[0].is_meta or adjacent_rows(parts)):
-                continue
-            full = torch.cat([p.detach() for p in parts])
-            for p, part in zip(parts, full.split([p.shape[0] for p in parts])):
-                p.data = part
+        if self.parameters_split is not None:
+            for names in (self._weight_names, self._bias_names):
+                pack_rows([self._parameters.get(n) for n in names])
 
     def _weights(self) -> list:
         """The weight's parameters (one, or the ``parameters_split`` parts)."""

@@ -71,6 +71,31 @@ def split_layout(parameters_split, out_features: int, parallel_mode: Optional[st
     return tuple(zip(names, sizes))
 
 
+def register_rows(module, names, full, rows) -> None:
+    """Register ``full`` (``rows`` None) or its row slices of ``rows`` rows
+    as the parameters ``names`` of ``module``; ``full`` None registers None
+    (a layer without a bias)."""
+    parts = [None] * len(names) if full is None else (
+        (full,) if rows is None else full.split(rows))
+    for name, part in zip(names, parts):
+        module.register_parameter(name, None if part is None else torch.nn.Parameter(part))
+
+
+@torch.no_grad()
+def pack_rows(parts) -> None:
+    """Lay plain parameters out as adjacent rows of one buffer again (their
+    objects stay: ``.data`` moves), after something moved each on its own
+    (``module.to()``, a deep copy).  Parts that are None, meta, of other
+    tensor types, dtypes or devices, or already adjacent, are left alone."""
+    if (parts[0] is None or any(type(p) is not torch.nn.Parameter for p in parts)
+            or len({(p.dtype, p.device, p.shape[1:]) for p in parts}) != 1
+            or parts[0].is_meta or adjacent_rows(parts)):
+        return
+    full = torch.cat([p.detach() for p in parts])
+    for p, part in zip(parts, full.split([p.shape[0] for p in parts])):
+        p.data = part
+
+
 def adjacent_rows(parts) -> bool:
     """Whether ``parts`` are plain, contiguous tensors of one dtype lying one
     after another in one storage (the views the layer made), so the whole
