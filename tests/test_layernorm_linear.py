@@ -184,11 +184,13 @@ def assert_delayed_norm_fusion_exact(module, options, runs):
     assert ("norm_forward_fp8", ln_shape) in calls and ("norm_forward", ln_shape) in plain_calls
     assert not any(name == "norm_forward" for name, _ in calls)
     assert not any(name == "norm_forward_fp8" for name, _ in plain_calls)
-    # te.Linear's path quantizes the norm's output, the fused one leaves nothing to
-    # quantize (LayerNormMLP's fc2 quantizes a gradient of that shape too)
-    assert ("quantize_fp8_tensorwise", ln_shape) in plain_calls
+    # te.Linear's path quantizes the norm's output (with W, in one kernel op), the
+    # fused one leaves nothing to quantize (LayerNormMLP's fc2 quantizes a
+    # gradient of that shape too)
+    assert ("quantize_fp8_delayed", ln_shape) in plain_calls
     if module == "LayerNormLinear":
-        assert ("quantize_fp8_tensorwise", ln_shape) not in calls
+        assert not any(name.startswith("quantize_fp8") and shape == ln_shape
+                       for name, shape in calls)
     assert len(fused) == len(plain) and len(fused_state) == len(plain_state) > 0
     for step, (a, b) in enumerate(zip(fused, plain)):
         assert len(a) == len(b)

@@ -93,6 +93,50 @@ def test_cast_runs_the_delayed_step_after_the_last_amax(shape, in_place):
     assert _bits_equal(new_hist, want_hist) and _bits_equal(new_scale, want_scale)
 
 
+@pytest.mark.parametrize("algo,margin,in_place", [("max", 0, False), ("max", 1, True),
+                                                   ("most_recent", 0, True)])
+@pytest.mark.parametrize("shapes", [((300, 512), (256, 512)), ((4096, 2048), (2048, 2048)),
+                                    ((4096, 1024), None), ((8192, 2048), (2048, 2048))], ids=str)
+def test_delayed_casts_in_one_launch_equal_two(shapes, algo, margin, in_place):
+    """Delayed scaling's casts of an op call in one launch (x and W, or dy
+    alone; kernels/triton_delayed.py) equal the two-launch kernels with a
+    zeroed amax vector bit for bit: the FP8 copies, the stepped history and
+    scale (written over the ones the casts read, or into new buffers), with
+    the max in the last tile.  The counter slot is zero again after each
+    call, so a second call on the same stream is right too.  A grid of
+    over 2048 programs takes the two launches."""
+    from transformer_engine_compile.kernels import grid_state, triton_delayed as td
+    a = torch.randn(shapes[0], device="cuda", dtype=torch.bfloat16) * 5
+    a[-1, -1] = 900.0
+    b = None if shapes[1] is None else torch.randn(shapes[1], device="cuda",
+                                                   dtype=torch.bfloat16) * 0.1
+    a_usage, b_usage = (True, True), ((True, False) if b is not None else (False, False))
+    launches, real = [], td._fp8_delayed_launch
+    tiles = sum(-(-m // 64) * -(-k // 128) for m, k in filter(None, shapes))
+    for call in range(2):
+        hist = torch.rand(16, 2, device="cuda") * 100
+        scale = torch.tensor([3.0, 0.25], device="cuda") * (call + 1)
+        want_hist, want_scale = hist.clone(), scale.clone()
+        want = ref.delayed_casts(tq.quantize_fp8_tensorwise, a, b, want_scale, "e4m3", a_usage,
+                                 b_usage, ref.StepAfter(want_hist, want_hist, want_scale, "e4m3",
+                                                        margin, algo))
+        new_hist, new_scale = ((hist, scale) if in_place else
+                               (torch.empty_like(hist), torch.empty_like(scale)))
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(td, "_fp8_delayed_launch",
+                       lambda *args: (launches.append(1), real(*args))[1])
+            got = td.quantize_fp8_delayed(a, b, scale, "e4m3", a_usage, b_usage, ref.StepAfter(
+                hist, new_hist, new_scale, "e4m3", margin, algo))
+        for g, w in zip(got, want):
+            assert (g is None) == (w is None)
+            for key in (w or {}):
+                assert _bits_equal(g[key], w[key]), (call, key)
+        assert _bits_equal(new_hist, want_hist) and _bits_equal(new_scale, want_scale), call
+        torch.cuda.synchronize()
+        assert not grid_state.pool(a.device).any()
+    assert len(launches) == (2 if tiles <= 2048 else 0)
+
+
 def test_given_scale_records_amax_into_a_slot_of_a_vector():
     x = torch.randn(300, 512, device="cuda") * 5
     amaxes = torch.zeros(3, device="cuda")

@@ -21,6 +21,7 @@ from . import reference, tracing
 OPS = (
     "amax",
     "quantize_fp8_tensorwise",
+    "quantize_fp8_delayed",
     "quantize_fp8_current",
     "quantize_fp8_current_pair",
     "quantize_fp8_current_pair_from_parts",

@@ -28,6 +28,9 @@ def register() -> None:
                  "delayed_scaling_step", "run_step", "transpose_bytes"):
         register_fast(name, "cuda", getattr(tq, name))
         _REGISTERED.append(name)
+    from . import triton_delayed as td  # one launch where it may, else triton_quant's two
+    register_fast("quantize_fp8_delayed", "cuda", td.quantize_fp8_delayed)
+    _REGISTERED.append("quantize_fp8_delayed")
     from . import triton_current as tc  # one launch where it may, else triton_quant's two
     for name in ("quantize_fp8_current", "quantize_fp8_current_pair"):
         register_fast(name, "cuda", getattr(tc, name))

@@ -135,7 +135,10 @@ struct Plan {
   Launch epilogue, dgrad_epilogue, wgrad_epilogue;  // NVFP4
   int64_t parts_x = 0, parts_w = 0, parts_dy = 0;  // NVFP4: int32 amax partials per tensor
   bool stochastic = false;  // NVFP4: dy rounded stochastically (torch.rand draws)
-  int64_t amax_len = 0;  // delayed scaling: elements of the zeroed amax vector
+  // delayed scaling: elements of the forward's and the backward's zeroed amax
+  // vectors; 0 where the launch keeps its amaxes in the counter slot
+  // (triton_delayed.py: the slot of the vector then holds x or dy, unread)
+  int64_t amax_len = 0, amax_len_bwd = 0;
   int64_t scaling_1x128 = 0, scaling_128x128 = 0;  // F.ScalingType values
   Launch bias_rows, bias_cols;  // the bias gradient (when bias_grad)
   // the Python path's backward, for a gradient this node does not take as it
@@ -251,8 +254,9 @@ void forward_casts(const Plan& p, const at::Tensor& x2d, const at::Tensor& w2d,
                    const GivenX* given, cudaStream_t stream) {
   if (p.recipe == kDelayed) {
     const at::Tensor& scale = state[1];
-    at::Tensor amaxes =
-        given ? given->amaxes : at::zeros({p.amax_len}, x2d.options().dtype(at::kFloat));
+    at::Tensor amaxes = given          ? given->amaxes
+                        : p.amax_len > 0 ? at::zeros({p.amax_len}, x2d.options().dtype(at::kFloat))
+                                         : x2d;
     std::vector<at::Tensor> slots{x2d,    w2d,    amaxes,
                                   scale.select(0, 0), scale.select(0, 1),
                                   x_data, x_t,    x_sinv, w_data, w_t, w_sinv, state[0], scale};
@@ -514,7 +518,8 @@ struct LinearFp8Backward : public Node {
         TORCH_CHECK(history_bwd.defined(),
                     "Trying to backward through the graph a second time (te.Linear native "
                     "eager path): the delayed-scaling state was released");
-        std::vector<at::Tensor> slots{dy2d, at::zeros({p.amax_len}, sinv.options()),
+        at::Tensor amaxes = p.amax_len_bwd > 0 ? at::zeros({p.amax_len_bwd}, sinv.options()) : dy2d;
+        std::vector<at::Tensor> slots{dy2d, amaxes,
                                       scale_bwd.select(0, 0), data, tr, sinv, history_bwd,
                                       scale_bwd};
         for (const Launch& l : p.bwd_list) l.run(slots, lo, hi, stream);
@@ -890,12 +895,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            })
       .def("set_delayed",
            [](Plan& p, std::vector<Launch> fwd_list, std::vector<Launch> bwd_list,
-              int64_t amax_len) {
-             TORCH_CHECK(!fwd_list.empty() && amax_len > 0, "te native: bad delayed plan");
+              int64_t amax_len, int64_t amax_len_bwd) {
+             TORCH_CHECK(!fwd_list.empty() && amax_len >= 0 && amax_len_bwd >= 0,
+                         "te native: bad delayed plan");
              p.recipe = kDelayed;
              p.fwd_list = std::move(fwd_list);
              p.bwd_list = std::move(bwd_list);
              p.amax_len = amax_len;
+             p.amax_len_bwd = amax_len_bwd;
            })
       .def("set_mx",
            [](Plan& p, std::vector<Launch> fwd_list, std::vector<Launch> bwd_list,

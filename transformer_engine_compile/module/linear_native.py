@@ -313,11 +313,12 @@ def _with_bias_grad(ext, plan, args: LinearFwdArgs, slot, state=()):
 
 
 def _delayed_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot, given_x=False):
-    """A :class:`NativeLinear` under DelayedScaling: x's cast and W's cast
-    with the layer's scales, recording their amaxes, W's running the step
-    over the forward history (dy's over the backward one), as the Python
-    path launches them; reading the FP8 weight cache, x's cast, W's amax
-    and the step.  ``given_x``: without x's cast (a fused module's norm
+    """A :class:`NativeLinear` under DelayedScaling: x's and W's casts with
+    the layer's scales in one launch that records their amaxes and then
+    steps the forward history (dy's cast and the backward one likewise), as
+    the Python path launches them (kernels/triton_delayed.py; two launches
+    and a zeroed amax vector where the step does not fit in that launch);
+    reading the FP8 weight cache, x's cast, W's amax and the step.  ``given_x``: without x's cast (a fused module's norm
     kernel writes x's copies and amax: layernorm_linear_native.py).  The
     launches are compiled on scratch buffers of the state's shapes (zeros:
     the values do not matter), so planning leaves the layer's state
@@ -335,9 +336,14 @@ def _delayed_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot, given_
         amaxes = torch.zeros(ref.STEP_COUNTER + 1, dtype=torch.float32, device=dev)
         s0, s1 = scale[0], scale[1]
         step = ref.StepAfter(hist, hist, scale, q.fp8_format, q.margin, q.amax_compute_algo)
-        lx, out_x = tq.fp8_tensorwise_calls(x2d, q.fp8_format, True, q.columnwise_usage,
-                                            scale=s0, amax_out=ref.AmaxSlot(amaxes, 0))
-        if cache == READ_CACHE:  # W's copies are the cache's (scratch of their shapes here)
+        one = None if given_x or cache == READ_CACHE else _one_delayed_launch(
+            x2d, w2d, scale, q, wq, step, slot)
+        if one is None:
+            lx, out_x = tq.fp8_tensorwise_calls(x2d, q.fp8_format, True, q.columnwise_usage,
+                                                scale=s0, amax_out=ref.AmaxSlot(amaxes, 0))
+        if one is not None:  # x's and W's casts and the step: one launch, no amax vector
+            lx, lw, out_x, out_w = [], [one[0]], one[1], one[2]
+        elif cache == READ_CACHE:  # W's copies are the cache's (scratch of their shapes here)
             lw, out_w = _amax_then_step(w2d, amaxes, step), {
                 "data": torch.zeros((n, k), dtype=out_x["data"].dtype, device=dev),
                 "transpose": torch.zeros((k, n), dtype=out_x["data"].dtype, device=dev),
@@ -349,7 +355,7 @@ def _delayed_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot, given_
         fwd = _listed_launches(ext, dev, lw if given_x else lx + lw, [
             x2d, w2d, amaxes, s0, s1, *tq._fp8_copy_args(out_x, x2d),
             *tq._fp8_copy_args(out_w, w2d), hist, scale])
-        bwd, fmt_bwd = [], "e5m2"
+        bwd, fmt_bwd, one_b = [], "e5m2", None
         if dgrad or wgrad:
             dq = _grad_output_quantizer(args)
             fmt_bwd = dq.fp8_format
@@ -360,9 +366,13 @@ def _delayed_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot, given_
             sb0 = scale_b[0]
             step_b = ref.StepAfter(hist_b, hist_b, scale_b, dq.fp8_format, dq.margin,
                                    dq.amax_compute_algo)
-            ld, out_d = tq.fp8_tensorwise_calls(dy2d, dq.fp8_format, dq.rowwise_usage,
-                                                dq.columnwise_usage, scale=sb0,
-                                                amax_out=ref.AmaxSlot(amaxes_b, 0, step_b))
+            one_b = _one_delayed_launch(dy2d, None, scale_b, dq, None, step_b, slot)
+            if one_b is not None:  # dy's cast and the step: one launch, no amax vector
+                ld, out_d = [one_b[0]], one_b[1]
+            else:
+                ld, out_d = tq.fp8_tensorwise_calls(dy2d, dq.fp8_format, dq.rowwise_usage,
+                                                    dq.columnwise_usage, scale=sb0,
+                                                    amax_out=ref.AmaxSlot(amaxes_b, 0, step_b))
             bwd = _listed_launches(ext, dev, ld, [dy2d, amaxes_b, sb0,
                                                   *tq._fp8_copy_args(out_d, dy2d), hist_b,
                                                   scale_b])
@@ -376,11 +386,28 @@ def _delayed_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot, given_
                     _DTYPE_NAMES[_wgrad_dtype(args)], q.columnwise_usage, wq.columnwise_usage,
                     dgrad, wgrad,
                     args.bias is not None, list(x.shape[:-1]) + [n], list(x.shape))
-    plan.set_delayed(fwd, bwd, ref.STEP_COUNTER + 1)
+    plan.set_delayed(fwd, bwd, 0 if one is not None else ref.STEP_COUNTER + 1,
+                     0 if one_b is not None else ref.STEP_COUNTER + 1)
     plan.set_cache(cache)
     if given_x:
         plan.set_given_x()
     return _with_bias_grad(ext, plan, args, slot, state + tuple(_cache_buffers(args) or ()))
+
+
+def _one_delayed_launch(a2d, b2d, scales, q, wq, step, slot):
+    """``(launch, a's buffers, b's buffers or None)`` of the one-launch
+    delayed-scaling kernel the Python path runs for these operands
+    (``quantize_stepped``), or None where it runs two (the step too large)."""
+    from ..kernels import triton_delayed as td  # Triton: imported on CUDA only
+    call = td.delayed_call(a2d, b2d, scales, q.fp8_format,
+                           (q.rowwise_usage, q.columnwise_usage),
+                           (False, False) if wq is None else (wq.rowwise_usage,
+                                                               wq.columnwise_usage),
+                           step, slot)
+    if call is None:
+        return None
+    grid, key, largs, out_a, out_b = call
+    return (td._fp8_delayed_launch, grid, key, largs), out_a, out_b
 
 
 def _amax_then_step(w2d, amaxes, step) -> list:

@@ -256,9 +256,8 @@ def _weight_quantizer(args):
 
 def _paired_weight_quantizer(args, q):
     """The weight's quantizer when x (with ``q``) and W are quantized in one
-    kernel pair (current scaling, both quantized by this call), else None."""
-    if (q is None or args.scale_fwd is not None or not _quantizes_weight(args)
-            or args.weight.device != args.inp.device):
+    kernel (current or delayed scaling, both quantized by this call), else None."""
+    if (q is None or not _quantizes_weight(args) or args.weight.device != args.inp.device):
         return None
     wq = _weight_quantizer(args)
     return wq if q.pairs_with(wq) else None
@@ -307,8 +306,6 @@ def linear_forward(args: LinearFwdArgs, xq=None, wq=None, amaxes=None) -> OpResu
             xq is None and amaxes is not None):
         raise ValueError("linear_forward: a pre-quantized input needs no gather, and comes "
                          "with its amaxes exactly under delayed scaling")
-    if amaxes is None:
-        amaxes = _zero_amaxes(args.amax_history_fwd)  # delayed scaling: x, W
     if wq is not None and xq is None:
         raise ValueError("linear_forward: a pre-quantized weight comes with the input's")
     # a lowered trace quantizes an input read by several layers once (shared_inputs.py)
@@ -319,13 +316,20 @@ def linear_forward(args: LinearFwdArgs, xq=None, wq=None, amaxes=None) -> OpResu
         if shared is not None:
             xq, offer = q.from_buffers(x.shape, x.dtype, shared), False
     pair = None if xq is not None or gathers else _paired_weight_quantizer(args, q)
-    step = None  # a StepAfter the weight's quantization runs
+    step = None  # a StepAfter the weight's quantization (or the pair's) runs
+    if pair is not None and delayed:
+        step = _step_after(args.input_quantizer, args.amax_history_fwd, args.scale_fwd,
+                           args.amax_group)
+        pair = None if step is None else pair
     if wq is not None:
         x_total, w, workspace = x, wq, (wq if args.cache_weight else None)
-    elif pair is not None:
-        xq, w = q.quantize_pair_unchecked(x, pair, args.weight)
+    elif pair is not None:  # delayed scaling: the pair's launch runs the step
+        xq, w = (q.quantize_stepped(x, args.scale_fwd, step, pair, args.weight) if delayed
+                 else q.quantize_pair_unchecked(x, pair, args.weight))
         x_total, workspace = x, (w if args.cache_weight else None)
     else:  # under delayed scaling the weight's cast (the last amax) runs the step
+        if amaxes is None:
+            amaxes = _zero_amaxes(args.amax_history_fwd)  # delayed scaling: x, W
         x_total, xq = _input_for_gemm(args, q, xq, amaxes)
         if _quantizes_weight(args):
             step = _step_after(args.input_quantizer, args.amax_history_fwd, args.scale_fwd,
@@ -476,9 +480,14 @@ def linear_backward(args: LinearBwdArgs) -> dict:
     mode, sp = _tp(args)
     q = _grad_output_quantizer(args)
     delayed = q is not None and args.amax_history_bwd is not None
-    amaxes = _zero_amaxes(args.amax_history_bwd) if delayed else None  # dy, dgrad (fp8_grad)
+    quantized_grad = _uses_quantized_grad(args, q)
     step = None  # a StepAfter dy's quantization runs
-    if _uses_quantized_grad(args, q):
+    if delayed and args.grad_input_quantizer is None and not quantized_grad and (
+            not (mode == "row" and sp)):  # dy's cast records the last amax
+        step = _step_after(q, args.amax_history_bwd, args.scale_bwd, args.amax_group)
+    # otherwise this call's amaxes: dy, dgrad (fp8_grad)
+    amaxes = _zero_amaxes(args.amax_history_bwd) if delayed and step is None else None
+    if quantized_grad:
         dyq = dy  # its amax (delayed scaling) and bias gradient: from its values
         dy = dy_total = dy.dequantize() if args.bias_requires_grad or delayed else None
         if delayed:
@@ -490,11 +499,10 @@ def linear_backward(args: LinearBwdArgs) -> dict:
             dy_total, dyq = D.gather_and_quantize(
                 dy, q, args.tp_group, args.tp_size,
                 quantize=lambda t: _quantize(q, t, args.scale_bwd, 0, amaxes))
-        else:  # dy's cast runs the step when it records the last amax (no fp8_grad)
-            if delayed and args.grad_input_quantizer is None:
-                step = _step_after(q, args.amax_history_bwd, args.scale_bwd, args.amax_group)
-            dy_total, dyq = dy, (dy if q is None else
-                                 _quantize(q, dy, args.scale_bwd, 0, amaxes, step))
+        elif step is not None:  # one launch: dy's cast, its amax, the step
+            dy_total, dyq = dy, q.quantize_stepped(dy, args.scale_bwd, step)[0]
+        else:
+            dy_total, dyq = dy, (dy if q is None else _quantize(q, dy, args.scale_bwd, 0, amaxes))
     dtype, n_out = args.grad_output.dtype, args.grad_output.shape[-1]
     dgrad = wgrad = dbias = None
     if args.input_requires_grad:

@@ -159,8 +159,9 @@ class Quantizer(OpaqueBase):
         return False
 
     def pairs_with(self, other) -> bool:
-        """Whether ``quantize_pair_unchecked(x, other, w)`` quantizes both
-        tensors in one kernel pair (formats that support it override)."""
+        """Whether this quantizer and ``other`` quantize a layer's x and W in
+        one kernel (``quantize_pair_unchecked(x, other, w)``; under delayed
+        scaling ``quantize_stepped``); formats that support it override."""
         return False
 
     def copy(self):

@@ -241,6 +241,26 @@ class Float8DelayedScalingQuantizer(_Float8QuantizerBase):
         of a zeroed vector) records ``x``'s amax on the way."""
         return self._quantize_with_given_scale(x, scale, checked, amax_out)
 
+    def pairs_with(self, other) -> bool:
+        return type(other) is Float8DelayedScalingQuantizer and other.fp8_format == self.fp8_format
+
+    def quantize_stepped(self, x: torch.Tensor, scales: torch.Tensor, step, other=None,
+                         w=None) -> tuple:
+        """``(x quantized with scales[0], w quantized by other with scales[1],
+        or None without w)``: their amaxes are this step's history columns 0
+        and 1, then ``step`` (:meth:`step_after`, which may write over
+        ``scales``) runs.  On the GPU one launch and no amax vector to zero
+        (kernels/triton_delayed.py).  ``other`` :meth:`pairs_with` this
+        quantizer.  Unchecked: the op impls' lean path."""
+        x2d = rows_2d(x)
+        w2d = None if w is None else rows_2d(w)
+        usage_w = (False, False) if w is None else (other.rowwise_usage, other.columnwise_usage)
+        bx, bw = kernels.get("quantize_fp8_delayed", x2d)(
+            x2d, w2d, scales, self.fp8_format, (self.rowwise_usage, self.columnwise_usage),
+            usage_w, step)
+        return (self._from_buffers(x.shape, x.dtype, bx),
+                None if w is None else other._from_buffers(w.shape, w.dtype, bw))
+
     def step_after(self, amax_history: torch.Tensor, scale: torch.Tensor):
         """This quantizer's delayed-scaling step (:func:`delayed_scaling_step`)
         for a quantization to run after it records the last amax of an op
