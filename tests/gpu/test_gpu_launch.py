@@ -95,22 +95,25 @@ def test_cast_runs_the_delayed_step_after_the_last_amax(shape, in_place):
 
 @pytest.mark.parametrize("algo,margin,in_place", [("max", 0, False), ("max", 1, True),
                                                    ("most_recent", 0, True)])
-@pytest.mark.parametrize("shapes", [((300, 512), (256, 512)), ((4096, 2048), (2048, 2048)),
-                                    ((4096, 1024), None), ((8192, 2048), (2048, 2048))], ids=str)
-def test_delayed_casts_in_one_launch_equal_two(shapes, algo, margin, in_place):
+@pytest.mark.parametrize("shapes,b_usage", [
+    (((300, 512), (256, 512)), (True, False)), (((4096, 2048), (2048, 2048)), (True, True)),
+    (((4096, 1024), None), (False, False)), (((8192, 2048), (2048, 2048)), (True, False)),
+    (((300, 512), (256, 512)), (False, False))], ids=str)
+def test_delayed_casts_in_one_launch_equal_two(shapes, b_usage, algo, margin, in_place):
     """Delayed scaling's casts of an op call in one launch (x and W, or dy
     alone; kernels/triton_delayed.py) equal the two-launch kernels with a
     zeroed amax vector bit for bit: the FP8 copies, the stepped history and
     scale (written over the ones the casts read, or into new buffers), with
     the max in the last tile.  The counter slot is zero again after each
     call, so a second call on the same stream is right too.  A grid of
-    over 2048 programs takes the two launches."""
+    over 2048 programs takes the two launches.  W without copies: its amax
+    alone (a forward reading the FP8 weight cache)."""
     from transformer_engine_compile.kernels import grid_state, triton_delayed as td
     a = torch.randn(shapes[0], device="cuda", dtype=torch.bfloat16) * 5
     a[-1, -1] = 900.0
     b = None if shapes[1] is None else torch.randn(shapes[1], device="cuda",
                                                    dtype=torch.bfloat16) * 0.1
-    a_usage, b_usage = (True, True), ((True, False) if b is not None else (False, False))
+    a_usage = (True, True)
     launches, real = [], td._fp8_delayed_launch
     tiles = sum(-(-m // 64) * -(-k // 128) for m, k in filter(None, shapes))
     for call in range(2):

@@ -182,7 +182,9 @@ def quantize_fp8_delayed(a2d, b2d, scales, fmt, a_usage, b_usage, step) -> tuple
     """Delayed scaling's casts of one op call: ``a2d`` with ``scales[0]``
     (and ``b2d``, or None, with ``scales[1]``), their amaxes this step's
     history columns 0 (and 1), then the :class:`StepAfter` ``step``, which
-    may write over ``scales``.  ``(buffers of a, of b or None)``."""
+    may write over ``scales``.  ``(buffers of a, of b or None)``; with
+    ``b_usage`` (False, False) b's amax alone is recorded (a weight whose
+    FP8 copy is cached), and b's buffers are None."""
     return delayed_casts(quantize_fp8_tensorwise, a2d, b2d, scales, fmt, a_usage, b_usage, step)
 
 
@@ -192,7 +194,7 @@ def delayed_casts(cast, a2d, b2d, scales, fmt, a_usage, b_usage, step) -> tuple:
     amaxes = torch.zeros(STEP_COUNTER + 1, dtype=torch.float32, device=a2d.device)
     out_a = cast(a2d, scales[0], fmt, *a_usage, AmaxSlot(amaxes, 0, step if b2d is None else None))
     out_b = None if b2d is None else cast(b2d, scales[1], fmt, *b_usage, AmaxSlot(amaxes, 1, step))
-    return out_a, out_b
+    return out_a, (out_b if any(b_usage) else None)
 
 
 def quantize_fp8_current_pair(a2d, b2d, fmt, pow2, eps, a_usage, b_usage) -> tuple:

@@ -41,14 +41,16 @@ def _cast_and_raise(x_ptr, M, K, t, s, amax_ptr, data_ptr, t_ptr, sinv_ptr,
                     FMT_MAX: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
                     OUT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     """Cast tile t (row-major over the tile grid) of the (M, K) matrix with
-    scale s, raising the int32 max at amax_ptr to the tile's |x| bits."""
+    scale s, raising the int32 max at amax_ptr to the tile's |x| bits;
+    without either copy (ROW and COL False) only the max, nothing written."""
     n_k = tl.cdiv(K, BK)
     pid_m, pid_k = t // n_k, t % n_k
     rm, rk, mask = _tile_index(M, K, pid_m, pid_k, BM, BK)
     x = _load_tile(x_ptr, rm, rk, mask, K)
     tl.atomic_max(amax_ptr, tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
-    _store_fp8_copies(x, s, rm, rk, mask, x_ptr, M, K, pid_m, pid_k, data_ptr, t_ptr, sinv_ptr,
-                      FMT_MAX, ROW, COL, OUT, BM, BK)
+    if ROW or COL:
+        _store_fp8_copies(x, s, rm, rk, mask, x_ptr, M, K, pid_m, pid_k, data_ptr, t_ptr,
+                          sinv_ptr, FMT_MAX, ROW, COL, OUT, BM, BK)
 
 
 @triton.jit
@@ -94,8 +96,9 @@ _fp8_delayed_launch = Launcher(_fp8_delayed_kernel)
 def delayed_call(a2d, b2d, scales, fmt, a_usage, b_usage, step, slot):
     """``(grid, key, args, out_a, out_b)`` of one :func:`_fp8_delayed_kernel`
     launch with counter slot ``slot`` (``(lo, hi)``), its outputs allocated
-    (the native eager path fixes its plans from these); None where the step
-    does not fit in the kernel's last program."""
+    (the native eager path fixes its plans from these; ``out_b`` None
+    without b, or with ``b_usage`` (False, False): b's amax only); None
+    where the step does not fit in the kernel's last program."""
     (ma, ka), has_b = a2d.shape, b2d is not None
     tiles = cdiv(ma, _TW_BM) * cdiv(ka, _TW_BK)
     if has_b:
@@ -108,8 +111,9 @@ def delayed_call(a2d, b2d, scales, fmt, a_usage, b_usage, step, slot):
     dt, dev = ref.FP8_DTYPE[fmt], a2d.device
     out_a = _fp8_outputs(dev, dt, ma, ka, *a_usage)
     if has_b:
-        out_b = _fp8_outputs(dev, dt, mb, kb, *b_usage)
-        b_args, b_copies, b_key = (b2d, mb, kb), _fp8_copy_args(out_b, b2d), _x_key(b2d, mb, kb)
+        out_b = _fp8_outputs(dev, dt, mb, kb, *b_usage) if any(b_usage) else None
+        b_copies = (_unused(b2d),) * 3 if out_b is None else _fp8_copy_args(out_b, b2d)
+        b_args, b_key = (b2d, mb, kb), _x_key(b2d, mb, kb)
     else:  # b's pointers are never read or written (HAS_B is a constexpr): a's input
         out_b, b_args, b_key = None, (_unused(a2d), 1, 1), None
         b_copies = (_unused(a2d),) * 3

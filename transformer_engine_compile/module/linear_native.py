@@ -318,7 +318,8 @@ def _delayed_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot, given_
     steps the forward history (dy's cast and the backward one likewise), as
     the Python path launches them (kernels/triton_delayed.py; two launches
     and a zeroed amax vector where the step does not fit in that launch);
-    reading the FP8 weight cache, x's cast, W's amax and the step.  ``given_x``: without x's cast (a fused module's norm
+    reading the FP8 weight cache, x's cast, W's amax and the step, in one
+    launch too (else three).  ``given_x``: without x's cast (a fused module's norm
     kernel writes x's copies and amax: layernorm_linear_native.py).  The
     launches are compiled on scratch buffers of the state's shapes (zeros:
     the values do not matter), so planning leaves the layer's state
@@ -336,18 +337,20 @@ def _delayed_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot, given_
         amaxes = torch.zeros(ref.STEP_COUNTER + 1, dtype=torch.float32, device=dev)
         s0, s1 = scale[0], scale[1]
         step = ref.StepAfter(hist, hist, scale, q.fp8_format, q.margin, q.amax_compute_algo)
-        one = None if given_x or cache == READ_CACHE else _one_delayed_launch(
-            x2d, w2d, scale, q, wq, step, slot)
+        # reading the FP8 weight cache, W's amax alone (its usage flags off)
+        one = None if given_x else _one_delayed_launch(
+            x2d, w2d, scale, q, None if cache == READ_CACHE else wq, step, slot)
         if one is None:
             lx, out_x = tq.fp8_tensorwise_calls(x2d, q.fp8_format, True, q.columnwise_usage,
                                                 scale=s0, amax_out=ref.AmaxSlot(amaxes, 0))
-        if one is not None:  # x's and W's casts and the step: one launch, no amax vector
-            lx, lw, out_x, out_w = [], [one[0]], one[1], one[2]
-        elif cache == READ_CACHE:  # W's copies are the cache's (scratch of their shapes here)
-            lw, out_w = _amax_then_step(w2d, amaxes, step), {
-                "data": torch.zeros((n, k), dtype=out_x["data"].dtype, device=dev),
-                "transpose": torch.zeros((k, n), dtype=out_x["data"].dtype, device=dev),
-                "scale_inv": torch.zeros(1, dtype=torch.float32, device=dev)}
+        cached = cache == READ_CACHE and {  # the cache's copies (scratch of their shapes)
+            "data": torch.zeros((n, k), dtype=FP8_DTYPE[q.fp8_format], device=dev),
+            "transpose": torch.zeros((k, n), dtype=FP8_DTYPE[q.fp8_format], device=dev),
+            "scale_inv": torch.zeros(1, dtype=torch.float32, device=dev)}
+        if one is not None:  # x's and W's casts (or amax) and the step: one launch
+            lx, lw, out_x, out_w = [], [one[0]], one[1], one[2] or cached
+        elif cache == READ_CACHE:
+            lw, out_w = _amax_then_step(w2d, amaxes, step), cached
         else:
             lw, out_w = tq.fp8_tensorwise_calls(w2d, wq.fp8_format, True, wq.columnwise_usage,
                                                 scale=s1,
@@ -397,7 +400,8 @@ def _delayed_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot, given_
 def _one_delayed_launch(a2d, b2d, scales, q, wq, step, slot):
     """``(launch, a's buffers, b's buffers or None)`` of the one-launch
     delayed-scaling kernel the Python path runs for these operands
-    (``quantize_stepped``), or None where it runs two (the step too large)."""
+    (``quantize_stepped``; ``wq`` None with ``b2d``: b's amax alone), or
+    None where it runs two (the step too large)."""
     from ..kernels import triton_delayed as td  # Triton: imported on CUDA only
     call = td.delayed_call(a2d, b2d, scales, q.fp8_format,
                            (q.rowwise_usage, q.columnwise_usage),

@@ -316,17 +316,25 @@ def linear_forward(args: LinearFwdArgs, xq=None, wq=None, amaxes=None) -> OpResu
         if shared is not None:
             xq, offer = q.from_buffers(x.shape, x.dtype, shared), False
     pair = None if xq is not None or gathers else _paired_weight_quantizer(args, q)
+    # delayed scaling, W's FP8 copy cached: x's cast and W's amax in one launch too
+    amax_only = (delayed and pair is None and xq is None and not gathers
+                 and _reuses_workspace(args) and args.weight.device == x.device
+                 and not isinstance(args.weight, QuantizedTensorStorage))
     step = None  # a StepAfter the weight's quantization (or the pair's) runs
-    if pair is not None and delayed:
+    if delayed and (pair is not None or amax_only):
         step = _step_after(args.input_quantizer, args.amax_history_fwd, args.scale_fwd,
                            args.amax_group)
         pair = None if step is None else pair
+        amax_only = amax_only and step is not None
     if wq is not None:
         x_total, w, workspace = x, wq, (wq if args.cache_weight else None)
     elif pair is not None:  # delayed scaling: the pair's launch runs the step
         xq, w = (q.quantize_stepped(x, args.scale_fwd, step, pair, args.weight) if delayed
                  else q.quantize_pair_unchecked(x, pair, args.weight))
         x_total, workspace = x, (w if args.cache_weight else None)
+    elif amax_only:
+        xq = q.quantize_stepped(x, args.scale_fwd, step, None, args.weight)[0]
+        x_total, w, workspace = x, args.weight_workspace, None
     else:  # under delayed scaling the weight's cast (the last amax) runs the step
         if amaxes is None:
             amaxes = _zero_amaxes(args.amax_history_fwd)  # delayed scaling: x, W

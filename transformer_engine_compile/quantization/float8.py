@@ -251,15 +251,18 @@ class Float8DelayedScalingQuantizer(_Float8QuantizerBase):
         and 1, then ``step`` (:meth:`step_after`, which may write over
         ``scales``) runs.  On the GPU one launch and no amax vector to zero
         (kernels/triton_delayed.py).  ``other`` :meth:`pairs_with` this
-        quantizer.  Unchecked: the op impls' lean path."""
+        quantizer; None with ``w``: w's amax alone is recorded (its FP8
+        copy is cached) and the second result is None.  Unchecked: the op
+        impls' lean path."""
         x2d = rows_2d(x)
         w2d = None if w is None else rows_2d(w)
-        usage_w = (False, False) if w is None else (other.rowwise_usage, other.columnwise_usage)
+        usage_w = (False, False) if other is None else (other.rowwise_usage,
+                                                        other.columnwise_usage)
         bx, bw = kernels.get("quantize_fp8_delayed", x2d)(
             x2d, w2d, scales, self.fp8_format, (self.rowwise_usage, self.columnwise_usage),
             usage_w, step)
         return (self._from_buffers(x.shape, x.dtype, bx),
-                None if w is None else other._from_buffers(w.shape, w.dtype, bw))
+                None if bw is None else other._from_buffers(w.shape, w.dtype, bw))
 
     def step_after(self, amax_history: torch.Tensor, scale: torch.Tensor):
         """This quantizer's delayed-scaling step (:func:`delayed_scaling_step`)
