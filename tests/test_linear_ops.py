@@ -379,6 +379,49 @@ def test_every_fallback_reason_is_documented():
         assert f"`{reason}`" in doc
 
 
+@pytest.mark.parametrize("rows", [256, 200])
+@pytest.mark.parametrize("case", ["plain", "no_input_grad", "cache_weight"])
+def test_block_scaling_quantizes_input_and_weight_as_one_pair(monkeypatch, case, rows):
+    """Float8BlockScaling forward: x (1x128) and W (128x128) go through one
+    ``quantize_fp8_blockwise_pair`` call (one launch on the GPU) with the
+    usages each needs, and training equals the path that quantizes them
+    one at a time; x with rows that are not whole 128-row blocks (its
+    columnwise copy padded first) and a reused weight cache never pair."""
+    from transformer_engine_compile.kernels import reference as ref
+    from transformer_engine_compile.quantization.blockwise import Float8BlockQuantizer
+
+    calls = []
+    real = ref.quantize_fp8_blockwise_pair
+    monkeypatch.setattr(ref, "quantize_fp8_blockwise_pair",
+                        lambda *a: calls.append(a[5:]) or real(*a))
+
+    def train():
+        torch.manual_seed(0)
+        layer = te.Linear(256, 128, params_dtype=torch.bfloat16)
+        out = []
+        for micro in range(2):
+            x = torch.randn(rows, 256, dtype=torch.bfloat16,
+                            requires_grad=case != "no_input_grad")
+            first = (micro == 0) if case == "cache_weight" else None
+            with te.autocast(recipe=recipe.Float8BlockScaling()):
+                y = layer(x, is_first_microbatch=first)
+            y.float().square().sum().backward()
+            out += [y, x.grad]
+        return out + [layer.weight.grad]
+
+    paired = train()
+    calls_per_step = {"plain": 2, "no_input_grad": 2, "cache_weight": 1}[case]
+    w_usage = (True, case != "no_input_grad")
+    assert calls == ([] if rows % 128 else [((False, True, True), (True, *w_usage))]
+                     * calls_per_step)
+    calls.clear()
+    monkeypatch.setattr(Float8BlockQuantizer, "pairs_with", lambda self, other: False)
+    single = train()
+    assert calls == []
+    for a, b in zip(paired, single):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
 @pytest.mark.parametrize("case", ["plain", "no_input_grad", "cache_weight", "delayed"])
 def test_current_scaling_quantizes_input_and_weight_as_one_pair(monkeypatch, case):
     """Float8CurrentScaling forward: x and W go through one

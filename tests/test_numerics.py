@@ -110,6 +110,9 @@ def test_fp8_blockwise_error_bound(name, dim, pow2, rowwise):
     dec = bamax / 448.0 * (2.0 if pow2 else 1.0 + 1e-6)  # pow2 rounds the scale down
     _check_fp8_like(t, x, dec, "e4m3")
     scales = t._rowwise_scale_inv if rowwise else t._columnwise_scale_inv
+    if dim == 2:  # 256 x 256: two blocks a row, padded to four with zeros
+        assert scales.shape == (2, 4) and torch.all(scales[:, 2:] == 0)
+        scales = scales[:, :2]
     if pow2:  # every scale is an exact power of two
         mant, _ = torch.frexp(scales)
         assert torch.all(mant == 0.5)
@@ -141,6 +144,31 @@ def test_fp8_blockwise_1d_scales_are_stored_as_the_gemm_reads_them(rows):
         data, scale = t.fp8_operand(usage)
         assert scale.shape == (n, data.shape[1] // 128) and scale.stride() == (1, n)
         assert _outer_major(scale).data_ptr() == scale.data_ptr()
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (640, 512), (384, 1024)])
+def test_fp8_blockwise_2d_scales_are_stored_padded_as_the_gemm_reads_them(shape):
+    """128x128 scales keep their last dim (blocks along the reduced dim)
+    padded with zeros to a multiple of 4, the layout cuBLAS reads (and
+    Transformer Engine stores): rowwise (M/128, K/128), columnwise
+    (K/128, M/128), each padded; the GEMM operand is the stored buffer."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(shape, generator=g) * torch.logspace(-3, 3, shape[0])[:, None]
+    t = te.Float8BlockQuantizer(block_scaling_dim=2).quantize(x)
+    m, k = shape[0] // 128, shape[1] // 128
+    bamax = x.abs().reshape(m, 128, k, 128).amax(dim=(1, 3))
+    want = torch.reciprocal(ref.compute_scale(bamax, 448.0, pow2=True))
+    for scales, real in ((t._rowwise_scale_inv, want), (t._columnwise_scale_inv, want.t())):
+        rows, blocks = real.shape
+        assert scales.shape == (rows, -(-blocks // 4) * 4) and scales.is_contiguous()
+        assert torch.equal(scales[:, :blocks], real)
+        assert torch.all(scales[:, blocks:] == 0)
+    for usage in ("rowwise", "columnwise"):
+        data, scale = t.fp8_operand(usage)
+        stored = t._rowwise_scale_inv if usage == "rowwise" else t._columnwise_scale_inv
+        assert scale.data_ptr() == stored.data_ptr() and scale.shape == stored.shape
+    # dequantization reads past the padding, not into it
+    assert torch.equal(t.dequantize(), ref.dequantize_fp8_blockwise(t._rowwise_data, want, True))
 
 
 def _nvfp4_bound(x, bm, bk):

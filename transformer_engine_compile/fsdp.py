@@ -223,10 +223,10 @@ class QuantizedAllGatherWeight(torch.Tensor):
             for name, src in derived.items():
                 dst = getattr(out, "_" + name)
                 with torch.autograd._unsafe_preserve_version_counter(dst):
-                    _transpose(src, dst)
+                    _transpose(src, data.shape[1], dst)
             return None
         for name, src in derived.items():
-            buffers[name] = _transpose(src)
+            buffers[name] = _transpose(src, data.shape[1])
         shape = torch.Size(data.shape)
         tensor = q.create_metadata(shape, dtype).build(shape, buffers)
         return tensor, tuple(buffers[name] for name in derived)
@@ -253,12 +253,19 @@ def precompute_scales(module: torch.nn.Module) -> None:
             w._amax = (w._inner._version, amax)
 
 
-def _transpose(x2d: torch.Tensor, out=None) -> torch.Tensor:
+def _transpose(x2d: torch.Tensor, k: int, out=None) -> torch.Tensor:
     """The transposed copy of gathered FP8 bytes (a Triton tile kernel on
-    CUDA) or of fp32 block scales."""
+    CUDA) or of fp32 128x128 block scales of a weight with ``k`` columns:
+    those are stored with their blocks padded (``reference.padded_blocks``),
+    so only the (rows, K/128) part is transposed and the result padded
+    again (``out``'s padding, zeros since it was built so, is left as is)."""
     if x2d.element_size() == 1:
         return kernels.get("transpose_bytes", x2d)(x2d, out)
-    return x2d.t().contiguous() if out is None else out.copy_(x2d.t())
+    scales = x2d[:, :k // ref.FP8_BLOCK].t()
+    if out is None:
+        return ref.pad_block_scales(scales)
+    out[:, :scales.shape[1]].copy_(scales)
+    return out
 
 
 def check_gathered_weight(owner: str, weight, recipe, grad_enabled: bool):

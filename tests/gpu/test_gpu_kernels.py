@@ -125,6 +125,34 @@ def test_fast_quantize_pair_equals_two_reference_quantizes(shapes, fmt, pow2, ep
                 assert f[k].shape == s_[k].shape and _same_bits(f[k], s_[k]), (k, a_usage, b_usage)
 
 
+@pytest.mark.parametrize("shapes", [((256, 384), (640, 384)), ((128, 1024), (128, 1024)),
+                                    ((4096, 2048), (5632, 2048)), ((200, 256), (256, 256))],
+                         ids=str)
+def test_fast_block_pair_equals_two_reference_quantizes(shapes):
+    """The blockwise x/W pair kernel (one launch): both matrices' buffers
+    bit for bit as two reference quantizes, for 1x128 and 128x128 tiles on
+    either side, every usage pairing (x's columnwise copy only where its
+    rows are whole blocks, as the quantizer pairs it), mixed dtypes,
+    special values and scales padded (K/128 = 3, N/128 = 5)."""
+    from transformer_engine_compile.kernels import triton_block as tbk
+    x = _special(shapes[0], torch.bfloat16)
+    w = torch.randn(shapes[1], device="cuda", dtype=torch.float32) * 7
+    whole = shapes[0][0] % 128 == 0
+    for fmt, pow2, eps in (("e4m3", True, 0.0), ("e5m2", False, 1e-3)):
+        for x_flags, w_flags in (((False, True, whole), (True, True, True)),
+                                 ((False, True, False), (True, True, False)),
+                                 ((True, whole, whole), (False, True, True)),
+                                 ((False, False, whole), (True, False, True))):
+            if not any(x_flags[1:]) or (x_flags[0] and not whole):
+                continue
+            fast = tbk.quantize_fp8_blockwise_pair(x, w, fmt, pow2, eps, x_flags, w_flags)
+            slow = ref.quantize_fp8_blockwise_pair(x, w, fmt, pow2, eps, x_flags, w_flags)
+            for f, s_ in zip(fast, slow):
+                assert sorted(f) == sorted(s_)
+                for k in f:
+                    assert f[k].shape == s_[k].shape and _same_bits(f[k], s_[k]), (k, x_flags)
+
+
 @pytest.mark.parametrize("shape", [(1, 16), (4097, 200), (4096, 2048), (300, 5632)], ids=str)
 def test_fast_current_scaling_equals_reference(shape, current_launch):
     from transformer_engine_compile.kernels import triton_current as tq
@@ -339,10 +367,13 @@ def test_fast_gemm_matches_reference(name):
         assert rel < 1e-2, (au, bu, rel)
 
 
-def test_block_scaled_gemms_read_the_stored_scales_without_copies():
-    """The 1x128 scales are stored as cuBLAS reads them (blocks outer), so
-    fprop, dgrad and wgrad are one ``scaled_mm`` call each: no copy of a
-    scale (each cost a kernel, an allocation and ~15 us of host time)."""
+@pytest.mark.parametrize("k,n", [(512, 512), (384, 640)], ids=str)
+def test_block_scaled_gemms_read_the_stored_scales_without_copies(k, n):
+    """The 1x128 scales are stored as cuBLAS reads them (blocks outer), and
+    the 128x128 ones with their blocks padded to a multiple of 4, so fprop,
+    dgrad and wgrad are one ``scaled_mm`` call each: no copy of a scale
+    (each cost a kernel, an allocation and ~15 us of host time), also where
+    K/128 or N/128 is not a multiple of 4."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     if torch.cuda.get_device_capability() != (9, 0):
@@ -357,7 +388,11 @@ def test_block_scaled_gemms_read_the_stored_scales_without_copies():
             self.names.append(func.overloadpacket.__name__)
             return func(*args, **(kwargs or {}))
 
-    xq, wq, gq = _operands(RECIPES["fp8_block"], m=256, k=512, n=512)  # K/128, N/128 % 4 == 0
+    xq, wq, gq = _operands(RECIPES["fp8_block"], m=256, k=k, n=n)
+    for a, au, b, bu in ((xq, "rowwise", wq, "rowwise"), (gq, "rowwise", wq, "columnwise"),
+                         (gq, "columnwise", xq, "columnwise")):  # cuBLAS skips the padding
+        want = gemm_reference(a, au, b, bu, torch.float32)
+        assert ((gemm(a, au, b, bu, torch.float32) - want).norm() / want.norm()).item() < 1e-3
     for a, au, b, bu in ((xq, "rowwise", wq, "rowwise"), (gq, "rowwise", wq, "columnwise"),
                          (gq, "columnwise", xq, "columnwise")):
         with Ops() as ops:

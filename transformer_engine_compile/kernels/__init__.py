@@ -27,6 +27,7 @@ OPS = (
     "quantize_fp8_current_pair_from_parts",
     "quantize_mxfp8",
     "quantize_fp8_blockwise",
+    "quantize_fp8_blockwise_pair",
     "quantize_nvfp4",
     "dequantize_mxfp8",
     "dequantize_nvfp4_blocks",

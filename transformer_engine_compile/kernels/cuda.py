@@ -36,7 +36,8 @@ def register() -> None:
         register_fast(name, "cuda", getattr(tc, name))
         _REGISTERED.append(name)
     from . import triton_block as tbk
-    for name in ("quantize_fp8_blockwise", "quantize_mxfp8", "dequantize_mxfp8"):
+    for name in ("quantize_fp8_blockwise", "quantize_fp8_blockwise_pair", "quantize_mxfp8",
+                 "dequantize_mxfp8"):
         register_fast(name, "cuda", getattr(tbk, name))
         _REGISTERED.append(name)
     from . import triton_nvfp4 as tn4

@@ -120,17 +120,6 @@ def _outer_major(scale: torch.Tensor) -> torch.Tensor:
     return scale.t().contiguous().t()
 
 
-def _padded_128x128(scale: torch.Tensor) -> torch.Tensor:
-    """(N/128, K/128) scales with K/128 padded to a multiple of 4, as cuBLAS
-    requires of 128x128 block scales (it reads them transposed)."""
-    rows, kb = scale.shape
-    if kb % 4 == 0:
-        return scale
-    padded = scale.new_zeros((rows, -(-kb // 4) * 4))
-    padded[:, :kb] = scale
-    return padded
-
-
 def _add_bias(out: torch.Tensor, bias) -> torch.Tensor:
     """The bias added by a kernel (Triton when it imports), not a torch op:
     lowered into inductor, a torch add would be fused into the output's
@@ -159,7 +148,7 @@ def _fp8_blockwise(a, a_usage, b, b_usage, out_dtype, bias):
         return None
     ad, asc, m = _rows_to_16(ad, asc)
     if b._block_scaling_dim == 2:
-        b_scale, b_recipe = _padded_128x128(bsc).t(), st.BlockWise128x128
+        b_scale, b_recipe = bsc.t(), st.BlockWise128x128  # stored padded, as cuBLAS reads
     else:
         b_scale, b_recipe = _outer_major(bsc), st.BlockWise1x128
     out = F.scaled_mm(ad, bd.t(), _outer_major(asc), st.BlockWise1x128, b_scale, b_recipe,

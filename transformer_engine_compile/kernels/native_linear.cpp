@@ -94,8 +94,10 @@ enum Cache : int64_t { kNoCache = 0, kWriteCache = 1, kReadCache = 2 };
 // cache, the forward launch quantizes x alone: slots 0 x, 1 x data, 2 x
 // transpose, 3 x scale_inv.  The bias gradient's
 // two launches (column sums of dy): 0 dy, 1 fp32 partial sums, 2 the result.
-// Blockwise: one launch per tensor (x, W, dy), slots 0 the input, 1 rowwise
-// data, 2 rowwise scales, 3 columnwise data, 4 columnwise scales.
+// Blockwise: the forward's launch quantizes x and W (x alone where the
+// weight cache is read), the backward's dy; per tensor, slots 0 the input,
+// 1 rowwise data, 2 rowwise scales, 3 columnwise data, 4 columnwise scales
+// (the forward: x's 0-4, then W's 5-9).
 // Delayed scaling: lists of launches (the casts, the step when it is not
 // fused into the last cast) over one slot table each.  Forward: 0 x, 1 W,
 // 2 the zeroed amaxes, 3 scale[0], 4 scale[1], 5-7 x's data, transpose,
@@ -128,7 +130,6 @@ struct Plan {
   int64_t recipe = kCurrent;
   int64_t cache = kNoCache;  // the weight cache (`state`: its buffers, after delayed state)
   Launch fwd, bwd;
-  Launch fwd_w;  // blockwise: W's launch (fwd is x's)
   Launch bias_add;  // blockwise with a bias: added to the GEMM's output (slots y, bias)
   std::vector<Launch> fwd_list, bwd_list;  // delayed scaling, MXFP8
   std::vector<Launch> dgrad_list, wgrad_list;  // MXFP8, NVFP4: the operands' dequantizations
@@ -180,22 +181,17 @@ struct Forward {
   at::Tensor x_amax, w_amax;  // NVFP4: the columnwise copies' amaxes
 };
 
-// (rows, blocks) 128x128 scales with the blocks padded to a multiple of 4
-// (zeros), as cuBLAS reads them (cuda_gemm._padded_128x128).
-at::Tensor padded_128x128(const at::Tensor& s) {
-  int64_t kb = s.size(1);
-  if (kb % 4 == 0) return s;
-  at::Tensor padded = at::zeros({s.size(0), (kb + 3) / 4 * 4}, s.options());
-  padded.narrow(1, 0, kb).copy_(s);
-  return padded;
-}
+// The stored length of a row of 128x128 scales: `blocks` padded to a
+// multiple of 4 (reference.padded_blocks), as cuBLAS reads them.
+int64_t padded_blocks(int64_t blocks) { return (blocks + 3) / 4 * 4; }
 
 // out = A @ B^T with 1x128 scales for A (`a_s`, (rows, blocks) with stride
-// (1, rows)) and 1x128 or 128x128 scales for B, as cuda_gemm._fp8_blockwise.
+// (1, rows)) and 1x128 or 128x128 scales for B (the latter stored padded),
+// as cuda_gemm._fp8_blockwise.
 void block_gemm(const Plan& p, const at::Tensor& a, const at::Tensor& a_s, const at::Tensor& b,
                 const at::Tensor& b_s, bool b_2d, at::Tensor& out) {
   std::array<at::Tensor, 1> sa{a_s};
-  std::array<at::Tensor, 1> sb{b_2d ? padded_128x128(b_s).t() : b_s};
+  std::array<at::Tensor, 1> sb{b_2d ? b_s.t() : b_s};
   std::array<int64_t, 1> ra{p.scaling_1x128};
   std::array<int64_t, 1> rb{b_2d ? p.scaling_128x128 : p.scaling_1x128};
   scaled_mm_v2_out().call(a, b.t(), sa, ra, {}, sb, rb, {}, std::nullopt, out.scalar_type(),
@@ -215,20 +211,20 @@ Forward forward_block(const Plan& p, const at::Tensor& x, const at::Tensor& w,
   at::Tensor x_cd = p.x_col ? fp8_empty(p.k, p.m, p.fp8_fwd, x) : x2d;
   at::Tensor x_cs = p.x_col ? at::empty({p.m / B * p.k}, f32) : x2d;
   auto stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
-  p.fwd.run({x2d, x_rd, x_rs, x_cd, x_cs}, 0, 0, stream);
   at::Tensor w_rd, w_rs, w_cd, w_cs;
-  if (p.cache == kReadCache) {
+  if (p.cache == kReadCache) {  // x's launch alone
+    p.fwd.run({x2d, x_rd, x_rs, x_cd, x_cs}, 0, 0, stream);
     w_rd = state[0];
     w_rs = state[1];
     w_cd = state[2];
     w_cs = state[3];
-  } else {
+  } else {  // x's and W's in one launch
     at::Tensor w2d = operand(w, p.n, p.k);
     w_rd = fp8_empty(p.n, p.k, p.fp8_fwd, x);
-    w_rs = at::empty({p.n / B, p.k / B}, f32);
+    w_rs = at::empty({p.n / B, padded_blocks(p.k / B)}, f32);
     w_cd = p.w_col ? fp8_empty(p.k, p.n, p.fp8_fwd, x) : w2d;
-    w_cs = p.w_col ? at::empty({p.k / B, p.n / B}, f32) : w2d;
-    p.fwd_w.run({w2d, w_rd, w_rs, w_cd, w_cs}, 0, 0, stream);
+    w_cs = p.w_col ? at::empty({p.k / B, padded_blocks(p.n / B)}, f32) : w2d;
+    p.fwd.run({x2d, x_rd, x_rs, x_cd, x_cs, w2d, w_rd, w_rs, w_cd, w_cs}, 0, 0, stream);
   }
   at::Tensor y = at::empty(p.out_shape, x.options());
   at::Tensor y2d = y.view({p.m, p.n});
@@ -677,7 +673,7 @@ bool cache_buffer_fits(const Plan& p, const at::Tensor& t, size_t j) {
     int64_t rows = j < 2 ? p.n : p.k, cols = j < 2 ? p.k : p.n;
     if (!fp8) {
       rows /= B;
-      cols /= B;
+      cols = padded_blocks(cols / B);
     }
     return t.scalar_type() == (fp8 ? p.fp8_fwd : at::kFloat) && t.dim() == 2 &&
            t.size(0) == rows && t.size(1) == cols;
@@ -881,14 +877,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return p;
       }))
       .def("set_block",
-           [](Plan& p, Launch fwd_w, int64_t scaling_1x128, int64_t scaling_128x128,
+           [](Plan& p, int64_t scaling_1x128, int64_t scaling_128x128,
               std::optional<Launch> bias_add) {
              TORCH_CHECK(p.m % 128 == 0 && p.k % 128 == 0 && p.n % 128 == 0 &&
                              p.bias == bias_add.has_value(),
                          "te native: a blockwise plan takes 128-multiple sizes and a bias "
                          "add launch with a bias");
              p.recipe = kBlock;
-             p.fwd_w = std::move(fwd_w);
              if (bias_add) p.bias_add = std::move(*bias_add);
              p.scaling_1x128 = scaling_1x128;
              p.scaling_128x128 = scaling_128x128;

@@ -292,6 +292,28 @@ def _expand_blocks(scale: torch.Tensor, bm: int, bk: int) -> torch.Tensor:
     return scale.repeat_interleave(bm, dim=0).repeat_interleave(bk, dim=1)
 
 
+# 128x128 scales are stored (blocks along M, blocks along K) with the
+# blocks along K padded with zeros to a multiple of 4, the layout cuBLAS's
+# block-scaled GEMM reads (as Transformer Engine keeps them): no padded
+# copy per GEMM.  The columnwise copy's scales, (blocks along K, blocks
+# along M), pad the blocks along M the same way.
+BLOCK_2D_SCALE_PAD = 4
+
+
+def padded_blocks(blocks: int) -> int:
+    """The stored length of a 128x128 scale row of ``blocks`` blocks."""
+    return -(-blocks // BLOCK_2D_SCALE_PAD) * BLOCK_2D_SCALE_PAD
+
+
+def pad_block_scales(scale: torch.Tensor) -> torch.Tensor:
+    """(rows, blocks) 128x128 scales as stored: a new contiguous tensor with
+    the last dim padded with zeros (see ``padded_blocks``)."""
+    rows, blocks = scale.shape
+    out = scale.new_zeros((rows, padded_blocks(blocks)))
+    out[:, :blocks] = scale
+    return out
+
+
 def _block_1d(x2d, fmt, pow2, eps):
     """1x128 tiles along the last dim: the data and its scale_inv stored
     blocks outer, (K/128, M), the layout the block-scaled GEMM reads."""
@@ -307,7 +329,9 @@ def quantize_fp8_blockwise(x2d, fmt, block_2d, pow2, eps, rowwise, columnwise) -
     """1x128 tiles (activations, gradients) or 128x128 blocks (weights); fp32
     scale_inv.  The columnwise copy is the transposed data (K, M), quantized
     along M (1D) or the transposed rowwise copy (2D, same blocks).  1D
-    scales are blocks outer: rowwise (K/128, M), columnwise (M/128, K)."""
+    scales are blocks outer: rowwise (K/128, M), columnwise (M/128, K); 2D
+    rowwise (M/128, K/128) and columnwise (K/128, M/128), their last dims
+    padded (``pad_block_scales``)."""
     out = {}
     if block_2d:
         m, k = x2d.shape
@@ -319,12 +343,12 @@ def quantize_fp8_blockwise(x2d, fmt, block_2d, pow2, eps, rowwise, columnwise) -
         data = cast_fp8(x2d, _expand_blocks(scale, FP8_BLOCK, FP8_BLOCK), fmt)
         scale_inv = torch.reciprocal(scale)
         if rowwise:
-            out["rowwise_data"], out["rowwise_scale_inv"] = data, scale_inv
+            out["rowwise_data"], out["rowwise_scale_inv"] = data, pad_block_scales(scale_inv)
         if columnwise:
             # clone: .contiguous() of a transpose with a size-1 dim returns a view,
             # and a kernel's buffers must never alias each other
             out["columnwise_data"] = data.t().clone(memory_format=torch.contiguous_format)
-            out["columnwise_scale_inv"] = scale_inv.t().clone(memory_format=torch.contiguous_format)
+            out["columnwise_scale_inv"] = pad_block_scales(scale_inv.t())
         return out
     if rowwise:
         out["rowwise_data"], out["rowwise_scale_inv"] = _block_1d(x2d, fmt, pow2, eps)
@@ -333,11 +357,23 @@ def quantize_fp8_blockwise(x2d, fmt, block_2d, pow2, eps, rowwise, columnwise) -
     return out
 
 
+def quantize_fp8_blockwise_pair(x2d, w2d, fmt, pow2, eps, x_flags, w_flags) -> tuple:
+    """A layer's x and W quantized blockwise with one format, power-of-two
+    setting and epsilon: ``(buffers of x, buffers of W)``, each
+    ``*_flags`` being ``(block_2d, rowwise, columnwise)``.  On the GPU one
+    launch (kernels/triton_block.py)."""
+    return (quantize_fp8_blockwise(x2d, fmt, x_flags[0], pow2, eps, *x_flags[1:]),
+            quantize_fp8_blockwise(w2d, fmt, w_flags[0], pow2, eps, *w_flags[1:]))
+
+
 def dequantize_fp8_blockwise(data2d, scale_inv, block_2d: bool) -> torch.Tensor:
     """Dequantize one copy in its stored orientation; ``scale_inv``: one
     scale per block of (rows, K), i.e. (M, K/128) for 1D (the transposed
-    view of the stored buffer) or (M/128, K/128) for 2D."""
+    view of the stored buffer) or (M/128, K/128) for 2D (padded columns
+    past K/128, as stored, are ignored)."""
     bm = FP8_BLOCK if block_2d else 1
+    if block_2d:
+        scale_inv = scale_inv[:, :data2d.shape[1] // FP8_BLOCK]
     return data2d.float() * _expand_blocks(scale_inv, bm, FP8_BLOCK)
 
 

@@ -5,7 +5,8 @@ wrapper has the signature of the same-named function in
 ``kernels.reference`` and returns bit-identical buffers.  FP8 blockwise
 (1x128 and 128x128) and MXFP8 (1x32 / 32x1) take one pass over the tiles
 that writes both copies and their block scales (1x128 scales blocks outer,
-as the reference stores them); MXFP8 dequantization to
+128x128 ones padded, as the reference stores them), a layer's x and W
+under FP8 blockwise one pass together; MXFP8 dequantization to
 bf16 (the emulated GEMM's operands) is one pass too.
 """
 
@@ -47,21 +48,51 @@ def _fp8_block_kernel(x_ptr, M, K, rd_ptr, rs_ptr, cd_ptr, cs_ptr,
                       FMT_MAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr,
                       TWO_D: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
                       OUT: tl.constexpr, B: tl.constexpr):
-    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    _fp8_block_tile(x_ptr, M, K, rd_ptr, rs_ptr, cd_ptr, cs_ptr, tl.program_id(0),
+                    tl.program_id(1), FMT_MAX, EPS, POW2, TWO_D, ROW, COL, OUT, B)
+
+
+@triton.jit
+def _fp8_block_pair_kernel(x_ptr, Mx, Kx, xrd_ptr, xrs_ptr, xcd_ptr, xcs_ptr,
+                           w_ptr, Mw, Kw, wrd_ptr, wrs_ptr, wcd_ptr, wcs_ptr,
+                           FMT_MAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr,
+                           X_2D: tl.constexpr, X_ROW: tl.constexpr, X_COL: tl.constexpr,
+                           W_2D: tl.constexpr, W_ROW: tl.constexpr, W_COL: tl.constexpr,
+                           OUT: tl.constexpr, B: tl.constexpr):
+    """x's tiles, then W's, in one 1-D grid: the two launches of a layer's
+    forward in one, each tile computed as :func:`_fp8_block_kernel` does."""
+    pid = tl.program_id(0)
+    x_tiles_k = tl.cdiv(Kx, B)
+    x_tiles = tl.cdiv(Mx, B) * x_tiles_k
+    if pid < x_tiles:
+        _fp8_block_tile(x_ptr, Mx, Kx, xrd_ptr, xrs_ptr, xcd_ptr, xcs_ptr, pid // x_tiles_k,
+                        pid % x_tiles_k, FMT_MAX, EPS, POW2, X_2D, X_ROW, X_COL, OUT, B)
+    else:
+        w_tiles_k = tl.cdiv(Kw, B)
+        u = pid - x_tiles
+        _fp8_block_tile(w_ptr, Mw, Kw, wrd_ptr, wrs_ptr, wcd_ptr, wcs_ptr, u // w_tiles_k,
+                        u % w_tiles_k, FMT_MAX, EPS, POW2, W_2D, W_ROW, W_COL, OUT, B)
+
+
+@triton.jit
+def _fp8_block_tile(x_ptr, M, K, rd_ptr, rs_ptr, cd_ptr, cs_ptr, pid_m, pid_k,
+                    FMT_MAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr,
+                    TWO_D: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
+                    OUT: tl.constexpr, B: tl.constexpr):
+    """Tile (pid_m, pid_k) of one matrix: its copies and block scales."""
     rm, rk, mask = _tile_index(M, K, pid_m, pid_k, B, B)
     x = _load_tile(x_ptr, rm, rk, mask, K)
     bits = _abs_bits(x)
-    nkb = tl.cdiv(K, B)
-    if TWO_D:
+    if TWO_D:  # scale rows padded with zeros to a multiple of 4 (reference.padded_blocks)
         a = tl.max(tl.max(bits, axis=1), axis=0).to(tl.float32, bitcast=True)
         s = _scale_from_amax(a, FMT_MAX, EPS, POW2)
         if ROW:
             _store_rows(rd_ptr, _cast_fp8(x, s, FMT_MAX, OUT), rm, rk, mask, K)
-            tl.store(rs_ptr + pid_m * nkb + pid_k, _recip(s))
+            _store_padded_scale(rs_ptr, pid_m, pid_k, tl.cdiv(K, B), _recip(s))
         if COL:
             xt, mask_t = _tile_t(x_ptr, M, K, pid_m, pid_k, B, B)
             _store_transposed(cd_ptr, xt, s, rm, rk, mask_t, M, FMT_MAX, OUT)
-            tl.store(cs_ptr + pid_k * tl.cdiv(M, B) + pid_m, _recip(s))
+            _store_padded_scale(cs_ptr, pid_k, pid_m, tl.cdiv(M, B), _recip(s))
     else:
         if ROW:  # blocks of 128 along K: one scale per row of the tile
             s = _scale_from_amax(tl.max(bits, axis=1).to(tl.float32, bitcast=True),
@@ -76,7 +107,31 @@ def _fp8_block_kernel(x_ptr, M, K, rd_ptr, rs_ptr, cd_ptr, cs_ptr,
             tl.store(cs_ptr + pid_m.to(tl.int64) * K + rk, _recip(s), mask=rk < K)
 
 
+@triton.jit
+def _store_padded_scale(s_ptr, row, col, ncols, value):
+    """One 128x128 scale at (row, col) of a (rows, ncols padded to 4) buffer;
+    the program of a row's last block also writes the row's padding zeros."""
+    stride = (ncols + 3) // 4 * 4
+    tl.store(s_ptr + row * stride + col, value)
+    if col == ncols - 1:
+        pad = ncols + tl.arange(0, 4)
+        tl.store(s_ptr + row * stride + pad, tl.zeros((4,), tl.float32), mask=pad < stride)
+
+
 _fp8_block_launch = Launcher(_fp8_block_kernel)
+
+
+def _block_outputs(x2d, fmt, block_2d, rowwise, columnwise) -> dict:
+    """The buffers the blockwise kernel writes for ``x2d`` (M, K)."""
+    m, k = x2d.shape
+    b = ref.FP8_BLOCK
+    dt = ref.FP8_DTYPE[fmt]
+    if block_2d:
+        row_s, col_s = (m // b, ref.padded_blocks(k // b)), (k // b, ref.padded_blocks(m // b))
+    else:
+        row_s, col_s = (k // b, m), (m // b, k)
+    return _alloc_copies(x2d.device, rowwise, columnwise, ((m, k), dt), (row_s, torch.float32),
+                         ((k, m), dt), (col_s, torch.float32))
 
 
 def fp8_block_call(x2d, fmt, block_2d, pow2, eps, rowwise, columnwise):
@@ -85,13 +140,26 @@ def fp8_block_call(x2d, fmt, block_2d, pow2, eps, rowwise, columnwise):
     native eager path fixes the same launch, kernels/native.py)."""
     m, k = x2d.shape
     b = ref.FP8_BLOCK
-    dt = ref.FP8_DTYPE[fmt]
-    row_s, col_s = ((m // b, k // b), (k // b, m // b)) if block_2d else ((k // b, m), (m // b, k))
-    out = _alloc_copies(x2d.device, rowwise, columnwise, ((m, k), dt), (row_s, torch.float32),
-                        ((k, m), dt), (col_s, torch.float32))
+    out = _block_outputs(x2d, fmt, block_2d, rowwise, columnwise)
     flags = (fmt, float(eps), bool(pow2), bool(block_2d), bool(rowwise), bool(columnwise))
     args = (x2d, m, k, *_copy_args(out, x2d), ref.FP8_MAX[fmt], *flags[1:], _TL_FP8[fmt], b)
     return (cdiv(m, b), cdiv(k, b)), (_x_key(x2d, m, k), flags), args, out
+
+
+def fp8_block_pair_call(x2d, w2d, fmt, pow2, eps, x_flags, w_flags):
+    """The launch of ``quantize_fp8_blockwise_pair`` on contiguous, non-empty
+    matrices: ``(grid, key, args, out_x, out_w)``; each ``*_flags`` is
+    ``(block_2d, rowwise, columnwise)``."""
+    (mx, kx), (mw, kw) = x2d.shape, w2d.shape
+    b = ref.FP8_BLOCK
+    x_flags, w_flags = tuple(map(bool, x_flags)), tuple(map(bool, w_flags))
+    out_x = _block_outputs(x2d, fmt, *x_flags)
+    out_w = _block_outputs(w2d, fmt, *w_flags)
+    flags = (fmt, float(eps), bool(pow2), *x_flags, *w_flags)
+    args = (x2d, mx, kx, *_copy_args(out_x, x2d), w2d, mw, kw, *_copy_args(out_w, w2d),
+            ref.FP8_MAX[fmt], *flags[1:], _TL_FP8[fmt], b)
+    grid = (cdiv(mx, b) * cdiv(kx, b) + cdiv(mw, b) * cdiv(kw, b),)
+    return grid, (_x_key(x2d, mx, kx), _x_key(w2d, mw, kw), flags), args, out_x, out_w
 
 
 def quantize_fp8_blockwise(x2d, fmt, block_2d, pow2, eps, rowwise, columnwise) -> dict:
@@ -101,6 +169,19 @@ def quantize_fp8_blockwise(x2d, fmt, block_2d, pow2, eps, rowwise, columnwise) -
                                           columnwise)
     _fp8_block_launch(grid, key, *args)
     return out
+
+
+_fp8_block_pair_launch = Launcher(_fp8_block_pair_kernel)
+
+
+def quantize_fp8_blockwise_pair(x2d, w2d, fmt, pow2, eps, x_flags, w_flags) -> tuple:
+    """``reference.quantize_fp8_blockwise_pair`` (x's and W's buffers) in one launch."""
+    if x2d.numel() == 0 or w2d.numel() == 0:
+        return ref.quantize_fp8_blockwise_pair(x2d, w2d, fmt, pow2, eps, x_flags, w_flags)
+    grid, key, args, out_x, out_w = fp8_block_pair_call(_matrix(x2d), _matrix(w2d), fmt, pow2,
+                                                        eps, x_flags, w_flags)
+    _fp8_block_pair_launch(grid, key, *args)
+    return out_x, out_w
 
 
 # -- MXFP8 -------------------------------------------------------------------------------

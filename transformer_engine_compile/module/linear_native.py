@@ -478,16 +478,22 @@ def _listed_launches(ext, device, launches, slots):
 
 def _block_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
     """A :class:`NativeLinear` under Float8BlockScaling: one quantization
-    launch each for x, W and dy, and the block-scaled GEMMs."""
+    launch for x and W (x alone where the weight cache is read, as the
+    Python path), one for dy, and the block-scaled GEMMs."""
     import torch.nn.functional as F
     if not ext.has_block_gemm():
         return None
     x, w = args.inp, args.weight
     q, wq = _input_quantizer(args), _weight_quantizer(args)
     dgrad, wgrad = args.input_requires_grad, args.weight_requires_grad
+    cache = _cache_mode(args)
+    if cache != READ_CACHE and not q.pairs_with(wq):
+        return None
     with torch.no_grad():
-        fwd_x = _block_launch(ext, torch.zeros((m, k), dtype=x.dtype, device=x.device), q)
-        fwd_w = _block_launch(ext, torch.zeros((n, k), dtype=w.dtype, device=x.device), wq)
+        x2d = torch.zeros((m, k), dtype=x.dtype, device=x.device)
+        fwd_x = (_block_launch(ext, x2d, q) if cache == READ_CACHE else
+                 _block_pair_launch(ext, x2d, torch.zeros((n, k), dtype=w.dtype, device=x.device),
+                                    q, wq))
         bwd = fwd_x  # no backward: the node is never made
         if dgrad or wgrad:
             bwd = _block_launch(ext, torch.zeros((m, n), dtype=x.dtype, device=x.device),
@@ -496,7 +502,7 @@ def _block_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
         if args.bias is not None:
             bias_add = _bias_add_launch(ext, torch.zeros((m, n), dtype=x.dtype, device=x.device),
                                         args.bias)
-    if None in (fwd_x, fwd_w, bwd) or (args.bias is not None and bias_add is None):
+    if None in (fwd_x, bwd) or (args.bias is not None and bias_add is None):
         return None
     e4m3 = _DTYPE_NAMES[FP8_DTYPE["e4m3"]]
     plan = ext.Plan(fwd_x, bwd, _PythonBackward(args, q, wq, ("columnwise_data",
@@ -505,9 +511,8 @@ def _block_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
                     _DTYPE_NAMES[_wgrad_dtype(args)], q.columnwise_usage, wq.columnwise_usage,
                     dgrad, wgrad,
                     args.bias is not None, list(x.shape[:-1]) + [n], list(x.shape))
-    plan.set_block(fwd_w, F.ScalingType.BlockWise1x128.value,
-                   F.ScalingType.BlockWise128x128.value, bias_add)
-    cache = _cache_mode(args)
+    plan.set_block(F.ScalingType.BlockWise1x128.value, F.ScalingType.BlockWise128x128.value,
+                   bias_add)
     plan.set_cache(cache)
     return _with_bias_grad(ext, plan, args, slot, _cache_buffers(args) if cache else ())
 
@@ -532,6 +537,19 @@ def _block_launch(ext, a2d, q):
     tb._fp8_block_launch(grid, key, *largs)
     return native.launch_spec(ext, tb._fp8_block_launch, a2d.device.index, grid, key, largs,
                               [a2d, *tb._copy_args(out, a2d)])
+
+
+def _block_pair_launch(ext, x2d, w2d, q, wq):
+    """The native launch of the blockwise x/W pair kernel the Python path
+    runs (``Float8BlockQuantizer.quantize_pair_unchecked``)."""
+    from ..kernels import triton_block as tb  # Triton: imported on CUDA only
+    grid, key, largs, out_x, out_w = tb.fp8_block_pair_call(
+        x2d, w2d, q.fp8_format, q.force_pow_2_scales, q.amax_epsilon,
+        (q.block_scaling_dim == 2, q.rowwise_usage, q.columnwise_usage),
+        (wq.block_scaling_dim == 2, wq.rowwise_usage, wq.columnwise_usage))
+    tb._fp8_block_pair_launch(grid, key, *largs)
+    return native.launch_spec(ext, tb._fp8_block_pair_launch, x2d.device.index, grid, key, largs,
+                              [x2d, *tb._copy_args(out_x, x2d), w2d, *tb._copy_args(out_w, w2d)])
 
 
 def _bias_grad_launches(ext, m, n, dtype, device):

@@ -95,6 +95,18 @@ def rows_2d(x: torch.Tensor) -> torch.Tensor:
     return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
 
 
+def flat_column_scales(out: dict, column_block: int) -> dict:
+    """A kernel's buffers with the columnwise scales (one per block of rows)
+    stored flat where the format pads rows (``Quantizer.column_block`` > 1,
+    see there).  A function, not a quantizer method: Dynamo traces
+    ``quantize`` and may only call a value-opaque quantizer's registered
+    members."""
+    scales = out.get("columnwise_scale_inv")
+    if scales is not None and column_block != 1:
+        out["columnwise_scale_inv"] = scales.reshape(-1)
+    return out
+
+
 def flat_2d(shape) -> tuple:
     """(M, K): rows = product of leading dims, K = last dim."""
     return math.prod(shape[:-1]), shape[-1]
@@ -320,11 +332,7 @@ class Quantizer(OpaqueBase):
         else:
             out = self._quantize_2d(torch.nn.functional.pad(x2d, (0, 0, 0, b - m % b)))
             out = {name: _cut_rows(t, m, name, self.storage_cls) for name, t in out.items()}
-        # one scale per block of rows: stored flat (see column_block)
-        scales = out.get("columnwise_scale_inv")
-        if scales is not None:
-            out["columnwise_scale_inv"] = scales.reshape(-1)
-        return out
+        return flat_column_scales(out, b)
 
     def quantize(self, x: torch.Tensor):
         """Quantize ``x`` (shape ``(..., K)``) into this format's tensor."""

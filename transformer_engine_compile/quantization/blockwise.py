@@ -3,11 +3,14 @@
 
 Rowwise data keeps the logical shape; the columnwise copy is the (K, M)
 transpose.  2D scales: rowwise (M/128, K/128), columnwise its transpose.
-1D scales are stored as the block-scaled GEMM reads them (as Transformer
-Engine keeps them, without its padding): one scale per (row, block of 128
-along the reduced dim), blocks outer, i.e. rowwise (K/128, M) and
-columnwise (Mp/128, K) (flat), so cuBLAS takes their transposed views as
-they are instead of a copy per GEMM.  1D tiles take any M: the columnwise
+Scales are stored as the block-scaled GEMM reads them, so cuBLAS takes
+them (or their transposed views) as they are instead of a copy per GEMM.
+1D: one scale per (row, block of 128 along the reduced dim), blocks outer,
+i.e. rowwise (K/128, M) and columnwise (Mp/128, K) (flat; Transformer
+Engine pads these, we do not need to).  2D: rowwise (M/128, K/128) and
+columnwise (K/128, M/128), each with its last dim padded with zeros to a
+multiple of 4 (``reference.padded_blocks``), as cuBLAS requires and
+Transformer Engine stores them.  1D tiles take any M: the columnwise
 copy then holds Mp = M rounded up to 128 columns, the ones past M zero
 (``Quantizer.column_block``).
 """
@@ -19,7 +22,8 @@ import torch
 from .. import kernels
 from ..dynamo.opaque import register_value_opaque_quantizer
 from ..kernels import reference as ref
-from .base import BufferSpec, Quantizer, QuantizedTensorStorage, flat_2d, padded_rows
+from .base import (BufferSpec, Quantizer, QuantizedTensorStorage, flat_2d, flat_column_scales,
+                   padded_rows, rows_2d)
 from .float8 import fp8_format_name
 from .wrapper import QuantizedTensor
 
@@ -29,10 +33,11 @@ class Float8BlockwiseQTensorStorage(QuantizedTensorStorage):
         BufferSpec("rowwise_data", "rowwise", "FP8 values in the logical shape (..., K)"),
         BufferSpec("rowwise_scale_inv", "rowwise",
                    "fp32 (K/128, M) for 1D (blocks outer, as the GEMM reads it), "
-                   "(M/128, K/128) for 2D"),
+                   "(M/128, K/128) for 2D, its last dim padded to a multiple of 4"),
         BufferSpec("columnwise_data", "columnwise", "FP8 values transposed: (K, Mp)"),
         BufferSpec("columnwise_scale_inv", "columnwise",
-                   "fp32 (Mp/128, K) stored flat for 1D (blocks outer), (K/128, M/128) for 2D"),
+                   "fp32 (Mp/128, K) stored flat for 1D (blocks outer), (K/128, M/128) "
+                   "for 2D, its last dim padded to a multiple of 4"),
     )
     _ROW_BUFFERS = ("rowwise_data", "rowwise_scale_inv")
     _ROWS_LAST = ("rowwise_scale_inv",)  # 1D: the rows are its last dim
@@ -40,7 +45,7 @@ class Float8BlockwiseQTensorStorage(QuantizedTensorStorage):
 
     def _row_scales(self):
         """rowwise_scale_inv as (M, K/128) (1D: a view of the blocks-outer
-        buffer) or (M/128, K/128)."""
+        buffer) or (M/128, K/128 padded) (2D, as stored)."""
         s = self._rowwise_scale_inv
         return s if self._block_scaling_dim == 2 else s.t()
 
@@ -51,7 +56,7 @@ class Float8BlockwiseQTensorStorage(QuantizedTensorStorage):
 
     def _column_scales(self):
         """columnwise_scale_inv as (K, Mp/128) (1D: a view of the flat
-        blocks-outer buffer) or (K/128, M/128)."""
+        blocks-outer buffer) or (K/128, M/128 padded) (2D, as stored)."""
         s = self._columnwise_scale_inv
         return s if self._block_scaling_dim == 2 else s.view(-1, self._te_shape[-1]).t()
 
@@ -62,8 +67,8 @@ class Float8BlockwiseQTensorStorage(QuantizedTensorStorage):
     def fp8_operand(self, usage: str):
         """(FP8 data reduced along its last dim, its fp32 block scale_inv) of one
         copy, without dequantizing: what a block-scaled GEMM takes.  1D
-        scales come as (rows, blocks) views with stride (1, rows), the
-        layout cuBLAS reads."""
+        scales come as (rows, blocks) views with stride (1, rows), 2D as
+        stored (blocks padded to a multiple of 4): the layouts cuBLAS reads."""
         self.gemm_operand_check(usage)
         if usage == "rowwise":
             m, k = flat_2d(self._te_shape)
@@ -111,7 +116,8 @@ class Float8BlockQuantizer(Quantizer):
         b = ref.FP8_BLOCK
         mp = padded_rows(m, self.column_block())
         if self.block_scaling_dim == 2:
-            row_s, col_s = (m // b, k // b), (k // b, m // b)
+            row_s = (m // b, ref.padded_blocks(k // b))
+            col_s = (k // b, ref.padded_blocks(m // b))
         else:
             row_s, col_s = (k // b, m), ((mp // b) * k,)
         return {
@@ -123,6 +129,27 @@ class Float8BlockQuantizer(Quantizer):
 
     def _storage_extras(self):
         return (("fp8_format", self.fp8_format), ("block_scaling_dim", self.block_scaling_dim))
+
+    def pairs_with(self, other) -> bool:
+        return (type(other) is Float8BlockQuantizer and other.fp8_format == self.fp8_format
+                and other.force_pow_2_scales == self.force_pow_2_scales
+                and other.amax_epsilon == self.amax_epsilon)
+
+    def quantize_pair_unchecked(self, x: torch.Tensor, other, w: torch.Tensor) -> tuple:
+        """``(self.quantize_unchecked(x), other.quantize_unchecked(w))`` for a
+        quantizer ``other`` that :meth:`pairs_with` this one (its tiles may
+        be 128x128 where x's are 1x128): the same buffers, on the GPU from
+        one launch instead of two."""
+        x2d, w2d = rows_2d(x), rows_2d(w)
+        xb, wb = self.column_block(), other.column_block()
+        if x2d.shape[0] % xb or w2d.shape[0] % wb:
+            return self.quantize_unchecked(x), other.quantize_unchecked(w)  # rows padded first
+        bx, bw = kernels.get("quantize_fp8_blockwise_pair", x2d)(
+            x2d, w2d, self.fp8_format, self.force_pow_2_scales, self.amax_epsilon,
+            (self.block_scaling_dim == 2, self.rowwise_usage, self.columnwise_usage),
+            (other.block_scaling_dim == 2, other.rowwise_usage, other.columnwise_usage))
+        return (self._from_buffers(x.shape, x.dtype, flat_column_scales(bx, xb)),
+                other._from_buffers(w.shape, w.dtype, flat_column_scales(bw, wb)))
 
     def _quantize_2d(self, x2d):
         fn = kernels.get("quantize_fp8_blockwise", x2d)
