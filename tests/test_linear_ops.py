@@ -381,19 +381,22 @@ def test_every_fallback_reason_is_documented():
 
 @pytest.mark.parametrize("rows", [256, 200])
 @pytest.mark.parametrize("case", ["plain", "no_input_grad", "cache_weight"])
-def test_block_scaling_quantizes_input_and_weight_as_one_pair(monkeypatch, case, rows):
-    """Float8BlockScaling forward: x (1x128) and W (128x128) go through one
-    ``quantize_fp8_blockwise_pair`` call (one launch on the GPU) with the
-    usages each needs, and training equals the path that quantizes them
-    one at a time; x with rows that are not whole 128-row blocks (its
-    columnwise copy padded first) and a reused weight cache never pair."""
+@pytest.mark.parametrize("name", ["fp8_block", "mxfp8"])
+def test_block_formats_quantize_input_and_weight_as_one_pair(monkeypatch, name, case, rows):
+    """Float8BlockScaling (x 1x128, W 128x128) and MXFP8BlockScaling
+    forwards: x and W go through one pair kernel call (one launch on the
+    GPU) with the usages each needs, and training equals the path that
+    quantizes them one at a time; x with rows that are not whole blocks
+    (its columnwise copy padded first) and a reused weight cache never pair."""
     from transformer_engine_compile.kernels import reference as ref
-    from transformer_engine_compile.quantization.blockwise import Float8BlockQuantizer
+    from transformer_engine_compile.quantization import Float8BlockQuantizer, MXFP8Quantizer
 
+    kernel, flags_at = {"fp8_block": ("quantize_fp8_blockwise_pair", 5),
+                        "mxfp8": ("quantize_mxfp8_pair", 3)}[name]
     calls = []
-    real = ref.quantize_fp8_blockwise_pair
-    monkeypatch.setattr(ref, "quantize_fp8_blockwise_pair",
-                        lambda *a: calls.append(a[5:]) or real(*a))
+    real = getattr(ref, kernel)
+    monkeypatch.setattr(ref, kernel, lambda *a: calls.append(a[flags_at:]) or real(*a))
+    rec = recipe.Float8BlockScaling() if name == "fp8_block" else recipe.MXFP8BlockScaling()
 
     def train():
         torch.manual_seed(0)
@@ -403,7 +406,7 @@ def test_block_scaling_quantizes_input_and_weight_as_one_pair(monkeypatch, case,
             x = torch.randn(rows, 256, dtype=torch.bfloat16,
                             requires_grad=case != "no_input_grad")
             first = (micro == 0) if case == "cache_weight" else None
-            with te.autocast(recipe=recipe.Float8BlockScaling()):
+            with te.autocast(recipe=rec):
                 y = layer(x, is_first_microbatch=first)
             y.float().square().sum().backward()
             out += [y, x.grad]
@@ -412,10 +415,12 @@ def test_block_scaling_quantizes_input_and_weight_as_one_pair(monkeypatch, case,
     paired = train()
     calls_per_step = {"plain": 2, "no_input_grad": 2, "cache_weight": 1}[case]
     w_usage = (True, case != "no_input_grad")
-    assert calls == ([] if rows % 128 else [((False, True, True), (True, *w_usage))]
-                     * calls_per_step)
+    pair = (((False, True, True), (True, *w_usage)) if name == "fp8_block"
+            else ((True, True), w_usage))
+    assert calls == ([] if rows % 128 else [pair] * calls_per_step)
     calls.clear()
-    monkeypatch.setattr(Float8BlockQuantizer, "pairs_with", lambda self, other: False)
+    monkeypatch.setattr(Float8BlockQuantizer if name == "fp8_block" else MXFP8Quantizer,
+                        "pairs_with", lambda self, other: False)
     single = train()
     assert calls == []
     for a, b in zip(paired, single):

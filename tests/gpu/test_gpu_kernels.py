@@ -330,8 +330,13 @@ def test_emulated_nvfp4_gemm_pieces_equal_the_reference():
     scales = scales.reshape(130, 16).view(torch.float8_e4m3fn)
     want = ref.dequantize_nvfp4_blocks(packed, scales, torch.float32)
     assert want.isnan().any()
+    packed2 = torch.randint(0, 256, (64, 320), device="cuda", dtype=torch.uint8)
+    scales2 = (torch.rand(64, 40, device="cuda") * 8).to(torch.float8_e4m3fn)
+    want2 = ref.dequantize_nvfp4_blocks(packed2, scales2, torch.float32)
     for dt in (torch.bfloat16, torch.float32):
         assert _same_bits(tn4.dequantize_nvfp4_blocks(packed, scales, dt), want.to(dt))
+        a16, b16 = tn4.dequantize_nvfp4_blocks_pair(packed, scales, packed2, scales2, dt)
+        assert _same_bits(a16, want.to(dt)) and _same_bits(b16, want2.to(dt))  # one launch
     acc = torch.randn(70, 300, device="cuda") * 1000
     for amax_a, amax_b in ((3.5, 0.02), (0.0, 7.0), (float("inf"), 1e-30)):
         aa = torch.tensor([amax_a], device="cuda")

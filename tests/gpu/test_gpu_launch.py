@@ -163,6 +163,50 @@ def test_mxfp8_dequantize_equals_reference(rowwise, out_dtype):
     assert kernels.get("dequantize_mxfp8", data) is tbk.dequantize_mxfp8
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_mxfp8_dequantize_pair_equals_two_reference_dequantizes(out_dtype):
+    """An emulated GEMM's two MXFP8 operands dequantized in one launch, for
+    every pairing of rowwise and columnwise copies and unequal shapes."""
+    x = torch.randn(256, 384, device="cuda") * 10
+    x[:32, :32] = 0
+    x[40, 40] = float("nan")
+    w = torch.randn(640, 384, device="cuda", dtype=torch.bfloat16)
+    qx, qw = (ref.quantize_mxfp8(t, "e4m3", True, True) for t in (x, w))
+    for a_row, b_row in ((True, True), (True, False), (False, True), (False, False)):
+        parts = []
+        for q, row in ((qx, a_row), (qw, b_row)):
+            key = "rowwise" if row else "columnwise"
+            parts += [q[f"{key}_data"], q[f"{key}_scale_inv"], row]
+        fast = tbk.dequantize_mxfp8_pair(*parts, out_dtype)
+        slow = ref.dequantize_mxfp8_pair(*parts, out_dtype)
+        assert all(f.dtype == out_dtype and _bits_equal(f, s_) for f, s_ in zip(fast, slow))
+    assert kernels.get("dequantize_mxfp8_pair", x) is tbk.dequantize_mxfp8_pair
+
+
+@pytest.mark.parametrize("shapes", [((256, 384), (640, 384)), ((4096, 2048), (5632, 2048)),
+                                    ((40, 96), (64, 96))], ids=str)
+def test_mxfp8_pair_equals_two_reference_quantizes(shapes):
+    """The MXFP8 x/W pair kernel: both matrices' buffers bit for bit as two
+    reference quantizes, for every usage pairing, both formats, mixed
+    dtypes and special values."""
+    x = torch.randn(shapes[0], device="cuda", dtype=torch.bfloat16) * 30
+    x[:32, :32] = 0
+    x[3, 7] = float("nan")
+    x[5, 9] = float("inf")
+    w = torch.randn(shapes[1], device="cuda") * 1e-3
+    whole = shapes[0][0] % 32 == 0 and shapes[1][0] % 32 == 0
+    for fmt in ("e4m3", "e5m2"):
+        for x_usage, w_usage in (((True, True), (True, True)), ((True, True), (True, False)),
+                                 ((True, False), (False, True)), ((False, True), (True, True))):
+            if not whole and (x_usage[1] or w_usage[1]):
+                continue  # columnwise copies take whole blocks of rows (padded before)
+            fast = tbk.quantize_mxfp8_pair(x, w, fmt, x_usage, w_usage)
+            slow = ref.quantize_mxfp8_pair(x, w, fmt, x_usage, w_usage)
+            for f, s_ in zip(fast, slow):
+                assert sorted(f) == sorted(s_)
+                assert all(f[k].shape == s_[k].shape and _bits_equal(f[k], s_[k]) for k in f)
+
+
 def test_launcher_caches_a_handle_and_check_mode_catches_a_wrong_key():
     launch = Launcher(tq._amax_kernel)
     x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)

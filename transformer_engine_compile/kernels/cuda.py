@@ -37,11 +37,12 @@ def register() -> None:
         _REGISTERED.append(name)
     from . import triton_block as tbk
     for name in ("quantize_fp8_blockwise", "quantize_fp8_blockwise_pair", "quantize_mxfp8",
-                 "dequantize_mxfp8"):
+                 "quantize_mxfp8_pair", "dequantize_mxfp8", "dequantize_mxfp8_pair"):
         register_fast(name, "cuda", getattr(tbk, name))
         _REGISTERED.append(name)
     from . import triton_nvfp4 as tn4
-    for name in ("quantize_nvfp4", "dequantize_nvfp4_blocks", "nvfp4_gemm_epilogue"):
+    for name in ("quantize_nvfp4", "dequantize_nvfp4_blocks", "dequantize_nvfp4_blocks_pair",
+                 "nvfp4_gemm_epilogue"):
         register_fast(name, "cuda", getattr(tn4, name))
         _REGISTERED.append(name)
     from . import triton_norm as tn

@@ -53,7 +53,14 @@ def _capability(index: int) -> tuple:
 
 
 def _has_block_scaled_mm() -> bool:
-    return hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")
+    return (hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")
+            and hasattr(torch, "_scaled_mm_v2"))
+
+
+@functools.lru_cache(maxsize=None)
+def _block_recipes() -> tuple:
+    """``F.ScalingType``'s 1x128 and 128x128 values, as ``_scaled_mm_v2`` takes them."""
+    return F.ScalingType.BlockWise1x128.value, F.ScalingType.BlockWise128x128.value
 
 
 def _dims_ok(*dims: int) -> bool:
@@ -115,8 +122,10 @@ def _same_format(a, b) -> bool:
 
 def _outer_major(scale: torch.Tensor) -> torch.Tensor:
     """The same (rows, blocks) values with stride (1, rows), as cuBLAS's 1x128
-    wants: a view of the stored 1D scales as they are (no copy), a copy
-    only for scales padded by ``_rows_to_16``."""
+    wants: the stored 1D scales' view as it is (no copy), a copy only for
+    scales padded by ``_rows_to_16``."""
+    if scale.stride(0) == 1 and scale.stride(1) == scale.shape[0]:
+        return scale
     return scale.t().contiguous().t()
 
 
@@ -141,35 +150,39 @@ def _fp8_tensorwise(a, a_usage, b, b_usage, out_dtype, bias, fast_accum):
 
 
 def _fp8_blockwise(a, a_usage, b, b_usage, out_dtype, bias):
-    st = F.ScalingType
     ad, asc = a.fp8_operand(a_usage)
     bd, bsc = b.fp8_operand(b_usage)
     if ad.shape[0] == 0 or not _dims_ok(ad.shape[1], bd.shape[0]):
         return None
     ad, asc, m = _rows_to_16(ad, asc)
+    one_d, two_d = _block_recipes()
     if b._block_scaling_dim == 2:
-        b_scale, b_recipe = bsc.t(), st.BlockWise128x128  # stored padded, as cuBLAS reads
+        b_scale, b_recipe = bsc.t(), two_d  # stored padded, as cuBLAS reads them
     else:
-        b_scale, b_recipe = _outer_major(bsc), st.BlockWise1x128
-    out = F.scaled_mm(ad, bd.t(), _outer_major(asc), st.BlockWise1x128, b_scale, b_recipe,
-                      output_dtype=out_dtype)
+        b_scale, b_recipe = _outer_major(bsc), one_d
+    # F.scaled_mm's op, called directly: its Python wrapper costs ~15 us a call
+    out = torch._scaled_mm_v2(ad, bd.t(), [_outer_major(asc)], [one_d], [], [b_scale],
+                              [b_recipe], [], None, out_dtype, [], False)
     return _add_bias(out if out.shape[0] == m else out[:m], bias)
 
 
-def _mx_operand_bf16(t, usage: str) -> torch.Tensor:
-    """An MXFP8 copy dequantized to bf16 (exact) in one kernel, as GEMM operand:
-    rowwise (M, K); columnwise (K, M), a transposed view cuBLAS reads as is."""
+def _mx_copy(t, usage: str) -> tuple:
+    """``(data (rows, K), scales, rowwise)`` of one MXFP8 copy in its stored
+    (M, K) orientation (the columnwise copy may hold padding rows)."""
     t.gemm_operand_check(usage)
-    k = t._te_shape[-1]  # the columnwise copy may hold padding rows
+    k = t._te_shape[-1]
     rowwise = usage == "rowwise"
     data = (t._rowwise_data if rowwise else t._columnwise_data).reshape(-1, k)
-    scale = t._rowwise_scale_inv if rowwise else t._column_scales()
-    out = get("dequantize_mxfp8", data)(data, scale, rowwise, torch.bfloat16)
-    return out if rowwise else out.t()
+    return data, (t._rowwise_scale_inv if rowwise else t._column_scales()), rowwise
 
 
 def _emulated_bf16(a, a_usage, b, b_usage, out_dtype, bias):
-    out = torch.nn.functional.linear(_mx_operand_bf16(a, a_usage), _mx_operand_bf16(b, b_usage))
+    """Both MXFP8 operands dequantized to bf16 (exact) in one kernel, then a
+    bf16 GEMM: rowwise copies are (M, K) operands, columnwise ones (K, M)
+    transposed views cuBLAS reads as they are."""
+    (ad, asc, arow), (bd, bsc, brow) = _mx_copy(a, a_usage), _mx_copy(b, b_usage)
+    a16, b16 = get("dequantize_mxfp8_pair", ad)(ad, asc, arow, bd, bsc, brow, torch.bfloat16)
+    out = torch.nn.functional.linear(a16 if arow else a16.t(), b16 if brow else b16.t())
     return _add_bias(out if out.dtype == out_dtype else out.to(out_dtype), bias)
 
 
@@ -183,8 +196,7 @@ def _emulated_nvfp4(a, a_usage, b, b_usage, out_dtype, bias):
     a.gemm_operand_check(a_usage)
     b.gemm_operand_check(b_usage)
     (ad, asc, aamax), (bd, bsc, bamax) = a.copy_parts(a_usage), b.copy_parts(b_usage)
-    a16 = get("dequantize_nvfp4_blocks", ad)(ad, asc)
-    b16 = get("dequantize_nvfp4_blocks", bd)(bd, bsc)
+    a16, b16 = get("dequantize_nvfp4_blocks_pair", ad)(ad, asc, bd, bsc)  # one launch
     acc = torch.mm(a16, b16.t(), out_dtype=torch.float32)
     return get("nvfp4_gemm_epilogue", acc)(acc, aamax, bamax, bias, out_dtype)
 

@@ -287,6 +287,21 @@ def dequantize_mxfp8(data2d, biased, rowwise: bool, out_dtype=torch.float32) -> 
     return (data2d.float() * scale).to(out_dtype)
 
 
+def quantize_mxfp8_pair(x2d, w2d, fmt, x_usage, w_usage) -> tuple:
+    """A layer's x and W quantized to MXFP8 with one format: ``(buffers of
+    x, buffers of W)``, each usage ``(rowwise, columnwise)``.  On the GPU
+    one launch (kernels/triton_block.py)."""
+    return quantize_mxfp8(x2d, fmt, *x_usage), quantize_mxfp8(w2d, fmt, *w_usage)
+
+
+def dequantize_mxfp8_pair(a_data, a_scale, a_rowwise: bool, b_data, b_scale, b_rowwise: bool,
+                          out_dtype) -> tuple:
+    """Both operands of an emulated MXFP8 GEMM dequantized (``dequantize_mxfp8``
+    of each); on the GPU one launch."""
+    return (dequantize_mxfp8(a_data, a_scale, a_rowwise, out_dtype),
+            dequantize_mxfp8(b_data, b_scale, b_rowwise, out_dtype))
+
+
 # -- FP8 blockwise -------------------------------------------------------------------
 def _expand_blocks(scale: torch.Tensor, bm: int, bk: int) -> torch.Tensor:
     return scale.repeat_interleave(bm, dim=0).repeat_interleave(bk, dim=1)
@@ -538,6 +553,14 @@ def dequantize_nvfp4_blocks(packed, scale_q, out_dtype=torch.bfloat16) -> torch.
     GEMM, kernels/cuda_gemm.py), and :func:`nvfp4_gemm_epilogue` applies the
     per-tensor scales to the fp32 product."""
     return _nvfp4_values_times(packed, scale_q.float()).to(out_dtype)
+
+
+def dequantize_nvfp4_blocks_pair(a_packed, a_scale, b_packed, b_scale,
+                                 out_dtype=torch.bfloat16) -> tuple:
+    """Both operands of an emulated NVFP4 GEMM (``dequantize_nvfp4_blocks``
+    of each); on the GPU one launch."""
+    return (dequantize_nvfp4_blocks(a_packed, a_scale, out_dtype),
+            dequantize_nvfp4_blocks(b_packed, b_scale, out_dtype))
 
 
 def nvfp4_gemm_epilogue(acc, amax_a, amax_b, bias, out_dtype) -> torch.Tensor:

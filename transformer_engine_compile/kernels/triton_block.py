@@ -219,7 +219,37 @@ def _mxfp8_kernel(x_ptr, M, K, rd_ptr, rs_ptr, cd_ptr, cs_ptr,
                   FMT_MAX: tl.constexpr, FRAC_MAX: tl.constexpr, EXP_MAX: tl.constexpr,
                   ROW: tl.constexpr, COL: tl.constexpr, OUT: tl.constexpr,
                   BM: tl.constexpr, BK: tl.constexpr, MX: tl.constexpr):
-    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    _mxfp8_tile(x_ptr, M, K, rd_ptr, rs_ptr, cd_ptr, cs_ptr, tl.program_id(0), tl.program_id(1),
+                FMT_MAX, FRAC_MAX, EXP_MAX, ROW, COL, OUT, BM, BK, MX)
+
+
+@triton.jit
+def _mxfp8_pair_kernel(x_ptr, Mx, Kx, xrd_ptr, xrs_ptr, xcd_ptr, xcs_ptr,
+                       w_ptr, Mw, Kw, wrd_ptr, wrs_ptr, wcd_ptr, wcs_ptr,
+                       FMT_MAX: tl.constexpr, FRAC_MAX: tl.constexpr, EXP_MAX: tl.constexpr,
+                       X_ROW: tl.constexpr, X_COL: tl.constexpr, W_ROW: tl.constexpr,
+                       W_COL: tl.constexpr, OUT: tl.constexpr, BM: tl.constexpr,
+                       BK: tl.constexpr, MX: tl.constexpr):
+    """x's tiles, then W's, in one 1-D grid (as :func:`_fp8_block_pair_kernel`)."""
+    pid = tl.program_id(0)
+    x_tiles_k = tl.cdiv(Kx, BK)
+    x_tiles = tl.cdiv(Mx, BM) * x_tiles_k
+    if pid < x_tiles:
+        _mxfp8_tile(x_ptr, Mx, Kx, xrd_ptr, xrs_ptr, xcd_ptr, xcs_ptr, pid // x_tiles_k,
+                    pid % x_tiles_k, FMT_MAX, FRAC_MAX, EXP_MAX, X_ROW, X_COL, OUT, BM, BK, MX)
+    else:
+        w_tiles_k = tl.cdiv(Kw, BK)
+        u = pid - x_tiles
+        _mxfp8_tile(w_ptr, Mw, Kw, wrd_ptr, wrs_ptr, wcd_ptr, wcs_ptr, u // w_tiles_k,
+                    u % w_tiles_k, FMT_MAX, FRAC_MAX, EXP_MAX, W_ROW, W_COL, OUT, BM, BK, MX)
+
+
+@triton.jit
+def _mxfp8_tile(x_ptr, M, K, rd_ptr, rs_ptr, cd_ptr, cs_ptr, pid_m, pid_k,
+                FMT_MAX: tl.constexpr, FRAC_MAX: tl.constexpr, EXP_MAX: tl.constexpr,
+                ROW: tl.constexpr, COL: tl.constexpr, OUT: tl.constexpr,
+                BM: tl.constexpr, BK: tl.constexpr, MX: tl.constexpr):
+    """Tile (pid_m, pid_k) of one matrix: its MXFP8 copies and scales."""
     rm, rk, mask = _tile_index(M, K, pid_m, pid_k, BM, BK)
     x = _load_tile(x_ptr, rm, rk, mask, K)
     bits = _abs_bits(x)
@@ -248,7 +278,33 @@ def _mxfp8_dequantize_kernel(d_ptr, s_ptr, out_ptr, M, K, ROWWISE: tl.constexpr,
                              OUT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                              MX: tl.constexpr):
     """One MXFP8 copy in its (M, K) orientation times its block scales, in OUT."""
-    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    _mxfp8_dequantize_tile(d_ptr, s_ptr, out_ptr, M, K, tl.program_id(0), tl.program_id(1),
+                           ROWWISE, OUT, BM, BK, MX)
+
+
+@triton.jit
+def _mxfp8_dequantize_pair_kernel(a_ptr, as_ptr, a_out, Ma, Ka, b_ptr, bs_ptr, b_out, Mb, Kb,
+                                  A_ROWWISE: tl.constexpr, B_ROWWISE: tl.constexpr,
+                                  OUT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                                  MX: tl.constexpr):
+    """A GEMM's two operands dequantized in one 1-D grid, a's tiles first."""
+    pid = tl.program_id(0)
+    a_tiles_k = tl.cdiv(Ka, BK)
+    a_tiles = tl.cdiv(Ma, BM) * a_tiles_k
+    if pid < a_tiles:
+        _mxfp8_dequantize_tile(a_ptr, as_ptr, a_out, Ma, Ka, pid // a_tiles_k, pid % a_tiles_k,
+                               A_ROWWISE, OUT, BM, BK, MX)
+    else:
+        b_tiles_k = tl.cdiv(Kb, BK)
+        u = pid - a_tiles
+        _mxfp8_dequantize_tile(b_ptr, bs_ptr, b_out, Mb, Kb, u // b_tiles_k, u % b_tiles_k,
+                               B_ROWWISE, OUT, BM, BK, MX)
+
+
+@triton.jit
+def _mxfp8_dequantize_tile(d_ptr, s_ptr, out_ptr, M, K, pid_m, pid_k, ROWWISE: tl.constexpr,
+                           OUT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                           MX: tl.constexpr):
     rm, rk, mask = _tile_index(M, K, pid_m, pid_k, BM, BK)
     d = _load_tile(d_ptr, rm, rk, mask, K)
     if ROWWISE:
@@ -261,23 +317,57 @@ def _mxfp8_dequantize_kernel(d_ptr, s_ptr, out_ptr, M, K, ROWWISE: tl.constexpr,
 
 _MX_BM, _MX_BK = 64, 128
 _mxfp8_launch = Launcher(_mxfp8_kernel)
+_mxfp8_pair_launch = Launcher(_mxfp8_pair_kernel)
 _mxfp8_dequantize_launch = Launcher(_mxfp8_dequantize_kernel)
+_mxfp8_dequantize_pair_launch = Launcher(_mxfp8_dequantize_pair_kernel)
 _TL_OUT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def _mx_outputs(x2d, fmt, rowwise, columnwise) -> dict:
+    """The buffers the MXFP8 kernel writes for ``x2d`` (M, K)."""
+    m, k = x2d.shape
+    b = ref.MX_BLOCK
+    dt = ref.FP8_DTYPE[fmt]
+    return _alloc_copies(x2d.device, rowwise, columnwise, ((m, k), dt),
+                         ((m, k // b), torch.uint8), ((m, k), dt), ((m // b, k), torch.uint8))
+
+
+def _mx_format_args(fmt) -> tuple:
+    """FMT_MAX, FRAC_MAX, EXP_MAX of the MXFP8 kernels for ``fmt``."""
+    max_frac, max_exp = math.frexp(ref.FP8_MAX[fmt])
+    return ref.FP8_MAX[fmt], int((max_frac - 0.5) * 2 ** 24), max_exp
 
 
 def mxfp8_call(x2d, fmt, rowwise, columnwise):
     """The launch of ``quantize_mxfp8`` on a contiguous, non-empty ``x2d``:
     ``(grid, key, args, out)`` (the native eager path fixes the same launch)."""
     m, k = x2d.shape
-    b = ref.MX_BLOCK
-    dt = ref.FP8_DTYPE[fmt]
-    out = _alloc_copies(x2d.device, rowwise, columnwise, ((m, k), dt), ((m, k // b), torch.uint8),
-                        ((m, k), dt), ((m // b, k), torch.uint8))
-    max_frac, max_exp = math.frexp(ref.FP8_MAX[fmt])
+    out = _mx_outputs(x2d, fmt, rowwise, columnwise)
     flags = (fmt, bool(rowwise), bool(columnwise))
-    args = (x2d, m, k, *_copy_args(out, x2d), ref.FP8_MAX[fmt], int((max_frac - 0.5) * 2 ** 24),
-            max_exp, *flags[1:], _TL_FP8[fmt], _MX_BM, _MX_BK, b)
+    args = (x2d, m, k, *_copy_args(out, x2d), *_mx_format_args(fmt), *flags[1:], _TL_FP8[fmt],
+            _MX_BM, _MX_BK, ref.MX_BLOCK)
     return (cdiv(m, _MX_BM), cdiv(k, _MX_BK)), (_x_key(x2d, m, k), flags), args, out
+
+
+def _tiles(m, k, bm, bk) -> int:
+    return cdiv(m, bm) * cdiv(k, bk)
+
+
+def quantize_mxfp8_pair(x2d, w2d, fmt, x_usage, w_usage) -> tuple:
+    """``reference.quantize_mxfp8_pair`` in one launch."""
+    if x2d.numel() == 0 or w2d.numel() == 0:
+        return ref.quantize_mxfp8_pair(x2d, w2d, fmt, x_usage, w_usage)
+    x2d, w2d = _matrix(x2d), _matrix(w2d)
+    (mx, kx), (mw, kw) = x2d.shape, w2d.shape
+    x_usage, w_usage = tuple(map(bool, x_usage)), tuple(map(bool, w_usage))
+    out_x, out_w = _mx_outputs(x2d, fmt, *x_usage), _mx_outputs(w2d, fmt, *w_usage)
+    args = (x2d, mx, kx, *_copy_args(out_x, x2d), w2d, mw, kw, *_copy_args(out_w, w2d),
+            *_mx_format_args(fmt), *x_usage, *w_usage, _TL_FP8[fmt], _MX_BM, _MX_BK,
+            ref.MX_BLOCK)
+    grid = (_tiles(mx, kx, _MX_BM, _MX_BK) + _tiles(mw, kw, _MX_BM, _MX_BK),)
+    _mxfp8_pair_launch(grid, (_x_key(x2d, mx, kx), _x_key(w2d, mw, kw), fmt, x_usage, w_usage),
+                       *args)
+    return out_x, out_w
 
 
 def quantize_mxfp8(x2d, fmt, rowwise, columnwise) -> dict:
@@ -307,3 +397,23 @@ def dequantize_mxfp8(data2d, biased, rowwise: bool, out_dtype=torch.float32) -> 
                                                  out_dtype)
     _mxfp8_dequantize_launch(grid, key, *args)
     return out
+
+
+def dequantize_mxfp8_pair(a_data, a_scale, a_rowwise: bool, b_data, b_scale, b_rowwise: bool,
+                          out_dtype) -> tuple:
+    """``reference.dequantize_mxfp8_pair``: a GEMM's two operands in one launch."""
+    if a_data.numel() == 0 or b_data.numel() == 0 or out_dtype not in _TL_OUT:
+        return ref.dequantize_mxfp8_pair(a_data, a_scale, a_rowwise, b_data, b_scale, b_rowwise,
+                                         out_dtype)
+    a_data, a_scale, b_data, b_scale = map(_matrix, (a_data, a_scale, b_data, b_scale))
+    (ma, ka), (mb, kb) = a_data.shape, b_data.shape
+    dev = a_data.device
+    a_out = torch.empty((ma, ka), dtype=out_dtype, device=dev)
+    b_out = torch.empty((mb, kb), dtype=out_dtype, device=dev)
+    args = (a_data, a_scale, a_out, ma, ka, b_data, b_scale, b_out, mb, kb, bool(a_rowwise),
+            bool(b_rowwise), _TL_OUT[out_dtype], _MX_BM, _MX_BK, ref.MX_BLOCK)
+    key = (_x_key(a_data, ma, ka), ptr_key(a_scale), _x_key(b_data, mb, kb), ptr_key(b_scale),
+           bool(a_rowwise), bool(b_rowwise), out_dtype)
+    grid = (_tiles(ma, ka, _MX_BM, _MX_BK) + _tiles(mb, kb, _MX_BM, _MX_BK),)
+    _mxfp8_dequantize_pair_launch(grid, key, *args)
+    return a_out, b_out

@@ -324,7 +324,30 @@ def _nvfp4_blocks_kernel(d_ptr, s_ptr, out_ptr, R, C, OUT: tl.constexpr, BR: tl.
     """reference.dequantize_nvfp4_blocks of one (BR, BC) tile of an (R, C)
     copy: its (BR, BC / 2) bytes and (BR, BC / 16) scales read as tiles
     (coalesced, each once), the two codes of a byte joined side by side."""
-    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
+    _nvfp4_blocks_tile(d_ptr, s_ptr, out_ptr, R, C, tl.program_id(0), tl.program_id(1), OUT,
+                       BR, BC)
+
+
+@triton.jit
+def _nvfp4_blocks_pair_kernel(a_ptr, as_ptr, a_out, Ra, Ca, b_ptr, bs_ptr, b_out, Rb, Cb,
+                              OUT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """A GEMM's two operands (:func:`_nvfp4_blocks_kernel`) in one 1-D grid."""
+    pid = tl.program_id(0)
+    a_tiles_c = tl.cdiv(Ca, BC)
+    a_tiles = tl.cdiv(Ra, BR) * a_tiles_c
+    if pid < a_tiles:
+        _nvfp4_blocks_tile(a_ptr, as_ptr, a_out, Ra, Ca, pid // a_tiles_c, pid % a_tiles_c, OUT,
+                           BR, BC)
+    else:
+        b_tiles_c = tl.cdiv(Cb, BC)
+        u = pid - a_tiles
+        _nvfp4_blocks_tile(b_ptr, bs_ptr, b_out, Rb, Cb, u // b_tiles_c, u % b_tiles_c, OUT,
+                           BR, BC)
+
+
+@triton.jit
+def _nvfp4_blocks_tile(d_ptr, s_ptr, out_ptr, R, C, pid_r, pid_c, OUT: tl.constexpr,
+                       BR: tl.constexpr, BC: tl.constexpr):
     rows = pid_r * BR + tl.arange(0, BR)
     r = rows[:, None].to(tl.int64)
     cb = pid_c * (BC // 2) + tl.arange(0, BC // 2)
@@ -357,20 +380,45 @@ def _nvfp4_epilogue_kernel(acc_ptr, amax_a_ptr, amax_b_ptr, bias_ptr, out_ptr, M
 
 
 _blocks_launch = Launcher(_nvfp4_blocks_kernel)
+_blocks_pair_launch = Launcher(_nvfp4_blocks_pair_kernel)
 _epilogue_launch = Launcher(_nvfp4_epilogue_kernel)
 _G_BM, _G_BK = 64, 128  # 16.7 us for a 4096 x 4096 copy (H200)
 _TL_OUT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def dequantize_nvfp4_blocks(packed, scale_q, out_dtype=torch.bfloat16) -> torch.Tensor:
-    r, c = packed.shape[0], packed.shape[1] * 2
-    if (packed.numel() == 0 or out_dtype not in _TL_OUT or scale_q.shape != (r, c // 16)
-            or packed.dtype != torch.uint8 or scale_q.dtype != torch.float8_e4m3fn):
+    if not _blocks_fast(packed, scale_q, out_dtype):
         return ref.dequantize_nvfp4_blocks(packed, scale_q, out_dtype)
+    r, c = packed.shape[0], packed.shape[1] * 2
     out = torch.empty((r, c), dtype=out_dtype, device=packed.device)
     launcher, grid, key, args = dequantize_call(_matrix(packed), _matrix(scale_q), out)
     launcher(grid, key, *args)
     return out
+
+
+def _blocks_fast(packed, scale_q, out_dtype) -> bool:
+    r, c = packed.shape[0], packed.shape[1] * 2
+    return (packed.numel() > 0 and out_dtype in _TL_OUT and scale_q.shape == (r, c // 16)
+            and packed.dtype == torch.uint8 and scale_q.dtype == torch.float8_e4m3fn)
+
+
+def dequantize_nvfp4_blocks_pair(a_packed, a_scale, b_packed, b_scale,
+                                 out_dtype=torch.bfloat16) -> tuple:
+    """``reference.dequantize_nvfp4_blocks_pair``: both operands in one launch."""
+    if not (_blocks_fast(a_packed, a_scale, out_dtype)
+            and _blocks_fast(b_packed, b_scale, out_dtype)):
+        return ref.dequantize_nvfp4_blocks_pair(a_packed, a_scale, b_packed, b_scale, out_dtype)
+    a_packed, a_scale, b_packed, b_scale = map(_matrix, (a_packed, a_scale, b_packed, b_scale))
+    (ra, ca), (rb, cb) = (a_packed.shape[0], a_packed.shape[1] * 2), (b_packed.shape[0],
+                                                                      b_packed.shape[1] * 2)
+    a_out = torch.empty((ra, ca), dtype=out_dtype, device=a_packed.device)
+    b_out = torch.empty((rb, cb), dtype=out_dtype, device=a_packed.device)
+    grid = (cdiv(ra, _G_BM) * cdiv(ca, _G_BK) + cdiv(rb, _G_BM) * cdiv(cb, _G_BK),)
+    key = (ptr_key(a_packed), ptr_key(a_scale), int_key(ra), int_key(ca), ptr_key(b_packed),
+           ptr_key(b_scale), int_key(rb), int_key(cb), out_dtype)
+    _blocks_pair_launch(grid, key, a_packed, a_scale, a_out, ra, ca, b_packed, b_scale, b_out,
+                        rb, cb, _TL_OUT[out_dtype], _G_BM, _G_BK)
+    return a_out, b_out
 
 
 def dequantize_call(packed, scale_q, out) -> tuple:

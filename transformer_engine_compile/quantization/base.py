@@ -176,6 +176,25 @@ class Quantizer(OpaqueBase):
         scaling ``quantize_stepped``); formats that support it override."""
         return False
 
+    def quantize_pair_unchecked(self, x: torch.Tensor, other, w: torch.Tensor) -> tuple:
+        """``(self.quantize_unchecked(x), other.quantize_unchecked(w))`` for a
+        quantizer ``other`` that :meth:`pairs_with` this one: the same
+        buffers, on the GPU from one launch (``_quantize_pair_2d``) instead
+        of two, unless a row count needs the padding of
+        :meth:`_quantize_rows` (then one quantization each)."""
+        x2d, w2d = rows_2d(x), rows_2d(w)
+        xb, wb = self.column_block(), other.column_block()
+        if x2d.shape[0] % xb or w2d.shape[0] % wb:
+            return self.quantize_unchecked(x), other.quantize_unchecked(w)
+        bx, bw = self._quantize_pair_2d(other, x2d, w2d)
+        return (self._from_buffers(x.shape, x.dtype, flat_column_scales(bx, xb)),
+                other._from_buffers(w.shape, w.dtype, flat_column_scales(bw, wb)))
+
+    def _quantize_pair_2d(self, other, x2d: torch.Tensor, w2d: torch.Tensor) -> tuple:
+        """``(self._quantize_2d(x2d), other._quantize_2d(w2d))`` in one kernel
+        call; formats whose :meth:`pairs_with` pairs override."""
+        raise NotImplementedError
+
     def copy(self):
         q = _copy.copy(self)
         q.__dict__.pop("_variants", None)  # the copy memoizes its own

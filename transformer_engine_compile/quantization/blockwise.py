@@ -22,8 +22,7 @@ import torch
 from .. import kernels
 from ..dynamo.opaque import register_value_opaque_quantizer
 from ..kernels import reference as ref
-from .base import (BufferSpec, Quantizer, QuantizedTensorStorage, flat_2d, flat_column_scales,
-                   padded_rows, rows_2d)
+from .base import BufferSpec, Quantizer, QuantizedTensorStorage, flat_2d, padded_rows
 from .float8 import fp8_format_name
 from .wrapper import QuantizedTensor
 
@@ -135,21 +134,11 @@ class Float8BlockQuantizer(Quantizer):
                 and other.force_pow_2_scales == self.force_pow_2_scales
                 and other.amax_epsilon == self.amax_epsilon)
 
-    def quantize_pair_unchecked(self, x: torch.Tensor, other, w: torch.Tensor) -> tuple:
-        """``(self.quantize_unchecked(x), other.quantize_unchecked(w))`` for a
-        quantizer ``other`` that :meth:`pairs_with` this one (its tiles may
-        be 128x128 where x's are 1x128): the same buffers, on the GPU from
-        one launch instead of two."""
-        x2d, w2d = rows_2d(x), rows_2d(w)
-        xb, wb = self.column_block(), other.column_block()
-        if x2d.shape[0] % xb or w2d.shape[0] % wb:
-            return self.quantize_unchecked(x), other.quantize_unchecked(w)  # rows padded first
-        bx, bw = kernels.get("quantize_fp8_blockwise_pair", x2d)(
+    def _quantize_pair_2d(self, other, x2d, w2d):  # x's tiles may be 1x128, W's 128x128
+        return kernels.get("quantize_fp8_blockwise_pair", x2d)(
             x2d, w2d, self.fp8_format, self.force_pow_2_scales, self.amax_epsilon,
             (self.block_scaling_dim == 2, self.rowwise_usage, self.columnwise_usage),
             (other.block_scaling_dim == 2, other.rowwise_usage, other.columnwise_usage))
-        return (self._from_buffers(x.shape, x.dtype, flat_column_scales(bx, xb)),
-                other._from_buffers(w.shape, w.dtype, flat_column_scales(bw, wb)))
 
     def _quantize_2d(self, x2d):
         fn = kernels.get("quantize_fp8_blockwise", x2d)

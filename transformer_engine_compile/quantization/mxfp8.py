@@ -82,6 +82,14 @@ class MXFP8Quantizer(Quantizer):
     def _storage_extras(self):
         return (("fp8_format", self.fp8_format),)
 
+    def pairs_with(self, other) -> bool:
+        return type(other) is MXFP8Quantizer and other.fp8_format == self.fp8_format
+
+    def _quantize_pair_2d(self, other, x2d, w2d):
+        return kernels.get("quantize_mxfp8_pair", x2d)(
+            x2d, w2d, self.fp8_format, (self.rowwise_usage, self.columnwise_usage),
+            (other.rowwise_usage, other.columnwise_usage))
+
     def _quantize_2d(self, x2d):
         fn = kernels.get("quantize_mxfp8", x2d)
         return fn(x2d, self.fp8_format, self.rowwise_usage, self.columnwise_usage)
