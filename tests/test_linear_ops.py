@@ -379,6 +379,23 @@ def test_every_fallback_reason_is_documented():
         assert f"`{reason}`" in doc
 
 
+def _train_two_microbatches(rec, case, x_shape, out_features):
+    """Outputs, input grads and the weight grad of two micro-batches of a
+    fresh te.Linear under ``rec``; ``case`` "no_input_grad" (x needs no
+    gradient) or "cache_weight" (the FP8 weight cached, then reused)."""
+    torch.manual_seed(0)
+    layer = te.Linear(x_shape[-1], out_features, params_dtype=torch.bfloat16)
+    out = []
+    for micro in range(2):
+        x = torch.randn(x_shape, dtype=torch.bfloat16, requires_grad=case != "no_input_grad")
+        first = (micro == 0) if case == "cache_weight" else None
+        with te.autocast(recipe=rec):
+            y = layer(x, is_first_microbatch=first)
+        y.float().square().sum().backward()
+        out += [y, x.grad]
+    return out + [layer.weight.grad]
+
+
 @pytest.mark.parametrize("rows", [256, 200])
 @pytest.mark.parametrize("case", ["plain", "no_input_grad", "cache_weight"])
 @pytest.mark.parametrize("name", ["fp8_block", "mxfp8"])
@@ -397,22 +414,7 @@ def test_block_formats_quantize_input_and_weight_as_one_pair(monkeypatch, name, 
     real = getattr(ref, kernel)
     monkeypatch.setattr(ref, kernel, lambda *a: calls.append(a[flags_at:]) or real(*a))
     rec = recipe.Float8BlockScaling() if name == "fp8_block" else recipe.MXFP8BlockScaling()
-
-    def train():
-        torch.manual_seed(0)
-        layer = te.Linear(256, 128, params_dtype=torch.bfloat16)
-        out = []
-        for micro in range(2):
-            x = torch.randn(rows, 256, dtype=torch.bfloat16,
-                            requires_grad=case != "no_input_grad")
-            first = (micro == 0) if case == "cache_weight" else None
-            with te.autocast(recipe=rec):
-                y = layer(x, is_first_microbatch=first)
-            y.float().square().sum().backward()
-            out += [y, x.grad]
-        return out + [layer.weight.grad]
-
-    paired = train()
+    paired = _train_two_microbatches(rec, case, (rows, 256), 128)
     calls_per_step = {"plain": 2, "no_input_grad": 2, "cache_weight": 1}[case]
     w_usage = (True, case != "no_input_grad")
     pair = (((False, True, True), (True, *w_usage)) if name == "fp8_block"
@@ -421,7 +423,7 @@ def test_block_formats_quantize_input_and_weight_as_one_pair(monkeypatch, name, 
     calls.clear()
     monkeypatch.setattr(Float8BlockQuantizer if name == "fp8_block" else MXFP8Quantizer,
                         "pairs_with", lambda self, other: False)
-    single = train()
+    single = _train_two_microbatches(rec, case, (rows, 256), 128)
     assert calls == []
     for a, b in zip(paired, single):
         assert (a is None and b is None) or torch.equal(a, b)
@@ -442,22 +444,7 @@ def test_current_scaling_quantizes_input_and_weight_as_one_pair(monkeypatch, cas
     monkeypatch.setattr(ref, "quantize_fp8_current_pair",
                         lambda *a: calls.append(a[5:]) or real(*a))
     rec = recipe.DelayedScaling() if case == "delayed" else recipe.Float8CurrentScaling()
-
-    def train():
-        torch.manual_seed(0)
-        layer = te.Linear(64, 32, params_dtype=torch.bfloat16)
-        out = []
-        for micro in range(2):
-            x = torch.randn(2, 16, 64, dtype=torch.bfloat16,
-                            requires_grad=case != "no_input_grad")
-            first = (micro == 0) if case == "cache_weight" else None
-            with te.autocast(recipe=rec):
-                y = layer(x, is_first_microbatch=first)
-            y.float().square().sum().backward()
-            out += [y, x.grad]
-        return out + [layer.weight.grad]
-
-    paired = train()
+    paired = _train_two_microbatches(rec, case, (2, 16, 64), 32)
     expected = {"plain": [((True, True), (True, True))] * 2,
                 "no_input_grad": [((True, True), (True, False))] * 2,
                 "cache_weight": [((True, True), (True, True))],  # the second reuses the cache
@@ -465,7 +452,7 @@ def test_current_scaling_quantizes_input_and_weight_as_one_pair(monkeypatch, cas
     assert calls == expected
     calls.clear()
     monkeypatch.setattr(Float8CurrentScalingQuantizer, "pairs_with", lambda self, other: False)
-    single = train()
+    single = _train_two_microbatches(rec, case, (2, 16, 64), 32)
     assert calls == []
     for a, b in zip(paired, single):
         assert (a is None and b is None) or torch.equal(a, b)

@@ -20,9 +20,9 @@ import triton.language as tl
 
 from . import reference as ref
 from .triton_launch import Launcher, cdiv, ptr_key
-from .triton_quant import (_TL_FP8, _abs_bits, _cast_fp8, _load_tile, _matrix, _recip,
-                           _scale_from_amax, _store_rows, _store_transposed, _tile_index, _tile_t,
-                           _unused, _x_key)
+from .triton_quant import (_TL_FP8, _abs_bits, _cast_fp8, _load_tile, _matrix, _pair_tile,
+                           _recip, _scale_from_amax, _store_rows, _store_transposed, _tile_index,
+                           _tile_t, _unused, _x_key)
 
 _COPY_BUFFERS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
 
@@ -61,17 +61,13 @@ def _fp8_block_pair_kernel(x_ptr, Mx, Kx, xrd_ptr, xrs_ptr, xcd_ptr, xcs_ptr,
                            OUT: tl.constexpr, B: tl.constexpr):
     """x's tiles, then W's, in one 1-D grid: the two launches of a layer's
     forward in one, each tile computed as :func:`_fp8_block_kernel` does."""
-    pid = tl.program_id(0)
-    x_tiles_k = tl.cdiv(Kx, B)
-    x_tiles = tl.cdiv(Mx, B) * x_tiles_k
-    if pid < x_tiles:
-        _fp8_block_tile(x_ptr, Mx, Kx, xrd_ptr, xrs_ptr, xcd_ptr, xcs_ptr, pid // x_tiles_k,
-                        pid % x_tiles_k, FMT_MAX, EPS, POW2, X_2D, X_ROW, X_COL, OUT, B)
+    in_x, pid_m, pid_k = _pair_tile(tl.program_id(0), Mx, Kx, Mw, Kw, B, B)
+    if in_x:
+        _fp8_block_tile(x_ptr, Mx, Kx, xrd_ptr, xrs_ptr, xcd_ptr, xcs_ptr, pid_m, pid_k,
+                        FMT_MAX, EPS, POW2, X_2D, X_ROW, X_COL, OUT, B)
     else:
-        w_tiles_k = tl.cdiv(Kw, B)
-        u = pid - x_tiles
-        _fp8_block_tile(w_ptr, Mw, Kw, wrd_ptr, wrs_ptr, wcd_ptr, wcs_ptr, u // w_tiles_k,
-                        u % w_tiles_k, FMT_MAX, EPS, POW2, W_2D, W_ROW, W_COL, OUT, B)
+        _fp8_block_tile(w_ptr, Mw, Kw, wrd_ptr, wrs_ptr, wcd_ptr, wcs_ptr, pid_m, pid_k,
+                        FMT_MAX, EPS, POW2, W_2D, W_ROW, W_COL, OUT, B)
 
 
 @triton.jit
@@ -231,17 +227,13 @@ def _mxfp8_pair_kernel(x_ptr, Mx, Kx, xrd_ptr, xrs_ptr, xcd_ptr, xcs_ptr,
                        W_COL: tl.constexpr, OUT: tl.constexpr, BM: tl.constexpr,
                        BK: tl.constexpr, MX: tl.constexpr):
     """x's tiles, then W's, in one 1-D grid (as :func:`_fp8_block_pair_kernel`)."""
-    pid = tl.program_id(0)
-    x_tiles_k = tl.cdiv(Kx, BK)
-    x_tiles = tl.cdiv(Mx, BM) * x_tiles_k
-    if pid < x_tiles:
-        _mxfp8_tile(x_ptr, Mx, Kx, xrd_ptr, xrs_ptr, xcd_ptr, xcs_ptr, pid // x_tiles_k,
-                    pid % x_tiles_k, FMT_MAX, FRAC_MAX, EXP_MAX, X_ROW, X_COL, OUT, BM, BK, MX)
+    in_x, pid_m, pid_k = _pair_tile(tl.program_id(0), Mx, Kx, Mw, Kw, BM, BK)
+    if in_x:
+        _mxfp8_tile(x_ptr, Mx, Kx, xrd_ptr, xrs_ptr, xcd_ptr, xcs_ptr, pid_m, pid_k, FMT_MAX,
+                    FRAC_MAX, EXP_MAX, X_ROW, X_COL, OUT, BM, BK, MX)
     else:
-        w_tiles_k = tl.cdiv(Kw, BK)
-        u = pid - x_tiles
-        _mxfp8_tile(w_ptr, Mw, Kw, wrd_ptr, wrs_ptr, wcd_ptr, wcs_ptr, u // w_tiles_k,
-                    u % w_tiles_k, FMT_MAX, FRAC_MAX, EXP_MAX, W_ROW, W_COL, OUT, BM, BK, MX)
+        _mxfp8_tile(w_ptr, Mw, Kw, wrd_ptr, wrs_ptr, wcd_ptr, wcs_ptr, pid_m, pid_k, FMT_MAX,
+                    FRAC_MAX, EXP_MAX, W_ROW, W_COL, OUT, BM, BK, MX)
 
 
 @triton.jit
@@ -288,17 +280,13 @@ def _mxfp8_dequantize_pair_kernel(a_ptr, as_ptr, a_out, Ma, Ka, b_ptr, bs_ptr, b
                                   OUT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                                   MX: tl.constexpr):
     """A GEMM's two operands dequantized in one 1-D grid, a's tiles first."""
-    pid = tl.program_id(0)
-    a_tiles_k = tl.cdiv(Ka, BK)
-    a_tiles = tl.cdiv(Ma, BM) * a_tiles_k
-    if pid < a_tiles:
-        _mxfp8_dequantize_tile(a_ptr, as_ptr, a_out, Ma, Ka, pid // a_tiles_k, pid % a_tiles_k,
-                               A_ROWWISE, OUT, BM, BK, MX)
+    in_a, pid_m, pid_k = _pair_tile(tl.program_id(0), Ma, Ka, Mb, Kb, BM, BK)
+    if in_a:
+        _mxfp8_dequantize_tile(a_ptr, as_ptr, a_out, Ma, Ka, pid_m, pid_k, A_ROWWISE, OUT, BM,
+                               BK, MX)
     else:
-        b_tiles_k = tl.cdiv(Kb, BK)
-        u = pid - a_tiles
-        _mxfp8_dequantize_tile(b_ptr, bs_ptr, b_out, Mb, Kb, u // b_tiles_k, u % b_tiles_k,
-                               B_ROWWISE, OUT, BM, BK, MX)
+        _mxfp8_dequantize_tile(b_ptr, bs_ptr, b_out, Mb, Kb, pid_m, pid_k, B_ROWWISE, OUT, BM,
+                               BK, MX)
 
 
 @triton.jit

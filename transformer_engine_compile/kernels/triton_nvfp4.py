@@ -32,7 +32,7 @@ import triton.language as tl
 
 from . import reference as ref
 from .triton_launch import Launcher, cdiv, int_key, ptr_key
-from .triton_quant import (_abs_bits, _load_tile, _matrix, _scale_from_amax,
+from .triton_quant import (_abs_bits, _load_tile, _matrix, _pair_tile, _scale_from_amax,
                            _store_rows, _tile_index, _unused, _x_key)
 
 _RHT_NEG = tl.constexpr(ref.RHT_NEGATIVE)
@@ -332,17 +332,11 @@ def _nvfp4_blocks_kernel(d_ptr, s_ptr, out_ptr, R, C, OUT: tl.constexpr, BR: tl.
 def _nvfp4_blocks_pair_kernel(a_ptr, as_ptr, a_out, Ra, Ca, b_ptr, bs_ptr, b_out, Rb, Cb,
                               OUT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     """A GEMM's two operands (:func:`_nvfp4_blocks_kernel`) in one 1-D grid."""
-    pid = tl.program_id(0)
-    a_tiles_c = tl.cdiv(Ca, BC)
-    a_tiles = tl.cdiv(Ra, BR) * a_tiles_c
-    if pid < a_tiles:
-        _nvfp4_blocks_tile(a_ptr, as_ptr, a_out, Ra, Ca, pid // a_tiles_c, pid % a_tiles_c, OUT,
-                           BR, BC)
+    in_a, pid_r, pid_c = _pair_tile(tl.program_id(0), Ra, Ca, Rb, Cb, BR, BC)
+    if in_a:
+        _nvfp4_blocks_tile(a_ptr, as_ptr, a_out, Ra, Ca, pid_r, pid_c, OUT, BR, BC)
     else:
-        b_tiles_c = tl.cdiv(Cb, BC)
-        u = pid - a_tiles
-        _nvfp4_blocks_tile(b_ptr, bs_ptr, b_out, Rb, Cb, u // b_tiles_c, u % b_tiles_c, OUT,
-                           BR, BC)
+        _nvfp4_blocks_tile(b_ptr, bs_ptr, b_out, Rb, Cb, pid_r, pid_c, OUT, BR, BC)
 
 
 @triton.jit

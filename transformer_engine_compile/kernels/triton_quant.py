@@ -130,6 +130,19 @@ def _store_transposed(ptr, xt, st, rm, rk, mask_t, M, FMT_MAX: tl.constexpr, OUT
              mask=mask_t)
 
 
+@triton.jit
+def _pair_tile(pid, Ma, Ka, Mb, Kb, BM: tl.constexpr, BK: tl.constexpr):
+    """``(in_a, pid_m, pid_k)`` of program ``pid`` of a 1-D grid over matrix
+    a's (BM, BK) tiles, then b's: the pair kernels quantize or dequantize
+    two matrices (a layer's x and W, a GEMM's operands) in one launch."""
+    a_tiles_k = tl.cdiv(Ka, BK)
+    a_tiles = tl.cdiv(Ma, BM) * a_tiles_k
+    in_a = pid < a_tiles
+    u = tl.where(in_a, pid, pid - a_tiles)
+    tiles_k = tl.where(in_a, a_tiles_k, tl.cdiv(Kb, BK))
+    return in_a, u // tiles_k, u % tiles_k
+
+
 def _matrix(x2d: torch.Tensor) -> torch.Tensor:
     """The kernels read a contiguous (M, K) matrix."""
     return x2d if x2d.is_contiguous() else x2d.contiguous()
