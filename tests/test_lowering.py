@@ -516,7 +516,7 @@ def test_cuda_lowering_nvfp4_forward_only(module, options, x_grad):
                    if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
     assert _step_kernels(fwd, kernels_run) == []
     names = {_kernel_name(n) for n in kernels_run}
-    assert {"_nvfp4_kernel", "_nvfp4_blocks_kernel", "_nvfp4_epilogue_kernel"} <= names, names
+    assert {"_nvfp4_kernel", "_nvfp4_blocks_pair_kernel", "_nvfp4_epilogue_kernel"} <= names, names
     assert any(n.target is torch.ops.aten.mm.dtype for n in nodes)
     traced = [n.meta["val"] for n in pytree_leaves(nodes[-1].args)]
     assert [(t.shape, t.dtype, t.stride()) for t in traced] == [
