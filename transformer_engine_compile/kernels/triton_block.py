@@ -34,6 +34,11 @@ def _alloc_copies(device, rowwise, columnwise, row_data, row_scale, col_data, co
             if (rowwise if name.startswith("row") else columnwise)}
 
 
+def _tiles(m, k, bm, bk) -> int:
+    """(bm, bk) tiles of an (m, k) matrix: a pair kernel's grid is both matrices'."""
+    return cdiv(m, bm) * cdiv(k, bk)
+
+
 def _copy_args(out: dict, src: torch.Tensor) -> tuple:
     """The four buffer arguments of a two-copy kernel.  An absent copy's slot
     gets the kernel's input ``src``: ROW / COL are constexpr, so it is never
@@ -154,7 +159,7 @@ def fp8_block_pair_call(x2d, w2d, fmt, pow2, eps, x_flags, w_flags):
     flags = (fmt, float(eps), bool(pow2), *x_flags, *w_flags)
     args = (x2d, mx, kx, *_copy_args(out_x, x2d), w2d, mw, kw, *_copy_args(out_w, w2d),
             ref.FP8_MAX[fmt], *flags[1:], _TL_FP8[fmt], b)
-    grid = (cdiv(mx, b) * cdiv(kx, b) + cdiv(mw, b) * cdiv(kw, b),)
+    grid = (_tiles(mx, kx, b, b) + _tiles(mw, kw, b, b),)
     return grid, (_x_key(x2d, mx, kx), _x_key(w2d, mw, kw), flags), args, out_x, out_w
 
 
@@ -335,10 +340,6 @@ def mxfp8_call(x2d, fmt, rowwise, columnwise):
     args = (x2d, m, k, *_copy_args(out, x2d), *_mx_format_args(fmt), *flags[1:], _TL_FP8[fmt],
             _MX_BM, _MX_BK, ref.MX_BLOCK)
     return (cdiv(m, _MX_BM), cdiv(k, _MX_BK)), (_x_key(x2d, m, k), flags), args, out
-
-
-def _tiles(m, k, bm, bk) -> int:
-    return cdiv(m, bm) * cdiv(k, bk)
 
 
 def quantize_mxfp8_pair(x2d, w2d, fmt, x_usage, w_usage) -> tuple:
