@@ -398,31 +398,38 @@ def _train_two_microbatches(rec, case, x_shape, out_features):
 
 @pytest.mark.parametrize("rows", [256, 200])
 @pytest.mark.parametrize("case", ["plain", "no_input_grad", "cache_weight"])
-@pytest.mark.parametrize("name", ["fp8_block", "mxfp8"])
+@pytest.mark.parametrize("name", ["fp8_block", "mxfp8", "nvfp4"])
 def test_block_formats_quantize_input_and_weight_as_one_pair(monkeypatch, name, case, rows):
-    """Float8BlockScaling (x 1x128, W 128x128) and MXFP8BlockScaling
+    """Float8BlockScaling (x 1x128, W 128x128), MXFP8BlockScaling and
+    NVFP4BlockScaling (x 1x16 with the RHT on its columnwise copy, W 16x16)
     forwards: x and W go through one pair kernel call (one launch on the
     GPU) with the usages each needs, and training equals the path that
     quantizes them one at a time; x with rows that are not whole blocks
     (its columnwise copy padded first) and a reused weight cache never pair."""
     from transformer_engine_compile.kernels import reference as ref
-    from transformer_engine_compile.quantization import Float8BlockQuantizer, MXFP8Quantizer
+    from transformer_engine_compile.quantization import (Float8BlockQuantizer, MXFP8Quantizer,
+                                                         NVFP4Quantizer)
 
-    kernel, flags_at = {"fp8_block": ("quantize_fp8_blockwise_pair", 5),
-                        "mxfp8": ("quantize_mxfp8_pair", 3)}[name]
+    kernel, usages = {
+        "fp8_block": ("quantize_fp8_blockwise_pair", lambda a: a[5:]),
+        "mxfp8": ("quantize_mxfp8_pair", lambda a: a[3:]),
+        "nvfp4": ("quantize_nvfp4_pair", lambda a: (a[2][3:], a[3][3:]))}[name]
     calls = []
     real = getattr(ref, kernel)
-    monkeypatch.setattr(ref, kernel, lambda *a: calls.append(a[flags_at:]) or real(*a))
-    rec = recipe.Float8BlockScaling() if name == "fp8_block" else recipe.MXFP8BlockScaling()
+    monkeypatch.setattr(ref, kernel, lambda *a: calls.append(usages(a)) or real(*a))
+    rec = {"fp8_block": recipe.Float8BlockScaling, "mxfp8": recipe.MXFP8BlockScaling,
+           "nvfp4": recipe.NVFP4BlockScaling}[name]()
     paired = _train_two_microbatches(rec, case, (rows, 256), 128)
     calls_per_step = {"plain": 2, "no_input_grad": 2, "cache_weight": 1}[case]
     w_usage = (True, case != "no_input_grad")
     pair = (((False, True, True), (True, *w_usage)) if name == "fp8_block"
             else ((True, True), w_usage))
-    assert calls == ([] if rows % 128 else [pair] * calls_per_step)
+    block = 128 if name == "fp8_block" else 32 if name == "mxfp8" else 16
+    assert calls == ([] if rows % block else [pair] * calls_per_step)
     calls.clear()
-    monkeypatch.setattr(Float8BlockQuantizer if name == "fp8_block" else MXFP8Quantizer,
-                        "pairs_with", lambda self, other: False)
+    quantizer = {"fp8_block": Float8BlockQuantizer, "mxfp8": MXFP8Quantizer,
+                 "nvfp4": NVFP4Quantizer}[name]
+    monkeypatch.setattr(quantizer, "pairs_with", lambda self, other: False)
     single = _train_two_microbatches(rec, case, (rows, 256), 128)
     assert calls == []
     for a, b in zip(paired, single):

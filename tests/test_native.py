@@ -112,3 +112,14 @@ def test_fused_planners_say_the_extension_is_still_building(monkeypatch):
     mlp_args = SimpleNamespace(inp=torch.zeros(2, 2),
                                gemm=lambda prefix, x: SimpleNamespace(amax_history_fwd=None))
     assert lmn.plan_for_layernorm_mlp(mlp_args) is ...
+
+
+def test_empty_many_off_cuda_is_torch_empty():
+    """The op impls' batched allocation keeps ``torch.empty`` where the C++
+    call does not apply (CPU tensors; the C++ side: tests/gpu/test_gpu_native.py)."""
+    like = torch.zeros(2, dtype=torch.float16)
+    a, b = native.empty_many(like, ((3, 4), torch.uint8), ((1,), torch.float32))
+    assert (a.shape, a.dtype, a.device) == ((3, 4), torch.uint8, like.device)
+    assert (b.shape, b.dtype) == ((1,), torch.float32)
+    assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    assert native.empty_many(like) == ()

@@ -206,3 +206,73 @@ def test_bias_and_norm_sum_kernels_in_triton_interpreter():
                             text=True, timeout=600)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), \
         result.stdout[-2000:] + result.stderr[-4000:]
+
+
+_NVFP4_ONE_LAUNCH = r'''
+import itertools
+import torch
+from transformer_engine_compile.kernels import triton_launch, triton_nvfp4 as tn
+
+triton_launch.sm_count = lambda device: 4
+g = torch.Generator().manual_seed(0)
+pool = torch.zeros(128, dtype=torch.int32)  # one grid_state slot, zeroed
+slot = (pool.data_ptr() & 0x7FFFFFFF, pool.data_ptr() >> 31)
+
+
+def two_launches(x, config):
+    launches, out = tn.quantize_calls(x, *config)
+    for launcher, grid, key, args in launches:
+        launcher.fn[grid](*args, num_warps=launcher.num_warps)
+    return out
+
+
+def one_launch(operands):
+    # one program: the interpreter runs programs one after the other, so a
+    # second would wait for the first forever
+    grid, key, args, outs = tn.one_launch_call(operands, slot)
+    tn._one_launch.fn[(1,)](*args, num_warps=4)
+    assert not pool.any(), pool.nonzero()  # the kernel leaves its slot zeroed
+    return outs
+
+
+def same(a, b, what):
+    assert sorted(a) == sorted(b), what
+    for name in a:
+        assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), (what, name)
+
+
+w_config = (True, False, False, True, True)  # a weight's: 16x16 blocks, both copies
+for (m, k), (config, seeded) in itertools.product(
+        ((32, 64), (48, 160)),
+        (((False, True, False, True, True), False),   # x: the RHT on its columnwise copy
+         ((False, False, False, True, False), False),  # rowwise only
+         ((False, True, True, False, True), True),     # dy: columnwise only, stochastic
+         ((False, True, True, True, True), True))):    # both copies stochastic
+    x = (torch.randn(m, k, generator=g) * 3).to(torch.bfloat16)
+    w = torch.randn(k + 16, k, generator=g)
+    torch.manual_seed(1)
+    want_x, want_w = two_launches(x, config), two_launches(w, w_config)
+    torch.manual_seed(1)
+    got_x, got_w = one_launch(((x, config), (w, w_config)))
+    same(want_x, got_x, (m, k, config, "pair x"))
+    same(want_w, got_w, (m, k, config, "pair w"))
+    torch.manual_seed(1)
+    (alone,) = one_launch(((x, config),))
+    same(want_x, alone, (m, k, config, "alone"))
+print("ok")
+'''
+
+
+def test_nvfp4_one_launch_kernel_equals_two_launches_in_triton_interpreter():
+    """The NVFP4 quantization in one launch (kernels/triton_nvfp4.py: amax
+    and quantize passes with the counters of a grid_state slot), alone and
+    for an x/W pair, writes the same bytes as the two-launch kernels (both
+    run by the interpreter, whose FP8 casts differ from the GPU's: the
+    GPU tests compare with the reference), draws its stochastic rounding's
+    numbers in the same order, and leaves the slot zeroed."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", _NVFP4_ONE_LAUNCH], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), \
+        result.stdout[-2000:] + result.stderr[-4000:]

@@ -512,3 +512,37 @@ def test_native_node_takes_a_quantized_gradient_through_the_python_path(ext, cal
     assert results[0][0] == "TeLinearFp8Backward" and results[1][0] != "TeLinearFp8Backward"
     for got, want in zip(results[0][1:], results[1][1:]):
         assert torch.equal(got, want)
+
+
+def test_empty_many_allocates_like_torch_empty(ext):
+    """The op impls' batched allocation (native_alloc.cpp): each spec its own
+    contiguous tensor of that shape and dtype on the input's device, no two
+    sharing storage; bad specs raise; the Python helper uses it on CUDA and
+    torch.empty elsewhere."""
+    from transformer_engine_compile.kernels import native
+    like = torch.empty(3, device="cuda", dtype=torch.bfloat16)
+    specs = (((256, 128), torch.float8_e4m3fn), ((1,), torch.float32), ((0, 4), torch.uint8),
+             ((2, 3, 5), torch.bfloat16), ((), torch.int32))
+    out = ext.empty_many(like, *specs)
+    assert isinstance(out, tuple) and len(out) == len(specs)
+    for t, (shape, dtype) in zip(out, specs):
+        assert (t.shape, t.dtype, t.device, t.is_contiguous(), t.requires_grad) == (
+            torch.Size(shape), dtype, like.device, True, False)
+    ptrs = [t.untyped_storage().data_ptr() for t in out if t.numel()]
+    assert len(set(ptrs)) == len(ptrs)
+    assert all(p % 16 == 0 for p in ptrs)  # the launch keys assume aligned outputs
+    assert ext.empty_many(like) == ()
+    for bad in ((((2, 2), "float32"),), (([2, 2], torch.float32),), (((2, -1), torch.float32),),
+                ((2, torch.float32),)):
+        with pytest.raises((TypeError, RuntimeError)):
+            ext.empty_many(like, *bad)
+    calls = []
+    real = ext.empty_many
+    try:
+        ext.empty_many = lambda *a: calls.append(a) or real(*a)
+        got = native.empty_many(like, ((4, 4), torch.uint8))
+        assert len(calls) == 1 and got[0].shape == (4, 4) and got[0].is_cuda
+        (cpu,) = native.empty_many(torch.empty(1), ((4, 4), torch.uint8))
+        assert len(calls) == 1 and cpu.device.type == "cpu"
+    finally:
+        ext.empty_many = real

@@ -143,3 +143,58 @@ def test_nvfp4_kernel_in_cuda_graph():
     x.copy_(_special((256, 512), torch.bfloat16))
     g.replay()
     _assert_same(out, ref.quantize_nvfp4(x, *args))
+
+
+def _launched_kernels(fn) -> list:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.parametrize("shape", [(64, 128), (4096, 1024)], ids=str)
+@pytest.mark.parametrize("x_flags", [(False, True, False), (False, True, True),
+                                     (False, False, False)], ids=["rht", "rht-sr", "plain"])
+def test_nvfp4_pair_in_one_launch_equals_reference(x_flags, shape):
+    """x (1x16, the RHT on its columnwise copy) and W (16x16) quantized in
+    one launch (amax and quantize passes with a grid_state slot) equal two
+    reference quantizations, stochastic draws in the reference's order; the
+    slot is left zeroed for the next kernel."""
+    from transformer_engine_compile.kernels import grid_state
+    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 3
+    w = _special((384, shape[1]), torch.bfloat16)
+    x_config, w_config = (*x_flags, True, True), (True, False, False, True, True)
+    triton_nvfp4.quantize_nvfp4_pair(x, w, x_config, w_config)  # compile
+    torch.manual_seed(5)
+    names = _launched_kernels(lambda: triton_nvfp4.quantize_nvfp4_pair(x, w, x_config, w_config))
+    quantize = [n for n in names if "nvfp4" in n]
+    assert quantize == ["_nvfp4_one_kernel"], names
+    torch.manual_seed(5)
+    fast_x, fast_w = triton_nvfp4.quantize_nvfp4_pair(x, w, x_config, w_config)
+    torch.manual_seed(5)
+    slow_x, slow_w = ref.quantize_nvfp4(x, *x_config), ref.quantize_nvfp4(w, *w_config)
+    _assert_same(fast_x, slow_x)
+    _assert_same(fast_w, slow_w)
+    lo, hi = grid_state.slot(x.device)
+    start = ((hi << 31) + lo - grid_state.pool(x.device).data_ptr()) // 4
+    torch.cuda.synchronize()
+    assert not grid_state.pool(x.device)[start:start + grid_state.SLOT_BYTES // 4].any()
+
+
+@pytest.mark.parametrize("flags", [(False, True, True), (True, False, False)], ids=["rht-sr", "2d"])
+def test_nvfp4_two_launches_where_no_slot_equal_reference(monkeypatch, flags):
+    """Without a counter slot (CUDA-graph capture, AOTInductor) the amax and
+    quantize passes run as two launches, alone and for a pair."""
+    from transformer_engine_compile.kernels import grid_state
+    monkeypatch.setattr(grid_state, "slot", lambda device: None)
+    x = _special((256, 384), torch.bfloat16)
+    args = (*flags, True, True)
+    names = _launched_kernels(lambda: triton_nvfp4.quantize_nvfp4(x, *args))
+    assert [n for n in names if "nvfp4" in n] == ["_nvfp4_amax_kernel", "_nvfp4_kernel"]
+    _assert_same(*_both(x, args))
+    torch.manual_seed(2)
+    fast = triton_nvfp4.quantize_nvfp4_pair(x, x, args, args)
+    torch.manual_seed(2)
+    slow = ref.quantize_nvfp4_pair(x, x, args, args)
+    for a, b in zip(fast, slow):
+        _assert_same(a, b)

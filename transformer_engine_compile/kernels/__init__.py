@@ -30,6 +30,7 @@ OPS = (
     "quantize_fp8_blockwise",
     "quantize_fp8_blockwise_pair",
     "quantize_nvfp4",
+    "quantize_nvfp4_pair",
     "dequantize_mxfp8",
     "dequantize_mxfp8_pair",
     "dequantize_nvfp4_blocks",

@@ -41,7 +41,7 @@ def register() -> None:
         register_fast(name, "cuda", getattr(tbk, name))
         _REGISTERED.append(name)
     from . import triton_nvfp4 as tn4
-    for name in ("quantize_nvfp4", "dequantize_nvfp4_blocks", "dequantize_nvfp4_blocks_pair",
+    for name in ("quantize_nvfp4", "quantize_nvfp4_pair", "dequantize_nvfp4_blocks", "dequantize_nvfp4_blocks_pair",
                  "nvfp4_gemm_epilogue"):
         register_fast(name, "cuda", getattr(tn4, name))
         _REGISTERED.append(name)

@@ -171,5 +171,7 @@ NormFp8 norm_fp8(const std::shared_ptr<NormPlan>& plan, const at::Tensor& x,
                  const at::Tensor& w, const c10::optional<at::Tensor>& b,
                  const at::Tensor& scale, const at::Tensor& amaxes, bool record);
 void register_act(py::module& m);
+// native_alloc.cpp's empty_many
+void register_alloc(py::module& m);
 
 }  // namespace te_native

@@ -973,4 +973,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_mm_dtype", &has_mm_dtype);
   te_native::register_norm(m);
   te_native::register_act(m);
+  te_native::register_alloc(m);
 }

@@ -536,6 +536,13 @@ def quantize_nvfp4(x2d, block_2d, rht, stochastic, rowwise, columnwise) -> dict:
     return out
 
 
+def quantize_nvfp4_pair(x2d, w2d, x_config, w_config) -> tuple:
+    """A layer's x and W quantized to NVFP4, each config ``(block_2d, rht,
+    stochastic, rowwise, columnwise)``: ``(buffers of x, buffers of W)``,
+    x's stochastic draws first.  On the GPU one launch (kernels/triton_nvfp4.py)."""
+    return quantize_nvfp4(x2d, *x_config), quantize_nvfp4(w2d, *w_config)
+
+
 def _nvfp4_values_times(packed, per_block) -> torch.Tensor:
     """One copy's E2M1 values (fp32), each block of 16 times its ``per_block`` factor."""
     vals = e2m1_to_float(unpack_fp4(packed))

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import native
 from . import reference as ref
 from .triton_launch import Launcher, cdiv, ptr_key
 from .triton_quant import (_TL_FP8, _abs_bits, _cast_fp8, _load_tile, _matrix, _pair_tile,
@@ -27,11 +28,13 @@ from .triton_quant import (_TL_FP8, _abs_bits, _cast_fp8, _load_tile, _matrix, _
 _COPY_BUFFERS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
 
 
-def _alloc_copies(device, rowwise, columnwise, row_data, row_scale, col_data, col_scale) -> dict:
-    """Output buffers of a two-copy format; each spec is (shape, dtype)."""
-    specs = zip(_COPY_BUFFERS, (row_data, row_scale, col_data, col_scale))
-    return {name: torch.empty(shape, dtype=dt, device=device) for name, (shape, dt) in specs
-            if (rowwise if name.startswith("row") else columnwise)}
+def _alloc_copies(like, rowwise, columnwise, row_data, row_scale, col_data, col_scale) -> dict:
+    """Output buffers of a two-copy format on ``like``'s device (one
+    allocation call); each spec is (shape, dtype)."""
+    specs = {name: spec for name, spec in zip(_COPY_BUFFERS, (row_data, row_scale, col_data,
+                                                               col_scale))
+             if (rowwise if name.startswith("row") else columnwise)}
+    return dict(zip(specs, native.empty_many(like, *specs.values())))
 
 
 def _tiles(m, k, bm, bk) -> int:
@@ -131,7 +134,7 @@ def _block_outputs(x2d, fmt, block_2d, rowwise, columnwise) -> dict:
         row_s, col_s = (m // b, ref.padded_blocks(k // b)), (k // b, ref.padded_blocks(m // b))
     else:
         row_s, col_s = (k // b, m), (m // b, k)
-    return _alloc_copies(x2d.device, rowwise, columnwise, ((m, k), dt), (row_s, torch.float32),
+    return _alloc_copies(x2d, rowwise, columnwise, ((m, k), dt), (row_s, torch.float32),
                          ((k, m), dt), (col_s, torch.float32))
 
 
@@ -321,7 +324,7 @@ def _mx_outputs(x2d, fmt, rowwise, columnwise) -> dict:
     m, k = x2d.shape
     b = ref.MX_BLOCK
     dt = ref.FP8_DTYPE[fmt]
-    return _alloc_copies(x2d.device, rowwise, columnwise, ((m, k), dt),
+    return _alloc_copies(x2d, rowwise, columnwise, ((m, k), dt),
                          ((m, k // b), torch.uint8), ((m, k), dt), ((m // b, k), torch.uint8))
 
 
@@ -396,9 +399,7 @@ def dequantize_mxfp8_pair(a_data, a_scale, a_rowwise: bool, b_data, b_scale, b_r
                                          out_dtype)
     a_data, a_scale, b_data, b_scale = map(_matrix, (a_data, a_scale, b_data, b_scale))
     (ma, ka), (mb, kb) = a_data.shape, b_data.shape
-    dev = a_data.device
-    a_out = torch.empty((ma, ka), dtype=out_dtype, device=dev)
-    b_out = torch.empty((mb, kb), dtype=out_dtype, device=dev)
+    a_out, b_out = native.empty_many(a_data, ((ma, ka), out_dtype), ((mb, kb), out_dtype))
     args = (a_data, a_scale, a_out, ma, ka, b_data, b_scale, b_out, mb, kb, bool(a_rowwise),
             bool(b_rowwise), _TL_OUT[out_dtype], _MX_BM, _MX_BK, ref.MX_BLOCK)
     key = (_x_key(a_data, ma, ka), ptr_key(a_scale), _x_key(b_data, mb, kb), ptr_key(b_scale),

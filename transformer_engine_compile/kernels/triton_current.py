@@ -54,6 +54,36 @@ def _wait_until_counted(counter, total):
 
 
 @triton.jit
+def _arrive_and_wait(slot, done, total):
+    """Count this program's ``done`` tiles at [32] (after its maxima were
+    raised at [64:68]) and wait until all ``total`` are counted; the loads
+    after it see every maximum raised."""
+    tl.debug_barrier()
+    tl.atomic_add(slot + 32, done, sem="release")
+    _wait_until_counted(slot + 32, total)
+    tl.atomic_add(slot + 32, 0, sem="acquire")  # the loads below see every max raised
+    tl.debug_barrier()  # and those of the threads that did not take part in the acquire
+
+
+@triton.jit
+def _leave(slot):
+    """Count this program as gone at [96]; the last one zeroes the slot for
+    the next kernel."""
+    tl.debug_barrier()  # the maxima are read before this program counts as gone
+    if tl.atomic_add(slot + 96, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        # plain stores: every other program's atomics happen before this
+        # one's acquire, and nothing reads the slot until the next kernel
+        # (an atomic exchange waits for its old value, one after the other)
+        tl.store(slot, 0)
+        tl.store(slot + 32, 0)
+        tl.store(slot + 64, 0)
+        tl.store(slot + 65, 0)
+        tl.store(slot + 66, 0)
+        tl.store(slot + 67, 0)
+        tl.store(slot + 96, 0)
+
+
+@triton.jit
 def _tile_max_bits(x_ptr, M, K, t, n_k, BM: tl.constexpr, BK: tl.constexpr):
     """Max ``_abs_bits`` of tile t (row-major over the (M, K) tile grid)."""
     rm, rk, mask = _tile_index(M, K, t // n_k, t % n_k, BM, BK)
@@ -100,11 +130,7 @@ def _fp8_current_kernel(a_ptr, Ma, Ka, b_ptr, Mb, Kb, lo, hi, a_data, a_t, a_sin
     tl.atomic_max(slot + 64, amax_a, sem="relaxed")
     if HAS_B:
         tl.atomic_max(slot + 65, amax_b, sem="relaxed")
-    tl.debug_barrier()
-    tl.atomic_add(slot + 32, done, sem="release")
-    _wait_until_counted(slot + 32, total)
-    tl.atomic_add(slot + 32, 0, sem="acquire")  # the loads below see every max raised
-    tl.debug_barrier()  # and those of the threads that did not take part in the acquire
+    _arrive_and_wait(slot, done, total)
     sa = _scale_from_amax(tl.load(slot + 64, volatile=True).to(tl.float32, bitcast=True),
                           FMT_MAX, EPS, POW2)
     sb = sa
@@ -120,16 +146,7 @@ def _fp8_current_kernel(a_ptr, Ma, Ka, b_ptr, Mb, Kb, lo, hi, a_data, a_t, a_sin
             if HAS_B:
                 _cast_tile(b_ptr, Mb, Kb, u - ta, nkb, sb, b_data, b_t, b_sinv, FMT_MAX, B_ROW,
                            B_COL, OUT, BM, BK)
-    tl.debug_barrier()  # the scales are read (above) before this program counts as gone
-    if tl.atomic_add(slot + 96, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-        # plain stores: every other program's atomics happen before this
-        # one's acquire, and nothing reads the slot until the next kernel
-        # (an atomic exchange waits for its old value, one after the other)
-        tl.store(slot, 0)
-        tl.store(slot + 32, 0)
-        tl.store(slot + 64, 0)
-        tl.store(slot + 65, 0)
-        tl.store(slot + 96, 0)
+    _leave(slot)
 
 
 _fp8_current_launch = Launcher(_fp8_current_kernel)
@@ -178,12 +195,12 @@ def one_launch_call(a2d, b2d, fmt, pow2, eps, a_usage, b_usage, slot) -> tuple:
     more would only wait."""
     dt, dev = ref.FP8_DTYPE[fmt], a2d.device
     (ma, ka), has_b = a2d.shape, b2d is not None
-    out_a = _fp8_outputs(dev, dt, ma, ka, *a_usage)
+    out_a = _fp8_outputs(a2d, dt, ma, ka, *a_usage)
     tiles = cdiv(ma, _TW_BM) * cdiv(ka, _TW_BK)
     if has_b:
         mb, kb = b2d.shape
         tiles += cdiv(mb, _TW_BM) * cdiv(kb, _TW_BK)
-        out_b = _fp8_outputs(dev, dt, mb, kb, *b_usage)
+        out_b = _fp8_outputs(a2d, dt, mb, kb, *b_usage)
         b_args, b_copies, b_key = (b2d, mb, kb), _fp8_copy_args(out_b, b2d), _x_key(b2d, mb, kb)
     else:  # b's pointers are never read or written (HAS_B is a constexpr): a's input
         out_b, b_args, b_key = None, (_unused(a2d), 1, 1), None

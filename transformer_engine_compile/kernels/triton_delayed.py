@@ -108,10 +108,10 @@ def delayed_call(a2d, b2d, scales, fmt, a_usage, b_usage, step, slot):
     n_cols = step.history.shape[1]
     if not step_consts[0] or not (2 if has_b else 1) <= n_cols <= _GONE - _AMAX:
         return None  # the step in a launch of its own; b's amax beyond the history
-    dt, dev = ref.FP8_DTYPE[fmt], a2d.device
-    out_a = _fp8_outputs(dev, dt, ma, ka, *a_usage)
+    dt = ref.FP8_DTYPE[fmt]
+    out_a = _fp8_outputs(a2d, dt, ma, ka, *a_usage)
     if has_b:
-        out_b = _fp8_outputs(dev, dt, mb, kb, *b_usage) if any(b_usage) else None
+        out_b = _fp8_outputs(a2d, dt, mb, kb, *b_usage) if any(b_usage) else None
         b_copies = (_unused(b2d),) * 3 if out_b is None else _fp8_copy_args(out_b, b2d)
         b_args, b_key = (b2d, mb, kb), _x_key(b2d, mb, kb)
     else:  # b's pointers are never read or written (HAS_B is a constexpr): a's input

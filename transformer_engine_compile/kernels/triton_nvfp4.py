@@ -30,8 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
+from . import grid_state, native, triton_launch
 from . import reference as ref
 from .triton_launch import Launcher, cdiv, int_key, ptr_key
+from .triton_current import _arrive_and_wait, _leave, _slot_ptr
 from .triton_quant import (_abs_bits, _load_tile, _matrix, _pair_tile, _scale_from_amax,
                            _store_rows, _tile_index, _unused, _x_key)
 
@@ -218,29 +220,45 @@ def _nvfp4_kernel(x_ptr, M, K, part_ptr, n_parts, rr_ptr, rc_ptr,
                   TWO_D: tl.constexpr, RHT: tl.constexpr, SR: tl.constexpr,
                   ROW: tl.constexpr, COL: tl.constexpr,
                   BM: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr):
-    """Both copies of one (BM, BK) tile: rowwise (M, K) from the x maxima
-    at part_ptr, columnwise (K, M) from the RHT maxima at part_ptr + n_parts
-    (RHT) or the x maxima; rr/rc: uniform draws (M, K) / (K, M) when SR."""
-    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    """Both copies of one (BM, BK) tile (:func:`_nvfp4_tile`), the amaxes
+    from the partial maxima at part_ptr: the x maxima, and with the RHT the
+    transformed transposes' at part_ptr + n_parts."""
+    a_row = 0.0
+    a_col = 0.0
+    if ROW:
+        a_row = _parts_amax(part_ptr, n_parts, NP)
+    if COL:
+        if RHT:
+            a_col = _parts_amax(part_ptr + n_parts, n_parts, NP)
+        else:
+            a_col = _parts_amax(part_ptr, n_parts, NP)
+    _nvfp4_tile(x_ptr, M, K, tl.program_id(0), tl.program_id(1), a_row, a_col, rr_ptr, rc_ptr,
+                rd_ptr, rs_ptr, ra_ptr, cd_ptr, cs_ptr, ca_ptr, TWO_D, RHT, SR, ROW, COL, BM, BK)
+
+
+@triton.jit
+def _nvfp4_tile(x_ptr, M, K, pid_m, pid_k, a_row, a_col, rr_ptr, rc_ptr,
+                rd_ptr, rs_ptr, ra_ptr, cd_ptr, cs_ptr, ca_ptr,
+                TWO_D: tl.constexpr, RHT: tl.constexpr, SR: tl.constexpr,
+                ROW: tl.constexpr, COL: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """Both copies of tile (pid_m, pid_k): rowwise (M, K) with amax a_row,
+    columnwise (K, M) with amax a_col (of the RHT-transformed transpose
+    where RHT); rr/rc: uniform draws (M, K) / (K, M) when SR.  Tile (0, 0)
+    also stores the amaxes."""
     first = (pid_m == 0) & (pid_k == 0)
     if ROW:
-        a = _parts_amax(part_ptr, n_parts, NP)
         rm, rk, mask = _tile_index(M, K, pid_m, pid_k, BM, BK)
         x = _load_tile(x_ptr, rm, rk, mask, K)
         r = x
         if SR:
             r = tl.load(rr_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=mask, other=1.0)
         data, scale = _quantize_tile(tl.reshape(x, (BM, BK // 16, 16)),
-                                     _scale_from_amax(a, _GLOBAL_MAX, 0.0, False),
+                                     _scale_from_amax(a_row, _GLOBAL_MAX, 0.0, False),
                                      tl.reshape(r, (BM, BK // 16, 16)), TWO_D, SR, BM, BK // 16)
         _store_copy(rd_ptr, rs_ptr, data, scale, rm, pid_k * (BK // 16), M, K, BM, BK // 16)
         if first:
-            tl.store(ra_ptr, a)
+            tl.store(ra_ptr, a_row)
     if COL:
-        if RHT:
-            a = _parts_amax(part_ptr + n_parts, n_parts, NP)
-        else:
-            a = _parts_amax(part_ptr, n_parts, NP)
         rk, rg, mask, offs = _col_offsets(M, K, pid_m, pid_k, BM, BK)
         xs = _load16(x_ptr, offs, K, mask)
         if RHT:
@@ -250,11 +268,108 @@ def _nvfp4_kernel(x_ptr, M, K, part_ptr, n_parts, rr_ptr, rc_ptr,
         if SR:  # draws (K, M), read along M (coalesced) and moved to xt's layout
             offs = (rk[:, None].to(tl.int64) * M + rg[None, :] * 16)[:, :, None] + tl.arange(0, 16)
             r = tl.load(rc_ptr + offs, mask=mask[:, :, None], other=1.0)
-        data, scale = _quantize_tile(xt, _scale_from_amax(a, _GLOBAL_MAX, 0.0, False), r, TWO_D,
-                                     SR, BK, BM // 16)
+        data, scale = _quantize_tile(xt, _scale_from_amax(a_col, _GLOBAL_MAX, 0.0, False), r,
+                                     TWO_D, SR, BK, BM // 16)
         _store_copy(cd_ptr, cs_ptr, data, scale, rk, pid_m * (BM // 16), K, M, BK, BM // 16)
         if first:
-            tl.store(ca_ptr, a)
+            tl.store(ca_ptr, a_col)
+
+
+@triton.jit
+def _amax_tile_bits(x_ptr, M, K, t, n_k, X_AMAX: tl.constexpr, RHT_AMAX: tl.constexpr,
+                    BM: tl.constexpr, BK: tl.constexpr):
+    """Max |x| bits of amax tile t (row-major over the (M, K) grid of (BM, BK)
+    tiles; X_AMAX) and of its RHT-transformed transpose (RHT_AMAX); 0 where
+    not asked."""
+    mx = tl.zeros((), dtype=tl.int32)
+    mh = tl.zeros((), dtype=tl.int32)
+    if RHT_AMAX:
+        _, _, mask, offs = _col_offsets(M, K, t // n_k, t % n_k, BM, BK)
+        xs = _load16(x_ptr, offs, K, mask)
+        if X_AMAX:
+            mx = tl.max(tl.max(_max16_bits(xs), axis=1), axis=0)
+        mh = tl.max(tl.max(_max16_bits(_rht16(xs)), axis=1), axis=0)
+    else:
+        rm, rk, mask = _tile_index(M, K, t // n_k, t % n_k, BM, BK)
+        mx = tl.max(tl.max(_abs_bits(_load_tile(x_ptr, rm, rk, mask, K)), axis=1), axis=0)
+    return mx, mh
+
+
+@triton.jit
+def _nvfp4_one_kernel(a_ptr, Ma, Ka, a_rr, a_rc, a_rd, a_rs, a_ra, a_cd, a_cs, a_ca,
+                      b_ptr, Mb, Kb, b_rr, b_rc, b_rd, b_rs, b_ra, b_cd, b_cs, b_ca, lo, hi,
+                      A_TWO_D: tl.constexpr, A_RHT: tl.constexpr, A_SR: tl.constexpr,
+                      A_ROW: tl.constexpr, A_COL: tl.constexpr, A_X_AMAX: tl.constexpr,
+                      A_RHT_AMAX: tl.constexpr, B_TWO_D: tl.constexpr, B_RHT: tl.constexpr,
+                      B_SR: tl.constexpr, B_ROW: tl.constexpr, B_COL: tl.constexpr,
+                      B_X_AMAX: tl.constexpr, B_RHT_AMAX: tl.constexpr, HAS_B: tl.constexpr,
+                      BM: tl.constexpr, BK: tl.constexpr, ABM: tl.constexpr, ABK: tl.constexpr):
+    """The amax pass and the quantize pass of a (and b) in one launch, with
+    the zeroed counters of slot (lo, hi) (``triton_current``'s protocol:
+    programs claim (ABM, ABK) amax tiles, a's then b's, raise [64] / [65]
+    (a's x and RHT maxima) and [66] / [67] (b's), wait for every tile, then
+    quantize (BM, BK) tiles, a's then b's, striding by the grid)."""
+    slot = _slot_ptr(lo, hi)
+    nka = tl.cdiv(Ka, ABK)
+    ta = tl.cdiv(Ma, ABM) * nka
+    nkb = tl.cdiv(Kb, ABK)
+    total = ta
+    if HAS_B:
+        total = ta + tl.cdiv(Mb, ABM) * nkb
+    ax = tl.zeros((), dtype=tl.int32)
+    ah = tl.zeros((), dtype=tl.int32)
+    bx = tl.zeros((), dtype=tl.int32)
+    bh = tl.zeros((), dtype=tl.int32)
+    done = 0
+    t = tl.atomic_add(slot, 1, sem="relaxed")
+    while t < total:
+        after = tl.atomic_add(slot, 1, sem="relaxed")  # claimed while tile t loads
+        if t < ta:
+            mx, mh = _amax_tile_bits(a_ptr, Ma, Ka, t, nka, A_X_AMAX, A_RHT_AMAX, ABM, ABK)
+            ax = tl.maximum(ax, mx)
+            ah = tl.maximum(ah, mh)
+        else:
+            if HAS_B:
+                mx, mh = _amax_tile_bits(b_ptr, Mb, Kb, t - ta, nkb, B_X_AMAX, B_RHT_AMAX, ABM,
+                                         ABK)
+                bx = tl.maximum(bx, mx)
+                bh = tl.maximum(bh, mh)
+        done += 1
+        t = after
+    tl.atomic_max(slot + 64, ax, sem="relaxed")
+    tl.atomic_max(slot + 65, ah, sem="relaxed")
+    if HAS_B:
+        tl.atomic_max(slot + 66, bx, sem="relaxed")
+        tl.atomic_max(slot + 67, bh, sem="relaxed")
+    _arrive_and_wait(slot, done, total)
+    a_row = tl.load(slot + 64, volatile=True).to(tl.float32, bitcast=True)
+    a_col = a_row
+    if A_RHT_AMAX:
+        a_col = tl.load(slot + 65, volatile=True).to(tl.float32, bitcast=True)
+    b_row = a_row
+    b_col = a_row
+    if HAS_B:
+        b_row = tl.load(slot + 66, volatile=True).to(tl.float32, bitcast=True)
+        b_col = b_row
+        if B_RHT_AMAX:
+            b_col = tl.load(slot + 67, volatile=True).to(tl.float32, bitcast=True)
+    qka = tl.cdiv(Ka, BK)
+    qa = tl.cdiv(Ma, BM) * qka
+    qkb = tl.cdiv(Kb, BK)
+    qtotal = qa
+    if HAS_B:
+        qtotal = qa + tl.cdiv(Mb, BM) * qkb
+    for u in range(tl.program_id(0), qtotal, tl.num_programs(0)):
+        if u < qa:
+            _nvfp4_tile(a_ptr, Ma, Ka, u // qka, u % qka, a_row, a_col, a_rr, a_rc, a_rd, a_rs,
+                        a_ra, a_cd, a_cs, a_ca, A_TWO_D, A_RHT, A_SR, A_ROW, A_COL, BM, BK)
+        else:
+            if HAS_B:
+                v = u - qa
+                _nvfp4_tile(b_ptr, Mb, Kb, v // qkb, v % qkb, b_row, b_col, b_rr, b_rc, b_rd,
+                            b_rs, b_ra, b_cd, b_cs, b_ca, B_TWO_D, B_RHT, B_SR, B_ROW, B_COL, BM,
+                            BK)
+    _leave(slot)
 
 
 # (32, 64) tiles, 4 warps: tuned at 4096 x 4096 on an H200 (CUDA-graph replay):
@@ -270,16 +385,95 @@ _BUFFERS = ("rowwise_data", "rowwise_scale_inv", "rowwise_amax",
             "columnwise_data", "columnwise_scale_inv", "columnwise_amax")
 
 
-def quantize_nvfp4(x2d, block_2d, rht, stochastic, rowwise, columnwise) -> dict:
+_one_launch = Launcher(_nvfp4_one_kernel, num_warps=4)
+_ONE_PROGRAMS_PER_SM = 8  # of 4 warps, as the quantize pass's
+
+
+def _fast_case(x2d, rowwise, columnwise) -> bool:
     m, k = x2d.shape
     b = ref.NVFP4_BLOCK
-    if (x2d.numel() == 0 or m % b or k % b or x2d.dtype not in _DTYPES
-            or not (rowwise or columnwise)):
+    return (x2d.numel() > 0 and not m % b and not k % b and x2d.dtype in _DTYPES
+            and bool(rowwise or columnwise))
+
+
+def quantize_nvfp4(x2d, block_2d, rht, stochastic, rowwise, columnwise) -> dict:
+    if not _fast_case(x2d, rowwise, columnwise):
         return ref.quantize_nvfp4(x2d, block_2d, rht, stochastic, rowwise, columnwise)
-    launches, out = quantize_calls(_matrix(x2d), block_2d, rht, stochastic, rowwise, columnwise)
+    x2d = _matrix(x2d)
+    slot = grid_state.slot(x2d.device)
+    if slot is not None:
+        grid, key, args, outs = one_launch_call(
+            ((x2d, (block_2d, rht, stochastic, rowwise, columnwise)),), slot)
+        _one_launch(grid, key, *args)
+        return outs[0]
+    launches, out = quantize_calls(x2d, block_2d, rht, stochastic, rowwise, columnwise)
     for launcher, grid, key, args in launches:
         launcher(grid, key, *args)
     return out
+
+
+def quantize_nvfp4_pair(x2d, w2d, x_config, w_config) -> tuple:
+    """``reference.quantize_nvfp4_pair``: x and W (each config ``(block_2d,
+    rht, stochastic, rowwise, columnwise)``) in one launch where a counter
+    slot may be used and both are the kernels' case; else one
+    quantization each."""
+    if (_fast_case(x2d, *x_config[3:]) and _fast_case(w2d, *w_config[3:])):
+        x2d, w2d = _matrix(x2d), _matrix(w2d)
+        slot = grid_state.slot(x2d.device)
+        if slot is not None:
+            grid, key, args, outs = one_launch_call(((x2d, x_config), (w2d, w_config)), slot)
+            _one_launch(grid, key, *args)
+            return outs
+    return quantize_nvfp4(x2d, *x_config), quantize_nvfp4(w2d, *w_config)
+
+
+def one_launch_call(operands, slot) -> tuple:
+    """``(grid, key, args, outs)`` of one :func:`_nvfp4_one_kernel` launch
+    quantizing one or two ``(x2d, (block_2d, rht, stochastic, rowwise,
+    columnwise))`` operands (contiguous, of the kernels' case) with counter
+    slot ``slot`` (``(lo, hi)``, grid_state.py), their buffers allocated
+    (one call) and stochastic draws made in the reference's order."""
+    b = ref.NVFP4_BLOCK
+    first = operands[0][0]
+    names, specs, ends = [], [], []
+    for x2d, (_, _, _, rowwise, columnwise) in operands:
+        m, k = x2d.shape
+        if rowwise:
+            names += _BUFFERS[:3]
+            specs += (((m, k // 2), torch.uint8), ((m, k // b), torch.float8_e4m3fn),
+                      ((1,), torch.float32))
+        if columnwise:
+            names += _BUFFERS[3:]
+            specs += (((k, m // 2), torch.uint8), ((k, m // b), torch.float8_e4m3fn),
+                      ((1,), torch.float32))
+        ends.append(len(names))
+    made = native.empty_many(first, *specs)
+    outs, args, key, tiles, start = [], [], [], 0, 0
+    for (x2d, config), end in zip(operands, ends):
+        m, k = x2d.shape
+        block_2d, rht, stochastic, rowwise, columnwise = map(bool, config)
+        out = dict(zip(names[start:end], made[start:end]))
+        start = end
+        r_row = (torch.rand((m, k), dtype=torch.float32, device=x2d.device)
+                 if stochastic and rowwise else _unused(x2d))
+        r_col = (torch.rand((k, m), dtype=torch.float32, device=x2d.device)
+                 if stochastic and columnwise else _unused(x2d))
+        rht_amax = columnwise and rht
+        flags = (block_2d, rht, stochastic, rowwise, columnwise, rowwise or not rht_amax,
+                 rht_amax)
+        args.append(((x2d, m, k, r_row, r_col)
+                     + tuple([out.get(n, x2d) for n in _BUFFERS]), flags))  # absent: _unused
+        key.append((_x_key(x2d, m, k), flags))
+        tiles += cdiv(m, _BM) * cdiv(k, _BK)
+        outs.append(out)
+    has_b = len(operands) == 2
+    if not has_b:  # b's pointers are never read or written (HAS_B is a constexpr): a's input
+        args.append(((first, 1, 1) + (first,) * 8, (False,) * 7))
+    lo, hi = slot
+    programs = min(tiles, triton_launch.sm_count(first.device) * _ONE_PROGRAMS_PER_SM)
+    flat = (*args[0][0], *args[1][0], lo, hi, *args[0][1], *args[1][1], has_b, _BM, _BK,
+            _AMAX_BM, _AMAX_BK)
+    return (programs,), (*key, has_b, int_key(lo), int_key(hi)), flat, outs
 
 
 def quantize_calls(x2d, block_2d, rht, stochastic, rowwise, columnwise) -> tuple:
@@ -290,18 +484,18 @@ def quantize_calls(x2d, block_2d, rht, stochastic, rowwise, columnwise) -> tuple
     m, k = x2d.shape
     b = ref.NVFP4_BLOCK
     dev = x2d.device
-    out = {}
+    n_parts = min(cdiv(m, _AMAX_BM) * cdiv(k, _AMAX_BK), _MAX_PARTS)
+    specs = {"parts": ((2 * n_parts,), torch.int32)}
     for name, rows, cols, on in (("rowwise", m, k, rowwise), ("columnwise", k, m, columnwise)):
         if on:
-            out[name + "_data"] = torch.empty((rows, cols // 2), dtype=torch.uint8, device=dev)
-            out[name + "_scale_inv"] = torch.empty((rows, cols // b), dtype=torch.float8_e4m3fn,
-                                                   device=dev)
-            out[name + "_amax"] = torch.empty(1, dtype=torch.float32, device=dev)
+            specs[name + "_data"] = ((rows, cols // 2), torch.uint8)
+            specs[name + "_scale_inv"] = ((rows, cols // b), torch.float8_e4m3fn)
+            specs[name + "_amax"] = ((1,), torch.float32)
+    out = dict(zip(specs, native.empty_many(x2d, *specs.values())))
+    parts = out.pop("parts")
     rht_amax = bool(columnwise and rht)
     x_amax = bool(rowwise or not rht_amax)
     xkey = _x_key(x2d, m, k)
-    n_parts = min(cdiv(m, _AMAX_BM) * cdiv(k, _AMAX_BK), _MAX_PARTS)
-    parts = torch.empty(2 * n_parts, dtype=torch.int32, device=dev)
     amax = (_amax_launch, (n_parts,), (xkey, int_key(n_parts), x_amax, rht_amax),
             (x2d, m, k, parts, n_parts, x_amax, rht_amax, _AMAX_BM, _AMAX_BK))
     # the reference's draws: rand_like of the rowwise copy, then the columnwise one;
@@ -405,8 +599,7 @@ def dequantize_nvfp4_blocks_pair(a_packed, a_scale, b_packed, b_scale,
     a_packed, a_scale, b_packed, b_scale = map(_matrix, (a_packed, a_scale, b_packed, b_scale))
     (ra, ca), (rb, cb) = (a_packed.shape[0], a_packed.shape[1] * 2), (b_packed.shape[0],
                                                                       b_packed.shape[1] * 2)
-    a_out = torch.empty((ra, ca), dtype=out_dtype, device=a_packed.device)
-    b_out = torch.empty((rb, cb), dtype=out_dtype, device=a_packed.device)
+    a_out, b_out = native.empty_many(a_packed, ((ra, ca), out_dtype), ((rb, cb), out_dtype))
     grid = (cdiv(ra, _G_BM) * cdiv(ca, _G_BK) + cdiv(rb, _G_BM) * cdiv(cb, _G_BK),)
     key = (ptr_key(a_packed), ptr_key(a_scale), int_key(ra), int_key(ca), ptr_key(b_packed),
            ptr_key(b_scale), int_key(rb), int_key(cb), out_dtype)

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import native
 from . import reference as ref
 from .triton_launch import Launcher, cdiv, int_key, next_pow2, ptr_key
 
@@ -376,13 +377,14 @@ def amax_call(x2d: torch.Tensor, vector: torch.Tensor, index: int) -> tuple:
             (x2d, m, k, vector, index, _AMAX_BM, _AMAX_BK))
 
 
-def _fp8_outputs(dev, dt, m, k, rowwise, columnwise) -> dict:
-    out = {"scale_inv": torch.empty(1, dtype=torch.float32, device=dev)}
+def _fp8_outputs(like, dt, m, k, rowwise, columnwise) -> dict:
+    """The buffers an FP8 cast writes, on ``like``'s device (one allocation call)."""
+    specs = {"scale_inv": ((1,), torch.float32)}
     if rowwise:
-        out["data"] = torch.empty((m, k), dtype=dt, device=dev)
+        specs["data"] = ((m, k), dt)
     if columnwise:
-        out["transpose"] = torch.empty((k, m), dtype=dt, device=dev)
-    return out
+        specs["transpose"] = ((k, m), dt)
+    return dict(zip(specs, native.empty_many(like, *specs.values())))
 
 
 def _fp8_copy_args(out: dict, src: torch.Tensor) -> tuple:
@@ -418,7 +420,7 @@ def fp8_tensorwise_calls(x2d, fmt, rowwise, columnwise, *, scale=None, amax_out=
     launches, kernels/native.py).  The allocations are made here."""
     m, k = x2d.shape
     launches = []
-    out = _fp8_outputs(x2d.device, ref.FP8_DTYPE[fmt], m, k, rowwise, columnwise)
+    out = _fp8_outputs(x2d, ref.FP8_DTYPE[fmt], m, k, rowwise, columnwise)
     dev = x2d.device
     xkey = _x_key(x2d, m, k)
     slot, index = None, 0  # delayed scaling's amax slot and its index in amax_arg
@@ -548,9 +550,9 @@ def _fp8_current_pair_cast(a2d, b2d, parts, pa, pb, fmt, pow2, eps, a_usage, b_u
     parts[:pa], b's from the pb after them (``n_load``: a power of two >= both;
     a constant, so a symbolic token count needs no guard on it)."""
     (ma, ka), (mb, kb) = a2d.shape, b2d.shape
-    dt, dev = ref.FP8_DTYPE[fmt], a2d.device
-    out_a = _fp8_outputs(dev, dt, ma, ka, *a_usage)
-    out_b = _fp8_outputs(dev, dt, mb, kb, *b_usage)
+    dt = ref.FP8_DTYPE[fmt]
+    out_a = _fp8_outputs(a2d, dt, ma, ka, *a_usage)
+    out_b = _fp8_outputs(a2d, dt, mb, kb, *b_usage)
     flags = (fmt, float(eps), bool(pow2), bool(a_usage[0]), bool(a_usage[1]),
              bool(b_usage[0]), bool(b_usage[1]))
     tiles = cdiv(ma, _TW_BM) * cdiv(ka, _TW_BK) + cdiv(mb, _TW_BM) * cdiv(kb, _TW_BK)

@@ -65,6 +65,14 @@ class NVFP4Tensor(NVFP4TensorStorage, QuantizedTensor):
     """NVFP4 wrapper tensor."""
 
 
+def _config(q) -> tuple:
+    """``kernels.quantize_nvfp4``'s arguments after the matrix, for quantizer
+    ``q`` (a module function: Dynamo calls only a value-opaque quantizer's
+    registered members)."""
+    return (q.with_2d_quantization, q.with_rht, q.stochastic_rounding, q.rowwise_usage,
+            q.columnwise_usage)
+
+
 @register_value_opaque_quantizer
 class NVFP4Quantizer(Quantizer):
     format_name = "NVFP4"
@@ -110,7 +118,11 @@ class NVFP4Quantizer(Quantizer):
     def _storage_extras(self):
         return (("with_rht", self.with_rht),)
 
+    def pairs_with(self, other) -> bool:
+        return type(other) is NVFP4Quantizer
+
+    def _quantize_pair_2d(self, other, x2d, w2d):
+        return kernels.get("quantize_nvfp4_pair", x2d)(x2d, w2d, _config(self), _config(other))
+
     def _quantize_2d(self, x2d):
-        fn = kernels.get("quantize_nvfp4", x2d)
-        return fn(x2d, self.with_2d_quantization, self.with_rht, self.stochastic_rounding,
-                  self.rowwise_usage, self.columnwise_usage)
+        return kernels.get("quantize_nvfp4", x2d)(x2d, *_config(self))
