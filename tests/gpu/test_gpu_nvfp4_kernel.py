@@ -152,15 +152,21 @@ def _launched_kernels(fn) -> list:
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-@pytest.mark.parametrize("shape", [(64, 128), (4096, 1024)], ids=str)
+@pytest.mark.parametrize("shape,programs_per_sm", [((64, 128), None), ((256, 512), None),
+                                                   ((4096, 1024), 1)], ids=str)
 @pytest.mark.parametrize("x_flags", [(False, True, False), (False, True, True),
                                      (False, False, False)], ids=["rht", "rht-sr", "plain"])
-def test_nvfp4_pair_in_one_launch_equals_reference(x_flags, shape):
+def test_nvfp4_pair_in_one_launch_equals_reference(monkeypatch, x_flags, shape, programs_per_sm):
     """x (1x16, the RHT on its columnwise copy) and W (16x16) quantized in
     one launch (amax and quantize passes with a grid_state slot) equal two
     reference quantizations, stochastic draws in the reference's order; the
-    slot is left zeroed for the next kernel."""
+    slot is left zeroed for the next kernel.  The large shape lifts the
+    size limit and runs one program per SM, so programs claim and quantize
+    many tiles each."""
     from transformer_engine_compile.kernels import grid_state
+    if programs_per_sm:
+        monkeypatch.setattr(triton_nvfp4, "_ONE_LAUNCH_MAX", 1 << 30)
+        monkeypatch.setattr(triton_nvfp4, "_ONE_PROGRAMS_PER_SM", programs_per_sm)
     x = torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 3
     w = _special((384, shape[1]), torch.bfloat16)
     x_config, w_config = (*x_flags, True, True), (True, False, False, True, True)
@@ -175,10 +181,24 @@ def test_nvfp4_pair_in_one_launch_equals_reference(x_flags, shape):
     slow_x, slow_w = ref.quantize_nvfp4(x, *x_config), ref.quantize_nvfp4(w, *w_config)
     _assert_same(fast_x, slow_x)
     _assert_same(fast_w, slow_w)
+    torch.manual_seed(5)
+    _assert_same(triton_nvfp4.quantize_nvfp4(x, *x_config), slow_x)
     lo, hi = grid_state.slot(x.device)
     start = ((hi << 31) + lo - grid_state.pool(x.device).data_ptr()) // 4
     torch.cuda.synchronize()
     assert not grid_state.pool(x.device)[start:start + grid_state.SLOT_BYTES // 4].any()
+
+
+def test_nvfp4_large_calls_keep_two_launches():
+    """Above ``_ONE_LAUNCH_MAX`` elements the fused passes cost more GPU
+    time than a launch saves: two launches per tensor, alone and paired."""
+    x = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    config = (False, True, False, True, True)
+    names = _launched_kernels(lambda: triton_nvfp4.quantize_nvfp4_pair(x, x, config, config))
+    assert [n for n in names if "nvfp4" in n] == ["_nvfp4_amax_kernel", "_nvfp4_kernel"] * 2
+    small = x[:256]
+    names = _launched_kernels(lambda: triton_nvfp4.quantize_nvfp4(small, *config))
+    assert [n for n in names if "nvfp4" in n] == ["_nvfp4_one_kernel"]
 
 
 @pytest.mark.parametrize("flags", [(False, True, True), (True, False, False)], ids=["rht-sr", "2d"])

@@ -385,8 +385,16 @@ _BUFFERS = ("rowwise_data", "rowwise_scale_inv", "rowwise_amax",
             "columnwise_data", "columnwise_scale_inv", "columnwise_amax")
 
 
+# One launch saves a launch's host time (~6-10 us) but its fused passes take
+# more GPU time from about 1M elements on (H200, us: 512^2 x (RHT, stochastic) /
+# x with a 512^2 W: 12.7 / 9.3 against 12.1 / 11.8 in two launches; 1024^2:
+# 25.1 / 25.7 against 16.0 / 17.2; 4096 x 2048: 131.6 / 83.7 against 101.7 /
+# 68.1; docs/benchmarks.md, thirty-fifth session), so it serves small calls
+# (the host-bound ones) only.
+_ONE_LAUNCH_MAX = 1 << 19  # elements quantized in one launch (both operands)
 _one_launch = Launcher(_nvfp4_one_kernel, num_warps=4)
 _ONE_PROGRAMS_PER_SM = 8  # of 4 warps, as the quantize pass's
+_ONE_ABM, _ONE_ABK = 32, 128  # the one launch's amax tiles (fastest of 64x128, 32x64, 32x128)
 
 
 def _fast_case(x2d, rowwise, columnwise) -> bool:
@@ -400,7 +408,7 @@ def quantize_nvfp4(x2d, block_2d, rht, stochastic, rowwise, columnwise) -> dict:
     if not _fast_case(x2d, rowwise, columnwise):
         return ref.quantize_nvfp4(x2d, block_2d, rht, stochastic, rowwise, columnwise)
     x2d = _matrix(x2d)
-    slot = grid_state.slot(x2d.device)
+    slot = grid_state.slot(x2d.device) if x2d.numel() <= _ONE_LAUNCH_MAX else None
     if slot is not None:
         grid, key, args, outs = one_launch_call(
             ((x2d, (block_2d, rht, stochastic, rowwise, columnwise)),), slot)
@@ -415,9 +423,10 @@ def quantize_nvfp4(x2d, block_2d, rht, stochastic, rowwise, columnwise) -> dict:
 def quantize_nvfp4_pair(x2d, w2d, x_config, w_config) -> tuple:
     """``reference.quantize_nvfp4_pair``: x and W (each config ``(block_2d,
     rht, stochastic, rowwise, columnwise)``) in one launch where a counter
-    slot may be used and both are the kernels' case; else one
-    quantization each."""
-    if (_fast_case(x2d, *x_config[3:]) and _fast_case(w2d, *w_config[3:])):
+    slot may be used, both are the kernels' case and small enough
+    (``_ONE_LAUNCH_MAX``); else one quantization each."""
+    if (x2d.numel() + w2d.numel() <= _ONE_LAUNCH_MAX and _fast_case(x2d, *x_config[3:])
+            and _fast_case(w2d, *w_config[3:])):
         x2d, w2d = _matrix(x2d), _matrix(w2d)
         slot = grid_state.slot(x2d.device)
         if slot is not None:
@@ -472,7 +481,7 @@ def one_launch_call(operands, slot) -> tuple:
     lo, hi = slot
     programs = min(tiles, triton_launch.sm_count(first.device) * _ONE_PROGRAMS_PER_SM)
     flat = (*args[0][0], *args[1][0], lo, hi, *args[0][1], *args[1][1], has_b, _BM, _BK,
-            _AMAX_BM, _AMAX_BK)
+            _ONE_ABM, _ONE_ABK)
     return (programs,), (*key, has_b, int_key(lo), int_key(hi)), flat, outs
 
 
