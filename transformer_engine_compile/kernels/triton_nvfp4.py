@@ -2,9 +2,14 @@
 ``reference.quantize_nvfp4``, returning bit-identical buffers, and the
 emulated GEMM's operand and epilogue kernels.
 
-Quantization: two launches (three or four with stochastic rounding, whose
-uniform draws come from ``torch.rand`` in the reference's order, rowwise copy first, so
-both paths round alike under one seed):
+Quantization: one launch for calls of up to ``_ONE_LAUNCH_MAX`` elements
+(x and W of a layer together: ``quantize_nvfp4_pair``), whose programs share
+a ``grid_state`` counter slot, take the amax pass's tiles, wait for all of
+them and then quantize (``triton_current``'s protocol); else, and where no
+slot may be used (CUDA-graph capture, AOTInductor), two launches per tensor.
+Stochastic rounding adds its uniform draws from ``torch.rand`` in the
+reference's order (rowwise copy first, then x before W), so both paths round
+alike under one seed.  The two launches:
 
 * an amax pass: each of at most 256 programs writes the max |x| bits of its
   tiles, and with the RHT the max of the transformed transpose, to a
