@@ -54,6 +54,19 @@ def _wait_until_counted(counter, total):
 
 
 @triton.jit
+def _pair_tiles(Ma, Ka, Mb, Kb, HAS_B: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """Over (BM, BK) tiles, row-major, a's first: a's tiles per row, a's
+    tiles, b's tiles per row, and all tiles (a's alone without b)."""
+    nka = tl.cdiv(Ka, BK)
+    ta = tl.cdiv(Ma, BM) * nka
+    nkb = tl.cdiv(Kb, BK)
+    total = ta
+    if HAS_B:
+        total = ta + tl.cdiv(Mb, BM) * nkb
+    return nka, ta, nkb, total
+
+
+@triton.jit
 def _arrive_and_wait(slot, done, total):
     """Count this program's ``done`` tiles at [32] (after its maxima were
     raised at [64:68]) and wait until all ``total`` are counted; the loads
@@ -108,12 +121,7 @@ def _fp8_current_kernel(a_ptr, Ma, Ka, b_ptr, Mb, Kb, lo, hi, a_data, a_t, a_sin
     (the last-read tiles first, still in L2); the last program to finish
     zeroes the slot for the next kernel."""
     slot = _slot_ptr(lo, hi)
-    nka = tl.cdiv(Ka, BK)
-    ta = tl.cdiv(Ma, BM) * nka
-    nkb = tl.cdiv(Kb, BK)
-    total = ta
-    if HAS_B:
-        total = ta + tl.cdiv(Mb, BM) * nkb
+    nka, ta, nkb, total = _pair_tiles(Ma, Ka, Mb, Kb, HAS_B, BM, BK)
     amax_a = tl.zeros((), dtype=tl.int32)
     amax_b = tl.zeros((), dtype=tl.int32)
     done = 0

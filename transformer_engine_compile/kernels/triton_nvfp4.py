@@ -38,7 +38,7 @@ import triton.language as tl
 from . import grid_state, native, triton_launch
 from . import reference as ref
 from .triton_launch import Launcher, cdiv, int_key, ptr_key
-from .triton_current import _arrive_and_wait, _leave, _slot_ptr
+from .triton_current import _arrive_and_wait, _leave, _pair_tiles, _slot_ptr
 from .triton_quant import (_abs_bits, _load_tile, _matrix, _pair_tile, _scale_from_amax,
                            _store_rows, _tile_index, _unused, _x_key)
 
@@ -315,12 +315,7 @@ def _nvfp4_one_kernel(a_ptr, Ma, Ka, a_rr, a_rc, a_rd, a_rs, a_ra, a_cd, a_cs, a
     (a's x and RHT maxima) and [66] / [67] (b's), wait for every tile, then
     quantize (BM, BK) tiles, a's then b's, striding by the grid)."""
     slot = _slot_ptr(lo, hi)
-    nka = tl.cdiv(Ka, ABK)
-    ta = tl.cdiv(Ma, ABM) * nka
-    nkb = tl.cdiv(Kb, ABK)
-    total = ta
-    if HAS_B:
-        total = ta + tl.cdiv(Mb, ABM) * nkb
+    nka, ta, nkb, total = _pair_tiles(Ma, Ka, Mb, Kb, HAS_B, ABM, ABK)
     ax = tl.zeros((), dtype=tl.int32)
     ah = tl.zeros((), dtype=tl.int32)
     bx = tl.zeros((), dtype=tl.int32)
@@ -358,12 +353,7 @@ def _nvfp4_one_kernel(a_ptr, Ma, Ka, a_rr, a_rc, a_rd, a_rs, a_ra, a_cd, a_cs, a
         b_col = b_row
         if B_RHT_AMAX:
             b_col = tl.load(slot + 67, volatile=True).to(tl.float32, bitcast=True)
-    qka = tl.cdiv(Ka, BK)
-    qa = tl.cdiv(Ma, BM) * qka
-    qkb = tl.cdiv(Kb, BK)
-    qtotal = qa
-    if HAS_B:
-        qtotal = qa + tl.cdiv(Mb, BM) * qkb
+    qka, qa, qkb, qtotal = _pair_tiles(Ma, Ka, Mb, Kb, HAS_B, BM, BK)
     for u in range(tl.program_id(0), qtotal, tl.num_programs(0)):
         if u < qa:
             _nvfp4_tile(a_ptr, Ma, Ka, u // qka, u % qka, a_row, a_col, a_rr, a_rc, a_rd, a_rs,
