@@ -10,7 +10,8 @@ that Python up to 2x slower on the lent H200 hosts (docs/benchmarks.md,
 twenty-fourth session).  The C++ side launches the very Triton kernels the
 Python path compiled, through the driver, with the arguments a plan fixed
 (:func:`launch_spec`), and calls torch's ``_scaled_mm`` as the Python path
-does, so both give the same bits.
+does, so both give the same bits.  ``native_alloc.cpp`` also serves the
+Python op impls: their outputs from one call (:func:`empty_many`).
 
 The extension is compiled with torch's extension loader on first use, in a
 background thread (about half a minute, once per machine: torch caches the
@@ -86,11 +87,10 @@ def empty_many(like: torch.Tensor, *specs) -> tuple:
     1 us per tensor against 3-5 us for ``torch.empty`` from Python; the op
     impls allocate 3-17 outputs per call.  While kernels are traced
     (kernels/tracing.py) the allocations must be ``torch.empty`` calls."""
-    ext = _state["ext"]
-    if ext is not None and like.is_cuda and not tracing.active:
-        return ext.empty_many(like, *specs)
-    if ext is None and like.is_cuda and not tracing.active:
-        extension()  # starts the build; Python until it is ready
+    if like.is_cuda and not tracing.active:
+        ext = _state["ext"] or extension()  # the first call starts the build
+        if ext is not None:
+            return ext.empty_many(like, *specs)
     return tuple(torch.empty(shape, dtype=dtype, device=like.device) for shape, dtype in specs)
 
 
