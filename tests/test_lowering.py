@@ -491,18 +491,23 @@ def _reads(kernel_node, source) -> bool:
     return False
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["one_kernel_gemm", "three_kernel_gemm"])
 @pytest.mark.parametrize("module, options, x_grad", [
     *((m, o, True) for m, o in TRACE_CASES), ("linear", {}, False)])
-def test_cuda_lowering_nvfp4_forward_only(module, options, x_grad):
+def test_cuda_lowering_nvfp4_forward_only(module, options, x_grad, fused, monkeypatch):
     """NVFP4 (Transformer Engine's recipe rounds only gradients
     stochastically): the forward's CUDA impl traces into Triton kernels
-    (quantize, the emulated GEMM's operand and epilogue kernels) and
-    bf16 GEMMs into fp32, with the fake impl's layout and no input copies;
-    the backward, whose gradient quantizer draws from torch's generator,
-    is refused and stays an op.  Without x's gradient the weight's
-    columnwise copy is not written: a spare buffer stands in for it."""
+    (quantize, then the emulated GEMM: for these small products one kernel,
+    else the operand and epilogue kernels around a bf16 GEMM into fp32,
+    ``cuda_gemm.nvfp4_fused``), with the fake impl's layout and no input
+    copies; the backward, whose gradient quantizer draws from torch's
+    generator, is refused and stays an op.  Without x's gradient the
+    weight's columnwise copy is not written: a spare buffer stands in."""
     pytest.importorskip("triton")
     from cuda_trace import lowered_cuda_traces
+    from transformer_engine_compile.kernels import cuda_gemm
+    if not fused:
+        monkeypatch.setattr(cuda_gemm, "NVFP4_FUSED_MAX", 0)
     layer, x = _meta_module(module, options)
     x.requires_grad_(x_grad)
     (fwd, outputs, gm), (bwd, _, bwd_gm) = lowered_cuda_traces(layer, x,
@@ -516,8 +521,13 @@ def test_cuda_lowering_nvfp4_forward_only(module, options, x_grad):
                    if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
     assert _step_kernels(fwd, kernels_run) == []
     names = {_kernel_name(n) for n in kernels_run}
-    assert {"_nvfp4_kernel", "_nvfp4_blocks_pair_kernel", "_nvfp4_epilogue_kernel"} <= names, names
-    assert any(n.target is torch.ops.aten.mm.dtype for n in nodes)
+    three = {"_nvfp4_blocks_pair_kernel", "_nvfp4_epilogue_kernel"}
+    if fused:
+        assert "_nvfp4_gemm_kernel" in names and not three & names, names
+    else:
+        assert three <= names and "_nvfp4_gemm_kernel" not in names, names
+    assert "_nvfp4_kernel" in names
+    assert any(n.target is torch.ops.aten.mm.dtype for n in nodes) is not fused
     traced = [n.meta["val"] for n in pytree_leaves(nodes[-1].args)]
     assert [(t.shape, t.dtype, t.stride()) for t in traced] == [
         (t.shape, t.dtype, t.stride()) for t in outputs]

@@ -276,3 +276,65 @@ def test_nvfp4_one_launch_kernel_equals_two_launches_in_triton_interpreter():
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), \
         result.stdout[-2000:] + result.stderr[-4000:]
+
+
+_NVFP4_GEMM = r'''
+import torch
+from transformer_engine_compile.kernels import reference as ref, triton_nvfp4_gemm as tg
+
+g = torch.Generator().manual_seed(0)
+
+
+def operand(rows, k, wide):
+    """A packed copy: every code, scales of one binade (each product sum then
+    exact in fp32, whatever its order) or of many (wide)."""
+    packed = torch.randint(0, 256, (rows, k // 2), generator=g, dtype=torch.uint8)
+    if wide:
+        scales = (torch.rand(rows, k // 16, generator=g) * 400 + 1e-3).to(torch.float8_e4m3fn)
+    else:
+        scales = torch.randint(0x38, 0x40, (rows, k // 16), generator=g, dtype=torch.uint8)
+        scales = scales.view(torch.float8_e4m3fn)  # [1, 2)
+    return packed, scales, torch.rand(1, generator=g) * 50
+
+
+def trunc_bf16(t):  # the interpreter's fp32 -> bf16 conversion
+    return (t.float().view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+for m, n, k in ((16, 32, 64), (70, 130, 272), (64, 64, 128), (130, 16, 400)):
+    a, b = operand(m, k, False), operand(n, k, False)
+    for bias in (None, torch.randn(n, generator=g), torch.randn(n, generator=g).bfloat16()):
+        want = ref.nvfp4_gemm(a, b, bias, torch.float32)
+        assert torch.equal(tg.nvfp4_gemm(a, b, bias, torch.float32), want), (m, n, k)
+        assert torch.equal(tg.nvfp4_gemm(a, b, bias, torch.bfloat16), trunc_bf16(want))
+    # scales over many binades: the sums round, in another order than the reference's
+    a, b = operand(m, k, True), operand(n, k, True)
+    want = ref.nvfp4_gemm(a, b, None, torch.float32).double()
+    bound = ref.nvfp4_gemm((a[0] & 0x77, a[1], a[2]), (b[0] & 0x77, b[1], b[2]), None,
+                           torch.float32).double() * k * 2.0 ** -23  # |A| |B|^T, k roundings
+    got = tg.nvfp4_gemm(a, b, None, torch.float32).double()
+    assert ((got - want).abs() <= bound + 1e-30).all(), (m, n, k)
+    assert not torch.equal(a[0] & 0x77, a[0])  # negative codes were there
+# an empty product, a non-contiguous operand and a bias stride: the reference's results
+a, b = operand(32, 64, False), operand(48, 64, False)
+t = (a[0].t().contiguous().t(), a[1], a[2])
+bias = torch.randn(96, generator=g)[::2]
+assert torch.equal(tg.nvfp4_gemm(t, b, bias, torch.float32), ref.nvfp4_gemm(a, b, bias, torch.float32))
+print("ok")
+'''
+
+
+def test_fused_nvfp4_gemm_in_triton_interpreter():
+    """The emulated NVFP4 GEMM in one kernel (kernels/triton_nvfp4_gemm.py):
+    where each sum of products is exact in fp32 (block scales of one
+    binade) it equals ``reference.nvfp4_gemm`` bit for bit, bias and
+    output rounding included; with scales over many binades it stays within
+    K fp32 roundings of |A| |B|^T of it; strided inputs are copied.  The
+    interpreter multiplies the tiles in fp32 (exact bf16 values, see the
+    module); tests/gpu checks the bf16 tensor cores."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", _NVFP4_GEMM], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), \
+        result.stdout[-2000:] + result.stderr[-4000:]

@@ -157,6 +157,17 @@ def test_native_block_mxfp8_nvfp4_equal_python_bit_for_bit(ext, calls, shape, ou
     assert calls["native"] == 4
 
 
+@pytest.mark.parametrize("rec", [NVFP4, NVFP4_PLAIN], ids=["nvfp4", "nvfp4_plain"])
+def test_native_nvfp4_three_kernel_gemms_equal_python(ext, calls, rec, monkeypatch):
+    """The products above are small enough for the one-kernel NVFP4 GEMM
+    (``cuda_gemm.nvfp4_fused``); with that limit at 0 both paths take the
+    three kernels (dequantize, torch's GEMM, epilogue) and still agree."""
+    from transformer_engine_compile.kernels import cuda_gemm
+    monkeypatch.setattr(cuda_gemm, "NVFP4_FUSED_MAX", 0)
+    test_native_block_mxfp8_nvfp4_equal_python_bit_for_bit(
+        ext, calls, (2, 128, 256), 256, True, torch.bfloat16, True, rec)
+
+
 @pytest.mark.parametrize("rec", [REC, BLOCK, MX], ids=["fp8_current", "fp8_block", "mxfp8"])
 def test_native_under_torch_autocast_with_fp32_parameters(ext, calls, rec):
     """Mixed precision with fp32 parameters: torch.autocast casts W and the

@@ -36,6 +36,7 @@ OPS = (
     "dequantize_nvfp4_blocks",
     "dequantize_nvfp4_blocks_pair",
     "nvfp4_gemm_epilogue",
+    "nvfp4_gemm",
     "delayed_scaling_step",
     "run_step",
     "gemm",

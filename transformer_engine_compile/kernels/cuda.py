@@ -45,6 +45,9 @@ def register() -> None:
                  "nvfp4_gemm_epilogue"):
         register_fast(name, "cuda", getattr(tn4, name))
         _REGISTERED.append(name)
+    from . import triton_nvfp4_gemm as tg
+    register_fast("nvfp4_gemm", "cuda", tg.nvfp4_gemm)
+    _REGISTERED.append("nvfp4_gemm")
     from . import triton_norm as tn
     for name in ("norm_forward", "norm_forward_fp8", "norm_backward"):
         register_fast(name, "cuda", getattr(tn, name))

@@ -18,7 +18,9 @@ Which path a product takes (``gemm_path`` names it; docs/linear.md lists them):
   significant bits), so the bf16 tensor cores multiply them into fp32
   (``torch.mm``'s ``out_dtype``), and one kernel divides the product by
   both per-tensor scales (which bf16 could not hold exactly), adds the
-  bias and rounds once (``reference.nvfp4_gemm_epilogue``).  Without
+  bias and rounds once (``reference.nvfp4_gemm_epilogue``).  Small
+  products (``nvfp4_fused``) do all of it in one Triton kernel
+  (``reference.nvfp4_gemm``, kernels/triton_nvfp4_gemm.py).  Without
   ``torch.mm(..., out_dtype=)`` (torch before 2.8) the reference.
 * ``"reference"``: everything else (mixed formats, shapes cuBLAS refuses,
   fp32 outputs of MXFP8): the fp32 reference GEMM.
@@ -192,10 +194,28 @@ def _has_mm_out_dtype() -> bool:
     return hasattr(torch.ops.aten.mm, "dtype")
 
 
+# products of at most this many multiply-adds (M * N * K) run in one kernel
+# (kernels/triton_nvfp4_gemm.py): 256^3 costs it 10.3 us of GPU time against
+# 8.2 for the three kernels, and ~70 us less host time; from 1024^3 on it is
+# 3x slower on the GPU (it dequantizes an operand tile once per output tile),
+# docs/benchmarks.md (thirty-sixth session)
+NVFP4_FUSED_MAX = 1 << 27
+
+
+def nvfp4_fused(m: int, n: int, k: int) -> bool:
+    """Whether an emulated NVFP4 product of (M, K) by (N, K) runs in one
+    kernel.  A te.Linear call's three products (fprop, dgrad, wgrad) have
+    the same M * N * K, so they all take the same path; the native eager
+    path (module/linear_native.py) asks the same question."""
+    return m * n * k <= NVFP4_FUSED_MAX
+
+
 def _emulated_nvfp4(a, a_usage, b, b_usage, out_dtype, bias):
     a.gemm_operand_check(a_usage)
     b.gemm_operand_check(b_usage)
     (ad, asc, aamax), (bd, bsc, bamax) = a.copy_parts(a_usage), b.copy_parts(b_usage)
+    if nvfp4_fused(ad.shape[0], bd.shape[0], ad.shape[1] * 2):
+        return get("nvfp4_gemm", ad)((ad, asc, aamax), (bd, bsc, bamax), bias, out_dtype)
     a16, b16 = get("dequantize_nvfp4_blocks_pair", ad)(ad, asc, bd, bsc)  # one launch
     acc = torch.mm(a16, b16.t(), out_dtype=torch.float32)
     return get("nvfp4_gemm_epilogue", acc)(acc, aamax, bamax, bias, out_dtype)

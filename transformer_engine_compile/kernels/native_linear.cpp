@@ -125,7 +125,10 @@ enum Cache : int64_t { kNoCache = 0, kWriteCache = 1, kReadCache = 2 };
 // saved columnwise copy, 13-15 W's, 16 dy rowwise in bf16, 17 W columnwise
 // in bf16, 18 dy columnwise in bf16, 19 x columnwise in bf16, 20 dgrad's
 // product, 21 dx, 22 wgrad's product, 23 dW.  An absent copy is the
-// partials (a buffer not needed, dy).
+// partials (a buffer not needed, dy).  Small products (`nvfp4_fused`,
+// cuda_gemm.nvfp4_fused) run in one kernel each: the lists hold no
+// dequantizations, the bf16 and product slots are placeholders (x or dy),
+// and each "epilogue" is that kernel, reading the packed copies.
 struct Plan {
   int64_t recipe = kCurrent;
   int64_t cache = kNoCache;  // the weight cache (`state`: its buffers, after delayed state)
@@ -136,6 +139,7 @@ struct Plan {
   Launch epilogue, dgrad_epilogue, wgrad_epilogue;  // NVFP4
   int64_t parts_x = 0, parts_w = 0, parts_dy = 0;  // NVFP4: int32 amax partials per tensor
   bool stochastic = false;  // NVFP4: dy rounded stochastically (torch.rand draws)
+  bool nvfp4_fused = false;  // NVFP4: each GEMM one kernel (its "epilogue" launch)
   // delayed scaling: elements of the forward's and the backward's zeroed amax
   // vectors; 0 where the launch keeps its amaxes in the counter slot
   // (triton_delayed.py: the slot of the vector then holds x or dy, unread)
@@ -378,13 +382,14 @@ Forward forward_nvfp4(const Plan& p, const at::Tensor& x, const at::Tensor& w,
   auto xc = nvfp4_copies(p.m, p.k, true, p.x_col, xp);
   auto wc = nvfp4_copies(p.n, p.k, true, p.w_col, wp);
   auto bf16 = x.options().dtype(at::kBFloat16);
-  at::Tensor x16 = at::empty({p.m, p.k}, bf16), w16 = at::empty({p.n, p.k}, bf16);
+  at::Tensor x16 = p.nvfp4_fused ? x2d : at::empty({p.m, p.k}, bf16);
+  at::Tensor w16 = p.nvfp4_fused ? x2d : at::empty({p.n, p.k}, bf16);
   std::vector<at::Tensor> slots{x2d,   w2d,   xp,    xc[0], xc[1], xc[2], xc[3],
                                 xc[4], xc[5], wp,    wc[0], wc[1], wc[2], wc[3],
                                 wc[4], wc[5], x16,   w16};
   auto stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
   for (const Launch& l : p.fwd_list) l.run(slots, 0, 0, stream);
-  at::Tensor acc = mm_dtype().call(x16, w16.t(), at::kFloat);
+  at::Tensor acc = p.nvfp4_fused ? x2d : mm_dtype().call(x16, w16.t(), at::kFloat);
   at::Tensor y = at::empty(p.out_shape, x.options());
   slots.push_back(acc);
   slots.push_back(y.view({p.m, p.n}));
@@ -597,10 +602,11 @@ struct LinearFp8Backward : public Node {
     };
     auto xc = saved(w_grad, x_t_, x_sinv_, x_amax_), wc = saved(x_grad, w_t_, w_sinv_, w_amax_);
     auto bf16 = dy.options().dtype(at::kBFloat16);
-    at::Tensor dy16 = x_grad ? at::empty({p.m, p.n}, bf16) : dy2d;
-    at::Tensor w16c = x_grad ? at::empty({p.k, p.n}, bf16) : dy2d;
-    at::Tensor dy16c = w_grad ? at::empty({p.n, p.m}, bf16) : dy2d;
-    at::Tensor x16c = w_grad ? at::empty({p.k, p.m}, bf16) : dy2d;
+    bool dq = !p.nvfp4_fused;  // the operands dequantized for torch's GEMM
+    at::Tensor dy16 = x_grad && dq ? at::empty({p.m, p.n}, bf16) : dy2d;
+    at::Tensor w16c = x_grad && dq ? at::empty({p.k, p.n}, bf16) : dy2d;
+    at::Tensor dy16c = w_grad && dq ? at::empty({p.n, p.m}, bf16) : dy2d;
+    at::Tensor x16c = w_grad && dq ? at::empty({p.k, p.m}, bf16) : dy2d;
     std::vector<at::Tensor> slots{dy2d,  dp,    r_row, r_col, dc[0], dc[1], dc[2], dc[3],
                                   dc[4], dc[5], xc[0], xc[1], xc[2], wc[0], wc[1], wc[2],
                                   dy16,  w16c,  dy16c, x16c,  dy2d,  dy2d,  dy2d,  dy2d};
@@ -609,7 +615,7 @@ struct LinearFp8Backward : public Node {
       if (should_compute_output(i)) {
         for (const Launch& l : p.dgrad_list) l.run(slots, 0, 0, stream);
         at::Tensor dx = at::empty(p.in_shape, dy.options());
-        slots[20] = mm_dtype().call(dy16, w16c.t(), at::kFloat);
+        if (dq) slots[20] = mm_dtype().call(dy16, w16c.t(), at::kFloat);
         slots[21] = dx.view({p.m, p.k});
         p.dgrad_epilogue.run(slots, 0, 0, stream);
         out[i] = dx;
@@ -620,7 +626,7 @@ struct LinearFp8Backward : public Node {
       if (should_compute_output(i) || main_grad.defined()) {
         for (const Launch& l : p.wgrad_list) l.run(slots, 0, 0, stream);
         at::Tensor dw = at::empty({p.n, p.k}, dy.options().dtype(p.wgrad_dtype));
-        slots[22] = mm_dtype().call(dy16c, x16c.t(), at::kFloat);
+        if (dq) slots[22] = mm_dtype().call(dy16c, x16c.t(), at::kFloat);
         slots[23] = dw;
         p.wgrad_epilogue.run(slots, 0, 0, stream);
         wgrad_out(dw, out, i);
@@ -917,8 +923,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            [](Plan& p, std::vector<Launch> fwd_list, Launch epilogue, std::vector<Launch> bwd_list,
               std::vector<Launch> dgrad_list, std::optional<Launch> dgrad_epilogue,
               std::vector<Launch> wgrad_list, std::optional<Launch> wgrad_epilogue,
-              int64_t parts_x, int64_t parts_w, int64_t parts_dy, bool stochastic) {
-             TORCH_CHECK(fwd_list.size() == 6 && p.m % 16 == 0 && p.k % 16 == 0 &&
+              int64_t parts_x, int64_t parts_w, int64_t parts_dy, bool stochastic,
+              bool fused) {
+             TORCH_CHECK(fwd_list.size() == (fused ? 4u : 6u) && p.m % 16 == 0 &&
+                             p.k % 16 == 0 &&
                              p.n % 16 == 0 && parts_x > 0 && parts_w > 0 &&
                              (!p.dgrad || dgrad_epilogue.has_value()) &&
                              (!p.wgrad || wgrad_epilogue.has_value()),
@@ -935,6 +943,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              p.parts_w = parts_w;
              p.parts_dy = parts_dy;
              p.stochastic = stochastic;
+             p.nvfp4_fused = fused;
            })
       .def("set_cache",
            [](Plan& p, int64_t cache) {

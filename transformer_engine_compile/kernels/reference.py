@@ -584,6 +584,16 @@ def nvfp4_gemm_epilogue(acc, amax_a, amax_b, bias, out_dtype) -> torch.Tensor:
     return out.to(out_dtype)
 
 
+def nvfp4_gemm(a, b, bias, out_dtype) -> torch.Tensor:
+    """The emulated NVFP4 GEMM ``A @ B^T``: ``a``, ``b`` are ``(packed,
+    scales, amax)`` of two K-major copies (rows, K / 2), (rows, K / 16);
+    both operands' blocks dequantized (:func:`dequantize_nvfp4_blocks`,
+    exact), multiplied into fp32, then :func:`nvfp4_gemm_epilogue`."""
+    a32 = dequantize_nvfp4_blocks(a[0], a[1], torch.float32)
+    b32 = dequantize_nvfp4_blocks(b[0], b[1], torch.float32)
+    return nvfp4_gemm_epilogue(a32 @ b32.t(), a[2], b[2], bias, out_dtype)
+
+
 # -- normalisation (LayerNormLinear, LayerNormMLP) ---------------------------------
 def norm_forward(x2d, weight, bias, eps: float, rms: bool, with_amax: bool = False,
                  side=None) -> tuple:

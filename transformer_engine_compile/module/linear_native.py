@@ -386,14 +386,17 @@ def _nvfp4_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
     Python path runs it: cuda_gemm._emulated_nvfp4): x, W and dy quantized
     by the NVFP4 kernels (amax pass, quantize pass; dy with the stochastic
     draws), each GEMM's operands dequantized to bf16 by the blocks kernel,
-    torch's bf16 GEMM with an fp32 product, and the epilogue kernel."""
-    from ..kernels import triton_nvfp4 as tn  # Triton: imported on CUDA only
+    torch's bf16 GEMM with an fp32 product, and the epilogue kernel; or, for
+    small products (``cuda_gemm.nvfp4_fused``), one kernel per GEMM."""
+    from ..kernels import triton_nvfp4 as tn, triton_nvfp4_gemm as tg  # Triton: CUDA only
+    from ..kernels.cuda_gemm import nvfp4_fused
     x, w = args.inp, args.weight
     q, wq = _input_quantizer(args), _weight_quantizer(args)
     if not ext.has_mm_dtype() or q.stochastic_rounding or wq.stochastic_rounding:
         return None  # the forward's copies are rounded to nearest (the recipe's)
     dgrad, wgrad = args.input_requires_grad, args.weight_requires_grad
     dev, bf16, f32 = x.device, torch.bfloat16, torch.float32
+    fused = nvfp4_fused(m, n, k)  # fprop, dgrad and wgrad alike
 
     def quant(a2d, quantizer):  # (launches, (parts, six buffers), the two draws)
         launches, out = tn.quantize_calls(a2d, quantizer.with_2d_quantization,
@@ -408,7 +411,10 @@ def _nvfp4_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
 
     def gemm(a, b, a16, b16, acc, out, bias, table):
         """A GEMM's launches over ``table`` (``a``, ``b``: an operand's data,
-        scales and amax): the operands' dequantizations, then the epilogue."""
+        scales and amax): the operands' dequantizations, then the epilogue;
+        fused: none, then the one kernel."""
+        if fused:
+            return [], _listed_launches(ext, dev, [tg.gemm_call(a, b, bias, out)], table)
         return (_listed_launches(ext, dev, [tn.dequantize_call(a[0], a[1], a16),
                                             tn.dequantize_call(b[0], b[1], b16)], table),
                 _listed_launches(ext, dev, [tn.epilogue_call(acc, a[2], b[2], bias, out)], table))
@@ -462,7 +468,8 @@ def _nvfp4_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
                     dgrad, wgrad,
                     args.bias is not None, list(x.shape[:-1]) + [n], list(x.shape))
     plan.set_nvfp4(fwd, epilogue[0], bwd, dgrad_list, epis[0] and epis[0][0], wgrad_list,
-                   epis[1] and epis[1][0], xs[0].shape[0], ws[0].shape[0], parts_dy, stochastic)
+                   epis[1] and epis[1][0], xs[0].shape[0], ws[0].shape[0], parts_dy, stochastic,
+                   fused)
     return _with_bias_grad(ext, plan, args, slot)
 
 
