@@ -24,6 +24,17 @@ import sys
 
 import pytest
 
+
+def _interpret(script: str) -> None:
+    """Run ``script`` in a fresh process under Triton's interpreter; it
+    prints "ok" last when every check held."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), \
+        result.stdout[-2000:] + result.stderr[-4000:]
+
 _CHECKS = r'''
 import torch
 from unittest import mock
@@ -200,12 +211,7 @@ print("ok")
 
 
 def test_bias_and_norm_sum_kernels_in_triton_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-c", _CHECKS], env=env, capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), \
-        result.stdout[-2000:] + result.stderr[-4000:]
+    _interpret(_CHECKS)
 
 
 _NVFP4_ONE_LAUNCH = r'''
@@ -270,12 +276,7 @@ def test_nvfp4_one_launch_kernel_equals_two_launches_in_triton_interpreter():
     run by the interpreter, whose FP8 casts differ from the GPU's: the
     GPU tests compare with the reference), draws its stochastic rounding's
     numbers in the same order, and leaves the slot zeroed."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-c", _NVFP4_ONE_LAUNCH], env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), \
-        result.stdout[-2000:] + result.stderr[-4000:]
+    _interpret(_NVFP4_ONE_LAUNCH)
 
 
 _NVFP4_GEMM = r'''
@@ -332,9 +333,4 @@ def test_fused_nvfp4_gemm_in_triton_interpreter():
     K fp32 roundings of |A| |B|^T of it; strided inputs are copied.  The
     interpreter multiplies the tiles in fp32 (exact bf16 values, see the
     module); tests/gpu checks the bf16 tensor cores."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-c", _NVFP4_GEMM], env=env, capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), \
-        result.stdout[-2000:] + result.stderr[-4000:]
+    _interpret(_NVFP4_GEMM)
