@@ -35,6 +35,7 @@ def _interpret(script: str) -> None:
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), \
         result.stdout[-2000:] + result.stderr[-4000:]
 
+
 _CHECKS = r'''
 import torch
 from unittest import mock
