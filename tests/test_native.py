@@ -123,3 +123,35 @@ def test_empty_many_off_cuda_is_torch_empty():
     assert (b.shape, b.dtype) == ((1,), torch.float32)
     assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
     assert native.empty_many(like) == ()
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
+    """torch's loader waits forever while its lock file exists; one left by a
+    process killed mid-build (older than any build) goes, a live build's stays."""
+    import os
+    import time
+    from torch.utils import cpp_extension
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    lock = tmp_path / "lock"
+    assert not native._clear_stale_lock()  # no lock: nothing to do
+    lock.write_text("")
+    assert not native._clear_stale_lock() and lock.exists()  # a build under way
+    old = time.time() - native._STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    assert native._clear_stale_lock() and not lock.exists()
+
+
+def test_exit_waits_for_a_running_build(monkeypatch, capsys):
+    """The build thread is a daemon: at exit a running build is let finish
+    (so it leaves no lock file), and a finished or absent one costs nothing."""
+    import threading
+    release, done = threading.Event(), []
+    thread = threading.Thread(target=lambda: (release.wait(5), done.append(1)), daemon=True)
+    monkeypatch.setitem(native._state, "thread", thread)
+    thread.start()
+    threading.Timer(0.2, release.set).start()
+    native._finish_build_at_exit()
+    assert done == [1] and not thread.is_alive()
+    assert "finishing the native extension's build" in capsys.readouterr().err
+    native._finish_build_at_exit()  # finished: returns at once, says nothing
+    assert capsys.readouterr().err == ""

@@ -194,20 +194,25 @@ def _has_mm_out_dtype() -> bool:
     return hasattr(torch.ops.aten.mm, "dtype")
 
 
-# products of at most this many multiply-adds (M * N * K) run in one kernel
-# (kernels/triton_nvfp4_gemm.py): 256^3 costs it 10.3 us of GPU time against
-# 8.2 for the three kernels, and ~70 us less host time; from 1024^3 on it is
-# 3x slower on the GPU (it dequantizes an operand tile once per output tile),
-# docs/benchmarks.md (thirty-sixth session)
-NVFP4_FUSED_MAX = 1 << 27
+# products of at most this many multiply-adds (M * N * K), none of M, N, K
+# above NVFP4_FUSED_DIM, run in one kernel (kernels/triton_nvfp4_gemm.py):
+# there it costs about the GPU time of the three kernels (7.9 against 8.2 us
+# at 256^3) and ~70 us less host time.  Larger products cost it more GPU
+# time (it decodes an operand tile once per output tile: 13.2 against 9.4
+# us at 512^3, 3x at 1024^3), and a long K loop over few tiles more still
+# (256 x 256 x 2048: 42 against 11 us); docs/benchmarks.md (thirty-sixth
+# session)
+NVFP4_FUSED_MAX = 1 << 26
+NVFP4_FUSED_DIM = 1024
 
 
 def nvfp4_fused(m: int, n: int, k: int) -> bool:
     """Whether an emulated NVFP4 product of (M, K) by (N, K) runs in one
-    kernel.  A te.Linear call's three products (fprop, dgrad, wgrad) have
-    the same M * N * K, so they all take the same path; the native eager
-    path (module/linear_native.py) asks the same question."""
-    return m * n * k <= NVFP4_FUSED_MAX
+    kernel.  Symmetric in M, N and K: a te.Linear call's three products
+    (fprop, dgrad, wgrad) multiply the same three sizes, so they all take
+    the same path; the native eager path (module/linear_native.py) asks
+    the same question."""
+    return m * n * k <= NVFP4_FUSED_MAX and max(m, n, k) <= NVFP4_FUSED_DIM
 
 
 def _emulated_nvfp4(a, a_usage, b, b_usage, out_dtype, bias):

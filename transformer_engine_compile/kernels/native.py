@@ -22,9 +22,12 @@ is built and the Python path runs.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
+import sys
 import threading
+import time
 import warnings
 
 import torch
@@ -42,9 +45,43 @@ _lock = threading.Lock()
 _state = {"ext": None, "thread": None, "failed": None}
 
 
+# torch's extension loader waits for as long as its build directory's lock
+# file exists, and a process killed mid-build leaves that file behind: then
+# every later process would wait forever (the Python path running meanwhile).
+# A build takes about half a minute, so a lock this old is such a leftover.
+_STALE_LOCK_S = 600
+
+
+def _clear_stale_lock(name: str = "te_compile_native") -> bool:
+    """Remove the build directory's lock file if it is older than any build
+    (:data:`_STALE_LOCK_S`); whether one was removed."""
+    try:
+        from torch.utils import cpp_extension
+        lock = os.path.join(cpp_extension._get_build_directory(name, False), "lock")
+        if time.time() - os.path.getmtime(lock) > _STALE_LOCK_S:
+            os.remove(lock)
+            return True
+    except (OSError, AttributeError):  # no lock (the usual case), another torch
+        pass
+    return False
+
+
+def _finish_build_at_exit() -> None:
+    """At interpreter exit, let a running build finish (the build thread is a
+    daemon, killed at exit, which would leave the lock file): at most once
+    per machine, a script that ends within the build's half minute waits
+    for it, and the next process finds the extension built."""
+    thread = _state["thread"]
+    if thread is not None and thread.is_alive():
+        print("transformer_engine_compile: finishing the native extension's build before "
+              "exiting (once per machine)", file=sys.stderr)
+        thread.join(timeout=_STALE_LOCK_S)
+
+
 def _build():
     try:
         from torch.utils import cpp_extension
+        _clear_stale_lock()
         # torch rebuilds when a source or a flag changes: the header's digest is a flag
         with open(_HEADER, "rb") as f:
             digest = hashlib.sha256(f.read()).hexdigest()[:16]
@@ -74,6 +111,7 @@ def extension(wait: bool = False):
                 return None
             thread = _state["thread"] = threading.Thread(target=_build, daemon=True,
                                                          name="te_compile_native_build")
+            atexit.register(_finish_build_at_exit)
             thread.start()
     if wait:
         thread.join()

@@ -30,7 +30,7 @@ import triton.language as tl
 from . import native
 from . import reference as ref
 from .triton_launch import Launcher, cdiv, int_key, ptr_key
-from .triton_nvfp4 import _GLOBAL_MAX, _TL_OUT, _e2m1_value
+from .triton_nvfp4 import _GLOBAL_MAX, _TL_OUT
 from .triton_quant import _scale_from_amax, _store_rows
 
 
@@ -47,9 +47,20 @@ def _operand_tile(d_ptr, s_ptr, rows, R, K, k0, BR: tl.constexpr, BK: tl.constex
     s = tl.load(s_ptr + r * (K // 16) + cs[None, :],
                 mask=(rows[:, None] < R) & (cs[None, :] < K // 16), other=0.0).to(tl.float32)
     code = tl.reshape(tl.join(byte & 15, byte >> 4), (BR, BK))  # low nibble: even element
-    mag = _e2m1_value(code & 7)
-    v = tl.reshape(tl.where(code >= 8, -mag, mag), (BR, BK // 16, 16)) * s[:, :, None]
+    v = tl.reshape(_e2m1_fp32(code), (BR, BK // 16, 16)) * s[:, :, None]
     return tl.reshape(v, (BR, BK)).to(DOT)
+
+
+@triton.jit
+def _e2m1_fp32(code):
+    """The fp32 values of int32 E2M1 codes (sign in bit 3), built as bits:
+    exponent e + 126 and mantissa bit m for e > 0 ((1 + m / 2) 2^(e - 1)),
+    0.5 or 0 for e == 0; the values of ``triton_nvfp4._e2m1_value`` with
+    the sign, in fewer instructions (the GEMM decodes each tile many times)."""
+    e = (code >> 1) & 3
+    m = code & 1
+    bits = tl.where(e > 0, ((e + 126) << 23) | (m << 22), m * (126 << 23))
+    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -83,7 +94,9 @@ def _nvfp4_gemm_kernel(a_ptr, as_ptr, amax_a_ptr, b_ptr, bs_ptr, amax_b_ptr, bia
     _store_rows(out_ptr, y.to(OUT), rm_s, rn_s, (rm_s[:, None] < M) & (rn_s[None, :] < N), N)
 
 
-_BM, _BN, _BK, _GROUP = 64, 64, 128, 8
+# tiles: 64 x 32 outputs, K in steps of 128 (the fastest of 13 tilings at
+# 256^3, 256 x 1024 x 256 and 512^3 on an H200, docs/benchmarks.md)
+_BM, _BN, _BK, _GROUP = 64, 32, 128, 8
 # the tensor cores' input; Triton's interpreter multiplies bf16 tiles as their
 # raw bits, so there (CPU tests) the same exact values go in as fp32
 _DOT = tl.float32 if os.environ.get("TRITON_INTERPRET", "0") == "1" else tl.bfloat16
