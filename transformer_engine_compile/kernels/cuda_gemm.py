@@ -196,12 +196,12 @@ def _has_mm_out_dtype() -> bool:
 
 # products of at most this many multiply-adds (M * N * K), none of M, N, K
 # above NVFP4_FUSED_DIM, run in one kernel (kernels/triton_nvfp4_gemm.py):
-# there it costs about the GPU time of the three kernels (7.9 against 8.2 us
-# at 256^3) and ~70 us less host time.  Larger products cost it more GPU
-# time (it decodes an operand tile once per output tile: 13.2 against 9.4
-# us at 512^3, 3x at 1024^3), and a long K loop over few tiles more still
-# (256 x 256 x 2048: 42 against 11 us); docs/benchmarks.md (thirty-sixth
-# session)
+# there it costs about the GPU time of the three kernels (H200: 7.2 against
+# 8.2 us at 256^3, 11.5 against 8.8 at 128 x 1024 x 512) and ~70 us less host
+# time.  Larger products cost it more GPU time (it decodes an operand tile
+# once per output tile: 11.8 against 9.4 us at 512^3, 3x at 1024^3), and a
+# long K loop over few tiles more still (256 x 256 x 2048: ~4x);
+# docs/benchmarks.md (thirty-sixth session)
 NVFP4_FUSED_MAX = 1 << 26
 NVFP4_FUSED_DIM = 1024
 
