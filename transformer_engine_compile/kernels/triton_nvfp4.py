@@ -541,19 +541,41 @@ def _nvfp4_blocks_pair_kernel(a_ptr, as_ptr, a_out, Ra, Ca, b_ptr, bs_ptr, b_out
 def _nvfp4_blocks_tile(d_ptr, s_ptr, out_ptr, R, C, pid_r, pid_c, OUT: tl.constexpr,
                        BR: tl.constexpr, BC: tl.constexpr):
     rows = pid_r * BR + tl.arange(0, BR)
+    v = _blocks_values(d_ptr, s_ptr, rows, R, C, pid_c * BC, BR, BC)
+    cols = pid_c * BC + tl.arange(0, BC)
+    _store_rows(out_ptr, v.to(OUT), rows, cols, (rows[:, None] < R) & (cols[None, :] < C), C)
+
+
+@triton.jit
+def _blocks_values(d_ptr, s_ptr, rows, R, C, c0, BR: tl.constexpr, BC: tl.constexpr):
+    """reference.dequantize_nvfp4_blocks of columns c0..c0+BC of the rows
+    ``rows`` of an (R, C) copy, fp32 (each value exact in bf16), zeros
+    outside it: the (BR, BC / 2) bytes and (BR, BC / 16) scales read as
+    tiles (coalesced, each once), the two codes of a byte side by side.
+    The blocks kernel stores them; the one-kernel GEMM
+    (triton_nvfp4_gemm.py) multiplies them."""
     r = rows[:, None].to(tl.int64)
-    cb = pid_c * (BC // 2) + tl.arange(0, BC // 2)
+    cb = c0 // 2 + tl.arange(0, BC // 2)
     byte = tl.load(d_ptr + r * (C // 2) + cb[None, :],
                    mask=(rows[:, None] < R) & (cb[None, :] < C // 2), other=0).to(tl.int32)
-    cs = pid_c * (BC // 16) + tl.arange(0, BC // 16)
+    cs = c0 // 16 + tl.arange(0, BC // 16)
     s = tl.load(s_ptr + r * (C // 16) + cs[None, :],
                 mask=(rows[:, None] < R) & (cs[None, :] < C // 16), other=0.0).to(tl.float32)
     code = tl.reshape(tl.join(byte & 15, byte >> 4), (BR, BC))  # low nibble: even element
-    mag = _e2m1_value(code & 7)
-    v = tl.reshape(tl.where(code >= 8, -mag, mag), (BR, BC // 16, 16)) * s[:, :, None]
-    cols = pid_c * BC + tl.arange(0, BC)
-    _store_rows(out_ptr, tl.reshape(v, (BR, BC)).to(OUT), rows, cols,
-                (rows[:, None] < R) & (cols[None, :] < C), C)
+    v = tl.reshape(_e2m1_fp32(code), (BR, BC // 16, 16)) * s[:, :, None]
+    return tl.reshape(v, (BR, BC))
+
+
+@triton.jit
+def _e2m1_fp32(code):
+    """The fp32 values of int32 E2M1 codes (sign in bit 3), built as bits:
+    exponent e + 126 and mantissa bit m for e > 0 ((1 + m / 2) 2^(e - 1)),
+    0.5 or 0 for e == 0; :func:`_e2m1_value` with the sign, in fewer
+    instructions (the one-kernel GEMM decodes each tile many times)."""
+    e = (code >> 1) & 3
+    m = code & 1
+    bits = tl.where(e > 0, ((e + 126) << 23) | (m << 22), m * (126 << 23))
+    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -30,37 +30,8 @@ import triton.language as tl
 from . import native
 from . import reference as ref
 from .triton_launch import Launcher, cdiv, int_key, ptr_key
-from .triton_nvfp4 import _GLOBAL_MAX, _TL_OUT
+from .triton_nvfp4 import _GLOBAL_MAX, _TL_OUT, _blocks_values
 from .triton_quant import _scale_from_amax, _store_rows
-
-
-@triton.jit
-def _operand_tile(d_ptr, s_ptr, rows, R, K, k0, BR: tl.constexpr, BK: tl.constexpr,
-                  DOT: tl.constexpr):
-    """(BR, BK) in DOT (bf16, exact): columns k0..k0+BK of the rows ``rows`` of an (R, K)
-    copy (bytes (R, K / 2), scales (R, K / 16)), zeros outside it."""
-    r = rows[:, None].to(tl.int64)
-    cb = k0 // 2 + tl.arange(0, BK // 2)
-    byte = tl.load(d_ptr + r * (K // 2) + cb[None, :],
-                   mask=(rows[:, None] < R) & (cb[None, :] < K // 2), other=0).to(tl.int32)
-    cs = k0 // 16 + tl.arange(0, BK // 16)
-    s = tl.load(s_ptr + r * (K // 16) + cs[None, :],
-                mask=(rows[:, None] < R) & (cs[None, :] < K // 16), other=0.0).to(tl.float32)
-    code = tl.reshape(tl.join(byte & 15, byte >> 4), (BR, BK))  # low nibble: even element
-    v = tl.reshape(_e2m1_fp32(code), (BR, BK // 16, 16)) * s[:, :, None]
-    return tl.reshape(v, (BR, BK)).to(DOT)
-
-
-@triton.jit
-def _e2m1_fp32(code):
-    """The fp32 values of int32 E2M1 codes (sign in bit 3), built as bits:
-    exponent e + 126 and mantissa bit m for e > 0 ((1 + m / 2) 2^(e - 1)),
-    0.5 or 0 for e == 0; the values of ``triton_nvfp4._e2m1_value`` with
-    the sign, in fewer instructions (the GEMM decodes each tile many times)."""
-    e = (code >> 1) & 3
-    m = code & 1
-    bits = tl.where(e > 0, ((e + 126) << 23) | (m << 22), m * (126 << 23))
-    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -81,8 +52,8 @@ def _nvfp4_gemm_kernel(a_ptr, as_ptr, amax_a_ptr, b_ptr, bs_ptr, amax_b_ptr, bia
     rn = pid_n * BN + tl.arange(0, BN)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        a = _operand_tile(a_ptr, as_ptr, rm, M, K, k0, BM, BK, DOT)
-        b = _operand_tile(b_ptr, bs_ptr, rn, N, K, k0, BN, BK, DOT)
+        a = _blocks_values(a_ptr, as_ptr, rm, M, K, k0, BM, BK).to(DOT)
+        b = _blocks_values(b_ptr, bs_ptr, rn, N, K, k0, BN, BK).to(DOT)
         acc = tl.dot(a, tl.trans(b), acc)
     ga = _scale_from_amax(tl.load(amax_a_ptr), _GLOBAL_MAX, 0.0, False)
     gb = _scale_from_amax(tl.load(amax_b_ptr), _GLOBAL_MAX, 0.0, False)
