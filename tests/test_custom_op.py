@@ -274,6 +274,54 @@ def test_output_aliasing_an_argument_is_refused():
         pair.fwd_op(*pair.fwd_plan.encode(ToyFwd(torch.ones(2))))
 
 
+def test_native_hooks_run_first_and_only_for_real_calls():
+    """An op's native impls (``native_forward`` / ``native_backward``) are
+    tried before its impls on real calls, given the flat arguments, and a
+    None from them runs the impls; fakes and compiled traces never call
+    them, while a compiled graph's runtime does (its op calls are real)."""
+    seen = []
+
+    def native_forward(pair, flat):
+        seen.append(("fwd", type(flat[0]) is torch.Tensor))
+        if flat[-1].as_dict().get("factor") == 5.0:  # "covered": y = 5 exp(x) + other + offset
+            args = pair.fwd_plan.decode(flat)
+            return [torch.exp(args.x) * 5.0 + args.other + args.offset]
+        return None
+
+    def native_backward(pair, flat):
+        seen.append(("bwd", type(flat[0]) is torch.Tensor))
+        return None
+
+    pair = register_custom_op("toy_native", fwd_args=ToyFwd, bwd_args=ToyBwd,
+                              forward=toy_forward, forward_fake=toy_forward_fake,
+                              backward=toy_backward, backward_fake=toy_backward_fake,
+                              setup_context=toy_setup, grad_fields={"grad_y": "y"},
+                              native_forward=native_forward, native_backward=native_backward)
+    x, one = torch.linspace(-1, 1, 6), torch.ones(6)
+    with torch.no_grad():
+        covered = pair.fwd_op(*pair.fwd_plan.encode(ToyFwd(x, one, one, factor=5.0)))
+        other = pair.fwd_op(*pair.fwd_plan.encode(ToyFwd(x, one, one, factor=2.0)))
+        grads = pair.bwd_op(*pair.bwd_plan.encode(ToyBwd(torch.ones(6), y=x, x=x, factor=2.0)))
+    assert seen == [("fwd", True), ("fwd", True), ("bwd", True)]
+    assert torch.equal(covered[0], torch.exp(x) * 5.0 + 2.0)
+    assert torch.equal(other[0], torch.exp(x) * 2.0 + 1.0 + 1.0)  # the impl's
+    assert torch.equal(grads[0], torch.exp(x) * 2.0)
+    seen.clear()
+
+    def step(x, other, offset):
+        return pair(ToyFwd(x, other, offset, factor=5.0))["y"]
+
+    torch._dynamo.reset()
+    xg, og, fg = (t.clone().requires_grad_() for t in (x, one, one))
+    y = torch.compile(step, fullgraph=True, backend="aot_eager")(xg, og, fg)
+    y.sum().backward()
+    # tracing ran the fakes only; the runtime's forward and backward calls ran the hooks
+    assert seen == [("fwd", True), ("bwd", True)]
+    assert torch.equal(y, torch.exp(x) * 5.0 + 2.0)
+    torch.testing.assert_close(xg.grad, torch.exp(x) * 5.0)
+    assert torch.equal(og.grad, torch.ones(6))
+
+
 @pytest.fixture
 def single_process_group():
     with tempfile.TemporaryDirectory() as d:

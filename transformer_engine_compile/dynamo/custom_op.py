@@ -42,6 +42,11 @@ does: module/linear_ops.py, ``_delayed_updates``).
 The fakes are the single source of truth for the flat layout: the op
 returns ``Tensor[]``, and whoever reads it (the traced caller, the autograd
 formula, the fake kernel) splits it by the fake's structure.
+
+``native_forward`` / ``native_backward`` (optional, ``(pair, flat) -> list
+or None``): a faster real impl the op's kernel tries first, given the flat
+arguments; it returns the flat outputs (the fake's layout, no views) or
+None for the impl.  Never traced: lowering and fakes use the impls.
 """
 
 from __future__ import annotations
@@ -201,11 +206,14 @@ class ArgPlan:
         """Rebuild the dataclass from flat op arguments.  What depends only on
         the simple values (a trace-time constant of the call site) is worked
         out once per distinct value, see :class:`_Decoder`."""
-        simple = flat[-1]
+        return self.decoder(flat[-1])(flat)
+
+    def decoder(self, simple) -> "_Decoder":
+        """The :class:`_Decoder` of one :class:`SimpleValues`."""
         decoder = self._decoders.get(simple)
         if decoder is None:
             decoder = self._decoders[simple] = _Decoder(self, simple)
-        return decoder(flat)
+        return decoder
 
     def decode_slow(self, flat):
         """Field by field through the buckets (the definition ``decode`` caches)."""
@@ -286,9 +294,12 @@ class _Decoder:
     every tensor-or-quantized field are constants of the call site: they
     are decoded once here.  A call then only places its tensors (and
     builds storages from buffers) into a dataclass made without running
-    its ``__init__`` (the same fields, all given)."""
+    its ``__init__`` (the same fields, all given).  ``native``: what an op's
+    native impl keeps for the call sites of these simple values (see
+    :class:`CustomOpPair`)."""
 
     def __init__(self, plan: ArgPlan, simple):
+        self.native = {}
         entries = simple.as_dict()
         self.cls = plan.cls
         self.constants = {}
@@ -355,8 +366,10 @@ class CustomOpPair:
 
     def __init__(self, name, fwd_args, bwd_args, forward, forward_fake, backward,
                  backward_fake, setup_context, grad_fields, forward_updates=None,
-                 backward_updates=None, lower_forward=None, lower_backward=None):
+                 backward_updates=None, lower_forward=None, lower_backward=None,
+                 native_forward=None, native_backward=None):
         self.name = name
+        self.native_forward, self.native_backward = native_forward, native_backward
         self.fwd_plan, self.bwd_plan = ArgPlan(fwd_args), ArgPlan(bwd_args)
         self.forward, self.forward_fake = forward, forward_fake
         self.backward, self.backward_fake = backward, backward_fake
@@ -380,7 +393,7 @@ class CustomOpPair:
                               self._fwd_real, self._fwd_fake,
                               self._autograd_backward, self._autograd_setup)
         self.bwd_op = _define(f"{name}_bwd", self.bwd_schema, self.bwd_plan,
-                              self._bwd_real, self._bwd_fake, self._no_double_backward)
+                              self._bwd_kernel, self._bwd_fake, self._no_double_backward)
         # buffers the ops update keep their identity in a lowered trace
         written = {u.field for u in (*self.forward_updates.values(),
                                      *self.backward_updates.values())}
@@ -401,6 +414,10 @@ class CustomOpPair:
 
     # -- op kernels ----------------------------------------------------------------
     def _fwd_real(self, *flat):
+        if self.native_forward is not None:
+            out = self.native_forward(self, flat)
+            if out is not None:
+                return out
         return [_owning(t) for t in self._fwd_flat(*flat)]
 
     def _fwd_flat(self, *flat):
@@ -411,6 +428,13 @@ class CustomOpPair:
         args = self.fwd_plan.decode(flat)
         protos = self.fwd_plan.to_protos(args)
         return flatten_result(self.forward_fake(protos), protos, self.fwd_plan.tensor_fields)
+
+    def _bwd_kernel(self, *flat):
+        if self.native_backward is not None:
+            out = self.native_backward(self, flat)
+            if out is not None:
+                return out
+        return self._bwd_real(*flat)
 
     def _bwd_real(self, *flat):
         args = self.bwd_plan.decode(flat)
@@ -611,13 +635,16 @@ def register_custom_op(name: str, *, fwd_args: type, bwd_args: type, forward: Ca
                        forward_fake: Callable, backward: Callable, backward_fake: Callable,
                        setup_context: Callable, grad_fields: dict, forward_updates=None,
                        backward_updates=None, lower_forward: Callable | None = None,
-                       lower_backward: Callable | None = None) -> CustomOpPair:
+                       lower_backward: Callable | None = None,
+                       native_forward: Callable | None = None,
+                       native_backward: Callable | None = None) -> CustomOpPair:
     """Generate ``te_compile::<name>_fwd`` / ``<name>_bwd`` and their autograd.
 
     ``forward_updates`` / ``backward_updates``: output name -> field name or
     :class:`Update`; see the module docstring.  ``lower_forward`` /
     ``lower_backward``: ``args -> bool``, whether inductor may replace a
     call by its impl's kernels (dynamo/lowering.py); None: never.
+    ``native_forward`` / ``native_backward``: see the module docstring.
 
     Raises ``RuntimeError`` if ``name`` is taken and ``TypeError`` for a bad
     declaration; see the module docstring for the impl contract.  On a torch
@@ -628,6 +655,7 @@ def register_custom_op(name: str, *, fwd_args: type, bwd_args: type, forward: Ca
         raise RuntimeError(f"custom op {name!r} is already registered")
     pair = CustomOpPair(name, fwd_args, bwd_args, forward, forward_fake, backward,
                         backward_fake, setup_context, grad_fields, forward_updates,
-                        backward_updates, lower_forward, lower_backward)
+                        backward_updates, lower_forward, lower_backward, native_forward,
+                        native_backward)
     _REGISTERED[name] = pair
     return pair

@@ -36,9 +36,10 @@ from . import tracing, triton_launch
 
 ENABLED = os.environ.get("TE_COMPILE_NATIVE", "1") == "1"
 _DIR = os.path.dirname(__file__)
-_SOURCES = [os.path.join(_DIR, name) for name in ("native_linear.cpp", "native_norm.cpp",
-                                                  "native_act.cpp", "native_alloc.cpp")]
-_HEADER = os.path.join(_DIR, "native_common.h")
+_SOURCES = [os.path.join(_DIR, name) for name in (
+    "native_linear.cpp", "native_linear_grads.cpp", "native_linear_op.cpp", "native_norm.cpp",
+    "native_act.cpp", "native_alloc.cpp")]
+_HEADERS = [os.path.join(_DIR, name) for name in ("native_common.h", "native_linear.h")]
 _KINDS = {"i32": 1, "i64": 2, "fp32": 3}  # native_linear.cpp's Kind; 0 tensor, 4 lo, 5 hi
 _SIZES = {0: 8, 1: 4, 2: 8, 3: 4, 4: 4, 5: 4}
 _lock = threading.Lock()
@@ -82,9 +83,12 @@ def _build():
     try:
         from torch.utils import cpp_extension
         _clear_stale_lock()
-        # torch rebuilds when a source or a flag changes: the header's digest is a flag
-        with open(_HEADER, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()[:16]
+        # torch rebuilds when a source or a flag changes: the headers' digest is a flag
+        sha = hashlib.sha256()
+        for header in _HEADERS:
+            with open(header, "rb") as f:
+                sha.update(f.read())
+        digest = sha.hexdigest()[:16]
         ext = cpp_extension.load(name="te_compile_native", sources=_SOURCES,
                                  extra_cflags=["-O2", f"-DTE_NATIVE_COMMON_H={digest}"],
                                  with_cuda=True, verbose=False)

@@ -12,7 +12,7 @@
 // through the driver with the arguments a plan fixed) and torch's
 // _scaled_mm (current scaling) or _scaled_mm_v2 with block scales (as
 // F.scaled_mm calls it), so the results are bit for bit the Python path's.
-#include "native_common.h"
+#include "native_linear.h"
 
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -26,12 +26,7 @@
 #include <string>
 #include <vector>
 
-namespace {
-
-using namespace te_native;
-using torch::autograd::Node;
-using torch::autograd::SavedVariable;
-using torch::autograd::variable_list;
+namespace te_native {
 
 // -- the block-scaled GEMM (F.scaled_mm's op), looked up at run time ------------
 // (looked up rather than called through the generated API, so a torch
@@ -61,7 +56,6 @@ bool has_block_gemm() {
 }
 
 // -- the bf16 GEMM with an fp32 product (NVFP4's emulation), looked up too -------
-using MmDtype = at::Tensor(const at::Tensor&, const at::Tensor&, at::ScalarType);
 
 const c10::TypedOperatorHandle<MmDtype>& mm_dtype() {
   static auto op =
@@ -79,115 +73,6 @@ bool has_mm_dtype() {
   }
 }
 
-// -- the plan of one te.Linear configuration -------------------------------------
-enum Recipe : int64_t { kCurrent = 0, kBlock = 1, kDelayed = 2, kMx = 3, kNvfp4 = 4 };
-// Current, delayed or blockwise scaling with is_first_microbatch: the
-// weight's copies written into the layer's FP8 weight cache after the GEMM
-// (as the Python path's update copies them), or read from it instead of
-// quantizing the weight.
-enum Cache : int64_t { kNoCache = 0, kWriteCache = 1, kReadCache = 2 };
-
-// Forward quantize slots: 0 x (M, K), 1 W (N, K), 2 x data, 3 x transpose,
-// 4 x scale_inv, 5 W data, 6 W transpose, 7 W scale_inv.  Backward quantize
-// slots: 0 dy (M, N), 1 dy data, 2 dy transpose, 3 dy scale_inv.  A copy not
-// made points at the kernel's input (never written).  Reading the weight
-// cache, the forward launch quantizes x alone: slots 0 x, 1 x data, 2 x
-// transpose, 3 x scale_inv.  The bias gradient's
-// two launches (column sums of dy): 0 dy, 1 fp32 partial sums, 2 the result.
-// Blockwise: the forward's launch quantizes x and W (x alone where the
-// weight cache is read), the backward's dy; per tensor, slots 0 the input,
-// 1 rowwise data, 2 rowwise scales, 3 columnwise data, 4 columnwise scales
-// (the forward: x's 0-4, then W's 5-9).
-// Delayed scaling: lists of launches (the casts, the step when it is not
-// fused into the last cast) over one slot table each.  Forward: 0 x, 1 W,
-// 2 the zeroed amaxes, 3 scale[0], 4 scale[1], 5-7 x's data, transpose,
-// scale_inv, 8-10 W's, 11 the forward history, 12 the forward scales.
-// Reading the weight cache, 8-10 are the cache's buffers and the list is x's
-// cast, W's amax and the step, as the Python path launches them.
-// Backward: 0 dy, 1 the zeroed amaxes, 2 scale[0], 3-5 dy's data,
-// transpose, scale_inv, 6 the backward history, 7 the backward scales.
-// MXFP8: lists too.  Forward: 0 x, 1 W, 2-5 x's rowwise data and scales,
-// columnwise data and scales, 6-9 W's, 10 x in bf16, 11 W in bf16 (the
-// quantizations, then the dequantizations of the rowwise copies).
-// Backward: 0 dy, 1-4 dy's copies, 5 dy rowwise in bf16, 6 W columnwise in
-// bf16, 7 dy columnwise in bf16, 8 x columnwise in bf16, 9-10 x's saved
-// columnwise copy and scales, 11-12 W's (dy's quantization, then the
-// dequantizations dgrad reads, then those wgrad reads).
-// NVFP4 (emulated: each operand's blocks dequantized to bf16, a bf16 GEMM
-// with an fp32 product, the epilogue dividing by both per-tensor scales):
-// lists and an epilogue per GEMM.  Forward: 0 x, 1 W, 2 x's amax partials,
-// 3-8 x's rowwise data, scales, amax, columnwise data, scales, amax, 9 W's
-// partials, 10-15 W's copies, 16 x in bf16, 17 W in bf16, 18 the fp32
-// product, 19 y, 20 the bias (the product without one); the list is x's
-// amax and quantize passes, W's, then the two dequantizations.  Backward:
-// 0 dy, 1 its partials, 2-3 the stochastic draws for dy's rowwise and
-// columnwise copies (the partials where none), 4-9 dy's copies, 10-12 x's
-// saved columnwise copy, 13-15 W's, 16 dy rowwise in bf16, 17 W columnwise
-// in bf16, 18 dy columnwise in bf16, 19 x columnwise in bf16, 20 dgrad's
-// product, 21 dx, 22 wgrad's product, 23 dW.  An absent copy is the
-// partials (a buffer not needed, dy).  Small products (`nvfp4_fused`,
-// cuda_gemm.nvfp4_fused) run in one kernel each: the lists hold no
-// dequantizations, the bf16 and product slots are placeholders (x or dy),
-// and each "epilogue" is that kernel, reading the packed copies.
-struct Plan {
-  int64_t recipe = kCurrent;
-  int64_t cache = kNoCache;  // the weight cache (`state`: its buffers, after delayed state)
-  Launch fwd, bwd;
-  Launch bias_add;  // blockwise with a bias: added to the GEMM's output (slots y, bias)
-  std::vector<Launch> fwd_list, bwd_list;  // delayed scaling, MXFP8
-  std::vector<Launch> dgrad_list, wgrad_list;  // MXFP8, NVFP4: the operands' dequantizations
-  Launch epilogue, dgrad_epilogue, wgrad_epilogue;  // NVFP4
-  int64_t parts_x = 0, parts_w = 0, parts_dy = 0;  // NVFP4: int32 amax partials per tensor
-  bool stochastic = false;  // NVFP4: dy rounded stochastically (torch.rand draws)
-  bool nvfp4_fused = false;  // NVFP4: each GEMM one kernel (its "epilogue" launch)
-  // delayed scaling: elements of the forward's and the backward's zeroed amax
-  // vectors; 0 where the launch keeps its amaxes in the counter slot
-  // (triton_delayed.py: the slot of the vector then holds x or dy, unread)
-  int64_t amax_len = 0, amax_len_bwd = 0;
-  int64_t scaling_1x128 = 0, scaling_128x128 = 0;  // F.ScalingType values
-  Launch bias_rows, bias_cols;  // the bias gradient (when bias_grad)
-  // the Python path's backward, for a gradient this node does not take as it
-  // is (a tensor subclass such as fp8_grad's quantized dy, another dtype)
-  PyCallable python_backward;
-  at::ScalarType act_dtype = at::kBFloat16;  // x, y and dy
-  int64_t device = 0;  // the kernels' device (their handles are per device)
-  int64_t m = 0, k = 0, n = 0;
-  at::ScalarType fp8_fwd = at::kFloat8_e4m3fn, fp8_bwd = at::kFloat8_e5m2;
-  at::ScalarType wgrad_dtype = at::kBFloat16;
-  bool x_col = false, w_col = false, dgrad = false, wgrad = false;
-  // a bias of act_dtype added in the forward GEMM's epilogue; its gradient
-  // summed over `bias_groups` row groups (triton_bias.column_sum)
-  bool bias = false, bias_grad = false;
-  int64_t bias_groups = 0;
-  // fuse_wgrad_accumulation: W's gradient (of wgrad_dtype) is added into the
-  // weight's main_grad, the last `state` tensor, and W's edge gets none
-  bool main_grad = false;
-  // delayed scaling in a fused module: x comes quantized by its norm's
-  // kernel (norm_linear), the forward list holds W's launches alone
-  bool given_x = false;
-  std::vector<int64_t> out_shape, in_shape;
-};
-
-// x's FP8 copies made by a fused module's norm kernel (norm_linear), and the
-// call's amax vector with x's amax recorded in it
-struct GivenX {
-  at::Tensor data, t, sinv, amaxes;
-};
-
-at::Tensor fp8_empty(int64_t r, int64_t c, at::ScalarType dt, const at::Tensor& like) {
-  return at::empty({r, c}, like.options().dtype(dt));
-}
-
-// The tensors a forward leaves for the backward: x's and W's columnwise
-// copies and their scales (current scaling: a one-element scale_inv each).
-struct Forward {
-  at::Tensor y, x_t, x_sinv, w_t, w_sinv;
-  at::Tensor x_amax, w_amax;  // NVFP4: the columnwise copies' amaxes
-};
-
-// The stored length of a row of 128x128 scales: `blocks` padded to a
-// multiple of 4 (reference.padded_blocks), as cuBLAS reads them.
-int64_t padded_blocks(int64_t blocks) { return (blocks + 3) / 4 * 4; }
 
 // out = A @ B^T with 1x128 scales for A (`a_s`, (rows, blocks) with stride
 // (1, rows)) and 1x128 or 128x128 scales for B (the latter stored padded),
@@ -201,6 +86,22 @@ void block_gemm(const Plan& p, const at::Tensor& a, const at::Tensor& a_s, const
   scaled_mm_v2_out().call(a, b.t(), sa, ra, {}, sb, rb, {}, std::nullopt, out.scalar_type(),
                           {}, false, out);
 }
+
+// The bf16 emulated GEMM's result in `out` (cuda_gemm._emulated_bf16:
+// F.linear of the dequantized operands, then the output's dtype).
+void mx_gemm(const at::Tensor& a16, const at::Tensor& b16t, at::Tensor& out) {
+  if (out.scalar_type() == at::kBFloat16) {
+    at::mm_out(out, a16, b16t);
+  } else {
+    out.copy_(at::mm(a16, b16t));
+  }
+}
+
+namespace {
+
+using torch::autograd::Node;
+using torch::autograd::SavedVariable;
+using torch::autograd::variable_list;
 
 // `state`: the weight cache's rowwise data and scales, columnwise data and
 // scales where the plan has one (then main_grad where it has one).
@@ -251,7 +152,8 @@ void forward_casts(const Plan& p, const at::Tensor& x2d, const at::Tensor& w2d,
                    const at::Tensor& x_data, const at::Tensor& x_t, const at::Tensor& x_sinv,
                    const at::Tensor& w_data, const at::Tensor& w_t, const at::Tensor& w_sinv,
                    int64_t lo, int64_t hi, const std::vector<at::Tensor>& state,
-                   const GivenX* given, cudaStream_t stream) {
+                   const GivenX* given, const at::Tensor& new_h, const at::Tensor& new_s,
+                   cudaStream_t stream) {
   if (p.recipe == kDelayed) {
     const at::Tensor& scale = state[1];
     at::Tensor amaxes = given          ? given->amaxes
@@ -259,7 +161,9 @@ void forward_casts(const Plan& p, const at::Tensor& x2d, const at::Tensor& w2d,
                                          : x2d;
     std::vector<at::Tensor> slots{x2d,    w2d,    amaxes,
                                   scale.select(0, 0), scale.select(0, 1),
-                                  x_data, x_t,    x_sinv, w_data, w_t, w_sinv, state[0], scale};
+                                  x_data, x_t,    x_sinv, w_data, w_t, w_sinv, state[0], scale,
+                                  new_h.defined() ? new_h : state[0],
+                                  new_s.defined() ? new_s : scale};
     for (const Launch& l : p.fwd_list) l.run(slots, lo, hi, stream);
   } else {
     p.fwd.run({x2d, w2d, x_data, x_t, x_sinv, w_data, w_t, w_sinv}, lo, hi, stream);
@@ -269,10 +173,12 @@ void forward_casts(const Plan& p, const at::Tensor& x2d, const at::Tensor& w2d,
 // Current or delayed scaling (`state`: the forward and backward histories
 // and scales under delayed scaling, then the weight cache's data, transpose
 // and scale_inv with one; `given`: x's copies where its norm made them, x
-// then only stands for the norm's output and is not read).
+// then only stands for the norm's output and is not read; `new_h`, `new_s`:
+// where the step writes, see forward_of).
 Forward forward_current(const Plan& p, const at::Tensor& x, const at::Tensor& w,
                         const c10::optional<at::Tensor>& bias, int64_t lo, int64_t hi,
-                        const std::vector<at::Tensor>& state, const GivenX* given) {
+                        const std::vector<at::Tensor>& state, const GivenX* given,
+                        const at::Tensor& new_h, const at::Tensor& new_s) {
   at::NoGradGuard no_grad;
   auto f32 = x.options().dtype(at::kFloat);
   at::Tensor x2d, x_sinv, x_data, x_t;
@@ -295,7 +201,7 @@ Forward forward_current(const Plan& p, const at::Tensor& x, const at::Tensor& w,
     w_sinv = state[c + 2];
     if (p.recipe == kDelayed) {  // x's cast, W's amax, the step
       forward_casts(p, x2d, operand(w, p.n, p.k), x_data, x_t, x_sinv, w_data, w_t, w_sinv, lo,
-                    hi, state, given, stream);
+                    hi, state, given, new_h, new_s, stream);
     } else {
       p.fwd.run({x2d, x_data, x_t, x_sinv}, lo, hi, stream);
     }
@@ -305,7 +211,7 @@ Forward forward_current(const Plan& p, const at::Tensor& x, const at::Tensor& w,
     w_data = fp8_empty(p.n, p.k, p.fp8_fwd, x);
     w_t = p.w_col ? fp8_empty(p.k, p.n, p.fp8_fwd, x) : w2d;
     forward_casts(p, x2d, w2d, x_data, x_t, x_sinv, w_data, w_t, w_sinv, lo, hi, state, given,
-                  stream);
+                  new_h, new_s, stream);
   }
   at::Tensor y = at::empty(p.out_shape, x.options());
   at::Tensor y2d = y.view({p.m, p.n});
@@ -318,20 +224,6 @@ Forward forward_current(const Plan& p, const at::Tensor& x, const at::Tensor& w,
   }
   bool w_col = p.w_col || p.cache == kReadCache;
   return {y, p.x_col ? x_t : at::Tensor(), x_sinv, w_col ? w_t : at::Tensor(), w_sinv};
-}
-
-at::Tensor u8_empty(int64_t r, int64_t c, const at::Tensor& like) {
-  return at::empty({r, c}, like.options().dtype(at::kByte));
-}
-
-// The bf16 emulated GEMM's result in `out` (cuda_gemm._emulated_bf16:
-// F.linear of the dequantized operands, then the output's dtype).
-void mx_gemm(const at::Tensor& a16, const at::Tensor& b16t, at::Tensor& out) {
-  if (out.scalar_type() == at::kBFloat16) {
-    at::mm_out(out, a16, b16t);
-  } else {
-    out.copy_(at::mm(a16, b16t));
-  }
 }
 
 Forward forward_mx(const Plan& p, const at::Tensor& x, const at::Tensor& w,
@@ -356,21 +248,6 @@ Forward forward_mx(const Plan& p, const at::Tensor& x, const at::Tensor& w,
   if (p.bias) p.bias_add.run({y2d, *bias}, 0, 0, stream);
   return {y, p.x_col ? x_cd : at::Tensor(), p.x_col ? x_cs : at::Tensor(),
           p.w_col ? w_cd : at::Tensor(), p.w_col ? w_cs : at::Tensor()};
-}
-
-// The NVFP4 copies of one (rows, cols) tensor: rowwise data, scales, amax,
-// columnwise data, scales, amax; an absent copy's buffers are `parts`.
-std::array<at::Tensor, 6> nvfp4_copies(int64_t rows, int64_t cols, bool rowwise, bool columnwise,
-                                       const at::Tensor& parts) {
-  constexpr int64_t B = 16;
-  auto u8 = parts.options().dtype(at::kByte), e4m3 = parts.options().dtype(at::kFloat8_e4m3fn);
-  auto f32 = parts.options().dtype(at::kFloat);
-  return {rowwise ? at::empty({rows, cols / 2}, u8) : parts,
-          rowwise ? at::empty({rows, cols / B}, e4m3) : parts,
-          rowwise ? at::empty({1}, f32) : parts,
-          columnwise ? at::empty({cols, rows / 2}, u8) : parts,
-          columnwise ? at::empty({cols, rows / B}, e4m3) : parts,
-          columnwise ? at::empty({1}, f32) : parts};
 }
 
 Forward forward_nvfp4(const Plan& p, const at::Tensor& x, const at::Tensor& w,
@@ -408,6 +285,21 @@ Forward forward_nvfp4(const Plan& p, const at::Tensor& x, const at::Tensor& w,
   }
   return f;
 }
+
+}  // namespace
+
+Forward forward_of(const Plan& p, const at::Tensor& x, const at::Tensor& w,
+                   const c10::optional<at::Tensor>& bias, int64_t lo, int64_t hi,
+                   const std::vector<at::Tensor>& state, const GivenX* given,
+                   const at::Tensor& new_history, const at::Tensor& new_scale) {
+  return p.recipe == kBlock   ? forward_block(p, x, w, bias, state)
+         : p.recipe == kMx    ? forward_mx(p, x, w, bias)
+         : p.recipe == kNvfp4 ? forward_nvfp4(p, x, w, bias)
+                              : forward_current(p, x, w, bias, lo, hi, state, given, new_history,
+                                                new_scale);
+}
+
+namespace {
 
 // -- the autograd node ---------------------------------------------------------
 struct LinearFp8Backward : public Node {
@@ -468,204 +360,37 @@ struct LinearFp8Backward : public Node {
     if (!dy.defined()) return out;
     if (!plain_on(dy, p.device, p.act_dtype)) {
       python_path(dy, out);
-    } else {
-      at::NoGradGuard no_grad;
-      at::Tensor dy2d = operand(dy, p.m, p.n);
-      auto f32 = dy.options().dtype(at::kFloat);
-      auto stream = c10::cuda::getCurrentCUDAStream(dy.device().index()).stream();
-      size_t i = 0;
-      if (p.recipe == kBlock) {
-        block_grads(p, dy, dy2d, out, i, stream);
-      } else if (p.recipe == kMx) {
-        mx_grads(p, dy, dy2d, out, i, stream);
-      } else if (p.recipe == kNvfp4) {
-        nvfp4_grads(p, dy, dy2d, out, i, stream);
+      return once_differentiable(grads, std::move(out), "te.Linear");
+    }
+    // output positions: x, W, then the bias, each where it takes a gradient
+    size_t ix = 0, iw = x_grad ? 1 : 0, ib = iw + (w_grad ? 1 : 0);
+    bool want_dx = x_grad && should_compute_output(ix);
+    bool want_dw = w_grad && (should_compute_output(iw) || main_grad.defined());
+    bool want_db = b_grad && should_compute_output(ib);
+    Saved s;
+    if (want_dx) {
+      s.w_t = w_t_.unpack();
+      s.w_sinv = w_sinv_.unpack();
+      if (p.recipe == kNvfp4) s.w_amax = w_amax_.unpack();
+    }
+    if (want_dw) {
+      s.x_t = x_t_.unpack();
+      s.x_sinv = x_sinv_.unpack();
+      if (p.recipe == kNvfp4) s.x_amax = x_amax_.unpack();
+    }
+    // delayed scaling: the step updates the layer's buffers in place
+    DelayedState d{history_bwd, scale_bwd, history_bwd, scale_bwd};
+    Grads g = grads_of(p, dy, s, want_dx, want_dw, want_db, d, lo, hi);
+    if (want_dx) out[ix] = g.dx;
+    if (want_dw) {  // under fuse_wgrad_accumulation added into main_grad, none for W
+      if (main_grad.defined()) {
+        main_grad.add_(g.dw);
       } else {
-        current_grads(p, dy, dy2d, out, i, lo, hi, stream);
-      }
-      if (b_grad && should_compute_output(i)) {
-        at::Tensor parts = at::empty({p.bias_groups, p.n}, f32);
-        at::Tensor db = at::empty({1, p.n}, dy.options());
-        std::vector<at::Tensor> slots{dy2d, parts, db};
-        p.bias_rows.run(slots, lo, hi, stream);
-        p.bias_cols.run(slots, lo, hi, stream);
-        out[i] = db.view({p.n});
+        out[iw] = g.dw;
       }
     }
+    if (want_db) out[ib] = g.db;
     return once_differentiable(grads, std::move(out), "te.Linear");
-  }
-
-  // W's gradient: W's output, or under fuse_wgrad_accumulation added into
-  // main_grad (as the Python path's "main_grad" update adds it, also where
-  // W's gradient itself is not asked for) with none for W
-  void wgrad_out(const at::Tensor& dw, variable_list& out, size_t i) {
-    if (main_grad.defined()) {
-      main_grad.add_(dw);
-    } else {
-      out[i] = dw;
-    }
-  }
-
-  // dgrad and wgrad under current scaling; `i` moves past their outputs
-  void current_grads(const Plan& p, const at::Tensor& dy, const at::Tensor& dy2d,
-                     variable_list& out, size_t& i, int64_t lo, int64_t hi,
-                     cudaStream_t stream) {
-    at::Tensor sinv, data, tr;
-    if (x_grad || w_grad) {  // dy quantized (a bias gradient alone reads dy as it is)
-      sinv = at::empty({1}, dy.options().dtype(at::kFloat));
-      data = p.dgrad ? fp8_empty(p.m, p.n, p.fp8_bwd, dy) : dy2d;
-      tr = p.wgrad ? fp8_empty(p.n, p.m, p.fp8_bwd, dy) : dy2d;
-      if (p.recipe == kDelayed) {
-        TORCH_CHECK(history_bwd.defined(),
-                    "Trying to backward through the graph a second time (te.Linear native "
-                    "eager path): the delayed-scaling state was released");
-        at::Tensor amaxes = p.amax_len_bwd > 0 ? at::zeros({p.amax_len_bwd}, sinv.options()) : dy2d;
-        std::vector<at::Tensor> slots{dy2d, amaxes,
-                                      scale_bwd.select(0, 0), data, tr, sinv, history_bwd,
-                                      scale_bwd};
-        for (const Launch& l : p.bwd_list) l.run(slots, lo, hi, stream);
-      } else {
-        p.bwd.run({dy2d, data, tr, sinv}, lo, hi, stream);
-      }
-    }
-    if (x_grad) {
-      at::Tensor w_t = w_t_.unpack(), w_sinv = w_sinv_.unpack();
-      if (should_compute_output(i)) {
-        out[i] = at::_scaled_mm(data, w_t.t(), sinv, w_sinv, c10::nullopt, c10::nullopt,
-                                dy.scalar_type(), false)
-                     .view(p.in_shape);
-      }
-      ++i;
-    }
-    if (w_grad) {
-      if (should_compute_output(i) || main_grad.defined()) {
-        at::Tensor x_t = x_t_.unpack(), x_sinv = x_sinv_.unpack();
-        wgrad_out(at::_scaled_mm(tr, x_t.t(), sinv, x_sinv, c10::nullopt, c10::nullopt,
-                                 p.wgrad_dtype, false),
-                  out, i);
-      }
-      ++i;
-    }
-  }
-
-  // dgrad and wgrad under MXFP8 (cuda_gemm._emulated_bf16's calls)
-  void mx_grads(const Plan& p, const at::Tensor& dy, const at::Tensor& dy2d, variable_list& out,
-                size_t& i, cudaStream_t stream) {
-    constexpr int64_t B = 32;
-    if (!(x_grad || w_grad)) return;
-    at::Tensor d_rd = p.dgrad ? fp8_empty(p.m, p.n, p.fp8_bwd, dy) : dy2d;
-    at::Tensor d_rs = p.dgrad ? u8_empty(p.m, p.n / B, dy) : dy2d;
-    at::Tensor d_cd = p.wgrad ? fp8_empty(p.m, p.n, p.fp8_bwd, dy) : dy2d;
-    at::Tensor d_cs = p.wgrad ? u8_empty(p.m / B, p.n, dy) : dy2d;
-    auto bf16 = dy.options().dtype(at::kBFloat16);
-    at::Tensor x_cd = w_grad ? x_t_.unpack() : dy2d, x_cs = w_grad ? x_sinv_.unpack() : dy2d;
-    at::Tensor w_cd = x_grad ? w_t_.unpack() : dy2d, w_cs = x_grad ? w_sinv_.unpack() : dy2d;
-    at::Tensor dy16 = x_grad ? at::empty({p.m, p.n}, bf16) : dy2d;
-    at::Tensor w16c = x_grad ? at::empty({p.n, p.k}, bf16) : dy2d;
-    at::Tensor dy16c = w_grad ? at::empty({p.m, p.n}, bf16) : dy2d;
-    at::Tensor x16c = w_grad ? at::empty({p.m, p.k}, bf16) : dy2d;
-    std::vector<at::Tensor> slots{dy2d, d_rd, d_rs, d_cd, d_cs, dy16, w16c,
-                                  dy16c, x16c, x_cd, x_cs, w_cd, w_cs};
-    for (const Launch& l : p.bwd_list) l.run(slots, 0, 0, stream);
-    if (x_grad) {
-      if (should_compute_output(i)) {
-        for (const Launch& l : p.dgrad_list) l.run(slots, 0, 0, stream);
-        at::Tensor dx = at::mm(dy16, w16c);
-        if (dx.scalar_type() != p.act_dtype) dx = dx.to(p.act_dtype);
-        out[i] = dx.view(p.in_shape);
-      }
-      ++i;
-    }
-    if (w_grad) {
-      if (should_compute_output(i)) {
-        for (const Launch& l : p.wgrad_list) l.run(slots, 0, 0, stream);
-        at::Tensor dw = at::mm(dy16c.t(), x16c);
-        out[i] = dw.scalar_type() == p.wgrad_dtype ? dw : dw.to(p.wgrad_dtype);
-      }
-      ++i;
-    }
-  }
-
-  // dgrad and wgrad under NVFP4 (cuda_gemm._emulated_nvfp4's calls)
-  void nvfp4_grads(const Plan& p, const at::Tensor& dy, const at::Tensor& dy2d,
-                   variable_list& out, size_t& i, cudaStream_t stream) {
-    if (!(x_grad || w_grad)) return;
-    at::Tensor dp = at::empty({p.parts_dy}, dy.options().dtype(at::kInt));
-    auto f32 = dy.options().dtype(at::kFloat);
-    // the draws in the Python path's order: the rowwise copy's, then the columnwise one's
-    at::Tensor r_row = p.stochastic && p.dgrad ? at::rand({p.m, p.n}, f32) : dp;
-    at::Tensor r_col = p.stochastic && p.wgrad ? at::rand({p.n, p.m}, f32) : dp;
-    auto dc = nvfp4_copies(p.m, p.n, p.dgrad, p.wgrad, dp);
-    auto saved = [&](bool on, SavedVariable& t, SavedVariable& s, SavedVariable& a) {
-      return on ? std::array<at::Tensor, 3>{t.unpack(), s.unpack(), a.unpack()}
-                : std::array<at::Tensor, 3>{dy2d, dy2d, dy2d};
-    };
-    auto xc = saved(w_grad, x_t_, x_sinv_, x_amax_), wc = saved(x_grad, w_t_, w_sinv_, w_amax_);
-    auto bf16 = dy.options().dtype(at::kBFloat16);
-    bool dq = !p.nvfp4_fused;  // the operands dequantized for torch's GEMM
-    at::Tensor dy16 = x_grad && dq ? at::empty({p.m, p.n}, bf16) : dy2d;
-    at::Tensor w16c = x_grad && dq ? at::empty({p.k, p.n}, bf16) : dy2d;
-    at::Tensor dy16c = w_grad && dq ? at::empty({p.n, p.m}, bf16) : dy2d;
-    at::Tensor x16c = w_grad && dq ? at::empty({p.k, p.m}, bf16) : dy2d;
-    std::vector<at::Tensor> slots{dy2d,  dp,    r_row, r_col, dc[0], dc[1], dc[2], dc[3],
-                                  dc[4], dc[5], xc[0], xc[1], xc[2], wc[0], wc[1], wc[2],
-                                  dy16,  w16c,  dy16c, x16c,  dy2d,  dy2d,  dy2d,  dy2d};
-    for (const Launch& l : p.bwd_list) l.run(slots, 0, 0, stream);
-    if (x_grad) {
-      if (should_compute_output(i)) {
-        for (const Launch& l : p.dgrad_list) l.run(slots, 0, 0, stream);
-        at::Tensor dx = at::empty(p.in_shape, dy.options());
-        if (dq) slots[20] = mm_dtype().call(dy16, w16c.t(), at::kFloat);
-        slots[21] = dx.view({p.m, p.k});
-        p.dgrad_epilogue.run(slots, 0, 0, stream);
-        out[i] = dx;
-      }
-      ++i;
-    }
-    if (w_grad) {
-      if (should_compute_output(i) || main_grad.defined()) {
-        for (const Launch& l : p.wgrad_list) l.run(slots, 0, 0, stream);
-        at::Tensor dw = at::empty({p.n, p.k}, dy.options().dtype(p.wgrad_dtype));
-        if (dq) slots[22] = mm_dtype().call(dy16c, x16c.t(), at::kFloat);
-        slots[23] = dw;
-        p.wgrad_epilogue.run(slots, 0, 0, stream);
-        wgrad_out(dw, out, i);
-      }
-      ++i;
-    }
-  }
-
-  // dgrad and wgrad under blockwise scaling (cuda_gemm._fp8_blockwise's calls)
-  void block_grads(const Plan& p, const at::Tensor& dy, const at::Tensor& dy2d,
-                   variable_list& out, size_t& i, cudaStream_t stream) {
-    constexpr int64_t B = 128;
-    if (!(x_grad || w_grad)) return;
-    auto f32 = dy.options().dtype(at::kFloat);
-    at::Tensor d_rd = p.dgrad ? fp8_empty(p.m, p.n, p.fp8_bwd, dy) : dy2d;
-    at::Tensor d_rs = p.dgrad ? at::empty({p.n / B, p.m}, f32) : dy2d;
-    at::Tensor d_cd = p.wgrad ? fp8_empty(p.n, p.m, p.fp8_bwd, dy) : dy2d;
-    at::Tensor d_cs = p.wgrad ? at::empty({p.m / B * p.n}, f32) : dy2d;
-    p.bwd.run({dy2d, d_rd, d_rs, d_cd, d_cs}, 0, 0, stream);
-    if (x_grad) {
-      if (should_compute_output(i)) {
-        at::Tensor w_t = w_t_.unpack(), w_s = w_sinv_.unpack();
-        at::Tensor dx = at::empty(p.in_shape, dy.options());
-        at::Tensor dx2d = dx.view({p.m, p.k});
-        block_gemm(p, d_rd, d_rs.t(), w_t, w_s, true, dx2d);
-        out[i] = dx;
-      }
-      ++i;
-    }
-    if (w_grad) {
-      if (should_compute_output(i) || main_grad.defined()) {
-        at::Tensor x_t = x_t_.unpack(), x_s = x_sinv_.unpack();
-        at::Tensor dw = at::empty({p.n, p.k}, dy.options().dtype(p.wgrad_dtype));
-        block_gemm(p, d_cd, d_cs.view({p.m / B, p.n}).t(), x_t, x_s.view({p.m / B, p.k}).t(),
-                   false, dw);
-        wgrad_out(dw, out, i);
-      }
-      ++i;
-    }
   }
 };
 
@@ -740,10 +465,8 @@ at::Tensor run(const std::shared_ptr<Plan>& plan, const at::Tensor& x, const at:
                const std::vector<at::Tensor>& state, bool record, const GivenX* given) {
   const Plan& p = *plan;
   c10::cuda::CUDAGuard guard(x.device());
-  Forward f = p.recipe == kBlock   ? forward_block(p, x, w, bias, state)
-              : p.recipe == kMx    ? forward_mx(p, x, w, bias)
-              : p.recipe == kNvfp4 ? forward_nvfp4(p, x, w, bias)
-                                   : forward_current(p, x, w, bias, lo, hi, state, given);
+  // delayed scaling: the step updates the layer's buffers in place
+  Forward f = forward_of(p, x, w, bias, lo, hi, state, given, at::Tensor(), at::Tensor());
   if (!record) return f.y;
   auto node = NodeMaker<LinearFp8Backward, NodeHolder>::make();
   node->plan = plan;
@@ -851,8 +574,10 @@ void run_launch(const Launch& l, const std::vector<at::Tensor>& slots, int64_t l
 }
 
 }  // namespace
+}  // namespace te_native
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace te_native;
   py::class_<Launch>(m, "Launch");
   py::class_<Plan, std::shared_ptr<Plan>>(m, "Plan")
       .def(py::init([](Launch fwd, Launch bwd, py::object python_backward,
@@ -966,6 +691,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                          "delayed or blockwise scaling, or NVFP4");
              p.main_grad = true;
            })
+      .def("set_op_shapes",
+           [](Plan& p, std::vector<std::vector<int64_t>> fwd,
+              std::vector<std::vector<int64_t>> bwd) {
+             p.op_fwd_shapes = std::move(fwd);
+             p.op_bwd_shapes = std::move(bwd);
+           })
       .def("set_bias_grad", [](Plan& p, Launch rows, Launch cols, int64_t groups) {
         TORCH_CHECK(p.bias && groups > 0, "te native: a bias gradient needs a bias");
         p.bias_rows = std::move(rows);
@@ -983,4 +714,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   te_native::register_norm(m);
   te_native::register_act(m);
   te_native::register_alloc(m);
+  te_native::register_linear_op(m);
 }

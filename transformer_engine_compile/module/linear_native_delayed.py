@@ -39,7 +39,11 @@ def delayed_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot, given_x
         w2d = torch.zeros((n, k), dtype=w.dtype, device=dev)
         amaxes = torch.zeros(ref.STEP_COUNTER + 1, dtype=torch.float32, device=dev)
         s0, s1 = scale[0], scale[1]
-        step = ref.StepAfter(hist, hist, scale, q.fp8_format, q.margin, q.amax_compute_algo)
+        # the step's outputs have slots of their own: the eager path passes the
+        # layer's history and scales there (in place), an op new buffers
+        new_hist, new_scale = torch.zeros_like(hist), torch.zeros_like(scale)
+        step = ref.StepAfter(hist, new_hist, new_scale, q.fp8_format, q.margin,
+                             q.amax_compute_algo)
         # reading the FP8 weight cache, W's amax alone (its usage flags off)
         one = None if given_x else _one_delayed_launch(
             x2d, w2d, scale, q, None if cache == READ_CACHE else wq, step, slot)
@@ -60,7 +64,7 @@ def delayed_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot, given_x
                                                 amax_out=ref.AmaxSlot(amaxes, 1, step))
         fwd = _listed_launches(ext, dev, lw if given_x else lx + lw, [
             x2d, w2d, amaxes, s0, s1, *tq._fp8_copy_args(out_x, x2d),
-            *tq._fp8_copy_args(out_w, w2d), hist, scale])
+            *tq._fp8_copy_args(out_w, w2d), hist, scale, new_hist, new_scale])
         bwd, fmt_bwd, one_b = [], "e5m2", None
         if dgrad or wgrad:
             dq = _grad_output_quantizer(args)
@@ -70,7 +74,8 @@ def delayed_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot, given_x
             dy2d = torch.zeros((m, n), dtype=x.dtype, device=dev)
             amaxes_b = torch.zeros(ref.STEP_COUNTER + 1, dtype=torch.float32, device=dev)
             sb0 = scale_b[0]
-            step_b = ref.StepAfter(hist_b, hist_b, scale_b, dq.fp8_format, dq.margin,
+            new_hist_b, new_scale_b = torch.zeros_like(hist_b), torch.zeros_like(scale_b)
+            step_b = ref.StepAfter(hist_b, new_hist_b, new_scale_b, dq.fp8_format, dq.margin,
                                    dq.amax_compute_algo)
             one_b = _one_delayed_launch(dy2d, None, scale_b, dq, None, step_b, slot)
             if one_b is not None:  # dy's cast and the step: one launch, no amax vector
@@ -81,7 +86,7 @@ def delayed_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot, given_x
                                                     amax_out=ref.AmaxSlot(amaxes_b, 0, step_b))
             bwd = _listed_launches(ext, dev, ld, [dy2d, amaxes_b, sb0,
                                                   *tq._fp8_copy_args(out_d, dy2d), hist_b,
-                                                  scale_b])
+                                                  scale_b, new_hist_b, new_scale_b])
     if fwd is None or bwd is None:
         return None
     state = (args.amax_history_fwd, args.scale_fwd, args.amax_history_bwd, args.scale_bwd)

@@ -649,6 +649,18 @@ def _lowerable_formats(quantizers, args) -> bool:
                          and _has_fast_kernel("quantize_nvfp4", args))
 
 
+def _native_forward(pair, flat):
+    """The forward op's native impl (module/linear_native_ops.py, imported
+    on first use: it imports this module)."""
+    from . import linear_native_ops
+    return linear_native_ops.forward(pair, flat)
+
+
+def _native_backward(pair, flat):
+    from . import linear_native_ops
+    return linear_native_ops.backward(pair, flat)
+
+
 LINEAR_OPS = register_custom_op(
     "linear",
     fwd_args=LinearFwdArgs, bwd_args=LinearBwdArgs,
@@ -662,4 +674,5 @@ LINEAR_OPS = register_custom_op(
     backward_updates={"main_grad": ("main_grad", "add"), "amax_history_bwd": "amax_history_bwd",
                       "scale_bwd": "scale_bwd"},
     lower_forward=_lowers_forward, lower_backward=_lowers_backward,
+    native_forward=_native_forward, native_backward=_native_backward,
 )

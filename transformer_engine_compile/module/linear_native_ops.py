@@ -1,0 +1,226 @@
+"""The linear ops' real impls run natively (issue 14).
+
+A compiled graph whose ``te_compile::linear_fwd`` / ``linear_bwd`` calls
+stay ops (not lowered into inductor), and the op host-time benchmark, run
+the ops' Python impls: ~100 us of Python per call around the same few
+kernels.  Where the eager path's native plan covers a call's
+configuration (module/linear_native.py), the op's kernel runs it instead,
+one C++ call (kernels/native_linear_op.cpp) returning the flat outputs
+the Python impl would, bit for bit: the same kernels with the same
+arguments.  Not covered, so the Python impls run: the FP8 weight cache
+(``is_first_microbatch``), and what the eager plan does not cover (tensor
+parallelism, ``fp8_output`` / ``fp8_grad``, FP8 weights,
+``save_original_input``, an amax reduction group); a backward whose
+forward saved no copy of x or of W (a frozen weight, an input without
+gradient); a CUDA graph being captured.
+
+Plans are kept per call site: in the op's decoder of the call's simple
+values (``ArgPlan.decoder``), keyed by the tensors' shapes, dtypes and
+devices and the quantizer objects (each entry holds them, so an id in a
+key stays that object's).  A configuration gets its plan at its second
+call, so a shape seen once (a ragged batch) costs no planning; each call
+site keeps its last :data:`PLANS` configurations.  The backward's plan is
+made from the backward's arguments alone (a forward may have been
+lowered, or planned in another process): the forward arguments they
+imply, with the saved copies' quantizers as x's and W's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..checkpointing import check_forward_op_in_backward
+from ..kernels import native, tracing
+from .linear_native import plan_for
+from .linear_ops import LinearFwdArgs
+
+# configurations kept per call site (the oldest goes first): a dynamic graph's
+# token counts, training and evaluation
+PLANS = 8
+
+
+class _Entry:
+    """One configuration's plan: None until its second call, False where it
+    has none; ``refs``: the objects whose ids its key holds."""
+
+    __slots__ = ("plan", "refs")
+
+    def __init__(self, refs):
+        self.plan, self.refs = None, refs
+
+
+def _entry(plans: dict, key, refs):
+    """The entry of ``key``, or None where this is its first call (then
+    made: the oldest entry goes when full)."""
+    entry = plans.get(key)
+    if entry is None:
+        if len(plans) >= PLANS:
+            del plans[next(iter(plans))]
+        plans[key] = _Entry(refs)
+    return entry
+
+
+def _forward_key(args) -> tuple:
+    """(key, refs) of a forward call's configuration (besides its simple values)."""
+    x, w, b, g, h = args.inp, args.weight, args.bias, args.main_grad, args.amax_history_fwd
+    q, wq, dq = args.input_quantizer, args.weight_quantizer, args.grad_output_quantizer
+    return ((x.shape, x.dtype, x.device, type(w), w.shape, w.dtype,
+             None if b is None else b.dtype, id(q), id(wq), id(dq),
+             None if g is None else g.dtype, None if h is None else h.shape), (q, wq, dq))
+
+
+def _backward_key(args) -> tuple:
+    """(key, refs) of a backward call's configuration (saved copies present)."""
+    dy, ws, g, h = args.grad_output, args.weightmat, args.main_grad, args.amax_history_bwd
+    dq, xq, wq = args.grad_output_quantizer, args.inputmat._quantizer, ws._quantizer
+    return ((dy.shape, dy.dtype, dy.device, ws.shape, id(dq), id(xq), id(wq),
+             None if g is None else g.dtype, None if h is None else h.shape), (dq, xq, wq))
+
+
+def planned(pair, flat, backward: bool = False):
+    """The plan the forward (or backward) op keeps for the call of these flat
+    arguments: a ``NativeLinear``, None (none asked for yet) or False (none
+    for it); tests and benchmarks ask."""
+    plan = pair.bwd_plan if backward else pair.fwd_plan
+    decoder = plan.decoder(flat[-1])
+    args = decoder(flat)
+    if backward and (args.inputmat is None or args.weightmat is None):
+        return False
+    entry = decoder.native.get((_backward_key if backward else _forward_key)(args)[0])
+    return None if entry is None else entry.plan
+
+
+def _shapes(flat) -> list:
+    return [list(t.shape) for t in flat]
+
+
+def _checked(out, expected, what: str) -> None:
+    """A plan's first outputs against its op's fake (shapes and dtypes):
+    a mismatch is a bug of the native impl, never returned silently."""
+    got = [(tuple(t.shape), t.dtype) for t in out]
+    want = [(tuple(t.shape), t.dtype) for t in expected]
+    if got != want:
+        raise RuntimeError(f"te_compile: the native {what} op returned {got}, its fake lays out "
+                           f"{want} (a bug: TE_COMPILE_NATIVE=0 runs the Python impls)")
+
+
+def _usable(x) -> bool:
+    return type(x) is torch.Tensor and x.is_cuda and native.ENABLED and not tracing.active
+
+
+def forward(pair, flat):
+    """``te_compile::linear_fwd``'s outputs from the native plan, or None."""
+    x = flat[0]  # LinearFwdArgs.inp
+    if not _usable(x):
+        return None
+    decoder = pair.fwd_plan.decoder(flat[-1])
+    args = decoder(flat)
+    w, b, h = args.weight, args.bias, args.amax_history_fwd
+    key, refs = _forward_key(args)
+    entry = _entry(decoder.native, key, refs)
+    if entry is None or entry.plan is False:
+        return None
+    first = entry.plan is None
+    if first:
+        plan = None if args.weight_workspace is not None else plan_for(args)
+        if plan is ...:  # the extension is still being built: ask again next call
+            return None
+        if plan is None:
+            entry.plan = False
+            return None
+        expected = pair._fwd_fake(*flat)
+        plan.plan.set_op_shapes(_shapes(expected), [])
+        entry.plan = plan
+    linear = entry.plan
+    slot = linear.slot_for(x)
+    if slot is None:
+        return None
+    check_forward_op_in_backward(args)
+    state = [] if h is None else [h, args.scale_fwd]
+    out = linear.ext.linear_op_forward(linear.plan, x, w, b, slot[0], slot[1], state)
+    if not out:
+        return None
+    if first:
+        _checked(out, expected, "forward")
+    return out
+
+
+def _copies(storage, names) -> list:
+    """A saved copy's buffers, in the native call's order (None where absent)."""
+    if storage is None:
+        return [None, None, None]
+    return [getattr(storage, "_" + n) for n in names] + [None] * (3 - len(names))
+
+
+_COPY_NAMES = {"Float8TensorStorage": ("transpose", "scale_inv"),
+               "Float8BlockwiseQTensorStorage": ("columnwise_data", "columnwise_scale_inv"),
+               "MXFP8TensorStorage": ("columnwise_data", "columnwise_scale_inv"),
+               "NVFP4TensorStorage": ("columnwise_data", "columnwise_scale_inv",
+                                      "columnwise_amax")}
+
+
+def backward(pair, flat):
+    """``te_compile::linear_bwd``'s outputs from the native plan, or None."""
+    decoder = pair.bwd_plan.decoder(flat[-1])
+    args = decoder(flat)
+    dy, xs, ws = args.grad_output, args.inputmat, args.weightmat
+    if not _usable(dy) or xs is None or ws is None:
+        return None
+    h = args.amax_history_bwd
+    key, refs = _backward_key(args)
+    xq, wq = refs[1:]
+    entry = _entry(decoder.native, key, refs)
+    if entry is None or entry.plan is False:
+        return None
+    first = entry.plan is None
+    names = _COPY_NAMES.get(type(xs).__name__)
+    if first:
+        plan = None
+        if names is not None and type(ws) is type(xs) and xq is not None and wq is not None:
+            plan = plan_for(_forward_args(args, dy, xq, wq))
+        if plan is ...:
+            return None
+        if plan is None:
+            entry.plan = False
+            return None
+        expected = pair._bwd_fake(*flat)
+        plan.plan.set_op_shapes([], _shapes(expected))
+        entry.plan = plan
+    linear = entry.plan
+    slot = linear.slot_for(dy)
+    if slot is None:
+        return None
+    state = [] if h is None else [h, args.scale_bwd]
+    out = linear.ext.linear_op_backward(linear.plan, dy, _copies(xs, names) + _copies(ws, names),
+                                        slot[0], slot[1], state)
+    if not out:
+        return None
+    if first:
+        _checked(out, expected, "backward")
+    return out
+
+
+def _forward_args(args, dy, xq, wq) -> LinearFwdArgs:
+    """The forward arguments a backward's arguments imply, for planning: x,
+    W and the bias as empty tensors of their shapes, the saved copies'
+    quantizers as x's and W's, the backward's state buffers standing in for
+    the forward's (the same shapes; planning reads only their shapes)."""
+    n, k = args.weightmat.shape
+    dev = dy.device
+    return LinearFwdArgs(
+        inp=torch.empty((*dy.shape[:-1], k), dtype=dy.dtype, device=dev),
+        weight=torch.empty((n, k), dtype=args.weight_dtype, device=dev),
+        bias=(None if args.bias_dtype is None
+              else torch.empty((n,), dtype=args.bias_dtype, device=dev)),
+        input_quantizer=xq, weight_quantizer=wq,
+        grad_output_quantizer=args.grad_output_quantizer,
+        grad_input_quantizer=args.grad_input_quantizer,
+        input_requires_grad=args.input_requires_grad,
+        weight_requires_grad=args.weight_requires_grad,
+        bias_requires_grad=args.bias_requires_grad,
+        save_original_input=args.input_quantizer is not None,
+        main_grad=args.main_grad,
+        amax_history_fwd=args.amax_history_bwd, scale_fwd=args.scale_bwd,
+        amax_history_bwd=args.amax_history_bwd, scale_bwd=args.scale_bwd,
+        parallel_mode=args.parallel_mode, sequence_parallel=args.sequence_parallel,
+        tp_size=args.tp_size, tp_group=args.tp_group, amax_group=args.amax_group)
