@@ -49,10 +49,11 @@ def _planned(flat, backward=False):
 
 
 def _same(a, b):
+    """``b`` (native outputs) are ``a`` (the Python impl's), bit for bit, and no views."""
     assert len(a) == len(b)
     for s, t in zip(a, b):
         assert (s.shape, s.dtype, s.stride()) == (t.shape, t.dtype, t.stride())
-        assert s._base is None
+        assert t._base is None
         assert torch.equal(s.view(torch.uint8), t.view(torch.uint8))
 
 
