@@ -16,8 +16,8 @@ gradient); a CUDA graph being captured.
 
 Plans are kept per call site: in the op's decoder of the call's simple
 values (``ArgPlan.decoder``), keyed by the tensors' shapes, dtypes and
-devices and the quantizer objects (each entry holds them, so an id in a
-key stays that object's).  A configuration gets its plan at its second
+devices and the quantizers' configurations (by value: a compiled graph
+makes its value-opaque quantizers anew on every call).  A configuration gets its plan at its second
 call, so a shape seen once (a ragged batch) costs no planning; each call
 site keeps its last :data:`PLANS` configurations.  The backward's plan is
 made from the backward's arguments alone (a forward may have been
@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from ..checkpointing import check_forward_op_in_backward
+from ..dynamo.opaque import _config_key
 from ..kernels import native, tracing
 from .linear_native import plan_for
 from .linear_ops import LinearFwdArgs
@@ -41,40 +42,47 @@ PLANS = 8
 
 class _Entry:
     """One configuration's plan: None until its second call, False where it
-    has none; ``refs``: the objects whose ids its key holds."""
+    has none."""
 
-    __slots__ = ("plan", "refs")
+    __slots__ = ("plan",)
 
-    def __init__(self, refs):
-        self.plan, self.refs = None, refs
+    def __init__(self):
+        self.plan = None
 
 
-def _entry(plans: dict, key, refs):
+def _entry(plans: dict, key):
     """The entry of ``key``, or None where this is its first call (then
     made: the oldest entry goes when full)."""
     entry = plans.get(key)
     if entry is None:
         if len(plans) >= PLANS:
             del plans[next(iter(plans))]
-        plans[key] = _Entry(refs)
+        plans[key] = _Entry()
     return entry
 
 
+def _config(q):
+    """A quantizer's configuration as a key: its class and config fields
+    (a snapshot: ``set_usage`` may change the object later), None for None."""
+    return None if q is None else (type(q), _config_key(q))
+
+
 def _forward_key(args) -> tuple:
-    """(key, refs) of a forward call's configuration (besides its simple values)."""
+    """A forward call's configuration (besides its simple values)."""
     x, w, b, g, h = args.inp, args.weight, args.bias, args.main_grad, args.amax_history_fwd
-    q, wq, dq = args.input_quantizer, args.weight_quantizer, args.grad_output_quantizer
-    return ((x.shape, x.dtype, x.device, type(w), w.shape, w.dtype,
-             None if b is None else b.dtype, id(q), id(wq), id(dq),
-             None if g is None else g.dtype, None if h is None else h.shape), (q, wq, dq))
+    return (x.shape, x.dtype, x.device, type(w), w.shape, w.dtype,
+            None if b is None else b.dtype, _config(args.input_quantizer),
+            _config(args.weight_quantizer), _config(args.grad_output_quantizer),
+            None if g is None else g.dtype, None if h is None else h.shape)
 
 
 def _backward_key(args) -> tuple:
-    """(key, refs) of a backward call's configuration (saved copies present)."""
+    """A backward call's configuration (besides its simple values; saved
+    copies of x and W present)."""
     dy, ws, g, h = args.grad_output, args.weightmat, args.main_grad, args.amax_history_bwd
-    dq, xq, wq = args.grad_output_quantizer, args.inputmat._quantizer, ws._quantizer
-    return ((dy.shape, dy.dtype, dy.device, ws.shape, id(dq), id(xq), id(wq),
-             None if g is None else g.dtype, None if h is None else h.shape), (dq, xq, wq))
+    return (dy.shape, dy.dtype, dy.device, ws.shape, _config(args.grad_output_quantizer),
+            _config(args.inputmat._quantizer), _config(ws._quantizer),
+            None if g is None else g.dtype, None if h is None else h.shape)
 
 
 def planned(pair, flat, backward: bool = False):
@@ -86,7 +94,7 @@ def planned(pair, flat, backward: bool = False):
     args = decoder(flat)
     if backward and (args.inputmat is None or args.weightmat is None):
         return False
-    entry = decoder.native.get((_backward_key if backward else _forward_key)(args)[0])
+    entry = decoder.native.get((_backward_key if backward else _forward_key)(args))
     return None if entry is None else entry.plan
 
 
@@ -116,8 +124,7 @@ def forward(pair, flat):
     decoder = pair.fwd_plan.decoder(flat[-1])
     args = decoder(flat)
     w, b, h = args.weight, args.bias, args.amax_history_fwd
-    key, refs = _forward_key(args)
-    entry = _entry(decoder.native, key, refs)
+    entry = _entry(decoder.native, _forward_key(args))
     if entry is None or entry.plan is False:
         return None
     first = entry.plan is None
@@ -167,15 +174,14 @@ def backward(pair, flat):
     if not _usable(dy) or xs is None or ws is None:
         return None
     h = args.amax_history_bwd
-    key, refs = _backward_key(args)
-    xq, wq = refs[1:]
-    entry = _entry(decoder.native, key, refs)
+    entry = _entry(decoder.native, _backward_key(args))
     if entry is None or entry.plan is False:
         return None
     first = entry.plan is None
     names = _COPY_NAMES.get(type(xs).__name__)
     if first:
         plan = None
+        xq, wq = xs._quantizer, ws._quantizer
         if names is not None and type(ws) is type(xs) and xq is not None and wq is not None:
             plan = plan_for(_forward_args(args, dy, xq, wq))
         if plan is ...:
