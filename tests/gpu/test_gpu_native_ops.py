@@ -38,7 +38,8 @@ def _flat_args(name, bias, x_grad=True, w_grad=True, main_grad=False, shape=(2, 
     if main_grad:
         layer.weight.main_grad = torch.zeros(n, shape[-1], device="cuda")
     x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=x_grad)
-    with te.autocast(recipe=bench_host.host_recipe(name)):
+    rec = bench_host.host_recipe(name)
+    with te.autocast(enabled=rec is not None, recipe=rec):
         args = layer._make_args(x, None, False, False)
     return OPS.fwd_plan.encode(args), args, layer
 
@@ -90,6 +91,18 @@ def test_ops_native_equal_python(name, bias, grads):
     _same(grads_out[0], grads_out[2], all(grads))
     # a backward whose forward saved no copy of x or of W stays Python
     assert _planned(bflat, True) == ("NativeLinear" if all(grads) else False)
+
+
+def test_bf16_ops_stay_python():
+    """Without a recipe nothing is quantized: no plan, the impls' outputs."""
+    flat, args, _ = _flat_args("bf16", True)
+    with torch.no_grad():
+        outs = [OPS.fwd_op(*flat) for _ in range(3)]
+        bflat = _bwd_flat(args, outs[0])
+        grads = [OPS.bwd_op(*bflat) for _ in range(3)]
+    _same(outs[0], outs[2])
+    _same(grads[0], grads[2], native_b=False)
+    assert _planned(flat) is False and _planned(bflat, True) is False
 
 
 @pytest.mark.parametrize("name", ["fp8_current", "fp8_delayed", "fp8_block", "nvfp4"])

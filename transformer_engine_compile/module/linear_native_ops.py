@@ -92,7 +92,8 @@ def planned(pair, flat, backward: bool = False):
     plan = pair.bwd_plan if backward else pair.fwd_plan
     decoder = plan.decoder(flat[-1])
     args = decoder(flat)
-    if backward and (args.inputmat is None or args.weightmat is None):
+    if backward and (type(args.inputmat).__name__ not in _COPY_NAMES
+                     or type(args.weightmat) is not type(args.inputmat)):
         return False
     entry = decoder.native.get((_backward_key if backward else _forward_key)(args))
     return None if entry is None else entry.plan
@@ -171,18 +172,18 @@ def backward(pair, flat):
     decoder = pair.bwd_plan.decoder(flat[-1])
     args = decoder(flat)
     dy, xs, ws = args.grad_output, args.inputmat, args.weightmat
-    if not _usable(dy) or xs is None or ws is None:
+    names = _COPY_NAMES.get(type(xs).__name__)  # None: no quantized copy (bf16, none saved)
+    if not _usable(dy) or names is None or type(ws) is not type(xs):
         return None
     h = args.amax_history_bwd
     entry = _entry(decoder.native, _backward_key(args))
     if entry is None or entry.plan is False:
         return None
     first = entry.plan is None
-    names = _COPY_NAMES.get(type(xs).__name__)
     if first:
         plan = None
         xq, wq = xs._quantizer, ws._quantizer
-        if names is not None and type(ws) is type(xs) and xq is not None and wq is not None:
+        if xq is not None and wq is not None:
             plan = plan_for(_forward_args(args, dy, xq, wq))
         if plan is ...:
             return None
