@@ -27,6 +27,8 @@ imply, with the saved copies' quantizers as x's and W's.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..checkpointing import check_forward_op_in_backward
@@ -42,12 +44,13 @@ PLANS = 8
 
 class _Entry:
     """One configuration's plan: None until its second call, False where it
-    has none."""
+    has none; ``expected``: the fake's outputs, until a native call's are
+    checked against them."""
 
-    __slots__ = ("plan",)
+    __slots__ = ("plan", "expected")
 
     def __init__(self):
-        self.plan = None
+        self.plan = self.expected = None
 
 
 def _entry(plans: dict, key):
@@ -103,14 +106,24 @@ def _shapes(flat) -> list:
     return [list(t.shape) for t in flat]
 
 
-def _checked(out, expected, what: str) -> None:
-    """A plan's first outputs against its op's fake (shapes and dtypes):
-    a mismatch is a bug of the native impl, never returned silently."""
-    got = [(tuple(t.shape), t.dtype) for t in out]
-    want = [(tuple(t.shape), t.dtype) for t in expected]
-    if got != want:
-        raise RuntimeError(f"te_compile: the native {what} op returned {got}, its fake lays out "
-                           f"{want} (a bug: TE_COMPILE_NATIVE=0 runs the Python impls)")
+def _checked(entry: _Entry, out, what: str):
+    """``out``; a plan's first outputs checked against its op's fake (shapes
+    and dtypes): a mismatch is a bug of the native impl, never returned."""
+    if entry.expected is not None:
+        got = [(tuple(t.shape), t.dtype) for t in out]
+        want = [(tuple(t.shape), t.dtype) for t in entry.expected]
+        if got != want:
+            raise RuntimeError(f"te_compile: the native {what} op returned {got}, its fake lays "
+                               f"out {want} (a bug: TE_COMPILE_NATIVE=0 runs the Python impls)")
+        entry.expected = None
+    return out
+
+
+def _stand_in(t):
+    """A tensor of ``t``'s shape, dtype and device holding no memory, for
+    planning: a plan keeps what it was planned with, and must not keep a
+    weight's ``main_grad`` alive."""
+    return None if t is None else torch.empty((), dtype=t.dtype, device=t.device).expand(t.shape)
 
 
 def _usable(x) -> bool:
@@ -128,16 +141,17 @@ def forward(pair, flat):
     entry = _entry(decoder.native, _forward_key(args))
     if entry is None or entry.plan is False:
         return None
-    first = entry.plan is None
-    if first:
-        plan = None if args.weight_workspace is not None else plan_for(args)
+    if entry.plan is None:
+        plan = None
+        if args.weight_workspace is None:
+            plan = plan_for(dataclasses.replace(args, main_grad=_stand_in(args.main_grad)))
         if plan is ...:  # the extension is still being built: ask again next call
             return None
         if plan is None:
             entry.plan = False
             return None
-        expected = pair._fwd_fake(*flat)
-        plan.plan.set_op_shapes(_shapes(expected), [])
+        entry.expected = pair._fwd_fake(*flat)
+        plan.plan.set_op_shapes(_shapes(entry.expected), [])
         entry.plan = plan
     linear = entry.plan
     slot = linear.slot_for(x)
@@ -146,11 +160,7 @@ def forward(pair, flat):
     check_forward_op_in_backward(args)
     state = [] if h is None else [h, args.scale_fwd]
     out = linear.ext.linear_op_forward(linear.plan, x, w, b, slot[0], slot[1], state)
-    if not out:
-        return None
-    if first:
-        _checked(out, expected, "forward")
-    return out
+    return _checked(entry, out, "forward") if out else None
 
 
 def _copies(storage, names) -> list:
@@ -179,8 +189,7 @@ def backward(pair, flat):
     entry = _entry(decoder.native, _backward_key(args))
     if entry is None or entry.plan is False:
         return None
-    first = entry.plan is None
-    if first:
+    if entry.plan is None:
         plan = None
         xq, wq = xs._quantizer, ws._quantizer
         if xq is not None and wq is not None:
@@ -190,8 +199,8 @@ def backward(pair, flat):
         if plan is None:
             entry.plan = False
             return None
-        expected = pair._bwd_fake(*flat)
-        plan.plan.set_op_shapes([], _shapes(expected))
+        entry.expected = pair._bwd_fake(*flat)
+        plan.plan.set_op_shapes([], _shapes(entry.expected))
         entry.plan = plan
     linear = entry.plan
     slot = linear.slot_for(dy)
@@ -200,11 +209,7 @@ def backward(pair, flat):
     state = [] if h is None else [h, args.scale_bwd]
     out = linear.ext.linear_op_backward(linear.plan, dy, _copies(xs, names) + _copies(ws, names),
                                         slot[0], slot[1], state)
-    if not out:
-        return None
-    if first:
-        _checked(out, expected, "backward")
-    return out
+    return _checked(entry, out, "backward") if out else None
 
 
 def _forward_args(args, dy, xq, wq) -> LinearFwdArgs:
@@ -226,7 +231,7 @@ def _forward_args(args, dy, xq, wq) -> LinearFwdArgs:
         weight_requires_grad=args.weight_requires_grad,
         bias_requires_grad=args.bias_requires_grad,
         save_original_input=args.input_quantizer is not None,
-        main_grad=args.main_grad,
+        main_grad=_stand_in(args.main_grad),
         amax_history_fwd=args.amax_history_bwd, scale_fwd=args.scale_bwd,
         amax_history_bwd=args.amax_history_bwd, scale_bwd=args.scale_bwd,
         parallel_mode=args.parallel_mode, sequence_parallel=args.sequence_parallel,
