@@ -691,6 +691,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                          "delayed or blockwise scaling, or NVFP4");
              p.main_grad = true;
            })
+      .def("drop_python_backward",
+           [](Plan& p) {  // an op's plan: its backward never takes the Python path
+             PyObject* fn = p.python_backward.fn;
+             p.python_backward.fn = nullptr;
+             Py_XDECREF(fn);
+           })
       .def("set_op_shapes",
            [](Plan& p, std::vector<std::vector<int64_t>> fwd,
               std::vector<std::vector<int64_t>> bwd) {

@@ -27,13 +27,11 @@ imply, with the saved copies' quantizers as x's and W's.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from ..checkpointing import check_forward_op_in_backward
 from ..dynamo.opaque import _config_key
-from ..kernels import native, tracing
+from ..kernels import grid_state, native, tracing
 from .linear_native import plan_for
 from .linear_ops import LinearFwdArgs
 
@@ -119,11 +117,34 @@ def _checked(entry: _Entry, out, what: str):
     return out
 
 
-def _stand_in(t):
-    """A tensor of ``t``'s shape, dtype and device holding no memory, for
-    planning: a plan keeps what it was planned with, and must not keep a
-    weight's ``main_grad`` alive."""
-    return None if t is None else torch.empty((), dtype=t.dtype, device=t.device).expand(t.shape)
+def _capturing(t) -> bool:
+    """Whether a CUDA graph is being captured on ``t``'s device: no planning
+    then (what it allocated would stay in the graph's memory pool)."""
+    return grid_state.slot(t.device) is None
+
+
+def _op_plan(args, fake, flat, entry: _Entry, backward: bool) -> None:
+    """Plan ``args``' configuration for an op into ``entry`` (False where it
+    has none; left None while the extension is being built).  The plan
+    keeps no tensor of the call (the eager path's state list, its Python
+    backward): they would outlive it, a ``main_grad`` among them, or sit
+    in a CUDA graph's pool (cudagraph trees run a graph's first calls in
+    its pool)."""
+    plan = plan_for(args)
+    if plan is ...:  # the extension is still being built: ask again next call
+        return
+    if plan is None:
+        entry.plan = False
+        return
+    plan.state = []
+    plan.plan.drop_python_backward()
+    entry.expected = fake(*flat)
+    shapes = _shapes(entry.expected)
+    if backward:
+        plan.plan.set_op_shapes([], shapes)
+    else:
+        plan.plan.set_op_shapes(shapes, [])
+    entry.plan = plan
 
 
 def _usable(x) -> bool:
@@ -142,17 +163,14 @@ def forward(pair, flat):
     if entry is None or entry.plan is False:
         return None
     if entry.plan is None:
-        plan = None
-        if args.weight_workspace is None:
-            plan = plan_for(dataclasses.replace(args, main_grad=_stand_in(args.main_grad)))
-        if plan is ...:  # the extension is still being built: ask again next call
-            return None
-        if plan is None:
+        if args.weight_workspace is not None:  # the FP8 weight cache: the Python impl
             entry.plan = False
             return None
-        entry.expected = pair._fwd_fake(*flat)
-        plan.plan.set_op_shapes(_shapes(entry.expected), [])
-        entry.plan = plan
+        if _capturing(x):
+            return None
+        _op_plan(args, pair._fwd_fake, flat, entry, False)
+        if not entry.plan:
+            return None
     linear = entry.plan
     slot = linear.slot_for(x)
     if slot is None:
@@ -190,18 +208,15 @@ def backward(pair, flat):
     if entry is None or entry.plan is False:
         return None
     if entry.plan is None:
-        plan = None
         xq, wq = xs._quantizer, ws._quantizer
-        if xq is not None and wq is not None:
-            plan = plan_for(_forward_args(args, dy, xq, wq))
-        if plan is ...:
-            return None
-        if plan is None:
+        if xq is None or wq is None:
             entry.plan = False
             return None
-        entry.expected = pair._bwd_fake(*flat)
-        plan.plan.set_op_shapes([], _shapes(entry.expected))
-        entry.plan = plan
+        if _capturing(dy):
+            return None
+        _op_plan(_forward_args(args, dy, xq, wq), pair._bwd_fake, flat, entry, True)
+        if not entry.plan:
+            return None
     linear = entry.plan
     slot = linear.slot_for(dy)
     if slot is None:
@@ -231,7 +246,7 @@ def _forward_args(args, dy, xq, wq) -> LinearFwdArgs:
         weight_requires_grad=args.weight_requires_grad,
         bias_requires_grad=args.bias_requires_grad,
         save_original_input=args.input_quantizer is not None,
-        main_grad=_stand_in(args.main_grad),
+        main_grad=args.main_grad,
         amax_history_fwd=args.amax_history_bwd, scale_fwd=args.scale_bwd,
         amax_history_bwd=args.amax_history_bwd, scale_bwd=args.scale_bwd,
         parallel_mode=args.parallel_mode, sequence_parallel=args.sequence_parallel,
