@@ -4,6 +4,9 @@ fp8_block run by the C++ extension gives the Python path's bits, in the
 ways users train.  Skips without CUDA."""
 
 import copy
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -557,3 +560,29 @@ def test_empty_many_allocates_like_torch_empty(ext):
         assert len(calls) == 1 and cpu.device.type == "cpu"
     finally:
         ext.empty_many = real
+
+
+def test_native_node_as_the_engine_threads_first_cuda_work():
+    """The autograd engine's device thread has no current CUDA context until
+    CUDA work makes one current; a native node whose driver launches are
+    that first work makes the device's primary context current itself (the
+    process crashed before).  A fresh process, so nothing ran there yet."""
+    script = textwrap.dedent("""
+        import torch
+        import transformer_engine_compile as te
+        from transformer_engine_compile import recipe as R
+        from transformer_engine_compile.kernels import native
+        assert native.extension(wait=True) is not None
+        layer = te.Linear(256, 256, bias=False, params_dtype=torch.bfloat16, device="cuda")
+        x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        with te.autocast(recipe=R.Float8CurrentScaling()):
+            layer(x)  # the Python path (its graph never runs backward)
+            y = layer(x)  # native: its node is the engine's first work
+        assert y.grad_fn.name() == "TeLinearFp8Backward", y.grad_fn.name()
+        y.float().sum().backward()
+        assert torch.isfinite(x.grad.float()).all() and x.grad.abs().sum() > 0
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

@@ -50,6 +50,34 @@ inline LaunchFn launch_fn() {
   return fn;
 }
 
+// The driver launches on the calling thread's current context, and a thread
+// that has done no CUDA runtime work has none: the autograd engine's device
+// threads among them (torch makes a context current lazily, and skips
+// setting device 0 on a fresh thread; Triton's launcher guards the same
+// way).  A launch there without one crashed (a native node being the first
+// CUDA work of the engine's thread).  Makes the device's primary context
+// current where none is; one thread-local read otherwise.
+using CtxGetCurrentFn = int (*)(void**);
+using DeviceGetFn = int (*)(int*, int);
+using PrimaryCtxRetainFn = int (*)(void**, int);
+using CtxSetCurrentFn = int (*)(void*);
+
+inline void ensure_context(int64_t device) {
+  static auto get = reinterpret_cast<CtxGetCurrentFn>(dlsym(libcuda(), "cuCtxGetCurrent"));
+  void* ctx = nullptr;
+  TORCH_CHECK(get != nullptr, "te native: libcuda has no cuCtxGetCurrent");
+  if (get(&ctx) == 0 && ctx != nullptr) return;
+  static auto dev_get = reinterpret_cast<DeviceGetFn>(dlsym(libcuda(), "cuDeviceGet"));
+  static auto retain =
+      reinterpret_cast<PrimaryCtxRetainFn>(dlsym(libcuda(), "cuDevicePrimaryCtxRetain"));
+  static auto set = reinterpret_cast<CtxSetCurrentFn>(dlsym(libcuda(), "cuCtxSetCurrent"));
+  int handle = 0;
+  TORCH_CHECK(dev_get != nullptr && retain != nullptr && set != nullptr &&
+                  dev_get(&handle, static_cast<int>(device)) == 0 &&
+                  retain(&ctx, handle) == 0 && set(ctx) == 0,
+              "te native: cannot make device ", device, "'s CUDA context current");
+}
+
 // -- one compiled Triton kernel with its arguments fixed by a plan -------------
 enum Kind : int64_t { kSlot = 0, kI32 = 1, kI64 = 2, kF32 = 3, kLo = 4, kHi = 5 };
 
@@ -84,6 +112,12 @@ struct Launch {
       params[i] = cell;
     }
     for (size_t i = n; i < n + n_scratch; ++i) params[i] = &cells[i];  // null scratch
+    for (const at::Tensor& t : slots) {  // the launch's device: its tensors'
+      if (t.defined() && t.is_cuda()) {
+        ensure_context(t.get_device());
+        break;
+      }
+    }
     int err = launch_fn()(reinterpret_cast<void*>(function), grid[0], grid[1], grid[2],
                           threads, 1, 1, shared, stream, params.data(), nullptr);
     TORCH_CHECK(err == 0, "te native: cuLaunchKernel failed with CUresult ", err);
