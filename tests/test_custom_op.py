@@ -281,14 +281,13 @@ def test_native_hooks_run_first_and_only_for_real_calls():
     them, while a compiled graph's runtime does (its op calls are real)."""
     seen = []
 
-    def native_forward(pair, flat):
+    def native_forward(pair, decoder, flat, args):
         seen.append(("fwd", type(flat[0]) is torch.Tensor))
-        if flat[-1].as_dict().get("factor") == 5.0:  # "covered": y = 5 exp(x) + other + offset
-            args = pair.fwd_plan.decode(flat)
+        if args.factor == 5.0:  # "covered": y = 5 exp(x) + other + offset
             return [torch.exp(args.x) * 5.0 + args.other + args.offset]
         return None
 
-    def native_backward(pair, flat):
+    def native_backward(pair, decoder, flat, args):
         seen.append(("bwd", type(flat[0]) is torch.Tensor))
         return None
 

@@ -43,10 +43,12 @@ The fakes are the single source of truth for the flat layout: the op
 returns ``Tensor[]``, and whoever reads it (the traced caller, the autograd
 formula, the fake kernel) splits it by the fake's structure.
 
-``native_forward`` / ``native_backward`` (optional, ``(pair, flat) -> list
-or None``): a faster real impl the op's kernel tries first, given the flat
-arguments; it returns the flat outputs (the fake's layout, no views) or
-None for the impl.  Never traced: lowering and fakes use the impls.
+``native_forward`` / ``native_backward`` (optional, ``(pair, decoder,
+flat, args) -> list or None``): a faster real impl the op's kernel tries
+first, given the flat arguments, their decoder and the decoded arguments
+(decoded once for it and the impl); it returns the flat outputs (the
+fake's layout, no views) or None for the impl.  Never traced: lowering
+and fakes use the impls.
 """
 
 from __future__ import annotations
@@ -414,14 +416,18 @@ class CustomOpPair:
 
     # -- op kernels ----------------------------------------------------------------
     def _fwd_real(self, *flat):
+        decoder = self.fwd_plan.decoder(flat[-1])
+        args = decoder(flat)
         if self.native_forward is not None:
-            out = self.native_forward(self, flat)
+            out = self.native_forward(self, decoder, flat, args)
             if out is not None:
                 return out
-        return [_owning(t) for t in self._fwd_flat(*flat)]
+        return [_owning(t) for t in self._fwd_result(args)]
 
     def _fwd_flat(self, *flat):
-        args = self.fwd_plan.decode(flat)
+        return self._fwd_result(self.fwd_plan.decode(flat))
+
+    def _fwd_result(self, args):
         return flatten_result(self.forward(args), args, self.fwd_plan.tensor_fields)
 
     def _fwd_fake(self, *flat):
@@ -430,14 +436,18 @@ class CustomOpPair:
         return flatten_result(self.forward_fake(protos), protos, self.fwd_plan.tensor_fields)
 
     def _bwd_kernel(self, *flat):
+        decoder = self.bwd_plan.decoder(flat[-1])
+        args = decoder(flat)
         if self.native_backward is not None:
-            out = self.native_backward(self, flat)
+            out = self.native_backward(self, decoder, flat, args)
             if out is not None:
                 return out
-        return self._bwd_real(*flat)
+        return self._bwd_result(args)
 
     def _bwd_real(self, *flat):
-        args = self.bwd_plan.decode(flat)
+        return self._bwd_result(self.bwd_plan.decode(flat))
+
+    def _bwd_result(self, args):
         return flatten_result(OpResult(self.backward(args)), args, ())
 
     def _bwd_fake(self, *flat):

@@ -445,12 +445,8 @@ int fits(const Plan& p, bool x_req, int64_t x_device, const at::Tensor& w,
   }
   bool b_req = false;
   if (p.bias) {
-    const at::Tensor& b = *bias;
-    if (!plain_on(b, p.device, p.act_dtype) || b.dim() != 1 || b.size(0) != p.n ||
-        !aligned(b)) {
-      return -1;
-    }
-    b_req = b.requires_grad();
+    if (!bias_fits(p, *bias)) return -1;
+    b_req = bias->requires_grad();
   }
   bool record = at::GradMode::is_enabled() && (x_req || w.requires_grad() || b_req);
   if (record && (x_req != p.dgrad || w.requires_grad() != p.wgrad || b_req != p.bias_grad)) {

@@ -140,6 +140,12 @@ inline std::array<at::Tensor, 6> nvfp4_copies(int64_t rows, int64_t cols, bool r
           columnwise ? at::empty({1}, f32) : parts};
 }
 
+// Whether a bias is one the plan's launches take: plain, of the activations'
+// dtype on the plan's device, (N,), contiguous and 16-byte aligned.
+inline bool bias_fits(const Plan& p, const at::Tensor& b) {
+  return plain_on(b, p.device, p.act_dtype) && b.dim() == 1 && b.size(0) == p.n && aligned(b);
+}
+
 // The tensors a forward leaves for the backward: x's and W's columnwise
 // copies and their scales (current scaling: a one-element scale_inv each).
 struct Forward {

@@ -55,14 +55,9 @@ std::vector<at::Tensor> op_forward(const std::shared_ptr<Plan>& plan, const at::
                                    int64_t lo, int64_t hi, const std::vector<at::Tensor>& state) {
   const Plan& p = *plan;
   if (!plain_on(x, p.device, p.act_dtype) || !w.is_cuda() || w.get_device() != p.device ||
-      p.cache != kNoCache || p.given_x || bias.has_value() != p.bias || !state_fits(p, state)) {
+      p.cache != kNoCache || p.given_x || bias.has_value() != p.bias || !state_fits(p, state) ||
+      (p.bias && !bias_fits(p, *bias))) {
     return {};
-  }
-  if (p.bias) {
-    const at::Tensor& b = *bias;
-    if (!plain_on(b, p.device, p.act_dtype) || b.dim() != 1 || b.size(0) != p.n || !aligned(b)) {
-      return {};
-    }
   }
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor new_h, new_s;

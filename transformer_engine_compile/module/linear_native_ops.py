@@ -32,6 +32,10 @@ import torch
 from ..checkpointing import check_forward_op_in_backward
 from ..dynamo.opaque import _config_key
 from ..kernels import grid_state, native, tracing
+from ..quantization.blockwise import Float8BlockwiseQTensorStorage
+from ..quantization.float8 import Float8TensorStorage
+from ..quantization.mxfp8 import MXFP8TensorStorage
+from ..quantization.nvfp4 import NVFP4TensorStorage
 from .linear_native import plan_for
 from .linear_ops import LinearFwdArgs
 
@@ -93,7 +97,7 @@ def planned(pair, flat, backward: bool = False):
     plan = pair.bwd_plan if backward else pair.fwd_plan
     decoder = plan.decoder(flat[-1])
     args = decoder(flat)
-    if backward and (type(args.inputmat).__name__ not in _COPY_NAMES
+    if backward and (type(args.inputmat) not in _STORAGES
                      or type(args.weightmat) is not type(args.inputmat)):
         return False
     entry = decoder.native.get((_backward_key if backward else _forward_key)(args))
@@ -151,13 +155,12 @@ def _usable(x) -> bool:
     return type(x) is torch.Tensor and x.is_cuda and native.ENABLED and not tracing.active
 
 
-def forward(pair, flat):
-    """``te_compile::linear_fwd``'s outputs from the native plan, or None."""
-    x = flat[0]  # LinearFwdArgs.inp
-    if not _usable(x):
+def forward(pair, decoder, flat, args):
+    """``te_compile::linear_fwd``'s outputs from the native plan, or None
+    (``decoder``, ``args``: the call's decoder and decoded arguments)."""
+    x = args.inp
+    if args.input_quantizer is None or not _usable(x):  # no recipe: nothing native
         return None
-    decoder = pair.fwd_plan.decoder(flat[-1])
-    args = decoder(flat)
     w, b, h = args.weight, args.bias, args.amax_history_fwd
     entry = _entry(decoder.native, _forward_key(args))
     if entry is None or entry.plan is False:
@@ -181,27 +184,25 @@ def forward(pair, flat):
     return _checked(entry, out, "forward") if out else None
 
 
-def _copies(storage, names) -> list:
-    """A saved copy's buffers, in the native call's order (None where absent)."""
-    if storage is None:
-        return [None, None, None]
-    return [getattr(storage, "_" + n) for n in names] + [None] * (3 - len(names))
+def _copies(storage) -> list:
+    """A saved columnwise copy's buffers (those of its columnwise usage, and
+    those both usages share, in declaration order: data, scales, NVFP4's
+    amax), in the native call's three places (None where absent)."""
+    out = [getattr(storage, "_" + s.name) for s in storage._BUFFERS
+           if s.usage in ("columnwise", "both")]
+    return out + [None] * (3 - len(out))
 
 
-_COPY_NAMES = {"Float8TensorStorage": ("transpose", "scale_inv"),
-               "Float8BlockwiseQTensorStorage": ("columnwise_data", "columnwise_scale_inv"),
-               "MXFP8TensorStorage": ("columnwise_data", "columnwise_scale_inv"),
-               "NVFP4TensorStorage": ("columnwise_data", "columnwise_scale_inv",
-                                      "columnwise_amax")}
+# the saved copies the native backward takes: plain storages of a plan's formats
+_STORAGES = (Float8TensorStorage, Float8BlockwiseQTensorStorage, MXFP8TensorStorage,
+             NVFP4TensorStorage)
 
 
-def backward(pair, flat):
+def backward(pair, decoder, flat, args):
     """``te_compile::linear_bwd``'s outputs from the native plan, or None."""
-    decoder = pair.bwd_plan.decoder(flat[-1])
-    args = decoder(flat)
     dy, xs, ws = args.grad_output, args.inputmat, args.weightmat
-    names = _COPY_NAMES.get(type(xs).__name__)  # None: no quantized copy (bf16, none saved)
-    if not _usable(dy) or names is None or type(ws) is not type(xs):
+    # no quantized copy of x or of W (bf16, a frozen weight, an input without gradient)
+    if not _usable(dy) or type(xs) not in _STORAGES or type(ws) is not type(xs):
         return None
     h = args.amax_history_bwd
     entry = _entry(decoder.native, _backward_key(args))
@@ -222,7 +223,7 @@ def backward(pair, flat):
     if slot is None:
         return None
     state = [] if h is None else [h, args.scale_bwd]
-    out = linear.ext.linear_op_backward(linear.plan, dy, _copies(xs, names) + _copies(ws, names),
+    out = linear.ext.linear_op_backward(linear.plan, dy, _copies(xs) + _copies(ws),
                                         slot[0], slot[1], state)
     return _checked(entry, out, "backward") if out else None
 

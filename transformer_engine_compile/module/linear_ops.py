@@ -649,16 +649,24 @@ def _lowerable_formats(quantizers, args) -> bool:
                          and _has_fast_kernel("quantize_nvfp4", args))
 
 
-def _native_forward(pair, flat):
+def _native_forward(*call):
     """The forward op's native impl (module/linear_native_ops.py, imported
     on first use: it imports this module)."""
-    from . import linear_native_ops
-    return linear_native_ops.forward(pair, flat)
+    return _native_ops().forward(*call)
 
 
-def _native_backward(pair, flat):
-    from . import linear_native_ops
-    return linear_native_ops.backward(pair, flat)
+def _native_backward(*call):
+    return _native_ops().backward(*call)
+
+
+_NATIVE_OPS = []
+
+
+def _native_ops():
+    if not _NATIVE_OPS:
+        from . import linear_native_ops
+        _NATIVE_OPS.append(linear_native_ops)
+    return _NATIVE_OPS[0]
 
 
 LINEAR_OPS = register_custom_op(
