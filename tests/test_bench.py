@@ -160,6 +160,21 @@ def test_llama_model_on_te_linear_is_the_torch_model():
     assert losses[2] < losses[0]  # the step trains: AdamW updated the te.Linear weights
 
 
+def test_host_stack_step_runs_every_layer_once_backward():
+    from transformer_engine_compile import bench_host
+    layers = [torch.nn.Linear(8, 8, bias=False) for _ in range(bench_host.STACK)]
+    x = torch.randn(4, 8, requires_grad=True)
+    dy = torch.randn(4, 8)
+    bench_host._stack_step(layers, x, dy)
+    y = x.detach().requires_grad_()
+    ref = y
+    for layer in layers:
+        ref = torch.nn.functional.linear(ref, layer.weight.detach())
+    ref.backward(dy)
+    torch.testing.assert_close(x.grad, y.grad)  # dy went back through all 8 layers
+    assert all(layer.weight.grad is not None for layer in layers)
+
+
 def test_host_benchmark_times_the_real_ops():
     import transformer_engine_compile as te
     from transformer_engine_compile import bench_host
@@ -168,7 +183,9 @@ def test_host_benchmark_times_the_real_ops():
     assert [r["recipe"] for r in out["rows"]] == ["bf16", "fp8_current"]
     assert {"torch.mm", "torch.empty", "nn.Linear fwd+bwd"} <= set(out["baselines"])
     assert all(r["fwd_us"] > 0 and r["bwd_us"] > 0 and r["eager_us"] > 0
-               and r["eager_1thread_us"] > 0 for r in out["rows"])
+               and r["eager_1thread_us"] > 0 and r["eager_stack_us"] > 0
+               for r in out["rows"])
+    assert "nn.Linear fwd+bwd stack" in out["baselines"]
     assert torch.autograd.is_multithreading_enabled()  # the 1-thread rows restore it
     # the timed closures call the layer's ops: the forward op returns the layer's output
     rec = bench_host.host_recipe("fp8_current")

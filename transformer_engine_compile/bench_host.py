@@ -19,7 +19,12 @@ each row is also given in units of that run's ``torch.mm`` call.  Rows:
   eager user path; compared with the sum of the two ops.  ``1 thread``: the
   same with ``torch.autograd.set_multithreading_enabled(False)``, where the
   backward's Python runs on the calling thread instead of the autograd
-  engine's device thread (docs/linear.md, "Eager speed").
+  engine's device thread (docs/linear.md, "Eager speed").  ``stack``: per
+  layer of a stack of 8 such layers run forward then backward at once, as
+  a model's step calls them: one ``backward()`` call (the engine's set-up
+  and its hand-off to the device thread, ~100-200 us on the H200 hosts)
+  shared by 8 layers instead of paid by each.  The issue's own figures of
+  host time per layer were taken so; the 1.3x target is judged on it.
 * baselines: ``torch.mm``, ``torch._scaled_mm`` (CUDA), ``torch.empty``,
   ``torch.zeros`` and ``torch.nn.Linear`` forward + backward.
 
@@ -36,6 +41,17 @@ import torch
 from . import recipe as R
 
 HOST_RECIPES = ("bf16", "fp8_current", "fp8_delayed", "fp8_block", "mxfp8", "nvfp4")
+
+
+STACK = 8  # layers per backward() call in the stack rows
+
+
+def _stack_step(layers, x, dy) -> None:
+    """Forward through ``layers`` in turn, then one backward."""
+    y = x
+    for layer in layers:
+        y = layer(y)
+    y.backward(dy)
 
 
 def host_recipe(name):
@@ -125,6 +141,10 @@ def measure(recipes=HOST_RECIPES, device="cuda", n=200, size=256, tokens=256, lo
             lin(x).backward(dy)
 
     base["nn.Linear fwd+bwd 1 thread"] = _per_call_us(lin_one_thread, device, n)
+    lins = [torch.nn.Linear(size, size, bias=False, device=device, dtype=dt)
+            for _ in range(STACK)]
+    base["nn.Linear fwd+bwd stack"] = _per_call_us(
+        lambda: _stack_step(lins, x, dy), device, max(1, n // STACK)) / STACK
     for name, us in base.items():
         log(f"{'baseline':>12} {name:>22} {us:9.1f} us")
     rows = []
@@ -143,17 +163,28 @@ def measure(recipes=HOST_RECIPES, device="cuda", n=200, size=256, tokens=256, lo
             with torch.autograd.set_multithreading_enabled(False):
                 eager()
 
+        stack = [Linear(size, size, bias=False, params_dtype=dt, device=device)
+                 for _ in range(STACK)]
+
+        def eager_stack():
+            with autocast(enabled=rec is not None, recipe=rec):
+                _stack_step(stack, x, dy)
+
         row = {"recipe": name}
-        for key, fn in (("fwd", fwd), ("bwd", bwd), ("eager", eager),
-                        ("eager_1thread", eager_one_thread)):
+        for key, fn, calls in (("fwd", fwd, 1), ("bwd", bwd, 1), ("eager", eager, 1),
+                               ("eager_1thread", eager_one_thread, 1),
+                               ("eager_stack", eager_stack, STACK)):
             _busy_gpu(device)
-            row[key + "_us"] = _per_call_us(fn, device, n)
-        row["eager_ratio"] = row["eager_us"] / (row["fwd_us"] + row["bwd_us"])
+            row[key + "_us"] = _per_call_us(fn, device, max(1, n // calls)) / calls
+        ops_us = row["fwd_us"] + row["bwd_us"]
+        row["eager_ratio"] = row["eager_us"] / ops_us
+        row["eager_stack_ratio"] = row["eager_stack_us"] / ops_us
         mm = base["torch.mm"]
         rows.append(row)
         log(f"{name:>12} fwd op {row['fwd_us']:8.1f} us  bwd op {row['bwd_us']:8.1f} us  "
             f"eager fwd+bwd {row['eager_us']:8.1f} us ({row['eager_ratio']:.2f}x the ops; "
-            f"1 thread {row['eager_1thread_us']:.1f})  "
+            f"1 thread {row['eager_1thread_us']:.1f}; per layer of {STACK} "
+            f"{row['eager_stack_us']:.1f}, {row['eager_stack_ratio']:.2f}x)  "
             f"in torch.mm calls: {row['fwd_us'] / mm:.1f} / {row['bwd_us'] / mm:.1f} / "
             f"{row['eager_us'] / mm:.1f}")
     ref = next((r for r in rows if r["recipe"] == "fp8_current"), None)

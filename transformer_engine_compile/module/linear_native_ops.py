@@ -100,6 +100,8 @@ def planned(pair, flat, backward: bool = False):
     if backward and (type(args.inputmat) not in _STORAGES
                      or type(args.weightmat) is not type(args.inputmat)):
         return False
+    if not backward and args.input_quantizer is None:  # no recipe: never planned
+        return False
     entry = decoder.native.get((_backward_key if backward else _forward_key)(args))
     return None if entry is None else entry.plan
 
