@@ -3,6 +3,7 @@ themselves live in docs/benchmarks.md; they are never asserted in tests)."""
 
 import json
 import math
+import statistics
 
 import pytest
 import torch
@@ -179,13 +180,17 @@ def test_host_benchmark_times_the_real_ops():
     import transformer_engine_compile as te
     from transformer_engine_compile import bench_host
     out = bench_host.measure(["bf16", "fp8_current"], "cpu", n=1, size=128, tokens=128,
-                             log=lambda *_: None)
+                             rounds=2, log=lambda *_: None)
     assert [r["recipe"] for r in out["rows"]] == ["bf16", "fp8_current"]
     assert {"torch.mm", "torch.empty", "nn.Linear fwd+bwd"} <= set(out["baselines"])
     assert all(r["fwd_us"] > 0 and r["bwd_us"] > 0 and r["eager_us"] > 0
                and r["eager_1thread_us"] > 0 and r["eager_stack_us"] > 0
                for r in out["rows"])
     assert "nn.Linear fwd+bwd stack" in out["baselines"]
+    # every figure is the median of its rounds
+    assert all(len(r["rounds"][k]) == 2 and r[k + "_us"] == statistics.median(r["rounds"][k])
+               for r in out["rows"] for k in ("fwd", "bwd", "eager", "eager_stack"))
+    assert out["rows"][1]["vs_fp8_current"] == 1.0
     assert torch.autograd.is_multithreading_enabled()  # the 1-thread rows restore it
     # the timed closures call the layer's ops: the forward op returns the layer's output
     rec = bench_host.host_recipe("fp8_current")

@@ -393,7 +393,7 @@ def _main(args) -> int:
         print("\nhost time per call (us), 256 x 256 weight, 256 tokens")
         result["host"] = bench_host.measure(
             [r for r in bench_host.HOST_RECIPES if r == "bf16" or r in args.recipes], device,
-            n=args.iters or 200)
+            n=args.iters or 200, rounds=max(3, args.rounds))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -8,7 +8,9 @@ forward) outlast the host (measured on an H200: 350-450 us per forward
 call for the first ~1000 calls, 190 us once the clocks were up), so each
 figure is taken right after a moment of busy GPU.  Hosts differ (the
 lent H200 machines differed by up to 1.6x in ``torch.mm``'s figure), so
-each row is also given in units of that run's ``torch.mm`` call.  Rows:
+each row is also given in units of that run's ``torch.mm`` call.  A
+host's speed also drifts within seconds, so the figures are medians over
+rounds that take turns (``rounds``, at least 3 from ``bench``).  Rows:
 
 * ``fwd op`` / ``bwd op``: the ``te_compile::linear_fwd`` / ``linear_bwd``
   custom ops called with their flat arguments, as a compiled graph's
@@ -111,74 +113,64 @@ def _op_calls(layer, rec, x, dy):
     return fwd, bwd
 
 
-def measure(recipes=HOST_RECIPES, device="cuda", n=200, size=256, tokens=256, log=print):
+def measure(recipes=HOST_RECIPES, device="cuda", n=200, size=256, tokens=256, rounds=3,
+            log=print):
     """Rows ``{"recipe", "fwd_us", "bwd_us", "eager_us", "eager_1thread_us",
-    "eager_ratio"}`` and baselines."""
-    from .autocast import autocast
-    from .module.linear import Linear
-
+    "eager_stack_us", "eager_ratio", "eager_stack_ratio", "vs_fp8_current",
+    "rounds"}`` and baselines.  Every closure is built first; the ``rounds``
+    then time each in turn and each figure is the median over the rounds
+    (a ratio: the median of its per-round ratios), since these hosts' speed
+    drifts within seconds by more than the recipes differ (docs/benchmarks.md,
+    thirty-eighth session)."""
     device = torch.device(device)
     dt = torch.bfloat16
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(tokens, size, device=device, dtype=dt, generator=gen, requires_grad=True)
     dy = torch.randn(tokens, size, device=device, dtype=dt, generator=gen)
-    base = {}
     w = torch.randn(size, size, device=device, dtype=dt, generator=gen)
-    base["torch.mm"] = _per_call_us(lambda: torch.mm(x.detach(), w), device, n)
+    base_fns = {"torch.mm": (lambda: torch.mm(x.detach(), w), 1)}
     if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
         x8 = x.detach().to(torch.float8_e4m3fn)
         w8 = w.to(torch.float8_e4m3fn).t()
         one = torch.ones((), device=device)
-        base["torch._scaled_mm"] = _per_call_us(
-            lambda: torch._scaled_mm(x8, w8, one, one, out_dtype=dt), device, n)
-    base["torch.empty"] = _per_call_us(lambda: torch.empty(size, size, device=device), device, n)
-    base["torch.zeros"] = _per_call_us(lambda: torch.zeros(size, size, device=device), device, n)
+        base_fns["torch._scaled_mm"] = (
+            lambda: torch._scaled_mm(x8, w8, one, one, out_dtype=dt), 1)
+    base_fns["torch.empty"] = (lambda: torch.empty(size, size, device=device), 1)
+    base_fns["torch.zeros"] = (lambda: torch.zeros(size, size, device=device), 1)
     lin = torch.nn.Linear(size, size, bias=False, device=device, dtype=dt)
-    base["nn.Linear fwd+bwd"] = _per_call_us(lambda: lin(x).backward(dy), device, n)
 
     def lin_one_thread():
         with torch.autograd.set_multithreading_enabled(False):
             lin(x).backward(dy)
 
-    base["nn.Linear fwd+bwd 1 thread"] = _per_call_us(lin_one_thread, device, n)
     lins = [torch.nn.Linear(size, size, bias=False, device=device, dtype=dt)
             for _ in range(STACK)]
-    base["nn.Linear fwd+bwd stack"] = _per_call_us(
-        lambda: _stack_step(lins, x, dy), device, max(1, n // STACK)) / STACK
+    base_fns["nn.Linear fwd+bwd"] = (lambda: lin(x).backward(dy), 1)
+    base_fns["nn.Linear fwd+bwd 1 thread"] = (lin_one_thread, 1)
+    base_fns["nn.Linear fwd+bwd stack"] = (lambda: _stack_step(lins, x, dy), STACK)
+    cases = {name: _recipe_calls(name, size, dt, device, x, dy) for name in recipes}
+    samples = {}
+    for _ in range(rounds):
+        for key, (fn, calls) in base_fns.items():
+            samples.setdefault(("baseline", key), []).append(
+                _per_call_us(fn, device, max(1, n // calls)) / calls)
+        for name, fns in cases.items():
+            for key, (fn, calls) in fns.items():
+                _busy_gpu(device, 0.1)
+                samples.setdefault((name, key), []).append(
+                    _per_call_us(fn, device, max(1, n // calls)) / calls)
+    med = statistics.median
+    base = {key: med(samples[("baseline", key)]) for key in base_fns}
     for name, us in base.items():
         log(f"{'baseline':>12} {name:>22} {us:9.1f} us")
     rows = []
-    for name in recipes:
-        rec = host_recipe(name)
-        torch.manual_seed(0)
-        layer = Linear(size, size, bias=False, params_dtype=dt, device=device)
-        fwd, bwd = _op_calls(layer, rec, x, dy)
-
-        def eager():
-            with autocast(enabled=rec is not None, recipe=rec):
-                y = layer(x)
-            y.backward(dy)
-
-        def eager_one_thread():
-            with torch.autograd.set_multithreading_enabled(False):
-                eager()
-
-        stack = [Linear(size, size, bias=False, params_dtype=dt, device=device)
-                 for _ in range(STACK)]
-
-        def eager_stack():
-            with autocast(enabled=rec is not None, recipe=rec):
-                _stack_step(stack, x, dy)
-
-        row = {"recipe": name}
-        for key, fn, calls in (("fwd", fwd, 1), ("bwd", bwd, 1), ("eager", eager, 1),
-                               ("eager_1thread", eager_one_thread, 1),
-                               ("eager_stack", eager_stack, STACK)):
-            _busy_gpu(device)
-            row[key + "_us"] = _per_call_us(fn, device, max(1, n // calls)) / calls
-        ops_us = row["fwd_us"] + row["bwd_us"]
-        row["eager_ratio"] = row["eager_us"] / ops_us
-        row["eager_stack_ratio"] = row["eager_stack_us"] / ops_us
+    for name, fns in cases.items():
+        per = {key: samples[(name, key)] for key in fns}
+        ops = [f + b for f, b in zip(per["fwd"], per["bwd"])]
+        row = {"recipe": name, **{key + "_us": med(v) for key, v in per.items()},
+               "eager_ratio": med(e / o for e, o in zip(per["eager"], ops)),
+               "eager_stack_ratio": med(e / o for e, o in zip(per["eager_stack"], ops)),
+               "rounds": per}
         mm = base["torch.mm"]
         rows.append(row)
         log(f"{name:>12} fwd op {row['fwd_us']:8.1f} us  bwd op {row['bwd_us']:8.1f} us  "
@@ -189,6 +181,42 @@ def measure(recipes=HOST_RECIPES, device="cuda", n=200, size=256, tokens=256, lo
             f"{row['eager_us'] / mm:.1f}")
     ref = next((r for r in rows if r["recipe"] == "fp8_current"), None)
     if ref is not None:
+        rf, rb = ref["rounds"]["fwd"], ref["rounds"]["bwd"]
         for r in rows:
-            r["vs_fp8_current"] = max(r["fwd_us"] / ref["fwd_us"], r["bwd_us"] / ref["bwd_us"])
+            r["vs_fp8_current"] = med(max(f / f0, b / b0) for f, b, f0, b0 in zip(
+                r["rounds"]["fwd"], r["rounds"]["bwd"], rf, rb))
+            log(f"{r['recipe']:>12} vs fp8_current (worse of fwd / bwd, median of rounds): "
+                f"{r['vs_fp8_current']:.2f}x")
     return {"baselines": base, "rows": rows}
+
+
+def _recipe_calls(name, size, dt, device, x, dy) -> dict:
+    """``{key: (closure, layer calls per closure call)}`` timed for a recipe:
+    the two ops, eager one layer (engine threads on / off) and eager per
+    layer of a stack."""
+    from .autocast import autocast
+    from .module.linear import Linear
+
+    rec = host_recipe(name)
+    torch.manual_seed(0)
+    layer = Linear(size, size, bias=False, params_dtype=dt, device=device)
+    fwd, bwd = _op_calls(layer, rec, x, dy)
+
+    def eager():
+        with autocast(enabled=rec is not None, recipe=rec):
+            y = layer(x)
+        y.backward(dy)
+
+    def eager_one_thread():
+        with torch.autograd.set_multithreading_enabled(False):
+            eager()
+
+    stack = [Linear(size, size, bias=False, params_dtype=dt, device=device)
+             for _ in range(STACK)]
+
+    def eager_stack():
+        with autocast(enabled=rec is not None, recipe=rec):
+            _stack_step(stack, x, dy)
+
+    return {"fwd": (fwd, 1), "bwd": (bwd, 1), "eager": (eager, 1),
+            "eager_1thread": (eager_one_thread, 1), "eager_stack": (eager_stack, STACK)}
