@@ -27,8 +27,9 @@ def test_bench_cpu_smoke_runs_every_recipe(tmp_path):
 
 def test_bench_cpu_smoke_prints_every_row(tmp_path, capsys):
     out = tmp_path / "rows.json"
-    rc = bench.main(["--recipes", "fp8_current", "--modes", "eager", "default",
-                     "--iters", "1", "--no-torchao", "--json", str(out)])
+    # --device cpu: on a GPU machine the default is every GPU config (minutes)
+    rc = bench.main(["--device", "cpu", "--recipes", "fp8_current", "--modes", "eager",
+                     "default", "--iters", "1", "--no-torchao", "--json", str(out)])
     assert rc == 0
     rows = json.loads(out.read_text())["rows"]
     labels = {(r["candidate"], r["mode"]) for r in rows}
