@@ -328,7 +328,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=10, help="llama configs: timed steps")
     p.add_argument("--rounds", type=int, default=1,
                    help="build every candidate of a config first, then time them in this "
-                        "many rounds that take turns (robust ratios on a drifting host or GPU)")
+                        "many rounds that take turns (robust ratios on a drifting host or GPU); "
+                        "host: always at least 3")
     p.add_argument("--fused", action="store_true",
                    help="llama configs: also the packed-projection model from te.LayerNormLinear "
                         "+ te.LayerNormMLP ('fused'), from separate norms + te.Linear "
