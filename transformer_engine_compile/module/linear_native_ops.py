@@ -167,23 +167,32 @@ def forward(pair, decoder, flat, args):
     entry = _entry(decoder.native, _forward_key(args))
     if entry is None or entry.plan is False:
         return None
-    if entry.plan is None:
-        if args.weight_workspace is not None:  # the FP8 weight cache: the Python impl
-            entry.plan = False
-            return None
-        if _capturing(x):
-            return None
-        _op_plan(args, pair._fwd_fake, flat, entry, False)
-        if not entry.plan:
-            return None
-    linear = entry.plan
-    slot = linear.slot_for(x)
-    if slot is None:
+    if entry.plan is None and args.weight_workspace is not None:
+        entry.plan = False  # the FP8 weight cache: the Python impl
         return None
+    ready = _ready(entry, lambda: args, pair._fwd_fake, flat, False, x)
+    if ready is None:
+        return None
+    linear, slot = ready
     check_forward_op_in_backward(args)
     state = [] if h is None else [h, args.scale_fwd]
     out = linear.ext.linear_op_forward(linear.plan, x, w, b, slot[0], slot[1], state)
     return _checked(entry, out, "forward") if out else None
+
+
+def _ready(entry: _Entry, planning_args, fake, flat, backward: bool, t):
+    """(plan, counter slot) for a native call on ``t``, or None: no plan
+    for the configuration, or none now (a CUDA graph being captured, a slot
+    the plan cannot use).  Plans the entry first where it has none yet
+    (``planning_args()``: the forward arguments to plan from)."""
+    if entry.plan is None:
+        if _capturing(t):
+            return None
+        _op_plan(planning_args(), fake, flat, entry, backward)
+        if not entry.plan:
+            return None
+    slot = entry.plan.slot_for(t)
+    return None if slot is None else (entry.plan, slot)
 
 
 def _copies(storage) -> list:
@@ -210,20 +219,15 @@ def backward(pair, decoder, flat, args):
     entry = _entry(decoder.native, _backward_key(args))
     if entry is None or entry.plan is False:
         return None
-    if entry.plan is None:
-        xq, wq = xs._quantizer, ws._quantizer
-        if xq is None or wq is None:
-            entry.plan = False
-            return None
-        if _capturing(dy):
-            return None
-        _op_plan(_forward_args(args, dy, xq, wq), pair._bwd_fake, flat, entry, True)
-        if not entry.plan:
-            return None
-    linear = entry.plan
-    slot = linear.slot_for(dy)
-    if slot is None:
+    xq, wq = xs._quantizer, ws._quantizer
+    if entry.plan is None and (xq is None or wq is None):
+        entry.plan = False
         return None
+    ready = _ready(entry, lambda: _forward_args(args, dy, xq, wq), pair._bwd_fake, flat,
+                   True, dy)
+    if ready is None:
+        return None
+    linear, slot = ready
     state = [] if h is None else [h, args.scale_bwd]
     out = linear.ext.linear_op_backward(linear.plan, dy, _copies(xs) + _copies(ws),
                                         slot[0], slot[1], state)
