@@ -230,6 +230,31 @@ def test_bench_error_text_names_the_layers_error_under_compile():
     assert error_text(ValueError("plain\nmessage")) == "ValueError: plain message"
 
 
+def test_bench_error_text_keeps_dynamos_debug_context_where_the_cause_lacks_it():
+    """torch 2.11's Dynamo names the observed exception's class only in the
+    cause ("ExceptionVariable(<class 'ValueError'>)") and its message only in
+    the wrapper's "Developer debug context" line: that line is kept, and only
+    where the cause does not already say it (torch 2.13: both say it)."""
+    from transformer_engine_compile.bench_llama import error_text
+
+    def chained(context, cause_text):
+        wrapper = RuntimeError(f"Observed exception\n  Explanation: no handler.\n\n"
+                               f"  Developer debug context: {context}\n\n from user code:\n  x")
+        wrapper.__cause__ = RuntimeError(cause_text)
+        return wrapper
+
+    old = error_text(chained("raised exception ValueError([ConstantVariable(str: 'no fit: "
+                             "needs the columns divisible by 128')])",
+                             "raised exception ExceptionVariable(<class 'ValueError'>)"))
+    assert old == ("RuntimeError: Observed exception (raised exception ValueError("
+                   "[ConstantVariable(str: 'no fit: needs the columns divisible by 128')]))"
+                   " <- caused by RuntimeError: raised exception "
+                   "ExceptionVariable(<class 'ValueError'>)")
+    same = "raised exception ValueError('no fit')"
+    assert error_text(chained(same, same)) == (
+        "RuntimeError: Observed exception <- caused by RuntimeError: " + same)
+
+
 def test_llama_fused_model_computes_the_unfused_model():
     """The packed-projection Llama from te.LayerNormLinear + te.LayerNormMLP
     and from separate norms + te.Linear, given the same weights, compute the

@@ -345,16 +345,31 @@ def error_text(e: BaseException) -> str:
     """A failed candidate's whole error on one line, with its causes: under
     ``torch.compile`` the layer's own error (e.g. a ValueError naming the
     shape a recipe refuses) is the cause of Dynamo's "Observed exception",
-    whose text alone says nothing about it."""
+    whose text alone says nothing about it.  Where the cause's text does not
+    carry the error's message either (torch 2.11: "raised exception
+    ExceptionVariable(<class 'ValueError'>)"), Dynamo's "Developer debug
+    context" line of the wrapper does, and is kept."""
     chain = [e]
     while chain[-1].__cause__ is not None and chain[-1].__cause__ not in chain:
         chain.append(chain[-1].__cause__)
-    # the wrappers by their first line (Dynamo's explanations and hints follow),
-    # the innermost error whole
-    parts = [f"{type(x).__name__}: {str(x).strip().splitlines()[0] if str(x).strip() else ''}"
-             for x in chain[:-1]]
-    parts.append(f"{type(chain[-1]).__name__}: {' '.join(str(chain[-1]).split())}")
+    inner = " ".join(str(chain[-1]).split())
+    # the wrappers by their first line (Dynamo's explanations and hints follow)
+    # and any debug context the innermost error lacks; the innermost error whole
+    parts = [_wrapper_text(x, inner) for x in chain[:-1]]
+    parts.append(f"{type(chain[-1]).__name__}: {inner}")
     return " <- caused by ".join(parts)
+
+
+_DEBUG_CONTEXT = "Developer debug context:"
+
+
+def _wrapper_text(x: BaseException, inner: str) -> str:
+    lines = [line.strip() for line in str(x).strip().splitlines()]
+    text = f"{type(x).__name__}: {lines[0] if lines else ''}"
+    context = next((line[len(_DEBUG_CONTEXT):].strip() for line in lines
+                    if line.startswith(_DEBUG_CONTEXT)), "")
+    context = " ".join(context.split())
+    return f"{text} ({context})" if context and context not in inner else text
 
 
 def peak_gib(step, x, target, device):

@@ -39,6 +39,7 @@ from ..kernels.reference import STEP_COUNTER, AmaxSlot
 from ..quantization.base import QuantizedTensorStorage, Quantizer
 from ..quantization.mxfp8 import MXFP8Quantizer
 from ..quantization.nvfp4 import NVFP4Quantizer
+from . import linear_plain_ops
 
 try:
     from torch.distributed import ProcessGroup
@@ -649,14 +650,17 @@ def _lowerable_formats(quantizers, args) -> bool:
                          and _has_fast_kernel("quantize_nvfp4", args))
 
 
-def _native_forward(*call):
-    """The forward op's native impl (module/linear_native_ops.py, imported
-    on first use: it imports this module)."""
-    return _native_ops().forward(*call)
+def _native_forward(pair, decoder, flat, args):
+    """The forward op's short paths: without a recipe linear_plain_ops.py,
+    with one the native impl (module/linear_native_ops.py, imported on
+    first use: it imports this module); None runs the Python impl."""
+    out = linear_plain_ops.forward(args) if args.input_quantizer is None else None
+    return out if out is not None else _native_ops().forward(pair, decoder, flat, args)
 
 
-def _native_backward(*call):
-    return _native_ops().backward(*call)
+def _native_backward(pair, decoder, flat, args):
+    out = linear_plain_ops.backward(args) if args.grad_output_quantizer is None else None
+    return out if out is not None else _native_ops().backward(pair, decoder, flat, args)
 
 
 _NATIVE_OPS = []

@@ -1,0 +1,81 @@
+"""The linear ops' short path for calls without a recipe
+(module/linear_plain_ops.py): the Python impls' outputs bit for bit, and
+None (the Python impl) for every configuration it does not cover."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import transformer_engine_compile as te
+from transformer_engine_compile.dynamo.custom_op import _owning
+from transformer_engine_compile.module import linear_plain_ops as plain
+from transformer_engine_compile.module.linear_ops import LINEAR_OPS as OPS
+
+BF16 = torch.bfloat16
+
+
+def _calls(shape=(16, 64), bias=True, x_grad=True, w_grad=True, recipe=None):
+    torch.manual_seed(0)
+    layer = te.Linear(64, 32, bias=bias, params_dtype=BF16)
+    layer.weight.requires_grad_(w_grad)
+    x = torch.randn(shape, dtype=BF16, requires_grad=x_grad)
+    with te.autocast(enabled=recipe is not None, recipe=recipe):
+        args = layer._make_args(x, None, False, False)
+    with torch.no_grad():
+        result = OPS.forward(args)
+    dy = torch.randn((*shape[:-1], 32), dtype=BF16)
+    bwd = OPS.make_bwd_args(dict(result.saved), OPS.setup_context(args), {"grad_output": dy})
+    return args, bwd
+
+
+@pytest.mark.parametrize("shape", [(16, 64), (2, 8, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("grads", [(True, True), (True, False), (False, True)])
+def test_plain_ops_return_the_python_impls_outputs(shape, bias, grads):
+    args, bwd = _calls(shape, bias, *grads)
+    with torch.no_grad():
+        want = [_owning(t) for t in OPS._fwd_result(args)]
+        got = plain.forward(args)
+        want_b, got_b = OPS._bwd_result(bwd), plain.backward(bwd)
+    assert got is not None and got_b is not None
+    assert len(got) == len(want) == 1 and torch.equal(got[0], want[0])
+    assert got[0].shape == (*shape[:-1], 32) and got[0]._base is None  # owns its storage
+    assert [t.shape for t in got_b] == [t.shape for t in want_b]
+    assert all(torch.equal(g, w) for g, w in zip(got_b, want_b))
+    assert len(got_b) == grads[0] + grads[1] + bias
+
+
+def test_plain_ops_leave_other_calls_to_the_python_impls():
+    args, bwd = _calls()
+    split = {"parallel_mode": "column", "tp_size": 2}
+    assert plain.forward(dataclasses.replace(args, **split)) is None
+    assert plain.backward(dataclasses.replace(bwd, **split)) is None
+    assert plain.forward(dataclasses.replace(args, cache_weight=True)) is None
+    main_grad = torch.zeros(32, 64)
+    assert plain.backward(dataclasses.replace(bwd, main_grad=main_grad)) is None
+    assert plain.forward(dataclasses.replace(args, parallel_mode="row", tp_size=1)) is not None
+    q_args, q_bwd = _calls(recipe=te.recipe.Float8CurrentScaling())
+    assert plain.forward(q_args) is None and plain.backward(q_bwd) is None
+
+
+def test_bf16_layer_trains_through_the_ops_as_eagerly(monkeypatch):
+    """The ops (compiled, not lowered on CPU) take the short path and
+    compute eager's outputs and gradients."""
+    calls = []
+    for name in ("forward", "backward"):
+        real = getattr(plain, name)
+        monkeypatch.setattr(plain, name, lambda a, real=real, name=name: (
+            calls.append(name), real(a))[1])
+    torch.manual_seed(0)
+    layer = te.Linear(64, 32, params_dtype=BF16)
+    x = torch.randn(4, 8, 64, dtype=BF16, requires_grad=True)
+    y = layer(x)
+    y.float().square().sum().backward()
+    want = [y.detach(), x.grad, layer.weight.grad, layer.bias.grad]
+    x.grad = layer.weight.grad = layer.bias.grad = None
+    y2 = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
+    y2.float().square().sum().backward()
+    got = [y2.detach(), x.grad, layer.weight.grad, layer.bias.grad]
+    assert calls == ["forward", "backward"]
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
