@@ -13,27 +13,30 @@ from transformer_engine_compile.module import linear_plain_ops as plain
 from transformer_engine_compile.module.linear_ops import LINEAR_OPS as OPS
 
 BF16 = torch.bfloat16
+# on CUDA the Python impl's GEMMs dispatch to cuda_gemm.py, which the short path skips
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def _calls(shape=(16, 64), bias=True, x_grad=True, w_grad=True, recipe=None):
+def _calls(shape=(16, 64), bias=True, x_grad=True, w_grad=True, recipe=None, device="cpu"):
     torch.manual_seed(0)
-    layer = te.Linear(64, 32, bias=bias, params_dtype=BF16)
+    layer = te.Linear(64, 32, bias=bias, params_dtype=BF16, device=device)
     layer.weight.requires_grad_(w_grad)
-    x = torch.randn(shape, dtype=BF16, requires_grad=x_grad)
+    x = torch.randn(shape, dtype=BF16, requires_grad=x_grad, device=device)
     with te.autocast(enabled=recipe is not None, recipe=recipe):
         args = layer._make_args(x, None, False, False)
     with torch.no_grad():
         result = OPS.forward(args)
-    dy = torch.randn((*shape[:-1], 32), dtype=BF16)
+    dy = torch.randn((*shape[:-1], 32), dtype=BF16, device=device)
     bwd = OPS.make_bwd_args(dict(result.saved), OPS.setup_context(args), {"grad_output": dy})
     return args, bwd
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", [(16, 64), (2, 8, 64)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("grads", [(True, True), (True, False), (False, True)])
-def test_plain_ops_return_the_python_impls_outputs(shape, bias, grads):
-    args, bwd = _calls(shape, bias, *grads)
+def test_plain_ops_return_the_python_impls_outputs(shape, bias, grads, device):
+    args, bwd = _calls(shape, bias, *grads, device=device)
     with torch.no_grad():
         want = [_owning(t) for t in OPS._fwd_result(args)]
         got = plain.forward(args)

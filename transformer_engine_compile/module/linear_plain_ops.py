@@ -9,7 +9,10 @@ weight cache, collectives) around one or two GEMMs.  The plain
 configuration (no recipe, no tensor parallelism, plain tensors, no
 ``main_grad``) runs the same GEMM calls here directly, with the same
 arguments, so the outputs are the Python impl's bit for bit; every other
-call returns None and runs the Python impl.
+call returns None and runs the Python impl.  For unquantized operands
+every device's ``"gemm"`` is :func:`~..kernels.gemm.gemm_reference`
+(``F.linear``; cuda_gemm.py's ``"bf16"`` path), called here without the
+dispatch.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 
 from .. import kernels
 from ..checkpointing import check_forward_op_in_backward
-from ..kernels.gemm import gemm
+from ..kernels.gemm import gemm_reference
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -33,7 +36,7 @@ def forward(args):
             or args.cache_weight):
         return None
     check_forward_op_in_backward(args)
-    y = gemm(x, "rowwise", w, "rowwise", x.dtype, b, fast_accum=True)
+    y = gemm_reference(x, "rowwise", w, "rowwise", x.dtype, b, fast_accum=True)
     # the Python impl's output: a view made to own its storage (custom_op._owning)
     return [y.view(*x.shape[:-1], w.shape[0]).detach()]
 
@@ -50,10 +53,10 @@ def backward(args):
         return None
     out = []
     if args.input_requires_grad:
-        out.append(gemm(dy, "rowwise", w, "columnwise", dy.dtype).view(
+        out.append(gemm_reference(dy, "rowwise", w, "columnwise", dy.dtype).view(
             *dy.shape[:-1], w.shape[-1]))
     if args.weight_requires_grad:
-        out.append(gemm(dy, "columnwise", x, "columnwise", args.weight_dtype))
+        out.append(gemm_reference(dy, "columnwise", x, "columnwise", args.weight_dtype))
     if args.bias_requires_grad:
         dy2d = dy.reshape(-1, dy.shape[-1])
         out.append(kernels.get("column_sum", dy2d)(dy2d, args.bias_dtype))
