@@ -82,3 +82,54 @@ def test_bf16_layer_trains_through_the_ops_as_eagerly(monkeypatch):
     got = [y2.detach(), x.grad, layer.weight.grad, layer.bias.grad]
     assert calls == ["forward", "backward"]
     assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def _eager_both_ways(layer, x, ac=None):
+    """(output, x.grad, parameter grads) of an eager call through
+    PlainLinear and through the eager path's generic node (the ops' Python
+    impls), with the node type of the first."""
+    runs = []
+    for plain_on in (True, False):
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+        real = plain.runs
+        plain.runs = real if plain_on else (lambda inp, bias: False)
+        try:
+            with torch.autocast("cpu", dtype=BF16, enabled=ac is not None):
+                y = layer(x)
+        finally:
+            plain.runs = real
+        node = type(y.grad_fn).__name__
+        (y.float() * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
+        runs.append((node, [y.detach(), x.grad] + [p.grad for p in layer.parameters()]))
+    return runs
+
+
+@pytest.mark.parametrize("case", ["2d", "3d", "frozen_weight", "autocast_fp32_params"])
+def test_eager_bias_layer_runs_plain_linear_with_the_eager_paths_bits(case):
+    torch.manual_seed(0)
+    dtype = torch.float32 if case == "autocast_fp32_params" else BF16
+    layer = te.Linear(64, 32, params_dtype=dtype)
+    if case == "frozen_weight":
+        layer.weight.requires_grad_(False)
+    shape = (2, 8, 64) if case == "3d" else (16, 64)
+    x = torch.randn(shape, dtype=dtype, requires_grad=True)
+    (node, got), (other, want) = _eager_both_ways(
+        layer, x, ac=BF16 if case == "autocast_fp32_params" else None)
+    assert node == "PlainLinearBackward" and other != node
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None) and (g is None or torch.equal(g, w))
+    assert got[0].dtype == BF16
+
+
+def test_plain_linear_output_takes_in_place_ops_and_refuses_double_backward():
+    layer = te.Linear(64, 32, params_dtype=BF16)
+    x = torch.randn(4, 64, dtype=BF16, requires_grad=True)
+    y = layer(x)
+    assert type(y.grad_fn).__name__ == "PlainLinearBackward" and y._base is None
+    y.add_(1)  # a residual added in place, as models do
+    g = torch.ones_like(y, requires_grad=True)
+    (dx,) = torch.autograd.grad(y, x, g, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        dx.sum().backward()

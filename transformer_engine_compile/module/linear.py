@@ -18,7 +18,7 @@ from ..dynamo.state import ensure_buffers, register_module
 from ..fsdp import check_gathered_weight
 from ..quantization.base import QuantizedTensorStorage
 from ..quantization import factory
-from . import args_memo
+from . import args_memo, linear_plain_ops
 from .extra_state import (check_extra_state, delayed_state_names, load_without_extra_state,
                           pack_delayed_state, unpack_delayed_state)
 from .linear_native import plan_for
@@ -606,8 +606,11 @@ class Linear(torch.nn.Module):
         """``cast``: ``weight`` and ``bias`` are torch.autocast's casts of the
         parameters (or the parameters, where no cast was needed), or the
         joined ``parameters_split`` parts."""
-        if not (fp8_output or fp8_grad) and self._runs_as_torch_linear(inp, weight):
-            return self._finish({"out": torch.nn.functional.linear(inp, weight)})
+        if not (fp8_output or fp8_grad) and self._plain_call(inp, weight):
+            if not (self._has_bias() and not self.return_bias):
+                return self._finish({"out": torch.nn.functional.linear(inp, weight)})
+            if linear_plain_ops.runs(inp, bias):  # eager, a bias added
+                return self._finish({"out": linear_plain_ops.PlainLinear.apply(inp, weight, bias)})
         key = ...
         if not torch.compiler.is_compiling():
             key = self._memo_key(inp, get_autocast_recipe(), torch.is_grad_enabled(),
@@ -633,21 +636,21 @@ class Linear(torch.nn.Module):
             outputs = self._OPS.eager(args)
         return self._finish(outputs)
 
-    def _runs_as_torch_linear(self, inp, weight) -> bool:
-        """Whether this call is what bias-free ``torch.nn.Linear`` computes:
-        no recipe, a plain weight (not quantized, not FSDP2's quantized-gather
-        wrapper), no tensor parallelism, no fused wgrad accumulation, no bias
-        added (the Llama-style layer).  Then the layer runs ``F.linear``,
-        which inductor sees like torch's own layer, instead of the ops,
-        whose host time buys nothing without quantization (issue 14).  The
-        two GEMMs of the backward are the same cuBLAS calls eager and
-        compiled, so compiled still equals eager bit for bit; a bias keeps
-        the ops, whose bias gradient reduces the same way in both (inductor
-        would reorder ``F.linear``'s).  Subclasses with their own ops (the
-        fused norm) never do.  The input checks still apply."""
+    def _plain_call(self, inp, weight) -> bool:
+        """Whether this call is what ``torch.nn.Linear`` computes: no recipe,
+        a plain weight (not quantized, not FSDP2's quantized-gather wrapper),
+        no tensor parallelism, no fused wgrad accumulation.  Without a bias
+        added (the Llama-style layer) the layer then runs ``F.linear``, which
+        inductor sees like torch's own layer, instead of the ops, whose host
+        time buys nothing without quantization (issue 14).  The two GEMMs of
+        the backward are the same cuBLAS calls eager and compiled, so
+        compiled still equals eager bit for bit.  A bias keeps the ops when
+        compiled, whose bias gradient reduces the same way in both (inductor
+        would reorder ``F.linear``'s); eagerly it runs their kernels behind
+        one lean node (``linear_plain_ops.PlainLinear``).  Subclasses with
+        their own ops (the fused norm) never do.  The input checks apply."""
         if (self._OPS is not LINEAR_OPS or get_autocast_recipe() is not None
                 or self._tp_active()
-                or (self._has_bias() and not self.return_bias)
                 or (self.fuse_wgrad_accumulation and weight.requires_grad)
                 or type(weight) not in (torch.nn.Parameter, torch.Tensor)):
             return False

@@ -19,6 +19,7 @@ dispatch.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .. import kernels
 from ..checkpointing import check_forward_op_in_backward
@@ -37,9 +38,14 @@ def forward(args):
             or args.cache_weight):
         return None
     check_forward_op_in_backward(args)
+    return [linear(x, w, b)]
+
+
+def linear(x, w, b):
+    """``x W^T + b`` as the ops compute it: the Python impl's output, a view
+    made to own its storage (custom_op._owning)."""
     y = gemm_reference(x, "rowwise", w, "rowwise", x.dtype, b, fast_accum=True)
-    # the Python impl's output: a view made to own its storage (custom_op._owning)
-    return [y.view(*x.shape[:-1], w.shape[0]).detach()]
+    return y.view(*x.shape[:-1], w.shape[0]).detach()
 
 
 def backward(args):
@@ -52,16 +58,52 @@ def backward(args):
             or (args.weight_requires_grad and type(x) not in _PLAIN)
             or (args.input_requires_grad and type(w) not in _PLAIN)):
         return None
-    out = []
-    if args.input_requires_grad:
-        out.append(gemm_reference(dy, "rowwise", w, "columnwise", dy.dtype).view(
-            *dy.shape[:-1], w.shape[-1]))
-    if args.weight_requires_grad:
-        out.append(gemm_reference(dy, "columnwise", x, "columnwise", args.weight_dtype))
-    if args.bias_requires_grad:
+    grads = linear_grads(dy, x, w, args.input_requires_grad, args.weight_requires_grad,
+                         args.bias_requires_grad, args.weight_dtype, args.bias_dtype)
+    return [g for g in grads if g is not None]
+
+
+def linear_grads(dy, x, w, dgrad: bool, wgrad: bool, dbias: bool, weight_dtype, bias_dtype):
+    """(dgrad, wgrad, dbias) as the ops compute them, None where not asked for."""
+    dx = dw = db = None
+    if dgrad:
+        dx = gemm_reference(dy, "rowwise", w, "columnwise", dy.dtype).view(
+            *dy.shape[:-1], w.shape[-1])
+    if wgrad:
+        dw = gemm_reference(dy, "columnwise", x, "columnwise", weight_dtype)
+    if dbias:
         dy2d = dy.reshape(-1, dy.shape[-1])
-        out.append(kernels.get("column_sum", dy2d)(dy2d, args.bias_dtype))
-    return out
+        db = kernels.get("column_sum", dy2d)(dy2d, bias_dtype)
+    return dx, dw, db
+
+
+class PlainLinear(torch.autograd.Function):
+    """An eager bf16 ``te.Linear`` call with a bias (``Linear._forward``):
+    the ops' GEMMs and bias-gradient kernel behind one lean autograd node,
+    instead of the eager path's argument building and generic node.  A
+    compiled call keeps the ops (whose forward then runs :func:`forward`),
+    so compiled equals eager bit for bit.  Without a bias the layer runs
+    ``F.linear`` itself."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        ctx.bias_dtype = b.dtype
+        return linear(x, w, b)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        return linear_grads(dy, x, w, *ctx.needs_input_grad, w.dtype, ctx.bias_dtype)
+
+
+def runs(inp, bias) -> bool:
+    """Whether an eager call the layer found plain (no recipe, a plain
+    weight, no tensor parallelism, no fused wgrad accumulation) with
+    ``bias`` added takes :class:`PlainLinear`."""
+    return (bias is not None and type(inp) in _PLAIN and type(bias) in _PLAIN
+            and bias.dtype == inp.dtype and not torch.compiler.is_compiling())
 
 
 def _split(args) -> bool:
