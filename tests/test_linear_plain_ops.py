@@ -105,7 +105,8 @@ def _eager_both_ways(layer, x, ac=None):
     return runs
 
 
-@pytest.mark.parametrize("case", ["2d", "3d", "frozen_weight", "autocast_fp32_params"])
+@pytest.mark.parametrize("case", ["2d", "3d", "frozen_weight", "input_without_grad",
+                                  "autocast_fp32_params"])
 def test_eager_bias_layer_runs_plain_linear_with_the_eager_paths_bits(case):
     torch.manual_seed(0)
     dtype = torch.float32 if case == "autocast_fp32_params" else BF16
@@ -113,7 +114,7 @@ def test_eager_bias_layer_runs_plain_linear_with_the_eager_paths_bits(case):
     if case == "frozen_weight":
         layer.weight.requires_grad_(False)
     shape = (2, 8, 64) if case == "3d" else (16, 64)
-    x = torch.randn(shape, dtype=dtype, requires_grad=True)
+    x = torch.randn(shape, dtype=dtype, requires_grad=case != "input_without_grad")
     (node, got), (other, want) = _eager_both_ways(
         layer, x, ac=BF16 if case == "autocast_fp32_params" else None)
     assert node == "PlainLinearBackward" and other != node
@@ -121,6 +122,18 @@ def test_eager_bias_layer_runs_plain_linear_with_the_eager_paths_bits(case):
     for g, w in zip(got, want):
         assert (g is None) == (w is None) and (g is None or torch.equal(g, w))
     assert got[0].dtype == BF16
+
+
+def test_plain_linear_saves_what_the_gradients_need():
+    """As the ops: x only for the weight's gradient, W only for the input's
+    (a frozen weight keeps no activation alive)."""
+    layer = te.Linear(64, 32, params_dtype=BF16)
+    layer.weight.requires_grad_(False)
+    x = torch.randn(4, 64, dtype=BF16, requires_grad=True)
+    y = layer(x)
+    assert type(y.grad_fn).__name__ == "PlainLinearBackward"
+    saved_x, saved_w = y.grad_fn.saved_tensors
+    assert saved_x is None and saved_w is layer.weight
 
 
 def test_plain_linear_output_takes_in_place_ops_and_refuses_double_backward():

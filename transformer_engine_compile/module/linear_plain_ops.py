@@ -87,15 +87,17 @@ class PlainLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, b):
-        ctx.save_for_backward(x, w)
-        ctx.bias_dtype = b.dtype
+        # as the ops: x only for the weight's gradient, W only for the input's
+        dgrad, wgrad = ctx.needs_input_grad[:2]
+        ctx.save_for_backward(x if wgrad else None, w if dgrad else None)
+        ctx.weight_dtype, ctx.bias_dtype = w.dtype, b.dtype
         return linear(x, w, b)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
-        return linear_grads(dy, x, w, *ctx.needs_input_grad, w.dtype, ctx.bias_dtype)
+        return linear_grads(dy, x, w, *ctx.needs_input_grad, ctx.weight_dtype, ctx.bias_dtype)
 
 
 def runs(inp, bias) -> bool:
