@@ -13,7 +13,8 @@ arguments, so the outputs are the Python impl's bit for bit; every other
 call returns None and runs the Python impl.  For unquantized operands
 every device's ``"gemm"`` is :func:`~..kernels.gemm.gemm_reference`
 (``F.linear``; cuda_gemm.py's ``"bf16"`` path), called here without the
-dispatch.
+dispatch.  Eager calls of such a layer with a bias run the same functions
+behind one autograd node, :class:`PlainLinear`.
 """
 
 from __future__ import annotations
