@@ -607,10 +607,11 @@ class Linear(torch.nn.Module):
         parameters (or the parameters, where no cast was needed), or the
         joined ``parameters_split`` parts."""
         if not (fp8_output or fp8_grad) and self._plain_call(inp, weight):
-            if not (self._has_bias() and not self.return_bias):
+            added = None if self.return_bias else bias
+            if added is None:
                 return self._finish({"out": torch.nn.functional.linear(inp, weight)})
-            if linear_plain_ops.runs(inp, bias):  # eager, a bias added
-                return self._finish({"out": linear_plain_ops.PlainLinear.apply(inp, weight, bias)})
+            if linear_plain_ops.runs(inp, added):  # eager
+                return self._finish({"out": linear_plain_ops.PlainLinear.apply(inp, weight, added)})
         key = ...
         if not torch.compiler.is_compiling():
             key = self._memo_key(inp, get_autocast_recipe(), torch.is_grad_enabled(),

@@ -25,6 +25,7 @@ from torch.autograd.function import once_differentiable
 from .. import kernels
 from ..checkpointing import check_forward_op_in_backward
 from ..kernels.gemm import gemm_reference
+from . import linear_ops  # imports this module: its names are read at call time
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -34,7 +35,7 @@ def forward(args):
     x, w, b = args.inp, args.weight, args.bias
     if (args.input_quantizer is not None or args.output_quantizer is not None
             or type(x) not in _PLAIN or type(w) not in _PLAIN
-            or (b is not None and type(b) not in _PLAIN) or _split(args)
+            or (b is not None and type(b) not in _PLAIN) or linear_ops._tp(args)[0]
             or args.amax_history_fwd is not None or args.weight_workspace is not None
             or args.cache_weight):
         return None
@@ -55,7 +56,8 @@ def backward(args):
     dy, x, w = args.grad_output, args.inputmat, args.weightmat
     if (args.grad_output_quantizer is not None or args.input_quantizer is not None
             or args.grad_input_quantizer is not None or args.main_grad is not None
-            or args.amax_history_bwd is not None or _split(args) or type(dy) not in _PLAIN
+            or args.amax_history_bwd is not None or linear_ops._tp(args)[0]
+            or type(dy) not in _PLAIN
             or (args.weight_requires_grad and type(x) not in _PLAIN)
             or (args.input_requires_grad and type(w) not in _PLAIN)):
         return None
@@ -105,10 +107,5 @@ def runs(inp, bias) -> bool:
     """Whether an eager call the layer found plain (no recipe, a plain
     weight, no tensor parallelism, no fused wgrad accumulation) with
     ``bias`` added takes :class:`PlainLinear`."""
-    return (bias is not None and type(inp) in _PLAIN and type(bias) in _PLAIN
-            and bias.dtype == inp.dtype and not torch.compiler.is_compiling())
-
-
-def _split(args) -> bool:
-    """Whether the layer is split over more than one rank."""
-    return args.parallel_mode is not None and args.tp_size != 1
+    return (type(inp) in _PLAIN and type(bias) in _PLAIN and bias.dtype == inp.dtype
+            and not torch.compiler.is_compiling())
