@@ -41,10 +41,13 @@ def test_bias_on_cuda(name):
 
 
 @pytest.mark.parametrize("module, options", LN_CASES)
-def test_layernorm_modules_bf16_with_bias_lowered_on_cuda(module, options):
+def test_layernorm_modules_bf16_with_bias_on_cuda(module, options):
+    """LayerNormLinear lowers like Linear; LayerNormMLP keeps its forward op
+    (measured slower lowered, ``_lowers_mlp_forward``); bit for bit."""
     torch._dynamo.reset()
+    fwd_ops = int(module == "layernorm_mlp")
     assert _train("bf16", bias=True, steps=3, device="cuda", module=module,
-                  **options) == {"fwd": 0, "bwd": 0}
+                  **options) == {"fwd": fwd_ops, "bwd": 0}
 
 
 @pytest.mark.parametrize("module, options", LN_CASES)
