@@ -28,26 +28,15 @@ def test_lowered_on_cuda(name, mode):
     assert counters["inductor"].get("cudagraph_skips", 0) == 0
 
 
-@pytest.mark.parametrize("name", ["bf16", "fp8_current", "fp8_block", "mxfp8"])
-def test_bias_on_cuda(name):
-    """A bias lowers with the GEMM: added in _scaled_mm's epilogue, by the
-    bias kernel or (bf16) inside ``F.linear`` as one opaque
-    ``te_compile::linear_bias`` call, its gradient summed by the column-sum
-    kernel, bit for bit."""
+@pytest.mark.parametrize("name, ops_left", [
+    *[(n, {"fwd": 0, "bwd": 0}) for n in ("fp8_current", "fp8_block", "mxfp8")],
+    ("bf16", {"fwd": 1, "bwd": 0}),  # the bias inside F.linear keeps the forward op
+])
+def test_bias_on_cuda(name, ops_left):
+    """A bias lowers with the GEMM: added in _scaled_mm's epilogue or by the
+    bias kernel, its gradient summed by the column-sum kernel, bit for bit."""
     torch._dynamo.reset()
-    counts, text = _train(name, bias=True, steps=3, device="cuda", with_code=True)
-    assert counts == {"fwd": 0, "bwd": 0}
-    assert text.count("torch.ops.te_compile.linear_bias.default(") == (name == "bf16")
-
-
-@pytest.mark.parametrize("module, options", LN_CASES)
-def test_layernorm_modules_bf16_with_bias_on_cuda(module, options):
-    """LayerNormLinear lowers like Linear; LayerNormMLP keeps its forward op
-    (measured slower lowered, ``_lowers_mlp_forward``); bit for bit."""
-    torch._dynamo.reset()
-    fwd_ops = int(module == "layernorm_mlp")
-    assert _train("bf16", bias=True, steps=3, device="cuda", module=module,
-                  **options) == {"fwd": fwd_ops, "bwd": 0}
+    assert _train(name, bias=True, steps=3, device="cuda") == ops_left
 
 
 @pytest.mark.parametrize("module, options", LN_CASES)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..quantization.base import QuantizedTensorStorage
-from . import gemm_bias, get, tracing
+from . import get
 
 
 def operand(t, usage: str) -> torch.Tensor:
@@ -40,10 +40,7 @@ def gemm_reference(a, a_usage: str, b, b_usage: str, out_dtype: torch.dtype,
     if not quantized and out_dtype.itemsize > a2.dtype.itemsize:
         quantized = True  # e.g. a bf16 wgrad into an fp32 main_grad: no bf16 rounding
     if not quantized:
-        if bias is not None and tracing.active:  # a lowered trace: keep the add in cuBLAS
-            out = gemm_bias.traced(a2, b2, bias)
-        else:
-            out = torch.nn.functional.linear(a2, b2, bias)
+        out = torch.nn.functional.linear(a2, b2, bias)
         return out if out.dtype == out_dtype else out.to(out_dtype)
     out = a2.float() @ b2.float().t()
     if bias is not None:

@@ -11,9 +11,7 @@ twenty-fourth session).  The C++ side launches the very Triton kernels the
 Python path compiled, through the driver, with the arguments a plan fixed
 (:func:`launch_spec`), and calls torch's ``_scaled_mm`` as the Python path
 does, so both give the same bits.  ``native_alloc.cpp`` also serves the
-Python op impls: their outputs from one call (:func:`empty_many`), and
-``native_gemm_bias.cpp`` registers ``te_compile::linear_bias``'s CUDA kernel
-(kernels/gemm_bias.py).
+Python op impls: their outputs from one call (:func:`empty_many`).
 
 The extension is compiled with torch's extension loader on first use, in a
 background thread (about half a minute, once per machine: torch caches the
@@ -40,7 +38,7 @@ ENABLED = os.environ.get("TE_COMPILE_NATIVE", "1") == "1"
 _DIR = os.path.dirname(__file__)
 _SOURCES = [os.path.join(_DIR, name) for name in (
     "native_linear.cpp", "native_linear_grads.cpp", "native_linear_op.cpp", "native_norm.cpp",
-    "native_act.cpp", "native_alloc.cpp", "native_gemm_bias.cpp")]
+    "native_act.cpp", "native_alloc.cpp")]
 _HEADERS = [os.path.join(_DIR, name) for name in ("native_common.h", "native_linear.h")]
 _KINDS = {"i32": 1, "i64": 2, "fp32": 3}  # native_linear.cpp's Kind; 0 tensor, 4 lo, 5 hi
 _SIZES = {0: 8, 1: 4, 2: 8, 3: 4, 4: 4, 5: 4}

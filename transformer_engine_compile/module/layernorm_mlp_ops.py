@@ -214,14 +214,8 @@ def layernorm_mlp_backward_fake(args) -> dict:
 def _lowers_mlp_forward(args) -> bool:
     """Each GEMM on Linear's conditions, seen with the module input (whose
     dtype each GEMM's input and output have: the norm and activation
-    kernels produce their outputs in it).  But unquantized GEMMs with a
-    bias keep the op: lowered (each ``F.linear`` a ``te_compile::linear_bias``
-    call) a compiled bf16 stack ran 1.07x slower per step than with the
-    op on an H200 (docs/benchmarks.md, fortieth session; LayerNormLinear
-    and Linear were not slower)."""
-    gemms = [args.gemm(prefix, args.inp) for prefix in GEMMS]
-    return all(_lowers_forward(g) and (g.bias is None or g.input_quantizer is not None)
-               for g in gemms)
+    kernels produce their outputs in it)."""
+    return all(_lowers_forward(args.gemm(prefix, args.inp)) for prefix in GEMMS)
 
 
 def _lowers_mlp_backward(args) -> bool:

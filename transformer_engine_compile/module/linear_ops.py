@@ -571,20 +571,17 @@ def linear_backward_fake(args: LinearBwdArgs) -> dict:
 
 def _lowers_forward(args: LinearFwdArgs) -> bool:
     """Whether inductor may replace a forward call by its kernels
-    (dynamo/lowering.py).  A bias where a kernel adds it: an unquantized
-    GEMM's ``F.linear``, traced as an opaque op (kernels/gemm_bias.py:
-    inductor would split an ``addmm`` into ``mm`` + add and round twice),
-    and a quantized GEMM's ``_scaled_mm`` epilogue, else ``bias_add`` (as a
+    (dynamo/lowering.py).  A bias only on a quantized GEMM whose device
+    adds it in a kernel (``_scaled_mm``'s epilogue, else ``bias_add``): as a
     torch op inductor would fuse the add with its neighbours, rounding
-    otherwise than eager).  Under DelayedScaling only
+    otherwise than eager; the unquantized GEMM adds it in ``F.linear``,
+    which inductor may split into ``mm`` + add.  Under DelayedScaling only
     where the casts are Triton kernels: the forward reads the scale buffer
     it also updates, and AOT's partitioner may recompute torch ops (the
     reference casts) in the backward, which would then read the new scale;
     it never recomputes a ``wrap_triton`` kernel (not on its allowlist)."""
-    unquantized = (args.input_quantizer is None
-                   and not isinstance(args.weight, QuantizedTensorStorage))
-    bias_ok = (args.bias is None or unquantized
-               or (args.input_quantizer is not None and _has_fast_kernel("bias_add", args)))
+    bias_ok = args.bias is None or (args.input_quantizer is not None
+                                    and _has_fast_kernel("bias_add", args))
     out_dtype = None if args.inp is None else args.inp.dtype
     forward_quantizers = (args.input_quantizer, args.weight_quantizer, args.output_quantizer)
     return (bias_ok and _delayed_lowers(args.amax_history_fwd, args)

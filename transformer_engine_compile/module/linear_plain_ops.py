@@ -1,9 +1,9 @@
 """The linear ops' calls without a recipe, in a short path (issue 14).
 
 A ``te_compile::linear_fwd`` / ``linear_bwd`` call without a recipe (bf16
-training) stays an op call where inductor does not lower it
-(``backend="aot_eager"``, devices without lowering) and in the op
-host-time benchmark.  Its Python impl walks
+training) stays an op call where inductor does not lower it (the forward
+of a layer with a bias, ``_lowers_forward``; ``backend="aot_eager"``) and in
+the op host-time benchmark.  Its Python impl walks
 every branch of :func:`~.linear_ops.linear_forward` /
 :func:`~.linear_ops.linear_backward` (quantization, delayed scaling, the
 weight cache, collectives) around one or two GEMMs.  The plain
