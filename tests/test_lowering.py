@@ -122,7 +122,7 @@ def _train(name, bias, steps=2, device="cpu", mode=None, module="linear", exact=
 # codegen/cpp.py) on the MXFP8 reference's scale layout; torch 2.13 compiles
 # it (2.12 not tried).  CPU lowering is a test-only setting (lowered_on_cpu).
 _MXFP8_ON_CPU = pytest.param("mxfp8", marks=pytest.mark.skipif(
-    tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13),
+    torch.torch_version.TorchVersion(torch.__version__) < "2.13",
     reason="torch < 2.13: inductor's C++ backend asserts on the MXFP8 reference"))
 
 
