@@ -48,3 +48,47 @@ def test_ready_declines_without_a_plan_a_slot_or_during_capture(monkeypatch):
     entry = lno._Entry()
     entry.plan = _Plan(None)  # a slot the plan cannot use
     assert lno._ready(entry, lambda: "args", None, [], False, t) is None
+
+
+def _bf16_bwd_args(bias, x_grad=True, w_grad=True):
+    """The backward op's arguments of a bf16 te.Linear call (no recipe)."""
+    import transformer_engine_compile as te
+    from transformer_engine_compile.module.linear_ops import LINEAR_OPS as ops
+    layer = te.Linear(32, 16, bias=bias, params_dtype=torch.bfloat16)
+    layer.weight.requires_grad_(w_grad)
+    x = torch.randn(8, 32, dtype=torch.bfloat16, requires_grad=x_grad)
+    args = layer._make_args(x, None, False, False)
+    with torch.no_grad():
+        result = ops.forward(args)
+    return ops.make_bwd_args(dict(result.saved), ops.setup_context(args),
+                             {"grad_output": torch.randn(8, 16, dtype=torch.bfloat16)}), x, layer
+
+
+def test_plain_backward_takes_x_and_w_where_the_bias_trains():
+    """Without a recipe the native backward takes x and W themselves, and
+    only where the bias takes a gradient and both were saved."""
+    args, x, layer = _bf16_bwd_args(True)
+    saved = lno._saved(args)
+    assert saved[0] is args.inputmat and saved[3] is args.weightmat
+    assert torch.equal(saved[0], x) and saved[3] is layer.weight
+    assert saved[1:3] == [None, None] and saved[4:] == [None, None]
+    assert lno._saved(_bf16_bwd_args(False)[0]) is None  # no bias: the short path
+    assert lno._saved(_bf16_bwd_args(True, x_grad=False)[0]) is None  # W not saved
+    assert lno._saved(_bf16_bwd_args(True, w_grad=False)[0]) is None  # x not saved
+    # the key tells plain calls of other dtypes apart
+    assert lno._backward_key(args)[5:9] == (None, None, torch.bfloat16, torch.bfloat16)
+
+
+def test_plain_backward_without_a_bias_gradient_skips_the_native_impl(monkeypatch):
+    """linear_ops._native_backward: a bias-free plain backward goes straight
+    to the short path; one with a bias gradient asks the native impl first
+    and takes the short path where it declines (here: on CPU)."""
+    from transformer_engine_compile.module import linear_ops, linear_plain_ops
+    asked = []
+    monkeypatch.setattr(lno, "backward", lambda *a: asked.append(a) or None)
+    for bias in (False, True):
+        args = _bf16_bwd_args(bias)[0]
+        out = linear_ops._native_backward(None, None, None, args)
+        want = linear_plain_ops.backward(args)
+        assert len(out) == len(want) and all(torch.equal(a, b) for a, b in zip(out, want))
+        assert len(asked) == int(bias)

@@ -93,16 +93,40 @@ def test_ops_native_equal_python(name, bias, grads):
     assert _planned(bflat, True) == ("NativeLinear" if all(grads) else False)
 
 
-def test_bf16_ops_stay_python():
-    """Without a recipe nothing is quantized: no plan, the impls' outputs."""
-    flat, args, _ = _flat_args("bf16", True)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("grads", [(True, True), (False, True), (True, False)])
+@pytest.mark.parametrize("shape,n", [((2, 128, 256), 384), ((3, 50, 72), 40)], ids=str)
+def test_bf16_ops(bias, grads, shape, n):
+    """Without a recipe the forward takes the short path, and so does the
+    backward but where the bias takes a gradient (and x and W were saved):
+    that one runs the plain plan, at any sizes, with the short path's bits."""
+    flat, args, _ = _flat_args("bf16", bias, *grads, shape=shape, n=n)
     with torch.no_grad():
         outs = [OPS.fwd_op(*flat) for _ in range(3)]
         bflat = _bwd_flat(args, outs[0])
+        grads_out = [OPS.bwd_op(*bflat) for _ in range(3)]
+    _same(outs[0], outs[2], native_b=False)
+    native_bwd = bias and all(grads)
+    _same(grads_out[0], grads_out[1], native_bwd)
+    _same(grads_out[0], grads_out[2], native_bwd)
+    assert _planned(flat) is False
+    assert _planned(bflat, True) == ("NativeLinear" if native_bwd else False)
+
+
+def test_bf16_backward_native_with_a_transposed_input():
+    """The saved x is the input as it came (a transposed view): the plain
+    plan's GEMM reads it as the short path does."""
+    torch.manual_seed(2)
+    layer = te.Linear(128, 64, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(128, 96, device="cuda", dtype=torch.bfloat16).t().requires_grad_(True)
+    args = layer._make_args(x, None, False, False)
+    flat = OPS.fwd_plan.encode(args)
+    with torch.no_grad():
+        out = OPS.fwd_op(*flat)
+        bflat = _bwd_flat(args, out)
         grads = [OPS.bwd_op(*bflat) for _ in range(3)]
-    _same(outs[0], outs[2])
-    _same(grads[0], grads[2], native_b=False)
-    assert _planned(flat) is False and _planned(bflat, True) is False
+    _same(grads[0], grads[2])
+    assert _planned(bflat, True) == "NativeLinear"
 
 
 @pytest.mark.parametrize("name", ["fp8_current", "fp8_delayed", "fp8_block", "nvfp4"])
@@ -162,7 +186,7 @@ def test_native_disabled_keeps_python(monkeypatch):
     assert _planned(flat) is None
 
 
-@pytest.mark.parametrize("name", ["fp8_current", "fp8_delayed", "nvfp4"])
+@pytest.mark.parametrize("name", ["bf16", "fp8_current", "fp8_delayed", "nvfp4"])
 def test_compiled_ops_training_equals_eager(name):
     """Three AdamW steps of two layers compiled with aot_eager (the ops stay
     ops, so their native impls run) equal the eager Python path's."""
@@ -177,19 +201,21 @@ def test_compiled_ops_training_equals_eager(name):
     x = torch.randn(4, 64, 256, device="cuda", dtype=torch.bfloat16)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
     was, calls = native.ENABLED, []
-    forward = linear_native_ops.forward
+    real = linear_native_ops.forward, linear_native_ops.backward
 
-    def counted(*call):
-        out = forward(*call)
-        calls.append(out is not None)
-        return out
+    def counting(fn):
+        def counted(*call):
+            out = fn(*call)
+            calls.append(out is not None)
+            return out
+        return counted
 
-    linear_native_ops.forward = counted
+    linear_native_ops.forward, linear_native_ops.backward = map(counting, real)
     try:
         _train(compiled, model, ref, opts, x, rec, was)
     finally:
-        linear_native_ops.forward = forward
-    assert any(calls)  # the compiled ops ran natively
+        linear_native_ops.forward, linear_native_ops.backward = real
+    assert any(calls)  # the compiled ops ran natively (bf16: the backward)
 
 
 def _train(compiled, model, ref, opts, x, rec, was):
@@ -199,7 +225,7 @@ def _train(compiled, model, ref, opts, x, rec, was):
             native.ENABLED = use_native
             try:
                 torch.cuda.manual_seed(step)
-                with te.autocast(recipe=rec):
+                with te.autocast(enabled=rec is not None, recipe=rec):
                     loss = fn(x).float().square().mean()
                 loss.backward()
             finally:

@@ -286,13 +286,27 @@ Forward forward_nvfp4(const Plan& p, const at::Tensor& x, const at::Tensor& w,
   return f;
 }
 
+// No recipe: F.linear on the operands module/linear_plain_ops.py passes
+// it (x as (M, K), W as it is), so the same cuBLAS call gives the same
+// bits; the backward reads x and W themselves.
+Forward forward_plain(const Plan& p, const at::Tensor& x, const at::Tensor& w,
+                      const c10::optional<at::Tensor>& bias) {
+  at::NoGradGuard no_grad;
+  at::Tensor y = at::linear(x.reshape({p.m, p.k}), w, bias).view(p.out_shape);
+  Forward f{y};
+  if (p.wgrad) f.x_t = x;
+  if (p.dgrad) f.w_t = w;
+  return f;
+}
+
 }  // namespace
 
 Forward forward_of(const Plan& p, const at::Tensor& x, const at::Tensor& w,
                    const c10::optional<at::Tensor>& bias, int64_t lo, int64_t hi,
                    const std::vector<at::Tensor>& state, const GivenX* given,
                    const at::Tensor& new_history, const at::Tensor& new_scale) {
-  return p.recipe == kBlock   ? forward_block(p, x, w, bias, state)
+  return p.recipe == kPlain   ? forward_plain(p, x, w, bias)
+         : p.recipe == kBlock ? forward_block(p, x, w, bias, state)
          : p.recipe == kMx    ? forward_mx(p, x, w, bias)
          : p.recipe == kNvfp4 ? forward_nvfp4(p, x, w, bias)
                               : forward_current(p, x, w, bias, lo, hi, state, given, new_history,
@@ -312,7 +326,9 @@ struct LinearFp8Backward : public Node {
   // next edges: x, W, then the bias, each where it needs a gradient
   bool x_grad = false, w_grad = false, b_grad = false;
 
-  std::string name() const override { return "TeLinearFp8Backward"; }
+  std::string name() const override {
+    return plan->recipe == kPlain ? "TeLinearBackward" : "TeLinearFp8Backward";
+  }
 
   // The gradients by the Python path's backward from the same saved copies.
   void python_path(const at::Tensor& dy, variable_list& out) {
@@ -481,15 +497,27 @@ at::Tensor run(const std::shared_ptr<Plan>& plan, const at::Tensor& x, const at:
   if (node->w_grad) edges.push_back(torch::autograd::impl::gradient_edge(w));
   if (node->b_grad) edges.push_back(torch::autograd::impl::gradient_edge(*bias));
   node->set_next_edges(std::move(edges));
-  if (node->x_grad) {
+  // saved in the order the Python path saves them, so saved-tensor hooks
+  // (activation checkpointing's among them) see the same sequence: x's before
+  // W's without a recipe (linear_plain_ops.PlainLinear), W's first otherwise
+  auto save_w = [&] {
+    if (!node->x_grad) return;
     node->w_t_ = SavedVariable(f.w_t, false);
     node->w_sinv_ = SavedVariable(f.w_sinv, false);
     if (f.w_amax.defined()) node->w_amax_ = SavedVariable(f.w_amax, false);
-  }
-  if (node->w_grad) {
+  };
+  auto save_x = [&] {
+    if (!node->w_grad) return;
     node->x_t_ = SavedVariable(f.x_t, false);
     node->x_sinv_ = SavedVariable(f.x_sinv, false);
     if (f.x_amax.defined()) node->x_amax_ = SavedVariable(f.x_amax, false);
+  };
+  if (p.recipe == kPlain) {
+    save_x();
+    save_w();
+  } else {
+    save_w();
+    save_x();
   }
   torch::autograd::set_history(f.y, NodeHolder(node));
   return f.y;
@@ -574,7 +602,7 @@ void run_launch(const Launch& l, const std::vector<at::Tensor>& slots, int64_t l
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace te_native;
-  py::class_<Launch>(m, "Launch");
+  py::class_<Launch>(m, "Launch").def(py::init<>());  // empty: a kPlain plan's fwd and bwd
   py::class_<Plan, std::shared_ptr<Plan>>(m, "Plan")
       .def(py::init([](Launch fwd, Launch bwd, py::object python_backward,
                        const std::string& act_dtype, int64_t device, int64_t mm, int64_t k, int64_t n,
@@ -666,6 +694,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              p.stochastic = stochastic;
              p.nvfp4_fused = fused;
            })
+      .def("set_plain",
+           [](Plan& p) {
+             TORCH_CHECK(p.cache == kNoCache && p.wgrad_dtype == p.act_dtype,
+                         "te native: a plain plan takes no weight cache and a weight of the "
+                         "activations' dtype");
+             p.recipe = kPlain;
+           })
       .def("set_cache",
            [](Plan& p, int64_t cache) {
              TORCH_CHECK(p.recipe != kMx && p.recipe != kNvfp4 && cache >= kNoCache &&
@@ -682,7 +717,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            })
       .def("set_main_grad",
            [](Plan& p) {
-             TORCH_CHECK(p.wgrad && p.recipe != kMx,
+             TORCH_CHECK(p.wgrad && p.recipe != kMx && p.recipe != kPlain,
                          "te native: main_grad is for a weight gradient under FP8 current, "
                          "delayed or blockwise scaling, or NVFP4");
              p.main_grad = true;

@@ -17,7 +17,9 @@
 namespace te_native __attribute__((visibility("hidden"))) {
 
 // -- the plan of one te.Linear configuration -------------------------------------
-enum Recipe : int64_t { kCurrent = 0, kBlock = 1, kDelayed = 2, kMx = 3, kNvfp4 = 4 };
+// kPlain: no recipe (bf16 or fp16 with a bias: F.linear's GEMMs, the bias
+// gradient's launches), as module/linear_plain_ops.py runs them.
+enum Recipe : int64_t { kCurrent = 0, kBlock = 1, kDelayed = 2, kMx = 3, kNvfp4 = 4, kPlain = 5 };
 // Current, delayed or blockwise scaling with is_first_microbatch: the
 // weight's copies written into the layer's FP8 weight cache after the GEMM
 // (as the Python path's update copies them), or read from it instead of
@@ -147,7 +149,8 @@ inline bool bias_fits(const Plan& p, const at::Tensor& b) {
 }
 
 // The tensors a forward leaves for the backward: x's and W's columnwise
-// copies and their scales (current scaling: a one-element scale_inv each).
+// copies and their scales (current scaling: a one-element scale_inv each;
+// kPlain: x and W themselves, no scales).
 struct Forward {
   at::Tensor y, x_t, x_sinv, w_t, w_sinv;
   at::Tensor x_amax, w_amax;  // NVFP4: the columnwise copies' amaxes
@@ -158,7 +161,8 @@ struct Forward {
 inline int64_t padded_blocks(int64_t blocks) { return (blocks + 3) / 4 * 4; }
 
 // The copies a backward reads: x's and W's columnwise copies and their
-// scales (NVFP4: and amaxes); undefined where the GEMM reading one does not run.
+// scales (NVFP4: and amaxes; kPlain: x and W); undefined where the GEMM
+// reading one does not run.
 struct Saved {
   at::Tensor x_t, x_sinv, x_amax, w_t, w_sinv, w_amax;
 };

@@ -144,6 +144,17 @@ void block_grads(const Plan& p, const at::Tensor& dy, const at::Tensor& dy2d, co
   }
 }
 
+// dgrad and wgrad without a recipe: F.linear on the operands
+// linear_plain_ops.linear_grads passes it (dy as (M, N), W's and x's
+// transposes), for the same cuBLAS calls; dy as it is, not `operand`'s
+// aligned copy, which could change the GEMM's algorithm.
+void plain_grads(const Plan& p, const at::Tensor& dy, const Saved& s, bool want_dx, bool want_dw,
+                 Grads& g) {
+  at::Tensor dy2d = dy.reshape({p.m, p.n});
+  if (p.dgrad && want_dx) g.dx = at::linear(dy2d, s.w_t.t()).view(p.in_shape);
+  if (p.wgrad && want_dw) g.dw = at::linear(dy2d.t(), s.x_t.reshape({p.m, p.k}).t());
+}
+
 }  // namespace
 
 Grads grads_of(const Plan& p, const at::Tensor& dy, const Saved& s, bool want_dx, bool want_dw,
@@ -152,7 +163,9 @@ Grads grads_of(const Plan& p, const at::Tensor& dy, const Saved& s, bool want_dx
   at::Tensor dy2d = operand(dy, p.m, p.n);
   auto stream = c10::cuda::getCurrentCUDAStream(dy.device().index()).stream();
   Grads g;
-  if (p.recipe == kBlock) {
+  if (p.recipe == kPlain) {
+    plain_grads(p, dy, s, want_dx, want_dw, g);
+  } else if (p.recipe == kBlock) {
     block_grads(p, dy, dy2d, s, want_dx, want_dw, stream, g);
   } else if (p.recipe == kMx) {
     mx_grads(p, dy, dy2d, s, want_dx, want_dw, stream, g);

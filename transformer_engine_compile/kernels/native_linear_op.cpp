@@ -80,8 +80,8 @@ std::vector<at::Tensor> op_forward(const std::shared_ptr<Plan>& plan, const at::
 // it), under delayed scaling the new backward history and scales, then dW
 // as main_grad's update under fuse_wgrad_accumulation; empty where the plan
 // does not fit the call.  `saved`: x's columnwise copy (data, scales, NVFP4's
-// amax), then W's, None where absent; `state`: the backward history and
-// scales under delayed scaling.
+// amax), then W's, None where absent (kPlain: x, None, None, W, None, None);
+// `state`: the backward history and scales under delayed scaling.
 std::vector<at::Tensor> op_backward(const std::shared_ptr<Plan>& plan, const at::Tensor& dy,
                                     const std::vector<c10::optional<at::Tensor>>& saved,
                                     int64_t lo, int64_t hi,
@@ -93,11 +93,16 @@ std::vector<at::Tensor> op_backward(const std::shared_ptr<Plan>& plan, const at:
   }
   Saved s;
   at::Tensor* slots[6] = {&s.x_t, &s.x_sinv, &s.x_amax, &s.w_t, &s.w_sinv, &s.w_amax};
+  bool plain = p.recipe == kPlain;  // x and W themselves, read by cuBLAS alone
   for (size_t i = 0; i < 6; ++i) {
-    bool needed = (i < 3 ? p.wgrad : p.dgrad) && (i % 3 < 2 || p.recipe == kNvfp4);
+    bool needed = (i < 3 ? p.wgrad : p.dgrad) &&
+                  (plain ? i % 3 == 0 : i % 3 < 2 || p.recipe == kNvfp4);
     if (!needed) continue;
     const auto& t = saved[i];
-    if (!t.has_value() || !t->is_cuda() || t->get_device() != p.device || !aligned(*t)) return {};
+    if (!t.has_value() || !t->is_cuda() || t->get_device() != p.device ||
+        (plain ? !plain_on(*t, p.device, p.act_dtype) : !aligned(*t))) {
+      return {};
+    }
     *slots[i] = *t;
   }
   c10::cuda::CUDAGuard guard(dy.device());

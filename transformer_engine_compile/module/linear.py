@@ -21,7 +21,7 @@ from ..quantization import factory
 from . import args_memo, linear_plain_ops
 from .extra_state import (check_extra_state, delayed_state_names, load_without_extra_state,
                           pack_delayed_state, unpack_delayed_state)
-from .linear_native import plan_for
+from .linear_native import linear_plan
 from .linear_ops import LINEAR_OPS, LinearBwdArgs, LinearFwdArgs, _input_usage
 from .param_split import join_rows, pack_rows, register_rows, split_layout
 
@@ -223,7 +223,7 @@ class Linear(torch.nn.Module):
     # a subclass whose eager calls keep an argument memo (module/args_memo.py)
     # says how its native plans are made (module/layernorm_linear_native.py)
     _MEMO = True
-    _native_plan = staticmethod(plan_for)
+    _native_plan = staticmethod(linear_plan)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  params_dtype: Optional[torch.dtype] = None, device=None, init_method=None,
@@ -611,7 +611,8 @@ class Linear(torch.nn.Module):
             if added is None:
                 return self._finish({"out": torch.nn.functional.linear(inp, weight)})
             if linear_plain_ops.runs(inp, added):  # eager
-                return self._finish({"out": linear_plain_ops.PlainLinear.apply(inp, weight, added)})
+                return self._finish(self._plain_eager(inp, weight, added, is_first_microbatch,
+                                                      call, cast))
         key = ...
         if not torch.compiler.is_compiling():
             key = self._memo_key(inp, get_autocast_recipe(), torch.is_grad_enabled(),
@@ -637,6 +638,20 @@ class Linear(torch.nn.Module):
             outputs = self._OPS.eager(args)
         return self._finish(outputs)
 
+    def _plain_eager(self, inp, weight, bias, is_first_microbatch, call, cast) -> dict:
+        """An eager plain call with a bias added: from a configuration's
+        second call on the native node (linear_native.py's plain plan),
+        else :class:`~.linear_plain_ops.PlainLinear`, whose first call
+        makes the memo entry the plan hangs on; the same bits either way."""
+        key = self._memo_key(inp, None, torch.is_grad_enabled(), is_first_microbatch, False,
+                             False, weight, bias, cast)
+        outputs = args_memo.native_forward(self, key, call, inp, weight, bias)
+        if outputs is not None:
+            return outputs
+        if key is not None and args_memo.template(self, key) is None:
+            self._make_args(inp, is_first_microbatch, False, False, weight, bias, cast, key)
+        return {"out": linear_plain_ops.PlainLinear.apply(inp, weight, bias)}
+
     def _plain_call(self, inp, weight) -> bool:
         """Whether this call is what ``torch.nn.Linear`` computes: no recipe,
         a plain weight (not quantized, not FSDP2's quantized-gather wrapper),
@@ -648,7 +663,7 @@ class Linear(torch.nn.Module):
         compiled still equals eager bit for bit.  A bias keeps the ops when
         compiled, whose bias gradient reduces the same way in both (inductor
         would reorder ``F.linear``'s); eagerly it runs their kernels behind
-        one lean node (``linear_plain_ops.PlainLinear``).  Subclasses with
+        one lean node (:meth:`_plain_eager`).  Subclasses with
         their own ops (the fused norm) never do.  The input checks apply."""
         if (self._OPS is not LINEAR_OPS or get_autocast_recipe() is not None
                 or self._tp_active()

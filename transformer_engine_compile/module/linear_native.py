@@ -17,7 +17,12 @@ does), False quantizes x alone and reads W from the cache (delayed: then
 W's amax and the step).  Under current, delayed and blockwise scaling
 ``fuse_wgrad_accumulation``: W's gradient is added into its ``main_grad``
 by the node.  Nothing else: no tensor parallelism, no ``fp8_output`` /
-``fp8_grad``, no FP8 weight, no ``save_original_input``, a CUDA input.  Any other call, and any call
+``fp8_grad``, no FP8 weight, no ``save_original_input``, a CUDA input.
+te.Linear's calls without a recipe (``plain=True``: a bf16 or fp16 layer
+with a bias, eagerly; the backward op's calls with a bias gradient) get
+a plain plan: ``F.linear``'s GEMMs called from C++ on the operands the
+Python short path (linear_plain_ops.py) passes, the bias gradient's two
+launches, a node saving x and W themselves; any sizes.  Any other call, and any call
 while a CUDA graph is captured, under a functorch transform or forward-mode
 AD, keeps the Python path.  A plan is made once per argument memo entry of
 the layer (module/linear.py), from the same helpers the Python path decides
@@ -100,7 +105,7 @@ class NativeLinear:
         return {"out": res[0], "ln_out": res[1]} if res else None
 
 
-def _eligible(args: LinearFwdArgs) -> bool:
+def _eligible(args: LinearFwdArgs, plain: bool = False) -> bool:
     x, w = args.inp, args.weight
     if (type(x) is not torch.Tensor or type(w) not in (torch.Tensor, torch.nn.Parameter)
             or not x.is_cuda or w.device != x.device or x.dim() < 2
@@ -115,6 +120,8 @@ def _eligible(args: LinearFwdArgs) -> bool:
     if m == 0 or tuple(w.shape) != (n, k):
         return False
     recipe = _recipe(args)
+    if recipe is None and plain and _plain(args):
+        return x.dtype == w.dtype and args.main_grad is None and args.weight_workspace is None
     if args.main_grad is not None and not _main_grad_eligible(args, recipe, n, k):
         return False
     if (recipe == "delayed") != (args.amax_history_fwd is not None):
@@ -142,6 +149,13 @@ def _eligible(args: LinearFwdArgs) -> bool:
                 and cuda_gemm._has_block_scaled_mm()
                 and kernels.has_fast("quantize_fp8_blockwise", "cuda"))
     return False
+
+
+def _plain(args: LinearFwdArgs) -> bool:
+    """Whether the call has no recipe: no quantizer anywhere, no
+    DelayedScaling state."""
+    return (args.input_quantizer is None and args.weight_quantizer is None
+            and args.grad_output_quantizer is None and args.amax_history_fwd is None)
 
 
 def _main_grad_eligible(args: LinearFwdArgs, recipe, n: int, k: int) -> bool:
@@ -228,13 +242,15 @@ def _bias_eligible(args: LinearFwdArgs) -> bool:
             and (not args.bias_requires_grad or kernels.has_fast("column_sum", "cuda")))
 
 
-def plan_for(args: LinearFwdArgs, given_x: bool = False):
+def plan_for(args: LinearFwdArgs, given_x: bool = False, plain: bool = False):
     """A :class:`NativeLinear` for this call's configuration; None where it
     has none (``False`` from the caller's view: never for this memo entry)
     or the extension is not built yet (``...``: ask again later).
     ``given_x``: a fused module's first GEMM under DelayedScaling, whose
-    norm kernel quantizes x (``ext.norm_linear``); None under other recipes."""
-    if not native.ENABLED or not _eligible(args):
+    norm kernel quantizes x (``ext.norm_linear``); None under other recipes.
+    ``plain``: a call without a recipe gets a plan too (te.Linear's own
+    calls: :func:`_plain_plan`)."""
+    if not native.ENABLED or not _eligible(args, plain):
         return None
     recipe = _recipe(args)
     if given_x and recipe != "delayed":
@@ -247,6 +263,8 @@ def plan_for(args: LinearFwdArgs, given_x: bool = False):
         return ...
     x, w = args.inp, args.weight
     m, k, n = x.numel() // x.shape[-1], x.shape[-1], w.shape[0]
+    if recipe is None:  # _eligible admitted it as plain
+        return _plain_plan(ext, args, m, k, n, slot)
     if recipe == "block":
         return _block_plan(ext, args, m, k, n, slot)
     if recipe == "delayed":
@@ -291,6 +309,46 @@ def plan_for(args: LinearFwdArgs, given_x: bool = False):
                     args.bias is not None, list(x.shape[:-1]) + [n], list(x.shape))
     plan.set_cache(cache)
     return _with_bias_grad(ext, plan, args, slot, _cache_buffers(args) if cache else ())
+
+
+def linear_plan(args: LinearFwdArgs):
+    """:func:`plan_for` of a te.Linear call, which may have no recipe
+    (the layer's ``_native_plan``; the ops' plans, linear_native_ops.py)."""
+    return plan_for(args, plain=True)
+
+
+def _plain_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
+    """A :class:`NativeLinear` without a recipe (module/linear_plain_ops.py's
+    calls): ``F.linear``'s GEMMs on the operands the Python path passes,
+    called from C++, and the bias gradient's two launches; the node saves
+    x and W themselves."""
+    from . import linear_plain_ops
+    x, w = args.inp, args.weight
+    dgrad, wgrad = args.input_requires_grad, args.weight_requires_grad
+    name = _DTYPE_NAMES[x.dtype]
+    python_backward = _PlainBackward(dgrad, wgrad, args.bias_requires_grad, w.dtype,
+                                     None if args.bias is None else args.bias.dtype,
+                                     linear_plain_ops.linear_grads)
+    plan = ext.Plan(ext.Launch(), ext.Launch(), python_backward, name, x.device.index, m, k, n,
+                    "float8_e4m3fn", "float8_e5m2", name, False, False, dgrad, wgrad,
+                    args.bias is not None, list(x.shape[:-1]) + [n], list(x.shape))
+    plan.set_plain()
+    return _with_bias_grad(ext, plan, args, slot)
+
+
+class _PlainBackward:
+    """A plain node's Python backward (native_linear.cpp's python_path: a
+    gradient of another dtype or a tensor subclass), as
+    ``linear_plain_ops.PlainLinear`` computes it; x and W come as the
+    copies' places."""
+
+    def __init__(self, dgrad, wgrad, dbias, weight_dtype, bias_dtype, grads):
+        self.flags = (dgrad, wgrad, dbias, weight_dtype, bias_dtype)
+        self.grads = grads
+
+    def __call__(self, dy, x, x_sinv, w, w_sinv, x_amax=None, w_amax=None):
+        with torch.no_grad():
+            return self.grads(dy, x, w, *self.flags)
 
 
 def _with_bias_grad(ext, plan, args: LinearFwdArgs, slot, state=()):

@@ -7,7 +7,13 @@ kernels.  Where the eager path's native plan covers a call's
 configuration (module/linear_native.py), the op's kernel runs it instead,
 one C++ call (kernels/native_linear_op.cpp) returning the flat outputs
 the Python impl would, bit for bit: the same kernels with the same
-arguments.  Not covered, so the Python impls run: the FP8 weight cache
+arguments.  Without a recipe the short path (module/linear_plain_ops.py)
+runs, but a backward whose bias takes a gradient runs the plain plan
+(``F.linear``'s GEMMs from C++, the bias gradient's two launches), bit
+for bit the short path's: its launches cost ~25 us less there, while
+the GEMM-only calls cost the same either way (docs/benchmarks.md,
+forty-first session).  Not covered, so the Python impls run: the FP8
+weight cache
 (``is_first_microbatch``), and what the eager plan does not cover (tensor
 parallelism, ``fp8_output`` / ``fp8_grad``, FP8 weights,
 ``save_original_input``, an amax reduction group); a backward whose
@@ -36,7 +42,7 @@ from ..quantization.blockwise import Float8BlockwiseQTensorStorage
 from ..quantization.float8 import Float8TensorStorage
 from ..quantization.mxfp8 import MXFP8TensorStorage
 from ..quantization.nvfp4 import NVFP4TensorStorage
-from .linear_native import plan_for
+from .linear_native import linear_plan
 from .linear_ops import LinearFwdArgs
 
 # configurations kept per call site (the oldest goes first): a dynamic graph's
@@ -83,10 +89,12 @@ def _forward_key(args) -> tuple:
 
 def _backward_key(args) -> tuple:
     """A backward call's configuration (besides its simple values; saved
-    copies of x and W present)."""
-    dy, ws, g, h = args.grad_output, args.weightmat, args.main_grad, args.amax_history_bwd
+    copies of x and W present, or x and W themselves without a recipe)."""
+    dy, xs, ws, g, h = (args.grad_output, args.inputmat, args.weightmat, args.main_grad,
+                        args.amax_history_bwd)
     return (dy.shape, dy.dtype, dy.device, ws.shape, _config(args.grad_output_quantizer),
-            _config(args.inputmat._quantizer), _config(ws._quantizer),
+            _config(getattr(xs, "_quantizer", None)), _config(getattr(ws, "_quantizer", None)),
+            getattr(xs, "dtype", None), getattr(ws, "dtype", None),
             None if g is None else g.dtype, None if h is None else h.shape)
 
 
@@ -97,10 +105,9 @@ def planned(pair, flat, backward: bool = False):
     plan = pair.bwd_plan if backward else pair.fwd_plan
     decoder = plan.decoder(flat[-1])
     args = decoder(flat)
-    if backward and (type(args.inputmat) not in _STORAGES
-                     or type(args.weightmat) is not type(args.inputmat)):
+    if backward and _saved(args) is None:
         return False
-    if not backward and args.input_quantizer is None:  # no recipe: never planned
+    if not backward and args.input_quantizer is None:  # no recipe: the short path
         return False
     entry = decoder.native.get((_backward_key if backward else _forward_key)(args))
     return None if entry is None else entry.plan
@@ -136,7 +143,7 @@ def _op_plan(args, fake, flat, entry: _Entry, backward: bool) -> None:
     backward): they would outlive it, a ``main_grad`` among them, or sit
     in a CUDA graph's pool (cudagraph trees run a graph's first calls in
     its pool)."""
-    plan = plan_for(args)
+    plan = linear_plan(args)
     if plan is ...:  # the extension is still being built: ask again next call
         return
     if plan is None:
@@ -161,7 +168,7 @@ def forward(pair, decoder, flat, args):
     """``te_compile::linear_fwd``'s outputs from the native plan, or None
     (``decoder``, ``args``: the call's decoder and decoded arguments)."""
     x = args.inp
-    if args.input_quantizer is None or not _usable(x):  # no recipe: nothing native
+    if args.input_quantizer is None or not _usable(x):  # no recipe: the short path
         return None
     w, b, h = args.weight, args.bias, args.amax_history_fwd
     entry = _entry(decoder.native, _forward_key(args))
@@ -207,20 +214,36 @@ def _copies(storage) -> list:
 # the saved copies the native backward takes: plain storages of a plan's formats
 _STORAGES = (Float8TensorStorage, Float8BlockwiseQTensorStorage, MXFP8TensorStorage,
              NVFP4TensorStorage)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _saved(args):
+    """The saved x and W as the native backward takes them (six places:
+    ``_copies``), or None where it does not: a quantized copy of each of a
+    plan's formats, or without a recipe x and W themselves where the bias
+    takes a gradient; not where either is absent (a frozen weight, an
+    input without gradient)."""
+    xs, ws = args.inputmat, args.weightmat
+    if type(xs) in _STORAGES and type(ws) is type(xs):
+        return _copies(xs) + _copies(ws)
+    if (args.grad_output_quantizer is None and args.bias_requires_grad
+            and type(xs) in _PLAIN and type(ws) in _PLAIN):
+        return [xs, None, None, ws, None, None]
+    return None
 
 
 def backward(pair, decoder, flat, args):
     """``te_compile::linear_bwd``'s outputs from the native plan, or None."""
     dy, xs, ws = args.grad_output, args.inputmat, args.weightmat
-    # no quantized copy of x or of W (bf16, a frozen weight, an input without gradient)
-    if not _usable(dy) or type(xs) not in _STORAGES or type(ws) is not type(xs):
+    saved = _saved(args) if _usable(dy) else None
+    if saved is None:
         return None
     h = args.amax_history_bwd
     entry = _entry(decoder.native, _backward_key(args))
     if entry is None or entry.plan is False:
         return None
-    xq, wq = xs._quantizer, ws._quantizer
-    if entry.plan is None and (xq is None or wq is None):
+    xq, wq = getattr(xs, "_quantizer", None), getattr(ws, "_quantizer", None)
+    if entry.plan is None and type(xs) in _STORAGES and (xq is None or wq is None):
         entry.plan = False
         return None
     ready = _ready(entry, lambda: _forward_args(args, dy, xq, wq), pair._bwd_fake, flat,
@@ -229,8 +252,7 @@ def backward(pair, decoder, flat, args):
         return None
     linear, slot = ready
     state = [] if h is None else [h, args.scale_bwd]
-    out = linear.ext.linear_op_backward(linear.plan, dy, _copies(xs) + _copies(ws),
-                                        slot[0], slot[1], state)
+    out = linear.ext.linear_op_backward(linear.plan, dy, saved, slot[0], slot[1], state)
     return _checked(entry, out, "backward") if out else None
 
 

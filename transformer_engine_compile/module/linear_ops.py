@@ -659,8 +659,15 @@ def _native_forward(pair, decoder, flat, args):
 
 
 def _native_backward(pair, decoder, flat, args):
-    out = linear_plain_ops.backward(args) if args.grad_output_quantizer is None else None
-    return out if out is not None else _native_ops().backward(pair, decoder, flat, args)
+    """The backward op's: without a recipe the native impl only where the
+    bias takes a gradient (its two launches from C++; the rest costs the
+    same either way, docs/benchmarks.md, forty-first session), else
+    linear_plain_ops.py."""
+    plain = args.grad_output_quantizer is None
+    if plain and not args.bias_requires_grad:
+        return linear_plain_ops.backward(args)
+    out = _native_ops().backward(pair, decoder, flat, args)
+    return out if out is not None or not plain else linear_plain_ops.backward(args)
 
 
 _NATIVE_OPS = []

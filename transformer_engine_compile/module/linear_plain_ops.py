@@ -14,7 +14,10 @@ call returns None and runs the Python impl.  For unquantized operands
 every device's ``"gemm"`` is :func:`~..kernels.gemm.gemm_reference`
 (``F.linear``; cuda_gemm.py's ``"bf16"`` path), called here without the
 dispatch.  Eager calls of such a layer with a bias run the same functions
-behind one autograd node, :class:`PlainLinear`.
+behind one autograd node, :class:`PlainLinear`.  On CUDA, once the native
+extension is built, the eager calls and the backward op's calls with a
+bias gradient run the native plain plan instead (module/linear_native.py,
+``_plain_plan``): the same calls from C++, and a C++ autograd node.
 """
 
 from __future__ import annotations
