@@ -3,6 +3,7 @@ eager bf16 / fp16 ``te.Linear`` with a bias and no recipe runs as one C++
 call and a C++ autograd node, giving ``linear_plain_ops.PlainLinear``'s
 bits in the ways users train.  Skips without CUDA."""
 
+import contextlib
 import copy
 
 import pytest
@@ -27,21 +28,13 @@ class _NoNative:
 def _grads(layer, x, dy, off=False, calls=3):
     """Output and gradients (x, weight, bias) of the last of ``calls`` eager
     steps (the memo entry is made at the first, the plan at the second)."""
-    with _NoNative() if off else _Same():
+    with _NoNative() if off else contextlib.nullcontext():
         for _ in range(calls):
             layer.zero_grad(set_to_none=True)
             xx = x.detach().requires_grad_(x.requires_grad)
             y = layer(xx)
             y.backward(dy)
     return (y.detach(), xx.grad, layer.weight.grad, layer.bias.grad), y
-
-
-class _Same:
-    def __enter__(self):
-        pass
-
-    def __exit__(self, *exc):
-        pass
 
 
 def _equal(a, b):
@@ -101,7 +94,7 @@ def test_plain_native_saves_x_then_w_through_hooks(ext, calls):
             packed.append(tuple(t.shape))
             return t.cpu()
 
-        with _NoNative() if off else _Same():
+        with _NoNative() if off else contextlib.nullcontext():
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t.cuda()):
                 y = m(x)
         assert packed == [(64, 256), (128, 256)], off
@@ -154,7 +147,7 @@ def test_plain_native_inside_activation_checkpointing(ext, calls, how):
     x0 = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
     results = []
     for m, off in ((model, False), (ref, True)):
-        with _NoNative() if off else _Same():
+        with _NoNative() if off else contextlib.nullcontext():
             for _ in range(3):
                 m.zero_grad(set_to_none=True)
                 x = x0.clone().requires_grad_(True)
@@ -178,7 +171,7 @@ def test_plain_native_training_with_copies_autocast_and_eval(ext, calls):
     for step in range(4):
         losses = []
         for m, opt, off in ((model, opts[0], False), (ref, opts[1], True)):
-            with _NoNative() if off else _Same():
+            with _NoNative() if off else contextlib.nullcontext():
                 with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
                     m(x)  # evaluation before the step
                 with torch.autocast("cuda", dtype=torch.bfloat16):

@@ -663,7 +663,7 @@ def _native_backward(pair, decoder, flat, args):
     bias takes a gradient (its two launches from C++; the rest costs the
     same either way, docs/benchmarks.md, forty-first session), else
     linear_plain_ops.py."""
-    plain = args.grad_output_quantizer is None
+    plain = args.grad_output_quantizer is None and args.input_quantizer is None
     if plain and not args.bias_requires_grad:
         return linear_plain_ops.backward(args)
     out = _native_ops().backward(pair, decoder, flat, args)
