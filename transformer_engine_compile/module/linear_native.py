@@ -42,6 +42,7 @@ from ..quantization.float8 import (Float8CurrentScalingQuantizer, Float8DelayedS
                                    Float8TensorStorage)
 from ..quantization.mxfp8 import MXFP8Quantizer
 from ..quantization.nvfp4 import NVFP4Quantizer
+from . import linear_plain_ops
 from .linear_ops import (LINEAR_OPS, LinearFwdArgs, _grad_output_quantizer, _input_quantizer,
                          _paired_weight_quantizer, _tp, _weight_quantizer)
 
@@ -322,13 +323,11 @@ def _plain_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
     calls): ``F.linear``'s GEMMs on the operands the Python path passes,
     called from C++, and the bias gradient's two launches; the node saves
     x and W themselves."""
-    from . import linear_plain_ops
     x, w = args.inp, args.weight
     dgrad, wgrad = args.input_requires_grad, args.weight_requires_grad
     name = _DTYPE_NAMES[x.dtype]
     python_backward = _PlainBackward(dgrad, wgrad, args.bias_requires_grad, w.dtype,
-                                     None if args.bias is None else args.bias.dtype,
-                                     linear_plain_ops.linear_grads)
+                                     None if args.bias is None else args.bias.dtype)
     plan = ext.Plan(ext.Launch(), ext.Launch(), python_backward, name, x.device.index, m, k, n,
                     "float8_e4m3fn", "float8_e5m2", name, False, False, dgrad, wgrad,
                     args.bias is not None, list(x.shape[:-1]) + [n], list(x.shape))
@@ -342,13 +341,12 @@ class _PlainBackward:
     ``linear_plain_ops.PlainLinear`` computes it; x and W come as the
     copies' places."""
 
-    def __init__(self, dgrad, wgrad, dbias, weight_dtype, bias_dtype, grads):
+    def __init__(self, dgrad, wgrad, dbias, weight_dtype, bias_dtype):
         self.flags = (dgrad, wgrad, dbias, weight_dtype, bias_dtype)
-        self.grads = grads
 
     def __call__(self, dy, x, x_sinv, w, w_sinv, x_amax=None, w_amax=None):
         with torch.no_grad():
-            return self.grads(dy, x, w, *self.flags)
+            return linear_plain_ops.linear_grads(dy, x, w, *self.flags)
 
 
 def _with_bias_grad(ext, plan, args: LinearFwdArgs, slot, state=()):
