@@ -188,3 +188,33 @@ def test_plain_native_training_with_copies_autocast_and_eval(ext, calls):
     loaded.load_state_dict(model.state_dict())
     with torch.autocast("cuda", dtype=torch.bfloat16):
         assert torch.equal(loaded(x), model(x))
+
+
+def test_plain_native_tensor_subclass_gradient_takes_the_python_backward(ext, calls):
+    """A gradient that is a tensor subclass (torch's TwoTensor here; a
+    DTensor in tensor-parallel training) leaves the node's C++ GEMMs for its
+    Python backward (``linear_native._PlainBackward``).  Its gradients equal
+    the Python path's for the same subclass gradient.  Per component, the
+    input and weight gradients equal the native ones of that component
+    alone, and the bias gradient is torch's sum (the column-sum kernel reads
+    raw pointers, which a subclass does not have)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+    torch.manual_seed(6)
+    layer = te.Linear(128, 192, bias=True, params_dtype=torch.bfloat16, device="cuda")
+    ref, alone = copy.deepcopy(layer), copy.deepcopy(layer)
+    x = torch.randn(2, 48, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy_a, dy_b = (torch.randn(2, 48, 192, device="cuda", dtype=torch.bfloat16)
+                  for _ in range(2))
+    got, y = _grads(layer, x, TwoTensor(dy_a, dy_b))
+    native_before = calls["native"]
+    want, y_ref = _grads(ref, x, TwoTensor(dy_a, dy_b), off=True)
+    assert native_before == 2 and y.grad_fn.name() == "TeLinearBackward"
+    assert y_ref.grad_fn.name() == "PlainLinearBackward"
+    for i in (1, 2, 3):  # x, weight, bias
+        assert isinstance(got[i], TwoTensor), i
+        assert torch.equal(got[i].a, want[i].a) and torch.equal(got[i].b, want[i].b), i
+    for dy, part in ((dy_a, "a"), (dy_b, "b")):
+        alone_grads = _grads(alone, x, dy)[0]
+        for i in (1, 2):
+            assert torch.equal(getattr(got[i], part), alone_grads[i]), (part, i)
+        assert torch.equal(getattr(got[3], part), dy.reshape(-1, 192).sum(0).bfloat16()), part

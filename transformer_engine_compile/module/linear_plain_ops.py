@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 from torch.autograd.function import once_differentiable
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .. import kernels
 from ..checkpointing import check_forward_op_in_backward
@@ -70,7 +71,9 @@ def backward(args):
 
 
 def linear_grads(dy, x, w, dgrad: bool, wgrad: bool, dbias: bool, weight_dtype, bias_dtype):
-    """(dgrad, wgrad, dbias) as the ops compute them, None where not asked for."""
+    """(dgrad, wgrad, dbias) as the ops compute them, None where not asked for.
+    A tensor-subclass ``dy`` (the eager nodes' gradient only: the ops take
+    plain tensors) gets its bias gradient from torch's sum."""
     dx = dw = db = None
     if dgrad:
         dx = gemm_reference(dy, "rowwise", w, "columnwise", dy.dtype).view(
@@ -79,7 +82,11 @@ def linear_grads(dy, x, w, dgrad: bool, wgrad: bool, dbias: bool, weight_dtype, 
         dw = gemm_reference(dy, "columnwise", x, "columnwise", weight_dtype)
     if dbias:
         dy2d = dy.reshape(-1, dy.shape[-1])
-        db = kernels.get("column_sum", dy2d)(dy2d, bias_dtype)
+        # the kernel reads raw pointers: a subclass gradient (a DTensor, say)
+        # has none of its own and sums through torch, which dispatches through it
+        column_sum = (kernels.reference.column_sum if is_traceable_wrapper_subclass(dy2d)
+                      else kernels.get("column_sum", dy2d))
+        db = column_sum(dy2d, bias_dtype)
     return dx, dw, db
 
 
