@@ -21,6 +21,12 @@ def native_path(on: bool):
         native.ENABLED = was
 
 
+def recipe_on(rec):
+    """``te.autocast`` under ``rec``; None: no recipe (the layers compute in
+    their parameters' dtype)."""
+    return te.autocast(enabled=rec is not None, recipe=rec)
+
+
 def plans(layer) -> list:
     """The native plans of the layer's argument memo entries (None not asked, False none)."""
     return [t.native for t in layer._args_memo[1].values()]
@@ -54,7 +60,7 @@ def train_steps(layer, x, dy, rec, native_on, steps=3, d_ln=None, optimizer=Fals
         for _ in range(steps):
             layer.zero_grad(set_to_none=True)
             xx = x.detach().requires_grad_(x.requires_grad)
-            with te.autocast(recipe=rec), torch.autocast(
+            with recipe_on(rec), torch.autocast(
                     "cuda", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
                 y, ln_out = _outputs(layer, layer(xx))
             loss = (y * dy).float().sum()
@@ -102,7 +108,7 @@ def microbatch_steps(module, x, dy, rec, native_on, steps=2, micro=3, ckpt=None)
             for i in range(micro):
                 xx = x.detach().requires_grad_(x.requires_grad)
                 call = functools.partial(module, is_first_microbatch=i == 0)
-                with te.autocast(recipe=rec):
+                with recipe_on(rec):
                     y = call(xx) if ckpt is None else ckpt(call, xx)
                 (y * dy).float().sum().backward()
                 results += [y.detach(), xx.grad, *_fp8_buffers(module)]

@@ -103,15 +103,23 @@ def test_fused_planners_say_the_extension_is_still_building(monkeypatch):
     te.LayerNormLinear / te.LayerNormMLP calls used to fail so)."""
     from transformer_engine_compile.module import layernorm_linear_native as lln
     from transformer_engine_compile.module import layernorm_mlp_native as lmn
+    asked = []
+
+    def still_building(args, given_x=False, plain=False):
+        asked.append(plain)
+        return ...
+
     for mod in (lln, lmn):
         monkeypatch.setattr(mod, "norm_eligible", lambda args: True)
-        monkeypatch.setattr(mod, "plan_for", lambda args, given_x=False: ...)
+        monkeypatch.setattr(mod, "plan_for", still_building)
     monkeypatch.setattr(lmn.kernels, "has_fast", lambda *names: True)
     monkeypatch.setattr(native, "ENABLED", True)
     assert lln.plan_for_layernorm_linear(SimpleNamespace(amax_history_fwd=None)) is ...
     mlp_args = SimpleNamespace(inp=torch.zeros(2, 2),
                                gemm=lambda prefix, x: SimpleNamespace(amax_history_fwd=None))
     assert lmn.plan_for_layernorm_mlp(mlp_args) is ...
+    # their first GEMM asks for a plan without a recipe too (bf16: the plain plan)
+    assert asked == [True, True]
 
 
 def test_empty_many_off_cuda_is_torch_empty():

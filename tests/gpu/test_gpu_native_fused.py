@@ -14,7 +14,7 @@ import transformer_engine_compile as te
 from transformer_engine_compile import recipe as R
 
 from native_steps import (assert_same, chain, compare, microbatch_steps, native_path, plans,
-                          train_steps)
+                          recipe_on, train_steps)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 if torch.cuda.is_available():
@@ -34,6 +34,9 @@ RECIPES = pytest.mark.parametrize("rec", [CURRENT, BLOCK, MX, DELAYED, NVFP4_PLA
                                        "nvfp4"])
 CURRENT_DELAYED = pytest.mark.parametrize("rec", [CURRENT, DELAYED],
                                           ids=["fp8_current", "fp8_delayed"])
+# ... and no recipe (bf16: the plain plan for the GEMMs)
+PLAIN_CURRENT_DELAYED = pytest.mark.parametrize("rec", [None, CURRENT, DELAYED],
+                                                ids=["bf16", "fp8_current", "fp8_delayed"])
 _HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 LINEAR_CHAIN = ["TeLinearFp8Backward", "TeNormBackward"]
 MLP_CHAIN = ["TeLinearFp8Backward", "TeActivationBackward", "TeLinearFp8Backward",
@@ -225,8 +228,67 @@ def test_native_activation_node_takes_other_gradients_the_python_way(ext):
     assert ext.act(plan.act, h[:64]) is None  # another shape: the Python path's
 
 
+# -- no recipe (bf16 / fp16) ------------------------------------------------------
+PLAIN_LINEAR_CHAIN = ["TeLinearBackward", "TeNormBackward"]
+PLAIN_MLP_CHAIN = ["TeLinearBackward", "TeActivationBackward", "TeLinearBackward",
+                   "TeNormBackward"]
+
+
+@pytest.mark.parametrize("case", LINEAR_CASES, ids=str)
+def test_native_layernorm_linear_without_recipe_equals_python_bit_for_bit(ext, calls, case):
+    """bf16 training: the norm's node, then the linear call's plain plan
+    (``F.linear``'s GEMMs from C++, with or without a bias)."""
+    normalization, bias, zcg, ret_ln, shape, n = case
+    layer = _lnlinear(shape[-1], n, normalization, bias, zero_centered_gamma=zcg,
+                      return_layernorm_output=ret_ln)
+    x = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 2).requires_grad_()
+    dy = torch.randn((*shape[:-1], n), device="cuda", dtype=torch.bfloat16)
+    d_ln = torch.randn(shape, device="cuda", dtype=torch.bfloat16) if ret_ln else None
+    y, y_ref = compare(layer, x, dy, None, d_ln=d_ln, optimizer=True)
+    assert calls["native"] == 2  # calls 2 and 3 (the first builds the memo)
+    assert [type(p) for p in plans(layer)] == [NativeLayerNormLinear]
+    assert chain(y)[:2] == PLAIN_LINEAR_CHAIN
+    assert not set(chain(y_ref)) & set(PLAIN_LINEAR_CHAIN)
+
+
+@pytest.mark.parametrize("case", MLP_CASES, ids=str)
+def test_native_layernorm_mlp_without_recipe_equals_python_bit_for_bit(ext, calls, case):
+    normalization, bias, act, zcg, ret_ln, ret_bias, shape, ffn = case
+    layer = _mlp(shape[-1], ffn, normalization, bias, act, zero_centered_gamma=zcg,
+                 return_layernorm_output=ret_ln, return_bias=ret_bias)
+    x = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 2).requires_grad_()
+    dy = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    d_ln = torch.randn(shape, device="cuda", dtype=torch.bfloat16) if ret_ln else None
+    y, y_ref = compare(layer, x, dy, None, d_ln=d_ln, optimizer=True)
+    assert calls["native"] == 4
+    assert [type(p) for p in plans(layer)] == [NativeLayerNormMLP]
+    assert chain(y) == PLAIN_MLP_CHAIN
+    assert not set(chain(y_ref)) & set(PLAIN_MLP_CHAIN)
+
+
+@BOTH
+@pytest.mark.parametrize("how", ["fp16", "autocast"])
+def test_native_fused_without_recipe_fp16_and_under_torch_autocast(ext, calls, kind, how):
+    """fp16 parameters, and fp32 parameters under torch.autocast(bf16)
+    (their casts are new tensors every call): the plain plans serve, with
+    the Python path's bits."""
+    make, plan_class, per_call = MODULES[kind]
+    torch.manual_seed(2)
+    layer = make().to(torch.float16 if how == "fp16" else torch.float32)
+    dtype = torch.float16 if how == "fp16" else torch.float32
+    x = torch.randn(128, 512, device="cuda", dtype=dtype, requires_grad=True)
+    dy = torch.randn(128, 512 if kind == "layernorm_mlp" else 256, device="cuda",
+                     dtype=torch.float16 if how == "fp16" else torch.bfloat16)
+    # AdamW only over fp32 parameters (its eps underflows in fp16)
+    y, _ = compare(layer, x, dy, None, optimizer=how == "autocast",
+                   autocast=torch.bfloat16 if how == "autocast" else None)
+    assert calls["native"] == 2 * per_call
+    assert [type(p).__name__ for p in plans(layer)] == [plan_class]
+    assert chain(y)[0] == "TeLinearBackward"
+
+
 # -- both -------------------------------------------------------------------------
-@CURRENT_DELAYED
+@PLAIN_CURRENT_DELAYED
 @BOTH
 def test_native_fused_eval_and_train_alternate(ext, calls, kind, rec):
     make, plan_class, _ = MODULES[kind]
@@ -237,7 +299,7 @@ def test_native_fused_eval_and_train_alternate(ext, calls, kind, rec):
     for _ in range(3):
         evals = []
         for lay, on in ((layer, True), (ref, False)):
-            with native_path(on), te.autocast(recipe=rec):
+            with native_path(on), recipe_on(rec):
                 with torch.no_grad():
                     evals.append(lay(x))
                 lay(x_train).float().square().sum().backward()
@@ -309,7 +371,7 @@ def test_native_fused_delayed_plans_run_only_together(ext):
     assert y.shape == (128, 256) and ln_out is None
 
 
-@CURRENT_DELAYED
+@PLAIN_CURRENT_DELAYED
 @BOTH
 def test_native_fused_checkpointed(ext, calls, kind, rec):
     """Inside te.checkpoint the recomputation takes the forward's path
@@ -324,7 +386,7 @@ def test_native_fused_checkpointed(ext, calls, kind, rec):
         with native_path(on):
             for _ in range(3):
                 lay.zero_grad(set_to_none=True)
-                with te.autocast(recipe=rec):
+                with recipe_on(rec):
                     y = te.checkpoint(lay, x)
                 y.float().square().sum().backward()
         outs.append([y.detach(), *[p.grad for p in lay.parameters()], *_state(lay)])

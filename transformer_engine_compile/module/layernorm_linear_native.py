@@ -20,6 +20,11 @@ linear call's weight cast and step, reading x's copies from the norm; the
 norm's node and the linear's are joined by the norm's output, which holds
 no data where it is not returned.
 
+Without a recipe (bf16 / fp16 training) the linear call is the plain plan
+a te.Linear with a bias gets (``linear_native._plain_plan``: ``F.linear``'s
+GEMMs from C++), with or without a bias; the Python path's op runs the same
+GEMMs and the same bias-gradient kernel.
+
 Covered: what the native linear path covers (module/linear_native.py);
 LayerNorm or RMSNorm, zero-centred gamma, ``return_layernorm_output``;
 norm parameters of one dtype, rows of at most ``triton_norm.MAX_K``.
@@ -89,7 +94,7 @@ def plan_for_layernorm_linear(args: LayerNormLinearFwdArgs):
         return None
     fp8_norm = args.amax_history_fwd is not None  # DelayedScaling: see the module's docstring
     # args.inp stands for the norm's output: same shape, dtype, device
-    linear = plan_for(args, given_x=fp8_norm)
+    linear = plan_for(args, given_x=fp8_norm, plain=True)
     if linear is None or linear is ...:  # none, or the extension still building
         return linear
     ext = linear.ext

@@ -17,7 +17,8 @@ te.LayerNormLinear (module/layernorm_linear_native.py: the norm kernel
 writes fc1's FP8 input itself, as the Python path's does).
 
 Covered: what both the native linear path and te.LayerNormLinear's native
-norm cover, every activation.  Anything else keeps the Python path.
+norm cover, every activation, and no recipe (bf16 / fp16: both GEMMs the
+plain plan, as in te.LayerNormLinear).  Anything else keeps the Python path.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def plan_for_layernorm_mlp(args: LayerNormMLPFwdArgs):
     x = args.inp  # stands for the norm's output: same shape, dtype, device
     fc1_args = args.gemm("fc1_", x)
     fp8_norm = fc1_args.amax_history_fwd is not None  # DelayedScaling: the norm writes FP8
-    fc1 = plan_for(fc1_args, given_x=fp8_norm)
+    fc1 = plan_for(fc1_args, given_x=fp8_norm, plain=True)
     if fc1 is None or fc1 is ...:  # none, or the extension still building
         return fc1
     ext = fc1.ext
@@ -79,7 +80,7 @@ def plan_for_layernorm_mlp(args: LayerNormMLPFwdArgs):
     if act is None:
         return None
     act, a = act
-    fc2 = plan_for(args.gemm("fc2_", a))
+    fc2 = plan_for(args.gemm("fc2_", a), plain=True)
     if fc2 is None or fc2 is ... or fc2.slot_keys != fc1.slot_keys:
         return None
     norm = norm_plan(ext, args, fc1_args if fp8_norm else None)
