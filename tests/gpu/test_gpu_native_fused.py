@@ -29,9 +29,10 @@ MX = R.MXFP8BlockScaling()
 DELAYED = R.DelayedScaling(amax_history_len=16, amax_compute_algo="max", margin=1)
 # NVFP4 without stochastic rounding: the two paths' steps draw nothing
 NVFP4_PLAIN = R.NVFP4BlockScaling(disable_stochastic_rounding=True)
-RECIPES = pytest.mark.parametrize("rec", [CURRENT, BLOCK, MX, DELAYED, NVFP4_PLAIN],
-                                  ids=["fp8_current", "fp8_block", "mxfp8", "fp8_delayed",
-                                       "nvfp4"])
+# every recipe and none (bf16: the GEMMs on the plain plan, with or without a bias)
+ALL_AND_BF16 = pytest.mark.parametrize("rec", [None, CURRENT, BLOCK, MX, DELAYED, NVFP4_PLAIN],
+                                       ids=["bf16", "fp8_current", "fp8_block", "mxfp8",
+                                            "fp8_delayed", "nvfp4"])
 CURRENT_DELAYED = pytest.mark.parametrize("rec", [CURRENT, DELAYED],
                                           ids=["fp8_current", "fp8_delayed"])
 # ... and no recipe (bf16: the plain plan for the GEMMs)
@@ -41,6 +42,11 @@ _HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9
 LINEAR_CHAIN = ["TeLinearFp8Backward", "TeNormBackward"]
 MLP_CHAIN = ["TeLinearFp8Backward", "TeActivationBackward", "TeLinearFp8Backward",
              "TeNormBackward"]
+
+
+def _native_chain(chain_names, rec):
+    """The native nodes' names under ``rec`` (no recipe: the plain node)."""
+    return [n.replace("Fp8", "") if rec is None else n for n in chain_names]
 
 
 def _perturbed(module):
@@ -96,7 +102,7 @@ LINEAR_CASES = [  # (normalization, bias, zero_centered_gamma, return_layernorm_
 ]
 
 
-@RECIPES
+@ALL_AND_BF16
 @pytest.mark.parametrize("case", LINEAR_CASES, ids=str)
 def test_native_layernorm_linear_equals_python_bit_for_bit(ext, calls, rec, case):
     _skip_block(rec)
@@ -109,8 +115,8 @@ def test_native_layernorm_linear_equals_python_bit_for_bit(ext, calls, rec, case
     y, y_ref = compare(layer, x, dy, rec, d_ln=d_ln)
     assert calls["native"] == 2  # calls 2 and 3 (the first builds the memo)
     assert [type(p) for p in plans(layer)] == [NativeLayerNormLinear]
-    assert chain(y)[:2] == LINEAR_CHAIN
-    assert "TeLinearFp8Backward" not in chain(y_ref)
+    assert chain(y)[:2] == _native_chain(LINEAR_CHAIN, rec)
+    assert not set(chain(y_ref)) & set(_native_chain(LINEAR_CHAIN, rec))
 
 
 @CURRENT_DELAYED
@@ -159,7 +165,7 @@ MLP_CASES = [  # normalization, bias, activation, zero_centered_gamma, ln_out, r
 ]
 
 
-@RECIPES
+@ALL_AND_BF16
 @pytest.mark.parametrize("case", MLP_CASES, ids=str)
 def test_native_layernorm_mlp_equals_python_bit_for_bit(ext, calls, rec, case):
     _skip_block(rec)
@@ -172,8 +178,8 @@ def test_native_layernorm_mlp_equals_python_bit_for_bit(ext, calls, rec, case):
     y, y_ref = compare(layer, x, dy, rec, d_ln=d_ln)
     assert calls["native"] == 4  # two GEMMs in calls 2 and 3 (the first builds the memo)
     assert [type(p) for p in plans(layer)] == [NativeLayerNormMLP]
-    assert chain(y) == MLP_CHAIN
-    assert "TeLinearFp8Backward" not in chain(y_ref)
+    assert chain(y) == _native_chain(MLP_CHAIN, rec)
+    assert not set(chain(y_ref)) & set(_native_chain(MLP_CHAIN, rec))
 
 
 @pytest.mark.parametrize("frozen", ["input", "norm", "fc1", "fc2", "input+norm+fc1"])
@@ -228,44 +234,7 @@ def test_native_activation_node_takes_other_gradients_the_python_way(ext):
     assert ext.act(plan.act, h[:64]) is None  # another shape: the Python path's
 
 
-# -- no recipe (bf16 / fp16) ------------------------------------------------------
-PLAIN_LINEAR_CHAIN = ["TeLinearBackward", "TeNormBackward"]
-PLAIN_MLP_CHAIN = ["TeLinearBackward", "TeActivationBackward", "TeLinearBackward",
-                   "TeNormBackward"]
-
-
-@pytest.mark.parametrize("case", LINEAR_CASES, ids=str)
-def test_native_layernorm_linear_without_recipe_equals_python_bit_for_bit(ext, calls, case):
-    """bf16 training: the norm's node, then the linear call's plain plan
-    (``F.linear``'s GEMMs from C++, with or without a bias)."""
-    normalization, bias, zcg, ret_ln, shape, n = case
-    layer = _lnlinear(shape[-1], n, normalization, bias, zero_centered_gamma=zcg,
-                      return_layernorm_output=ret_ln)
-    x = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 2).requires_grad_()
-    dy = torch.randn((*shape[:-1], n), device="cuda", dtype=torch.bfloat16)
-    d_ln = torch.randn(shape, device="cuda", dtype=torch.bfloat16) if ret_ln else None
-    y, y_ref = compare(layer, x, dy, None, d_ln=d_ln, optimizer=True)
-    assert calls["native"] == 2  # calls 2 and 3 (the first builds the memo)
-    assert [type(p) for p in plans(layer)] == [NativeLayerNormLinear]
-    assert chain(y)[:2] == PLAIN_LINEAR_CHAIN
-    assert not set(chain(y_ref)) & set(PLAIN_LINEAR_CHAIN)
-
-
-@pytest.mark.parametrize("case", MLP_CASES, ids=str)
-def test_native_layernorm_mlp_without_recipe_equals_python_bit_for_bit(ext, calls, case):
-    normalization, bias, act, zcg, ret_ln, ret_bias, shape, ffn = case
-    layer = _mlp(shape[-1], ffn, normalization, bias, act, zero_centered_gamma=zcg,
-                 return_layernorm_output=ret_ln, return_bias=ret_bias)
-    x = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 2).requires_grad_()
-    dy = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-    d_ln = torch.randn(shape, device="cuda", dtype=torch.bfloat16) if ret_ln else None
-    y, y_ref = compare(layer, x, dy, None, d_ln=d_ln, optimizer=True)
-    assert calls["native"] == 4
-    assert [type(p) for p in plans(layer)] == [NativeLayerNormMLP]
-    assert chain(y) == PLAIN_MLP_CHAIN
-    assert not set(chain(y_ref)) & set(PLAIN_MLP_CHAIN)
-
-
+# -- no recipe (bf16 / fp16; the equality tests above take bf16 too) ---------------
 @BOTH
 @pytest.mark.parametrize("how", ["fp16", "autocast"])
 def test_native_fused_without_recipe_fp16_and_under_torch_autocast(ext, calls, kind, how):
