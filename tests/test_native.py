@@ -96,6 +96,26 @@ def test_cpu_layer_records_no_plan_and_keeps_its_results(rec):
         assert template.native is False  # asked once, at the second call
 
 
+def test_switching_the_native_path_off_stops_existing_plans(monkeypatch):
+    """``native.ENABLED = False`` (as ``TE_COMPILE_NATIVE=0`` at import) also
+    stops the plans memo entries already hold: the Python path runs again,
+    and on again runs the plan (a stand-in here: no CUDA)."""
+    torch.manual_seed(0)
+    layer = te.Linear(64, 32, bias=False, params_dtype=torch.float32)
+    x = torch.randn(16, 64)
+    rec = R.Float8CurrentScaling()
+    with te.autocast(recipe=rec):
+        want = layer(x)
+        (template,) = layer._args_memo[1].values()
+        marker = torch.full((16, 32), 7.0)
+        template.native = lambda lay, *tensors: {"out": marker}
+        assert layer(x) is marker
+        monkeypatch.setattr(native, "ENABLED", False)
+        assert torch.equal(layer(x), want)
+        monkeypatch.setattr(native, "ENABLED", True)
+        assert layer(x) is marker
+
+
 def test_fused_planners_say_the_extension_is_still_building(monkeypatch):
     """While the extension builds in the background, ``plan_for`` answers
     ``...`` (ask again later); the fused modules' planners pass that on

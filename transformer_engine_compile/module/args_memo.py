@@ -18,6 +18,7 @@ from __future__ import annotations
 import operator
 
 from ..dynamo import arg_views
+from ..kernels import native
 from ..quantization.base import storage_parts
 
 # configurations the argument memo keeps per layer (the oldest goes first): a
@@ -146,7 +147,10 @@ def _native_call(layer, key, call, tensors):
     entry = template(layer, key)
     if entry is None or entry.native is False:
         return None
-    if call is not None and call.replay and not call.rec.native:
+    if call is not None and call.replay:
+        if not call.rec.native:  # a recomputation takes its forward's path
+            return None
+    elif not native.ENABLED:  # switched off after the plan was made
         return None
     plan = entry.native
     if plan is None:
