@@ -146,3 +146,40 @@ def test_plain_linear_output_takes_in_place_ops_and_refuses_double_backward():
     (dx,) = torch.autograd.grad(y, x, g, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         dx.sum().backward()
+
+
+def test_subclass_gradient_sums_its_bias_gradient_through_torch(monkeypatch):
+    """The bias gradient's fast kernel reads raw pointers: a plain gradient
+    takes it, a tensor-subclass gradient (torch's TwoTensor; a DTensor in
+    practice) sums through torch, per component.  On CPU the registered
+    kernel is the reference, so a stand-in records who reached it."""
+    from torch.testing._internal.two_tensor import TwoTensor
+    from transformer_engine_compile import kernels
+    reached, get = [], kernels.get
+
+    def recording_get(name, x):
+        fn = get(name, x)
+        if name != "column_sum":
+            return fn
+
+        def fast(x2d, dtype):
+            reached.append(type(x2d))
+            return fn(x2d, dtype)
+        return fast
+
+    monkeypatch.setattr(kernels, "get", recording_get)
+    torch.manual_seed(0)
+    layer = te.Linear(16, 8, bias=True, params_dtype=torch.bfloat16)
+    x = torch.randn(4, 16, dtype=torch.bfloat16, requires_grad=True)
+    dy_a, dy_b = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(4, 8, dtype=torch.bfloat16)
+    layer(x).backward(dy_a)
+    assert reached == [torch.Tensor]
+    want_a = layer.bias.grad.clone()
+    layer.zero_grad(set_to_none=True)
+    y = layer(x)
+    assert y.grad_fn.name() == "PlainLinearBackward"
+    y.backward(TwoTensor(dy_a, dy_b))
+    assert reached == [torch.Tensor]  # the subclass did not reach the kernel
+    db = layer.bias.grad
+    assert isinstance(db, TwoTensor)
+    assert torch.equal(db.a, want_a) and torch.equal(db.b, dy_b.float().sum(0).bfloat16())
