@@ -43,6 +43,7 @@ from ..quantization.float8 import Float8TensorStorage
 from ..quantization.mxfp8 import MXFP8TensorStorage
 from ..quantization.nvfp4 import NVFP4TensorStorage
 from .linear_native import linear_plan
+from .linear_plain_ops import _PLAIN  # the short path's plain tensor types
 from .linear_ops import LinearFwdArgs
 
 # configurations kept per call site (the oldest goes first): a dynamic graph's
@@ -214,7 +215,6 @@ def _copies(storage) -> list:
 # the saved copies the native backward takes: plain storages of a plan's formats
 _STORAGES = (Float8TensorStorage, Float8BlockwiseQTensorStorage, MXFP8TensorStorage,
              NVFP4TensorStorage)
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _saved(args):
