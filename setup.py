@@ -7,6 +7,6 @@ setup(
     packages=find_packages(include=["transformer_engine_compile", "transformer_engine_compile.*"]),
     package_data={"transformer_engine_compile": ["kernels/*.cpp", "kernels/*.h"]},  # the native eager path
     python_requires=">=3.10",
-    install_requires=["torch>=2.11"],
-    extras_require={"test": ["pytest", "pytest-xdist"], "gpu": ["triton"]},
+    install_requires=["torch>=2.11", "numpy"],  # numpy: torch.distributed.checkpoint's object gathers
+    extras_require={"test": ["pytest", "pytest-xdist", "transformers"], "gpu": ["triton"]},
 )
