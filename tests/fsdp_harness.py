@@ -21,9 +21,12 @@ Checks, per recipe:
   quantization of x and dy draws other scales than the whole batch's) and
   the loss of every step within ``LOSS_TOL`` (relative; 1% but NVFP4);
 * all-gather bytes: the quantized gather moves at most 0.55x of bf16's;
+* the quantized gather without ``te.fsdp.precompute_scales`` == with it: each
+  gather sees the optimizer's updates;
 * DelayedScaling with ``amax_reduction_group``: the scales are identical on
   every rank and equal the single-process model's after the first step
-  (the backward's times the world size);
+  (the backward's times the world size); without it the same (te reduces
+  over every rank by default); with ``reduce_amax=False`` they part;
 * no module output is a view (FSDP2 warns about those).
 
 Run under torchrun: ``python -m torch.distributed.run --nproc_per_node 2
@@ -91,10 +94,18 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def train(model, name, batches, group, sharded: bool):
+def train(model, name, batches, group, sharded: bool, precompute: bool = True,
+          amax_group: str = "given"):
     """Per step: loss, the full gradients (by parameter name), the
-    DelayedScaling scales of the first layer; and all-gather bytes per step."""
+    DelayedScaling scales of the first layer; and all-gather bytes per step.
+    ``precompute``: ``te.fsdp.precompute_scales`` after each optimizer step;
+    ``amax_group`` (DelayedScaling): "given" passes the group to te.autocast,
+    "default" leaves it out (te reduces over every rank), "off" trains with
+    ``reduce_amax=False``."""
     rec = recipe_of(name)
+    if amax_group == "off":
+        rec = recipe.DelayedScaling(reduce_amax=False)
+    given = {"amax_reduction_group": group if sharded else None} if amax_group == "given" else {}
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if sharded else (0, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True)
     torch.manual_seed(1234)  # NVFP4's stochastic rounding draws from it
@@ -103,8 +114,7 @@ def train(model, name, batches, group, sharded: bool):
         x, target = x.chunk(world)[rank], target.chunk(world)[rank]
         with count_all_gather_bytes() as total, warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
-            with te.autocast(enabled=rec is not None, recipe=rec,
-                             amax_reduction_group=group if sharded else None):
+            with te.autocast(enabled=rec is not None, recipe=rec, **given):
                 y = model(x)
             loss = (y.float() - target).pow(2).sum() * (world / ROWS)
             loss.backward()
@@ -116,7 +126,7 @@ def train(model, name, batches, group, sharded: bool):
                        ("fp8_scale_fwd", "fp8_scale_bwd")) if name == "delayed" else ()
         opt.step()
         opt.zero_grad()
-        if sharded:  # the next gathers reuse these amaxes (one all-reduce)
+        if sharded and precompute:  # the next gathers reuse these shards (one all-reduce)
             te.fsdp.precompute_scales(model)
         steps.append((loss.detach(), grads, scales))
     params = {n: _full(p).detach().float().clone() for n, p in model.named_parameters()}
@@ -147,10 +157,16 @@ def run_case(group, name, device, compile_backend=None) -> dict:
     initial = build(device)
     reference = train(copy.deepcopy(initial), name, batches, None, sharded=False)
     runs = {}
-    variants = [("quantized", True, None), ("plain", False, None)]
+    # (label, quantized gather, compile backend, train()'s keywords)
+    variants = [("quantized", True, None, {}), ("plain", False, None, {})]
+    if name in QUANTIZED_GATHER:  # each gather quantizes a weight update itself
+        variants.append(("no_precompute", True, None, {"precompute": False}))
+    if name == "delayed":
+        variants += [("default_group", True, None, {"amax_group": "default"}),
+                     ("no_reduction", True, None, {"amax_group": "off"})]
     if compile_backend is not None:
-        variants.append(("compiled", True, compile_backend))
-    for label, quantized, backend in variants:
+        variants.append(("compiled", True, compile_backend, {}))
+    for label, quantized, backend, kw in variants:
         torch._dynamo.reset()
         counters.clear()
         model = shard(copy.deepcopy(initial), recipe_of(name), quantized, backend)
@@ -158,10 +174,17 @@ def run_case(group, name, device, compile_backend=None) -> dict:
             kinds = {type(p._local_tensor).__name__ for n, p in model.named_parameters()
                      if n.endswith("weight") and "norm" not in n}
             assert kinds == {"QuantizedAllGatherWeight"}, kinds
-        runs[label] = train(model, name, batches, group, sharded=True)
+        runs[label] = train(model, name, batches, group, sharded=True, **kw)
         if backend is not None:
             assert not counters["graph_break"], dict(counters["graph_break"])
     _assert_bit_equal(runs["quantized"], runs["plain"], f"{name}: quantized vs plain gather")
+    if "no_precompute" in runs:
+        _assert_bit_equal(runs["no_precompute"], runs["plain"],
+                          f"{name}: quantized gather without precompute_scales vs plain")
+    if name == "delayed":  # te reduces over every rank unless told otherwise
+        _assert_bit_equal(runs["default_group"], runs["quantized"],
+                          f"{name}: default amax reduction vs the group given")
+        _check_scales_differ(group, runs["no_reduction"])
     if "compiled" in runs:
         _assert_bit_equal(runs["compiled"], runs["quantized"], f"{name}: compiled vs eager")
     grads, ref_grads = runs["quantized"][0][0][1], reference[0][0][1]  # step 0: same weights
@@ -195,6 +218,18 @@ def _check_delayed_scales(group, run, reference, world):
     (fwd, bwd), (ref_fwd, ref_bwd) = run[0][0][2], reference[0][0][2]
     assert torch.equal(fwd, ref_fwd), (fwd, ref_fwd)
     assert torch.equal(bwd[0] * world, ref_bwd[0]), (bwd, ref_bwd)
+
+
+def _check_scales_differ(group, run):
+    """``reduce_amax=False``: each rank keeps its own amaxes, so the ranks'
+    scales (from their own halves of the batch) part after the first step."""
+    differ = False
+    for _, _, scales in run[0][1:]:
+        for s in scales:
+            everyone = [torch.empty_like(s) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(everyone, s.contiguous(), group=group)
+            differ = differ or not all(torch.equal(everyone[0], e) for e in everyone)
+    assert differ, "reduce_amax=False: the ranks' scales stayed identical"
 
 
 def reported(label: str, case) -> bool:

@@ -19,7 +19,8 @@ def test_fsdp_bench_cpu_every_candidate_and_gather_bytes(capfd):
     rows = bench_fsdp.cpu_run(["--recipes", "bf16,fp8_current,fp8_block",
                                "--modes", "eager,compiled", "--backend", "aot_eager"])
     labels = ["torch bf16", *(["torchao fp8 tensorwise"] if torchao_available() else []),
-              "te bf16", "te fp8_current", "te fp8_current (bf16 gather)", "te fp8_block"]
+              "te bf16", "te fp8_current", "te fp8_current (bf16 gather)", "te fp8_block",
+              "te fp8_block (bf16 gather)"]
     assert [(r["candidate"], r["mode"]) for r in rows] == [
         (c, m) for c in labels for m in ("eager", "compiled")]
     for r in rows:
@@ -42,6 +43,7 @@ def test_fsdp_bench_cpu_every_candidate_and_gather_bytes(capfd):
         # 128x128 blocks: k and v (128 rows) do not split into whole blocks over 2 ranks
         assert by["te fp8_block"]["gather"] == "fp8_block 10/14"
         assert by["te fp8_block"]["all_gather_bytes"] < by["te bf16"]["all_gather_bytes"]
+        assert by["te fp8_block (bf16 gather)"]["gather"] == "bf16"
 
         # the ratio column: the baseline's ms over the row's, in the same mode
         base = by["torch bf16"]
@@ -54,3 +56,24 @@ def test_fsdp_bench_cpu_every_candidate_and_gather_bytes(capfd):
     out = capfd.readouterr().out  # rank 0 printed the table; rank 1 printed nothing
     assert out.count("| config | candidate |") == 1 and "world size 2 (gloo)" in out
     assert out.count("| llama-tiny | te fp8_current (bf16 gather) |") == 2
+
+
+def test_fsdp_bench_hugging_face_model_and_profile(capfd):
+    """The Hugging Face model after te.convert, sharded per decoder layer,
+    and ``--profile``: every rank's step summary comes back (on CPU the
+    trace has no GPU events, so each summary is empty) and rank 0 prints
+    the breakdown section."""
+    pytest.importorskip("transformers")
+    rows = bench_fsdp.cpu_run(["--configs", "hf-llama-tiny", "--recipes", "fp8_current",
+                               "--modes", "eager", "--no-torchao", "--profile",
+                               "--candidates", "torch bf16,te fp8_current"])
+    assert [r["candidate"] for r in rows] == ["torch bf16", "te fp8_current"]
+    for r in rows:
+        assert "error" not in r, r
+        assert math.isfinite(r["loss"]) and r["profile"] == [{}, {}]
+    te_row = rows[1]
+    # te.convert also converts the LM head, which the root unit gathers in bf16
+    assert te_row["gather"] == "fp8_current 14/15"
+    assert te_row["all_gather_bytes"] < rows[0]["all_gather_bytes"]
+    out = capfd.readouterr().out
+    assert "### hf-llama-tiny / te fp8_current / eager (rank 0)" in out

@@ -114,10 +114,24 @@ def other_recipe_worker(group):
     full_amax = param.full_tensor().abs().max().float()
     amax = local._group_amax(group)
     assert torch.equal(amax, full_amax.reshape(1)) and local._group_amax(group) is amax
-    local._inner.mul_(2.0)  # an optimizer step would do this in place
+    local._inner.mul_(2.0)  # an in-place write to the high-precision values
     assert torch.equal(local._group_amax(group), 2 * amax)
     te.fsdp.precompute_scales(model)
-    assert torch.equal(local._amax[1], 2 * amax) and local._amax[0] == local._inner._version
+    assert torch.equal(local._amax[1], 2 * amax) and local._amax[0] == local._state()
+    # the quantized shard is made once per weight update: precompute made it,
+    # the gathers hand the same tensors over
+    inputs = local._gather_input[2]
+    assert local._shard_inputs(group, torch.bfloat16) is inputs
+    # an optimizer step writes through the wrapper (below autograd, where the
+    # inner version counter does not move): the amax and the shard follow it
+    opt = torch.optim.SGD([param], lr=1.0, foreach=True)
+    param.grad = -param.detach().clone()  # w - lr * grad = 2 w
+    version = local._inner._version
+    opt.step()
+    assert local._inner._version == version  # unseen by the version counter...
+    assert torch.equal(local._group_amax(group), 4 * amax)  # ...but seen
+    fresh = local._shard_inputs(group, torch.bfloat16)
+    assert fresh is not inputs and not torch.equal(fresh[1], inputs[1])  # a new scale
 
 
 def test_fsdp_other_recipe_refused_with_grad_and_dequantized_without():

@@ -18,7 +18,7 @@ import functools
 import torch
 
 from .dynamo.compat import unchecked_side_effects
-from .recipe import Float8CurrentScaling, Recipe
+from .recipe import DelayedScaling, Float8CurrentScaling, Recipe
 
 
 _STATE = {"enabled": False, "recipe": None, "amax_reduction_group": None}
@@ -101,4 +101,19 @@ def get_autocast_recipe() -> Recipe | None:
 
 
 def get_amax_reduction_group():
-    return _STATE["amax_reduction_group"] if _STATE["enabled"] else None
+    """The group DelayedScaling all-reduces each step's amaxes over: the one
+    given to :class:`autocast`, else, under an initialised process group of
+    more than one rank, every rank (``torch.distributed.group.WORLD``, as
+    Transformer Engine's ``fp8_group=None``), so data-parallel replicas keep
+    identical scales; None when quantization is off, the recipe is not
+    DelayedScaling or its ``reduce_amax`` is False (each rank keeps its own)."""
+    if not _STATE["enabled"]:
+        return None
+    recipe = _STATE["recipe"]
+    if not isinstance(recipe, DelayedScaling) or not recipe.reduce_amax:
+        return None
+    group = _STATE["amax_reduction_group"]
+    if group is None and torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1:
+        group = torch.distributed.group.WORLD
+    return group

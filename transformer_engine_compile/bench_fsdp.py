@@ -7,8 +7,8 @@ parallel over N ranks, with weights all-gathered in bf16 or quantized.
 Candidates, side by side in one process: bf16 ``torch.nn.Linear`` under
 torch's ``fully_shard`` (the baseline), ``te.Linear`` in bf16 and under each
 recipe with its weights gathered quantized (``te.fsdp.fully_shard(...,
-recipe=rec)``), FP8 current scaling also with the plain bf16 gather (so the
-gather format's effect shows), and torchao's ``Float8Linear`` tensorwise with
+recipe=rec)``), FP8 current and blockwise scaling also with the plain bf16
+gather (so the gather format's effect shows), and torchao's ``Float8Linear`` tensorwise with
 its FP8 all-gather when torchao imports.
 
 Sharding as torchtitan does it: ``fully_shard`` on each decoder block, then
@@ -55,7 +55,8 @@ from .bench import RECIPES, torchao_unavailable_reason
 
 BASELINE = "torch bf16"
 MODES = ("eager", "compiled")
-CONFIGS = {**bench_llama.LLAMA_CONFIGS, **bench_llama.TINY_LLAMA}
+CONFIGS = {**bench_llama.LLAMA_CONFIGS, **bench_llama.TINY_LLAMA, **bench_llama.HF_CONFIGS,
+           **bench_llama.TINY_HF}
 
 
 def candidates(recipe_names, with_torchao):
@@ -66,9 +67,14 @@ def candidates(recipe_names, with_torchao):
     out = []
     for label, kind, rec in bench_llama.candidates(recipes, with_torchao):
         out.append((label, kind, rec, rec))
-        if label == "te fp8_current":
-            out.append(("te fp8_current (bf16 gather)", kind, rec, None))
+        if label in HP_GATHER_TOO:
+            out.append((f"{label} (bf16 gather)", kind, rec, None))
     return out
+
+
+# the recipes whose weights FSDP2 can gather quantized: each also runs with
+# the plain bf16 gather, so the gather format's effect shows
+HP_GATHER_TOO = ("te fp8_current", "te fp8_block")
 
 
 def shard(model, gather_recipe, mesh, compiled, backend):
@@ -78,7 +84,7 @@ def shard(model, gather_recipe, mesh, compiled, backend):
     torchao go through it too."""
     from . import fsdp
 
-    for block in model.blocks:
+    for block in bench_llama.decoder_blocks(model):
         fsdp.fully_shard(block, recipe=gather_recipe, mesh=mesh)
         if compiled:
             block.compile(fullgraph=True, backend=backend)
@@ -133,8 +139,10 @@ def count_all_gather_bytes(group=None):
             setattr(dist, name, fn)
 
 
-def measure(cfg, kind, rec, gather_recipe, mode, device, mesh, *, steps, warmup, backend):
-    """One candidate in one mode: the row's measured fields."""
+def measure(cfg, kind, rec, gather_recipe, mode, device, mesh, *, steps, warmup, backend,
+            profile=False):
+    """One candidate in one mode: the row's measured fields (``profile``:
+    also ``row["profile"]``, :func:`profile_step`'s breakdown per rank)."""
     float8_config = after_step = None
     if kind == "torchao":  # the FP8 all-gather and the scale precompute, as torchao documents
         from torchao.float8 import Float8LinearConfig, precompute_float8_dynamic_scale_for_fsdp
@@ -165,13 +173,60 @@ def measure(cfg, kind, rec, gather_recipe, mode, device, mesh, *, steps, warmup,
         row["loss"] = step(x, target)
     row["all_gather_bytes"] = gathered[0]
     row["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # compiles, all steps
+    if profile:
+        row["profile"] = profile_step(step, x, target)
     return row
 
 
+def profile_step(step, x, target):
+    """One step under ``torch.profiler`` (after an unprofiled one), summarised
+    per stream on every rank (:mod:`.bench_profile`): the list of the ranks'
+    summaries, the same on every rank."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from .bench_profile import summarize
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=1),
+                     on_trace_ready=lambda p: p.export_chrome_trace(path)) as prof:
+            for _ in range(2):
+                step(x, target)
+                prof.step()
+        summary = summarize(path) if os.path.exists(path) else {}
+    if summary:  # GPU events: the host's part by Python function too
+        summary["python"] = python_profile(step, x, target)
+    summaries = [None] * dist.get_world_size()
+    dist.all_gather_object(summaries, summary)
+    return summaries
+
+
+def python_profile(step, x, target, top=35) -> str:
+    """cProfile of one step: the functions by own time and by cumulative
+    time (the host's share of a host-bound step, by function)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    step(x, target)
+    prof.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    return out.getvalue()
+
+
 def run(configs, recipe_names, modes, device, *, steps=10, warmup=3, backend="inductor",
-        with_torchao=True, only=None, log=print):
+        with_torchao=True, only=None, log=print, profile=False):
     """All rows (every rank computes them; rank 0 logs them); ``only``: these
-    candidate labels alone."""
+    candidate labels alone; ``profile``: each row also profiles a step and
+    logs its breakdown after the table."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -191,7 +246,8 @@ def run(configs, recipe_names, modes, device, *, steps=10, warmup=3, backend="in
                 row = {"config": cname, "candidate": label, "mode": mode}
                 try:
                     row.update(measure(CONFIGS[cname], kind, rec, gather_recipe, mode, device,
-                                       mesh, steps=steps, warmup=warmup, backend=backend))
+                                       mesh, steps=steps, warmup=warmup, backend=backend,
+                                       profile=profile))
                     row["x_bf16"] = bench_llama._ratio(rows + [row], row, BASELINE, mode)
                 except Exception as e:  # one failing candidate must not hide the others
                     row["error"] = bench_llama.error_text(e)
@@ -202,7 +258,33 @@ def run(configs, recipe_names, modes, device, *, steps=10, warmup=3, backend="in
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
         log("")
+    if profile:
+        log(format_profiles(rows))
     return rows
+
+
+def format_profiles(rows) -> str:
+    """Per row: every rank's step breakdown in one line, then rank 0's in
+    full (:func:`.bench_profile.format_summary`)."""
+    from .bench_profile import format_summary
+
+    out = []
+    for row in rows:
+        summaries = row.get("profile")
+        if not summaries:
+            continue
+        label = f"{row['config']} / {row['candidate']} / {row['mode']}"
+        out.append(format_summary(f"{label} (rank 0)", summaries[0]))
+        if summaries[0].get("python"):
+            out.append("```\n" + summaries[0]["python"] + "```")
+        out.append("| rank | step ms | compute busy | compute idle | NCCL | NCCL exposed |")
+        out.append("|---:|---:|---:|---:|---:|---:|")
+        for rank, s in enumerate(summaries):
+            if s:
+                out.append(f"| {rank} | {s['step']:.2f} | {s['compute']:.2f} | "
+                           f"{s['compute_idle']:.2f} | {s['nccl']:.2f} | {s['nccl_exposed']:.2f} |")
+        out.append("")
+    return "\n".join(out)
 
 
 HEADER = ("| config | candidate | mode | gather | ms/step | tokens/s (global) | x bf16 "
@@ -248,6 +330,9 @@ def main(argv=None):
     p.add_argument("--candidates", type=lambda text: text.split(","), default=None,
                    help="comma-separated labels: run only these (e.g. 'torch bf16,te fp8_current')")
     p.add_argument("--json", help="rank 0 writes the rows here")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one step per candidate and print where its time goes "
+                        "per CUDA stream (every rank; rank 0's kernels and host ranges)")
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
     configs = args.configs or (["llama-b"] if cuda else ["llama-tiny"])
@@ -269,7 +354,7 @@ def main(argv=None):
             f"({dist.get_backend()}), per-rank batch as the config, steps {args.steps}\n")
         rows = run(configs, args.recipes, args.modes, device, steps=args.steps,
                    warmup=args.warmup, backend=args.backend, with_torchao=not args.no_torchao,
-                   only=args.candidates,
+                   only=args.candidates, profile=args.profile,
                    log=lambda text: log(text, flush=True))
         if rank0 and args.json:
             with open(args.json, "w") as f:

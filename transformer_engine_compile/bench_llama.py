@@ -56,7 +56,13 @@ LLAMA_CONFIGS = {
 }
 TINY_LLAMA = {"llama-tiny": LlamaConfig(layers=2, hidden=256, ffn=256, heads=4, kv_heads=2,
                                         batch=2, seq=64)}
-HF_CONFIGS = {"hf-llama-a": dataclasses.replace(LLAMA_CONFIGS["llama-a"], vocab=32000)}
+HF_CONFIGS = {
+    "hf-llama-a": dataclasses.replace(LLAMA_CONFIGS["llama-a"], vocab=32000),
+    "hf-llama-b": dataclasses.replace(LLAMA_CONFIGS["llama-b"], vocab=32000),
+    # llama-b's layer at 4 layers and 2 x 2048 tokens: the data-parallel
+    # benchmark's model (a batch per rank, sharded over the ranks)
+    "hf-llama-b4": dataclasses.replace(LLAMA_CONFIGS["llama-b"], layers=4, batch=2, vocab=32000),
+}
 TINY_HF = {"hf-llama-tiny": dataclasses.replace(TINY_LLAMA["llama-tiny"], vocab=512)}
 ALL_LLAMA = {**LLAMA_CONFIGS, **TINY_LLAMA, **HF_CONFIGS, **TINY_HF}
 
@@ -188,6 +194,15 @@ class Llama(torch.nn.Module):
         for block in self.blocks:
             x = block(x, self.cos, self.sin)
         return self.norm(x)
+
+
+def decoder_blocks(model) -> list:
+    """The decoder layers of a benchmark model (:class:`Llama`'s ``blocks``,
+    or the Hugging Face model's ``model.layers`` inside :class:`CausalLMLoss`):
+    the units data parallelism shards one by one."""
+    if isinstance(model, CausalLMLoss):
+        return list(model.model.model.layers)
+    return list(model.blocks)
 
 
 def torch_linear(k, n, device):

@@ -48,6 +48,7 @@ dequantized weight without them (validation).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -116,19 +117,32 @@ class QuantizedAllGatherWeight(torch.Tensor):
 
     Outside the all-gather it behaves as its inner tensor (optimizer steps,
     ``copy_``, state dicts operate on the high-precision values); ops other
-    than the views and copies FSDP2 makes return plain tensors."""
+    than the views and copies FSDP2 makes return plain tensors.
+
+    The quantized shard is made once per weight update and kept: the
+    forward's gather and the backward's re-gather send the same bytes, and
+    :func:`precompute_scales` makes every shard's right after the optimizer
+    step, so FSDP2's gather hooks (on the step's critical host path) only
+    hand it over.  A weight update is seen through the inner tensor's version
+    counter (in-place ops on it or on views of it) and a counter this class
+    keeps: ops dispatched through the wrapper, such as the optimizer's, run
+    below autograd and leave the inner version counter as it was."""
 
     @staticmethod
-    def __new__(cls, inner: torch.Tensor, recipe: R.Recipe, fmt: str):
+    def __new__(cls, inner: torch.Tensor, recipe: R.Recipe, fmt: str, updates=None):
         return torch.Tensor._make_wrapper_subclass(
             cls, inner.shape, strides=inner.stride(), storage_offset=inner.storage_offset(),
             dtype=inner.dtype, device=inner.device, requires_grad=inner.requires_grad)
 
-    def __init__(self, inner: torch.Tensor, recipe: R.Recipe, fmt: str):
+    def __init__(self, inner: torch.Tensor, recipe: R.Recipe, fmt: str, updates=None):
         self._inner = inner
         self._recipe = recipe
         self._format = fmt
-        self._amax = None  # (inner's version, amax over the shard group): see _group_amax
+        # writes through any wrapper of this weight (the views and copies
+        # FSDP2 makes share the list): one element, bumped by mutating ops
+        self._updates = [0] if updates is None else updates
+        self._amax = None  # (state, amax over the shard group): see _group_amax
+        self._gather_input = None  # (state, param dtype, gather inputs): see _shard_inputs
         self._quantizers = {}  # usages -> quantizer (value objects: made once)
 
     def __repr__(self, *, tensor_contents=None):
@@ -139,18 +153,23 @@ class QuantizedAllGatherWeight(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         template = None
+        wrapped = []
 
         def unwrap(t):
             nonlocal template
             if isinstance(t, cls):
                 template = t if template is None else template
+                wrapped.append(t)
                 return t._inner
             return t
 
         out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        if func._schema.is_mutable:  # e.g. the optimizer's in-place update
+            for t in wrapped:
+                t._updates[0] += 1
         if func not in _KEEP_WRAPPER:
             return out
-        return tree_map(lambda t: cls(t, template._recipe, template._format)
+        return tree_map(lambda t: cls(t, template._recipe, template._format, template._updates)
                         if type(t) is torch.Tensor else t, out)
 
     def __tensor_flatten__(self):
@@ -159,6 +178,10 @@ class QuantizedAllGatherWeight(torch.Tensor):
     @staticmethod
     def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
         return QuantizedAllGatherWeight(inner_tensors["_inner"], *meta)
+
+    def _state(self) -> tuple:
+        """Changes with every write to the high-precision values."""
+        return (self._inner._version, self._updates[0])
 
     def _quantizer(self, rowwise=True, columnwise=False):
         q = self._quantizers.get((rowwise, columnwise))
@@ -170,38 +193,59 @@ class QuantizedAllGatherWeight(torch.Tensor):
     # -- FSDP2's all-gather extension ---------------------------------------------------
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """This rank's shard quantized: (bytes to gather, metadata)."""
-        x = self._inner
-        dtype = mp_policy.param_dtype if mp_policy.param_dtype is not None else x.dtype
-        x = x.detach()
+        with _profiled("te.fsdp.pre_all_gather"):
+            dtype = mp_policy.param_dtype if mp_policy.param_dtype is not None else self.dtype
+            inputs = self._shard_inputs(mesh.get_group(), dtype)
+            if inputs[0].is_cuda:  # read on FSDP2's copy-in stream, kept past it
+                stream = torch.cuda.current_stream(inputs[0].device)
+                for t in inputs:
+                    t.record_stream(stream)
+            return inputs, (dtype,)
+
+    def _shard_inputs(self, group, dtype) -> tuple:
+        """(FP8 bytes, scales) of this shard quantized from ``dtype``, made
+        once per weight update."""
+        state = self._state()
+        cached = self._gather_input
+        if cached is not None and cached[0] == state and cached[1] == dtype:
+            return cached[2]
+        x = self._inner.detach()
         if dtype != x.dtype:  # the layer would quantize the param_dtype weight
             x = x.to(dtype)
+        q = self._quantizer()
         if self._format == "fp8_current":
-            amax = self._group_amax(mesh.get_group())
+            amax = self._group_amax(group)
             if dtype != self._inner.dtype:  # amax of the cast weight: the cast amax
                 amax = amax.to(dtype).float()
-            # unchecked (the lean path): FSDP2 hands over a 2-D shard of the weight
-            shard = self._quantizer().quantize_with_amax(x, amax, checked=False)
+            # FSDP2 hands over a 2-D shard of the weight: the cast kernel alone
+            buffers = kernels.get("quantize_fp8_current", x)(
+                x, q.fp8_format, q.force_pow_2_scales, q.amax_epsilon, True, False, amax)
             # the scale (the same on every rank) travels with the bytes: FSDP2
             # then owns every buffer the gathered weight reads, on its streams
-            return (shard._data.view(torch.uint8), shard._scale_inv), (dtype,)
-        shard = self._quantizer().quantize_unchecked(x)  # fp8_block: whole 128-row blocks
-        return (shard._rowwise_data.view(torch.uint8), shard._rowwise_scale_inv), (dtype,)
+            inputs = (buffers["data"].view(torch.uint8), buffers["scale_inv"])
+        else:  # fp8_block: whole 128-row blocks
+            buffers = q._quantize_rows(x)
+            inputs = (buffers["rowwise_data"].view(torch.uint8), buffers["rowwise_scale_inv"])
+        self._gather_input = (state, dtype, inputs)
+        return inputs
 
     def _group_amax(self, group) -> torch.Tensor:
         """The whole weight's amax (fp32, shape (1,)): this shard's, all-reduced
-        (max) over ``group``; kept until the weight changes (its version
-        counter moves with every in-place update), so the backward's
-        re-gather and :func:`precompute_scales` spare the collective."""
-        version = self._inner._version
-        if self._amax is None or self._amax[0] != version:
+        (max) over ``group``; kept until the weight changes."""
+        state = self._state()
+        if self._amax is None or self._amax[0] != state:
             amax = self._inner.detach().abs().amax().float().reshape(1)
             torch.distributed.all_reduce(amax, torch.distributed.ReduceOp.MAX, group=group)
-            self._amax = (version, amax)
+            self._amax = (state, amax)
         return self._amax[1]
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """The gathered bytes as the recipe's quantized weight (both copies:
         the transposed one is built here, as a cast-transpose would)."""
+        with _profiled("te.fsdp.post_all_gather"):
+            return self._post_all_gather(all_gather_outputs, metadata, out)
+
+    def _post_all_gather(self, all_gather_outputs, metadata, out):
         (dtype,) = metadata
         q = self._quantizer(rowwise=True, columnwise=True)
         fp8 = ref.FP8_DTYPE[q.fp8_format]
@@ -232,25 +276,50 @@ class QuantizedAllGatherWeight(torch.Tensor):
         return tensor, tuple(buffers[name] for name in derived)
 
 
+def _profiled(name: str):
+    """A ``record_function`` range while torch.profiler records, else nothing
+    (the range's own cost stays off the unprofiled hot path)."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
+
+
 @torch.no_grad()
 def precompute_scales(module: torch.nn.Module) -> None:
-    """After the optimizer step: the amaxes of every FP8-current weight that
-    FSDP2 gathers quantized in ``module``, with one all-reduce per shard
-    group instead of one per weight inside each all-gather (as torchao's
+    """After the optimizer step: the quantized shards of every weight that
+    FSDP2 gathers quantized in ``module``, made ahead of the next forward's
+    gathers, with the FP8-current amaxes in one all-reduce per shard group
+    instead of one per weight (as torchao's
     ``precompute_float8_dynamic_scale_for_fsdp``).  Optional: a gather whose
-    weight changed since computes its own."""
+    weight changed since makes its own."""
+    with _profiled("te.fsdp.precompute_scales"):
+        _precompute_scales(module)
+
+
+def _precompute_scales(module):
     by_group: dict = {}
     for param in module.parameters():
         local = getattr(param, "_local_tensor", None)
-        if isinstance(local, QuantizedAllGatherWeight) and local._format == "fp8_current":
+        if isinstance(local, QuantizedAllGatherWeight):
             group = param.device_mesh.get_group()
             by_group.setdefault(group, []).append(local)
     for group, weights in by_group.items():
-        inner = [w._inner for w in weights]
-        amaxes = torch.stack(torch._foreach_norm(inner, float("inf"))).float()
-        torch.distributed.all_reduce(amaxes, torch.distributed.ReduceOp.MAX, group=group)
-        for w, amax in zip(weights, amaxes.split(1)):
-            w._amax = (w._inner._version, amax)
+        current = [w for w in weights if w._format == "fp8_current"]
+        if current:
+            inner = [w._inner for w in current]
+            amaxes = torch.stack(torch._foreach_norm(inner, float("inf"))).float()
+            torch.distributed.all_reduce(amaxes, torch.distributed.ReduceOp.MAX, group=group)
+            for w, amax in zip(current, amaxes.split(1)):
+                w._amax = (w._state(), amax)
+        for w in weights:
+            w._shard_inputs(group, _gather_dtype(w))
+
+
+def _gather_dtype(weight: QuantizedAllGatherWeight) -> torch.dtype:
+    """The dtype FSDP2 gathers ``weight`` from: its mixed-precision policy's
+    ``param_dtype`` as the last gather saw it, else the weight's own."""
+    cached = weight._gather_input
+    return cached[1] if cached is not None else weight.dtype
 
 
 def _transpose(x2d: torch.Tensor, k: int, out=None) -> torch.Tensor:

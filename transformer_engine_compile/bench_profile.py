@@ -1,0 +1,155 @@
+"""Where one training step's time goes, per CUDA stream: a torch.profiler
+trace of the step summarised as the benchmarks print it.
+
+Under data parallelism a step's time is the compute stream's kernels, the
+collectives on NCCL's streams, the side streams' copies (FSDP2's copy-in
+stream: the all-gather inputs, and the quantization the quantized gather
+adds) and whatever the compute stream waits for.  :func:`summarize` reads a
+Chrome trace (``prof.export_chrome_trace``) and returns, in milliseconds:
+
+* ``step``: the GPU span of the step (first kernel start to last kernel end);
+* ``compute``: the compute stream's busy time (the union of its kernels,
+  copies and memsets) and ``compute_idle`` (the span less it: what the
+  compute stream waited for, collectives it could not overlap or the host);
+* ``nccl``: the NCCL kernels' union, ``nccl_exposed`` its part while the
+  compute stream was idle, and the time per collective kind;
+* ``side``: the other streams' busy time (their kernels listed apart);
+* ``kernels``: the compute stream's kernels by total time;
+* ``host``: the CPU ranges (``record_function`` names: FSDP2's
+  ``FSDP::...`` hooks and the ``te.fsdp.*`` extension) by total time.
+
+The compute stream is the one with the most busy time outside NCCL's
+kernels (a collective issued with ``async_op=False`` runs on the issuing
+stream, so NCCL kernels are told apart by name).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+
+
+def _union(intervals):
+    """Merged (start, end) intervals, sorted."""
+    out = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return out
+
+
+def _length(merged):
+    return sum(e - s for s, e in merged)
+
+
+def _minus(a, b):
+    """Length of the merged intervals ``a`` outside the merged intervals ``b``."""
+    total, j = 0.0, 0
+    for s, e in a:
+        cur = s
+        while j < len(b) and b[j][1] <= cur:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < e:
+            if b[k][0] > cur:
+                total += b[k][0] - cur
+            cur = max(cur, b[k][1])
+            k += 1
+        if cur < e:
+            total += e - cur
+    return total
+
+
+def _is_nccl(name: str) -> bool:
+    return name.startswith("nccl")
+
+
+def _collective(name: str) -> str:
+    for kind in ("AllGather", "ReduceScatter", "AllReduce", "Broadcast", "SendRecv"):
+        if kind in name:
+            return kind
+    return "other"
+
+
+def summarize(trace_path: str, top: int = 12) -> dict:
+    """The step's breakdown from a Chrome trace of one step (see the module
+    docstring); times in ms."""
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    by_stream = collections.defaultdict(list)
+    names = collections.defaultdict(list)
+    host = collections.Counter()
+    host_calls = collections.Counter()
+    for ev in events:
+        if ev.get("ph") != "X":
+            continue
+        cat = ev.get("cat", "")
+        if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+            stream = ev.get("args", {}).get("stream")
+            iv = (ev["ts"] / 1e3, (ev["ts"] + ev["dur"]) / 1e3)
+            by_stream[stream].append((iv, ev["name"]))
+        elif cat == "user_annotation":
+            host[ev["name"]] += ev["dur"] / 1e3
+            host_calls[ev["name"]] += 1
+    # a sync collective (async_op=False) runs on the stream that issued it,
+    # the compute stream too: NCCL kernels are told apart by name, not stream
+    work = {s: [(iv, n) for iv, n in evs if not _is_nccl(n)] for s, evs in by_stream.items()}
+    busy = {s: _union(iv for iv, _ in evs) for s, evs in work.items() if evs}
+    if not busy:
+        return {}
+    compute = max(busy, key=lambda s: _length(busy[s]))
+    everything = _union(iv for evs in by_stream.values() for iv, _ in evs)
+    step = everything[-1][1] - everything[0][0]
+    per_kind = collections.Counter()
+    nccl_ivs = []
+    for evs in by_stream.values():
+        for iv, n in evs:
+            if _is_nccl(n):
+                nccl_ivs.append(iv)
+                per_kind[_collective(n)] += iv[1] - iv[0]
+    nccl = _union(nccl_ivs)
+    kernels = collections.Counter()
+    counts = collections.Counter()
+    for (a, b), n in work[compute]:
+        kernels[n] += b - a
+        counts[n] += 1
+    side = collections.Counter()
+    side_kernels = collections.Counter()
+    for s in busy:
+        if s != compute:
+            side[str(s)] = _length(busy[s])
+            for (a, b), n in work[s]:
+                side_kernels[n] += b - a
+    return {
+        "step": step,
+        "compute": _length(busy[compute]),
+        "compute_idle": step - _length(busy[compute]),
+        "nccl": _length(nccl),
+        "nccl_exposed": _minus(nccl, busy[compute]),
+        "nccl_by_kind": dict(per_kind),
+        "side": dict(side),
+        "side_kernels": [(n, t) for n, t in side_kernels.most_common(top)],
+        "kernels": [(n, counts[n], t) for n, t in kernels.most_common(top)],
+        "host": [(n, host_calls[n], t) for n, t in host.most_common(top)],
+    }
+
+
+def format_summary(label: str, s: dict) -> str:
+    """A readable block of :func:`summarize`'s result."""
+    if not s:
+        return f"### {label}\n(no GPU events)\n"
+    lines = [f"### {label}",
+             f"step {s['step']:.2f} ms: compute stream busy {s['compute']:.2f}, idle "
+             f"{s['compute_idle']:.2f}; NCCL {s['nccl']:.2f} "
+             f"(exposed {s['nccl_exposed']:.2f}; "
+             + ", ".join(f"{k} {v:.2f}" for k, v in sorted(s["nccl_by_kind"].items())) + ")",
+             "side streams: " + (", ".join(f"{k}: {v:.2f}" for k, v in s["side"].items()) or "none"),
+             "", "| compute-stream kernel | calls | ms |", "|---|---:|---:|"]
+    lines += [f"| {n[:90]} | {c} | {t:.2f} |" for n, c, t in s["kernels"]]
+    lines += ["", "| side-stream kernel | ms |", "|---|---:|"]
+    lines += [f"| {n[:90]} | {t:.2f} |" for n, t in s["side_kernels"]]
+    lines += ["", "| host range | calls | ms |", "|---|---:|---:|"]
+    lines += [f"| {n[:90]} | {c} | {t:.2f} |" for n, c, t in s["host"]]
+    return "\n".join(lines) + "\n"
