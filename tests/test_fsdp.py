@@ -190,3 +190,44 @@ def test_quantized_all_gather_wraps_gemm_weights_only_and_copies():
     assert not torch.equal(twin[2].weight._inner, model[2].weight._inner)
     with pytest.raises(TypeError, match="recipe must be"):
         te.fsdp.quantized_all_gather(model, "fp8")
+
+
+# -- the transposed copy is made once per step, for the backward ----------------------------
+def transpose_worker(group):
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from transformer_engine_compile import fsdp
+    from transformer_engine_compile.dynamo import compat
+
+    rec = F.recipe_of("fp8_current")
+    x = torch.randn(8, F.IN, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    made = []
+    original = fsdp._transpose
+
+    def counted(*args, **kwargs):
+        made.append("backward" if compat.in_backward_pass() else "forward")
+        return original(*args, **kwargs)
+
+    fsdp._transpose = counted
+    try:
+        for reshard in (True, False):
+            model = F.build("cpu")
+            for layer in model:
+                if any(True for _ in layer.parameters()):
+                    te.fsdp.fully_shard(layer, recipe=rec, reshard_after_forward=reshard)
+            torch_fully_shard(model)
+            weights = sum(isinstance(p._local_tensor, te.fsdp.QuantizedAllGatherWeight)
+                          for p in model.parameters())
+            made.clear()
+            with te.autocast(recipe=rec):
+                y = model(x)
+            y.float().pow(2).mean().backward()
+            # resharded after the forward: the backward's gather makes the copy,
+            # the forward's does not; kept: the forward's gather makes it once
+            assert made == ["backward" if reshard else "forward"] * weights, (reshard, made)
+    finally:
+        fsdp._transpose = original
+
+
+def test_fsdp_transposed_copy_made_once_where_the_backward_reads_it():
+    H.spawn(transpose_worker)

@@ -205,20 +205,25 @@ def profile_step(step, x, target):
 
 
 def python_profile(step, x, target, top=35) -> str:
-    """cProfile of one step: the functions by own time and by cumulative
-    time (the host's share of a host-bound step, by function)."""
+    """cProfile of one step, its backward run on the calling thread: the
+    functions by own time and by cumulative time (the host's share of a
+    host-bound step, by function)."""
     import cProfile
     import io
     import pstats
 
     prof = cProfile.Profile()
-    prof.enable()
-    step(x, target)
-    prof.disable()
+    # the backward on this thread (not the autograd engine's device thread,
+    # which cProfile would not see): FSDP2's backward hooks are host work too
+    with torch.autograd.set_multithreading_enabled(False):
+        prof.enable()
+        step(x, target)
+        prof.disable()
     out = io.StringIO()
     stats = pstats.Stats(prof, stream=out)
     stats.sort_stats("tottime").print_stats(top)
     stats.sort_stats("cumulative").print_stats(top)
+    stats.print_callers("sleep|synchronize")  # where the host waits, if anywhere
     return out.getvalue()
 
 
@@ -352,6 +357,11 @@ def main(argv=None):
                    else "cpu (a smoke run: times mean nothing)")
         log(f"{machine}, torch {torch.__version__}, world size {dist.get_world_size()} "
             f"({dist.get_backend()}), per-rank batch as the config, steps {args.steps}\n")
+        if cuda:  # the native eager extension (the root's te layers run eagerly) built
+            # first: a build in the background would share the host with the timed steps
+            from .kernels import native
+            log("native eager path: " + ("built" if native.extension(wait=True) is not None
+                                         else f"not used ({native._state['failed'] or 'disabled'})"))
         rows = run(configs, args.recipes, args.modes, device, steps=args.steps,
                    warmup=args.warmup, backend=args.backend, with_torchao=not args.no_torchao,
                    only=args.candidates, profile=args.profile,

@@ -49,6 +49,8 @@ dequantized weight without them (validation).
 from __future__ import annotations
 
 import contextlib
+import inspect
+import weakref
 from typing import Optional
 
 import torch
@@ -58,6 +60,7 @@ from . import fsdp_tp
 from . import recipe as R
 from . import kernels
 from .kernels import reference as ref
+from .dynamo import compat
 from .quantization import factory
 from .quantization.base import QuantizedTensorStorage
 
@@ -129,20 +132,21 @@ class QuantizedAllGatherWeight(torch.Tensor):
     below autograd and leave the inner version counter as it was."""
 
     @staticmethod
-    def __new__(cls, inner: torch.Tensor, recipe: R.Recipe, fmt: str, updates=None):
+    def __new__(cls, inner: torch.Tensor, recipe: R.Recipe, fmt: str, shared=None):
         return torch.Tensor._make_wrapper_subclass(
             cls, inner.shape, strides=inner.stride(), storage_offset=inner.storage_offset(),
             dtype=inner.dtype, device=inner.device, requires_grad=inner.requires_grad)
 
-    def __init__(self, inner: torch.Tensor, recipe: R.Recipe, fmt: str, updates=None):
+    def __init__(self, inner: torch.Tensor, recipe: R.Recipe, fmt: str, shared=None):
         self._inner = inner
         self._recipe = recipe
         self._format = fmt
-        # writes through any wrapper of this weight (the views and copies
-        # FSDP2 makes share the list): one element, bumped by mutating ops
-        self._updates = [0] if updates is None else updates
+        # what every wrapper of this weight (the views and copies FSDP2 makes)
+        # shares: writes through any of them, the FSDP2 unit that gathers it
+        self._shared = _SharedState() if shared is None else shared
         self._amax = None  # (state, amax over the shard group): see _group_amax
-        self._gather_input = None  # (state, param dtype, gather inputs): see _shard_inputs
+        # (state, param dtype, gather inputs, the stream they were recorded on)
+        self._gather_input = None
         self._quantizers = {}  # usages -> quantizer (value objects: made once)
 
     def __repr__(self, *, tensor_contents=None):
@@ -166,10 +170,10 @@ class QuantizedAllGatherWeight(torch.Tensor):
         out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
         if func._schema.is_mutable:  # e.g. the optimizer's in-place update
             for t in wrapped:
-                t._updates[0] += 1
+                t._shared.updates += 1
         if func not in _KEEP_WRAPPER:
             return out
-        return tree_map(lambda t: cls(t, template._recipe, template._format, template._updates)
+        return tree_map(lambda t: cls(t, template._recipe, template._format, template._shared)
                         if type(t) is torch.Tensor else t, out)
 
     def __tensor_flatten__(self):
@@ -181,7 +185,7 @@ class QuantizedAllGatherWeight(torch.Tensor):
 
     def _state(self) -> tuple:
         """Changes with every write to the high-precision values."""
-        return (self._inner._version, self._updates[0])
+        return (self._inner._version, self._shared.updates)
 
     def _quantizer(self, rowwise=True, columnwise=False):
         q = self._quantizers.get((rowwise, columnwise))
@@ -198,9 +202,15 @@ class QuantizedAllGatherWeight(torch.Tensor):
             inputs = self._shard_inputs(mesh.get_group(), dtype)
             if inputs[0].is_cuda:  # read on FSDP2's copy-in stream, kept past it
                 stream = torch.cuda.current_stream(inputs[0].device)
-                for t in inputs:
-                    t.record_stream(stream)
+                if self._gather_input[3] != stream:
+                    for t in inputs:
+                        t.record_stream(stream)
+                    self._gather_input = (*self._gather_input[:3], stream)
             return inputs, (dtype,)
+
+    # FSDP2 reads this method's signature on every gather (inspect.signature,
+    # tens of microseconds of host time per weight): a stored one is read back
+    fsdp_pre_all_gather.__signature__ = inspect.signature(fsdp_pre_all_gather)
 
     def _shard_inputs(self, group, dtype) -> tuple:
         """(FP8 bytes, scales) of this shard quantized from ``dtype``, made
@@ -226,7 +236,7 @@ class QuantizedAllGatherWeight(torch.Tensor):
         else:  # fp8_block: whole 128-row blocks
             buffers = q._quantize_rows(x)
             inputs = (buffers["rowwise_data"].view(torch.uint8), buffers["rowwise_scale_inv"])
-        self._gather_input = (state, dtype, inputs)
+        self._gather_input = (state, dtype, inputs, None)  # None: no stream recorded yet
         return inputs
 
     def _group_amax(self, group) -> torch.Tensor:
@@ -260,7 +270,12 @@ class QuantizedAllGatherWeight(torch.Tensor):
             buffers = {"rowwise_data": data, "rowwise_scale_inv": scales,
                        "columnwise_data": None, "columnwise_scale_inv": None}
             derived = {"columnwise_data": data, "columnwise_scale_inv": scales}
+        # the transposed copies serve the backward alone (dgrad): a forward
+        # gather that FSDP2 repeats before the backward leaves them to it
+        later = compat.fsdp_gathers_again_for_backward(self._shared.unit())
         if out is not None:  # FSDP2 re-gathered into the same storage
+            if later:
+                return None
             # refresh what the forward may have saved for backward: the
             # values are the same (no optimizer step in between), so keep
             # the version counters as FSDP2 does for its own copy-out
@@ -270,10 +285,30 @@ class QuantizedAllGatherWeight(torch.Tensor):
                     _transpose(src, data.shape[1], dst)
             return None
         for name, src in derived.items():
-            buffers[name] = _transpose(src, data.shape[1])
+            buffers[name] = _transpose_like(src, data.shape[1]) if later else \
+                _transpose(src, data.shape[1])
         shape = torch.Size(data.shape)
         tensor = q.create_metadata(shape, dtype).build(shape, buffers)
         return tensor, tuple(buffers[name] for name in derived)
+
+
+class _SharedState:
+    """What the wrappers of one weight share: ``updates``, bumped by every
+    mutating op dispatched through any of them, and ``unit``, the FSDP2 unit
+    (the module given to ``fully_shard``) that gathers the weight, held
+    weakly (None until known)."""
+
+    __slots__ = ("updates", "_unit")
+
+    def __init__(self):
+        self.updates = 0
+        self._unit = None
+
+    def unit(self):
+        return None if self._unit is None else self._unit()
+
+    def set_unit(self, module: torch.nn.Module) -> None:
+        self._unit = weakref.ref(module)
 
 
 def _profiled(name: str):
@@ -320,6 +355,14 @@ def _gather_dtype(weight: QuantizedAllGatherWeight) -> torch.dtype:
     ``param_dtype`` as the last gather saw it, else the weight's own."""
     cached = weight._gather_input
     return cached[1] if cached is not None else weight.dtype
+
+
+def _transpose_like(x2d: torch.Tensor, k: int) -> torch.Tensor:
+    """An uninitialised buffer shaped as :func:`_transpose`'s result (for a
+    later gather to fill); padded block scales are zeros, as there."""
+    if x2d.element_size() == 1:
+        return x2d.new_empty((x2d.shape[1], x2d.shape[0]))
+    return ref.pad_block_scales(x2d.new_zeros((k // ref.FP8_BLOCK, x2d.shape[0])))
 
 
 def _transpose(x2d: torch.Tensor, k: int, out=None) -> torch.Tensor:
@@ -406,6 +449,7 @@ def quantized_all_gather(module: torch.nn.Module, recipe: Optional[R.Recipe], *,
             if fmt is None:
                 continue
             wrapped = QuantizedAllGatherWeight(param.data, recipe, fmt)
+            wrapped._shared.set_unit(module)  # the module fully_shard is called on next
             setattr(layer, name, torch.nn.Parameter(wrapped, requires_grad=param.requires_grad))
             if _plain_state_dict_hook not in layer._state_dict_hooks.values():
                 layer._register_state_dict_hook(_plain_state_dict_hook)

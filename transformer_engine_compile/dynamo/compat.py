@@ -428,3 +428,25 @@ def compiling_for_cuda_graphs() -> bool:
     (``mode="reduce-overhead"`` patches this config for its compile)."""
     from torch._inductor import config
     return bool(config.triton.cudagraphs)
+
+
+# -- FSDP2 internals ---------------------------------------------------------------------
+def fsdp_gathers_again_for_backward(unit) -> bool:
+    """Whether FSDP2 is gathering the parameters of the unit ``unit`` (a
+    module given to ``fully_shard``) for its forward pass and will free them
+    after it and gather them again before their backward
+    (``reshard_after_forward``; not the root, which keeps them).  False
+    wherever that cannot be told: the caller then assumes the gathered
+    parameters live on into the backward.  Reads FSDP2's private state
+    (``_get_fsdp_state``, the parameter group's training state and
+    post-forward mesh), the same on torch 2.11 to 2.15."""
+    if unit is None or in_backward_pass():  # a recomputation inside the backward keeps them
+        return False
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+        group = unit._get_fsdp_state()._fsdp_param_group
+        return (group is not None and group._training_state == TrainingState.FORWARD
+                and group.post_forward_mesh_info is not None)
+    except (AttributeError, ImportError):
+        return False
