@@ -231,3 +231,37 @@ def transpose_worker(group):
 
 def test_fsdp_transposed_copy_made_once_where_the_backward_reads_it():
     H.spawn(transpose_worker)
+
+
+# -- choosing the gather ------------------------------------------------------------------
+def gather_choice_worker(group):
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("transformer_engine_compile.fsdp")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    rec = F.recipe_of("fp8_block")
+    try:
+        quantized, plain = F.build("cpu"), F.build("cpu")
+        te.fsdp.fully_shard(quantized, recipe=rec)
+        te.fsdp.fully_shard(plain, recipe=rec, quantized_gather=False)
+    finally:
+        logger.removeHandler(handler)
+    formats = te.fsdp.gathered_formats(quantized)
+    # 128x128 blocks over 2 ranks: the 256-row weights split into whole blocks
+    assert formats == {"0.weight": "fp8_block", "2.weight": "fp8_block",
+                       "3.fc1_weight": "fp8_block", "3.fc2_weight": "fp8_block"}, formats
+    assert set(te.fsdp.gathered_formats(plain).values()) == {"high precision"}
+    said = [r.getMessage() for r in records]
+    assert said == ["te.fsdp.fully_shard(Sequential): GEMM weights gathered fp8_block 4/4",
+                    "te.fsdp.fully_shard(Sequential): GEMM weights gathered high precision 4/4 "
+                    "(quantized_gather=False)"], said
+    with pytest.raises(TypeError, match="quantized_gather must be True or False"):
+        te.fsdp.fully_shard(F.build("cpu"), recipe=rec, quantized_gather="auto")
+
+
+def test_fsdp_gather_choice_reported():
+    H.spawn(gather_choice_worker)

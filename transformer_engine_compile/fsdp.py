@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import weakref
 from typing import Optional
 
@@ -65,9 +66,10 @@ from .quantization import factory
 from .quantization.base import QuantizedTensorStorage
 
 aten = torch.ops.aten
+log = logging.getLogger(__name__)
 
-__all__ = ["QuantizedAllGatherWeight", "fully_shard", "gather_format", "quantized_all_gather",
-           "gemm_weight_names", "check_gathered_weight", "fit_extra_state",
+__all__ = ["QuantizedAllGatherWeight", "fully_shard", "gather_format", "gathered_formats",
+           "quantized_all_gather", "gemm_weight_names", "check_gathered_weight", "fit_extra_state",
            "precompute_scales"]
 
 FP8_BLOCK = 128
@@ -434,8 +436,10 @@ def quantized_all_gather(module: torch.nn.Module, recipe: Optional[R.Recipe], *,
                          world_size: Optional[int] = None) -> torch.nn.Module:
     """Make the GEMM weights of every layer in ``module`` that gathers
     quantized under ``recipe`` (:func:`gather_format`) a
-    :class:`QuantizedAllGatherWeight`; call before ``fully_shard``.  Weights
-    already wrapped, and everything else, stay as they are.  Returns ``module``."""
+    :class:`QuantizedAllGatherWeight`; call right before ``fully_shard`` on
+    the same ``module`` (the weights learn their FSDP2 unit from it).
+    Weights already wrapped, and everything else, stay as they are.
+    Returns ``module``."""
     if recipe is not None and not isinstance(recipe, R.Recipe):
         raise TypeError(f"recipe must be a transformer_engine_compile.recipe.Recipe or None, "
                         f"got {type(recipe).__name__}")
@@ -456,11 +460,46 @@ def quantized_all_gather(module: torch.nn.Module, recipe: Optional[R.Recipe], *,
     return module
 
 
+def gathered_formats(module: torch.nn.Module) -> dict:
+    """``{name: format}`` for every GEMM weight inside ``module``: how FSDP2
+    gathers it, ``"fp8_current"`` / ``"fp8_block"`` or ``"high precision"``."""
+    out = {}
+    for prefix, layer in module.named_modules():
+        for name in gemm_weight_names(layer):
+            param = getattr(layer, name)
+            local = getattr(param, "_local_tensor", param)
+            fmt = local._format if isinstance(local, QuantizedAllGatherWeight) else "high precision"
+            out[f"{prefix}.{name}" if prefix else name] = fmt
+    return out
+
+
+def _log_gather(module: torch.nn.Module, quantized_gather: bool) -> None:
+    formats = gathered_formats(module)
+    if not formats:
+        return
+    counts: dict = {}
+    for fmt in formats.values():
+        counts[fmt] = counts.get(fmt, 0) + 1
+    why = "" if quantized_gather else " (quantized_gather=False)"
+    log.info("te.fsdp.fully_shard(%s): GEMM weights gathered %s%s", type(module).__name__,
+             ", ".join(f"{fmt} {n}/{len(formats)}" for fmt, n in counts.items()), why)
+
+
 def fully_shard(module: torch.nn.Module, *, recipe: Optional[R.Recipe] = None, mesh=None,
-                **kwargs):
+                quantized_gather: bool = True, **kwargs):
     """``torch.distributed.fsdp.fully_shard(module, mesh=mesh, **kwargs)``
     with the GEMM weights inside ``module`` gathered in ``recipe``'s format
-    (:func:`quantized_all_gather`; ``recipe=None`` gathers high precision).
+    (:func:`quantized_all_gather`; ``recipe=None`` or
+    ``quantized_gather=False`` gathers high precision).  Which format each
+    weight gathers in is logged (logger ``transformer_engine_compile.fsdp``,
+    INFO) and :func:`gathered_formats` tells.
+
+    The quantized gather moves half of bf16's bytes and keeps peak memory
+    at or below the high-precision gather's; the high-precision gather
+    costs less host time per step (no all-gather extension per weight) but
+    each layer then saves its quantized weight copy for the backward, so
+    peak memory grows by the FP8 size of every gathered layer's weights.
+    docs/parallel.md measures both.
 
     ``mesh`` is the data-parallel mesh, as for torch's: with tensor
     parallelism on a ``(dp, tp)`` mesh pass ``mesh["dp"]`` (the layers hold
@@ -478,7 +517,15 @@ def fully_shard(module: torch.nn.Module, *, recipe: Optional[R.Recipe] = None, m
             f"te.fsdp.fully_shard: mesh has the dims {tuple(names)}; FSDP2 shards over the "
             "data-parallel ranks only: pass mesh['dp'] (the te layers run tensor "
             "parallelism over their own tp_group; a 2-D mesh would mean HSDP to torch)")
-    quantized_all_gather(module, recipe, world_size=_world_size(mesh))
+    if recipe is not None and not isinstance(recipe, R.Recipe):
+        raise TypeError(f"te.fsdp.fully_shard: recipe must be a "
+                        f"transformer_engine_compile.recipe.Recipe or None, got {type(recipe).__name__}")
+    if not isinstance(quantized_gather, bool):
+        raise TypeError(f"te.fsdp.fully_shard: quantized_gather must be True or False, "
+                        f"got {quantized_gather!r}")
+    if quantized_gather:
+        quantized_all_gather(module, recipe, world_size=_world_size(mesh))
+    _log_gather(module, quantized_gather)
     fsdp_tp.register(module)
     return torch_fully_shard(module, mesh=mesh, **kwargs)
 
