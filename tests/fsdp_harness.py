@@ -61,6 +61,15 @@ LOSS_TOL = {"nvfp4": 0.03}  # others: 0.01
 IN, HID, ROWS, STEPS = 256, 512, 64, 3
 
 
+def fit_sizes(world: int) -> None:
+    """Feature sizes for ``world`` ranks: every weight's rows split into whole
+    128-row blocks (the blockwise recipe gathers those quantized): IN 256 up
+    to 2 ranks, else 128 per rank; HID twice IN."""
+    global IN, HID
+    IN = 128 * max(2, world)
+    HID = 2 * IN
+
+
 def recipe_of(name):
     return recipe.DelayedScaling() if name == "delayed" else recipe.by_name(name)
 
@@ -107,7 +116,8 @@ def train(model, name, batches, group, sharded: bool, precompute: bool = True,
         rec = recipe.DelayedScaling(reduce_amax=False)
     given = {"amax_reduction_group": group if sharded else None} if amax_group == "given" else {}
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if sharded else (0, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True)
+    # a step size that keeps the loss falling at every size fit_sizes picks
+    opt = torch.optim.SGD(model.parameters(), lr=0.1 * 256 / IN, momentum=0.9, foreach=True)
     torch.manual_seed(1234)  # NVFP4's stochastic rounding draws from it
     steps, gathered = [], 0
     for x, target in batches:
@@ -256,6 +266,7 @@ def main() -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    fit_sizes(dist.get_world_size())
     group = dist.group.WORLD
     failures = sum(not reported(f"fsdp {name:12s}",
                                 lambda: run_case(group, name, device, args.compile_backend))

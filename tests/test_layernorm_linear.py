@@ -592,6 +592,9 @@ if __name__ == "__main__":  # 2 GPUs, NCCL: qa/L1_distributed/test.sh runs it un
 
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     torch.distributed.init_process_group("nccl")
+    import tp_harness
+
+    tp_harness.fit_sizes(torch.distributed.get_world_size())
     world = torch.distributed.new_group(list(range(torch.distributed.get_world_size())))
     for sequence_parallel in (False, True):
         _tp_worker(world, sequence_parallel, list(RECIPES), device="cuda", backend="inductor")

@@ -43,10 +43,19 @@ REL_TOL = {"fp8_current": 0.10, "mxfp8": 0.01, "fp8_block": 0.01, "nvfp4": 0.30,
 SEQ, BATCH, IN, OUT = 128, 2, 256, 256
 
 
+def fit_sizes(world: int) -> None:
+    """Feature sizes for ``world`` ranks: 256 up to 2 ranks, else 128 per rank,
+    so every rank's shard of a weight is whole 128x128 blocks (the blockwise
+    recipe's weight format) whichever dim the layer splits."""
+    global IN, OUT, FFN
+    IN = OUT = FFN = 128 * max(2, world)
+
+
 # -- data -------------------------------------------------------------------------
 def full_tensors(rec, device, seq=SEQ):
     """x (seq, BATCH, IN), W (OUT, IN), b (OUT,), dy (seq, BATCH, OUT), identical on
-    every rank.  bf16: values in {-1, 0, 1}, so sums stay exact integers (< 256)."""
+    every rank.  bf16: values in {-1, 0, 1}, so sums stay exact integers (checked
+    below 256, where bf16 holds every integer)."""
     g = torch.Generator().manual_seed(0)
     shapes = ((seq, BATCH, IN), (OUT, IN), (OUT,), (seq, BATCH, OUT))
     if rec is None:
@@ -408,6 +417,7 @@ def main(argv=None):
     else:
         device = torch.device("cpu")
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    fit_sizes(dist.get_world_size())
     group = dist.new_group(list(range(dist.get_world_size())))
     parallel = [(p.split(":")[0], bool(int(p.split(":")[1]))) for p in args.parallel]
     cases = [(m, sp, r) for m, sp in parallel for r in args.recipes]
