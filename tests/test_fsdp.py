@@ -265,3 +265,24 @@ def gather_choice_worker(group):
 
 def test_fsdp_gather_choice_reported():
     H.spawn(gather_choice_worker)
+
+
+def test_wrapped_weight_copies_forget_the_fsdp_unit():
+    """The wrappers of one weight share its update counter and FSDP2 unit;
+    a deep copy of the layer gets its own state, with no unit (the copy's
+    gathers then make the transposed copy themselves)."""
+    import copy
+
+    from transformer_engine_compile import recipe
+
+    layer = te.Linear(256, 256, params_dtype=torch.bfloat16)
+    te.fsdp.quantized_all_gather(layer, recipe.Float8CurrentScaling(), world_size=2)
+    w = layer.weight
+    view = w.detach()  # a view FSDP2 would make: the same shared state
+    assert view._shared is w._shared and w._shared.unit() is layer
+    with torch.no_grad():
+        view.mul_(2.0)  # a write through any wrapper counts for all
+    assert w._shared.updates == 1
+    clone = copy.deepcopy(layer)
+    assert clone.weight._shared is not w._shared and clone.weight._shared.unit() is None
+    assert clone.weight._shared.updates == 1

@@ -312,6 +312,13 @@ class _SharedState:
     def set_unit(self, module: torch.nn.Module) -> None:
         self._unit = weakref.ref(module)
 
+    def __deepcopy__(self, memo):
+        """A copied weight belongs to no unit yet (not the original's): until
+        it is known, every gather makes the transposed copy."""
+        copied = _SharedState()
+        copied.updates = self.updates
+        return copied
+
 
 def _profiled(name: str):
     """A ``record_function`` range while torch.profiler records, else nothing
