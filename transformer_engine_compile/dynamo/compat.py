@@ -439,7 +439,8 @@ def fsdp_gathers_again_for_backward(unit) -> bool:
     wherever that cannot be told: the caller then assumes the gathered
     parameters live on into the backward.  Reads FSDP2's private state
     (``_get_fsdp_state``, the parameter group's training state and
-    post-forward mesh), the same on torch 2.11 to 2.15."""
+    post-forward mesh; read on torch 2.11 and 2.13); a torch without them
+    gets False."""
     if unit is None or in_backward_pass():  # a recomputation inside the backward keeps them
         return False
     try:
