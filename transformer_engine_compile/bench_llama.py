@@ -176,6 +176,15 @@ class PackedBlock(torch.nn.Module):
         return x + self.fc2(F.silu(gate) * up).view(b, s, d)
 
 
+def rope_tables(cfg: LlamaConfig, device) -> tuple:
+    """(cos, sin), bf16 (seq, head dim): the rotary embedding's tables."""
+    hd = cfg.hidden // cfg.heads
+    inv = 1.0 / 10000 ** (torch.arange(0, hd, 2, device=device).float() / hd)
+    ang = torch.outer(torch.arange(cfg.seq, device=device).float(), inv)
+    ang = torch.cat((ang, ang), dim=-1)
+    return ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
+
+
 class Llama(torch.nn.Module):
     def __init__(self, cfg: LlamaConfig, linear, device, block=None):
         super().__init__()
@@ -183,12 +192,9 @@ class Llama(torch.nn.Module):
         make = block or (lambda: Block(cfg, linear, device))
         self.blocks = torch.nn.ModuleList(make() for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, device)
-        hd = cfg.hidden // cfg.heads
-        inv = 1.0 / 10000 ** (torch.arange(0, hd, 2, device=device).float() / hd)
-        ang = torch.outer(torch.arange(cfg.seq, device=device).float(), inv)
-        ang = torch.cat((ang, ang), dim=-1)
-        self.register_buffer("cos", ang.cos().to(torch.bfloat16), persistent=False)
-        self.register_buffer("sin", ang.sin().to(torch.bfloat16), persistent=False)
+        cos, sin = rope_tables(cfg, device)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, x):
         for block in self.blocks:
@@ -275,11 +281,13 @@ def build(cfg, kind, device, float8_config=None):
     return model
 
 
-def make_step(model, rec, mode, lr=1e-4, amax_reduction_group=None, after_step=None):
+def make_step(model, rec, mode, lr=1e-4, amax_reduction_group=None, after_step=None,
+              backend="inductor"):
     """``step(x, target) -> loss float``: forward, loss, backward, fused AdamW.
     ``amax_reduction_group`` goes to ``te.autocast`` (DelayedScaling under
     data parallelism); ``after_step()`` runs after the optimizer step (e.g.
-    torchao's ``precompute_float8_dynamic_scale_for_fsdp``)."""
+    torchao's ``precompute_float8_dynamic_scale_for_fsdp``); ``backend``:
+    ``torch.compile``'s, for the compiled modes."""
     from .autocast import autocast
 
     def loss_fn(x, target):
@@ -291,7 +299,7 @@ def make_step(model, rec, mode, lr=1e-4, amax_reduction_group=None, after_step=N
         return F.mse_loss(y.float(), target)
 
     f = loss_fn if mode == "eager" else torch.compile(
-        loss_fn, fullgraph=True, mode=None if mode == "default" else mode)
+        loss_fn, fullgraph=True, backend=backend, mode=None if mode == "default" else mode)
     fused = next(model.parameters()).is_cuda
     opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=fused)
 

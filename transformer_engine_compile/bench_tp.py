@@ -1,0 +1,344 @@
+"""Tensor-parallel whole-training-step benchmark: bench_llama's Llama-style
+decoder with its projections split over N ranks (q, k, v, gate, up
+column-parallel; o, down row-parallel), FP8 recipes against bf16.
+
+    torchrun --nproc_per_node 4 -m transformer_engine_compile.bench_tp \\
+        --configs llama-b --recipes fp8_current,fp8_block [--profile]
+
+Candidates, side by side in one process:
+
+* ``torch bf16 TP``, the baseline: ``torch.nn.Linear`` split by torch's own
+  tensor parallelism (``parallelize_module`` with ``ColwiseParallel`` /
+  ``RowwiseParallel``; every rank holds every token, the row-parallel
+  outputs are all-reduced);
+* ``te bf16 TP`` and ``te <recipe> TP``: ``te.Linear(parallel_mode=...,
+  tp_group=...)``, the collectives inside the layers' ops;
+* the same with sequence parallelism (``+SP``): between the blocks every
+  rank holds its share of the tokens, the column-parallel layers all-gather
+  them and the row-parallel ones reduce-scatter their outputs.
+
+The ranks share one batch of the config's size (tensor parallelism splits
+the layers, not the data), and every candidate starts from the same full
+weights (the te layers load their shards of the torch model's).  One step
+is bench_llama's (forward under the recipe, fp32 MSE loss, backward, fused
+AdamW on CUDA, ``loss.item()``), the whole step compiled (``fullgraph``)
+or eager.
+
+Printed by rank 0 per candidate: median ms per step, tokens/s, the ratio to
+the baseline in the same mode (>1: faster), peak memory, the first step's
+loss (the ranks' mean; the same model, so the bf16 rows agree to bf16
+rounding) and, with
+``--profile``, the collectives' share of the step: NCCL kernel time and
+the part of it the compute stream did not overlap (:mod:`.bench_profile`).
+
+``--device cpu`` runs gloo and ``llama-tiny``, a smoke run whose times mean
+nothing; :func:`cpu_run` spawns the processes for the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from . import bench_llama
+from .bench import RECIPES
+
+BASELINE = "torch bf16 TP"
+MODES = ("eager", "compiled")
+CONFIGS = {**bench_llama.LLAMA_CONFIGS, **bench_llama.TINY_LLAMA}
+COLUMN = ("q", "k", "v", "gate", "up")
+ROW = ("o", "down")
+
+
+class TPBlock(torch.nn.Module):
+    """bench_llama's block on this rank's heads and ffn columns; tokens come
+    in flattened, ``(tokens, hidden)`` (this rank's share under SP)."""
+
+    def __init__(self, cfg, tp: int, device):
+        super().__init__()
+        hd = cfg.hidden // cfg.heads
+        if cfg.heads % tp or cfg.kv_heads % tp or cfg.ffn % tp:
+            raise ValueError(f"{tp} ranks do not split {cfg.heads} heads, {cfg.kv_heads} KV "
+                             f"heads and ffn {cfg.ffn} evenly")
+        self.heads, self.kv_heads, self.head_dim = cfg.heads // tp, cfg.kv_heads // tp, hd
+        self.batch, self.seq = cfg.batch, cfg.seq
+        self.attn_norm = bench_llama.RMSNorm(cfg.hidden, device)
+        self.mlp_norm = bench_llama.RMSNorm(cfg.hidden, device)
+        lin = bench_llama.torch_linear
+        self.q = lin(cfg.hidden, cfg.heads * hd, device)
+        self.k = lin(cfg.hidden, cfg.kv_heads * hd, device)
+        self.v = lin(cfg.hidden, cfg.kv_heads * hd, device)
+        self.o = lin(cfg.heads * hd, cfg.hidden, device)
+        self.gate = lin(cfg.hidden, cfg.ffn, device)
+        self.up = lin(cfg.hidden, cfg.ffn, device)
+        self.down = lin(cfg.ffn, cfg.hidden, device)
+
+    def forward(self, x, cos, sin):
+        h = self.attn_norm(x)
+        a = bench_llama._attention(self, self.q(h), self.k(h), self.v(h), self.batch, self.seq,
+                                   cos, sin)
+        x = x + self.o(a)
+        h = self.mlp_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class TPLlama(torch.nn.Module):
+    """The decoder on flattened tokens: ``forward(x (tokens, hidden))``."""
+
+    def __init__(self, cfg, tp: int, device):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(TPBlock(cfg, tp, device) for _ in range(cfg.layers))
+        self.norm = bench_llama.RMSNorm(cfg.hidden, device)
+        cos, sin = bench_llama.rope_tables(cfg, device)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x, self.cos, self.sin)
+        return self.norm(x)
+
+
+def build(cfg, kind, rec, sp: bool, group, device):
+    """The model of one candidate: ``kind`` "torch" (torch's tensor
+    parallelism) or "te"; every candidate from the same full weights."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    from .module.linear import Linear
+
+    tp = dist.get_world_size(group)
+    torch.manual_seed(0)
+    model = TPLlama(cfg, tp, device)
+    if kind == "torch":
+        mesh = init_device_mesh(device.type, (tp,))
+        plan = {**{n: ColwiseParallel() for n in COLUMN}, **{n: RowwiseParallel() for n in ROW}}
+        for block in model.blocks:
+            parallelize_module(block, mesh, plan)
+        return model
+    for block in model.blocks:
+        for name in COLUMN + ROW:
+            full = getattr(block, name)
+            layer = Linear(full.in_features, full.out_features, bias=False,
+                           params_dtype=torch.bfloat16, device=device,
+                           parallel_mode="column" if name in COLUMN else "row",
+                           sequence_parallel=sp, tp_group=group)
+            with torch.no_grad():
+                layer.load_full_weight_(full.weight)
+            setattr(block, name, layer)
+    return model
+
+
+def candidates(recipe_names, sp_modes):
+    """(label, kind, recipe, sequence parallel) in table order."""
+    out = [(BASELINE, "torch", None, False)]
+    for sp in sp_modes:
+        tail = " TP+SP" if sp else " TP"
+        out.append((f"te bf16{tail}", "te", None, sp))
+        out += [(f"te {name}{tail}", "te", RECIPES[name], sp)
+                for name in recipe_names if name != "bf16"]
+    return out
+
+
+def inputs(cfg, sp: bool, group, device):
+    """(x, target) on this rank: the shared batch's tokens, flattened, or
+    this rank's contiguous share of them under SP."""
+    x, target = bench_llama.inputs(cfg, device, seed=1)  # the same on every rank
+    x, target = x.reshape(-1, cfg.hidden), target.reshape(-1, cfg.hidden)
+    if sp:
+        rank, tp = dist.get_rank(group), dist.get_world_size(group)
+        x, target = x.chunk(tp)[rank].contiguous(), target.chunk(tp)[rank].contiguous()
+    return x, target
+
+
+def measure(cfg, kind, rec, sp, mode, group, device, *, steps, warmup, profile, backend):
+    """One candidate in one mode: the row's measured fields."""
+    from .bench_fsdp import profile_step
+
+    model = build(cfg, kind, rec, sp, group, device)
+    step = bench_llama.make_step(model, rec, mode if mode == "eager" else "default",
+                                 backend=backend)
+    x, target = inputs(cfg, sp, group, device)
+    row = {}
+    torch._dynamo.utils.counters.clear()
+    t0 = time.perf_counter()
+    loss = step(x, target)
+    row["first_step_s"] = time.perf_counter() - t0  # compile included
+    # the ranks' mean: under SP each rank's loss covers its share of the tokens
+    losses = [None] * dist.get_world_size(group)
+    dist.all_gather_object(losses, loss, group=group)
+    row["first_loss"] = sum(losses) / len(losses)
+    row["ms"], row["host_ms"] = bench_llama.time_steps(step, x, target, warmup=warmup,
+                                                       steps=steps)
+    row["tokens_per_s"] = cfg.tokens / row["ms"] * 1e3
+    row["peak_gib"] = bench_llama.peak_gib(step, x, target, device)
+    row["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    if profile:
+        row["profile"] = profile_step(step, x, target)
+    return row
+
+
+def run(configs, recipe_names, sp_modes, modes, device, *, steps=10, warmup=3, only=None,
+        log=print, profile=False, backend="inductor"):
+    """All rows (every rank computes them; rank 0 logs them)."""
+    group = dist.group.WORLD
+    rows = []
+    for cname in configs:
+        log(HEADER)
+        for label, kind, rec, sp in candidates(recipe_names, sp_modes):
+            if only and label not in only:
+                continue
+            for mode in modes:
+                row = {"config": cname, "candidate": label, "mode": mode}
+                try:
+                    row.update(measure(CONFIGS[cname], kind, rec, sp, mode, group, device,
+                                       steps=steps, warmup=warmup, profile=profile,
+                                       backend=backend))
+                    row["x_bf16"] = bench_llama._ratio(rows + [row], row, BASELINE, mode)
+                except Exception as e:  # one failing candidate must not hide the others
+                    row["error"] = bench_llama.error_text(e)
+                rows.append(row)
+                log(format_row(row))
+                torch._dynamo.reset()
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        log("")
+    if profile:
+        log(format_collectives(rows))
+    return rows
+
+
+HEADER = ("| config | candidate | mode | ms/step | tokens/s | x bf16 TP | peak GiB/rank "
+          "| first loss | 1st step s | graphs |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def format_row(row):
+    head = f"| {row['config']} | {row['candidate']} | {row['mode']} |"
+    if "error" in row:
+        return f"{head} ERROR: {row['error'].replace('|', '/')} |"
+    return (f"{head} {row['ms']:.2f} | {row['tokens_per_s']:.0f} | {row['x_bf16']:.2f} | "
+            f"{row['peak_gib']:.2f} | {row['first_loss']:.5f} | {row['first_step_s']:.1f} | "
+            f"{row['graphs']} |")
+
+
+def format_collectives(rows) -> str:
+    """The collectives' share of each profiled step (rank 0; the slowest
+    rank's exposed time too)."""
+    out = ["| config | candidate | mode | step ms | NCCL ms | NCCL share | exposed ms "
+           "| exposed, slowest rank |", "|---|---|---|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        summaries = [s for s in row.get("profile") or [] if s]
+        if not summaries:
+            continue
+        s = summaries[0]
+        worst = max(x["nccl_exposed"] for x in summaries)
+        out.append(f"| {row['config']} | {row['candidate']} | {row['mode']} | {s['step']:.2f} | "
+                   f"{s['nccl']:.2f} | {s['nccl'] / s['step']:.0%} | {s['nccl_exposed']:.2f} | "
+                   f"{worst:.2f} |")
+    return "\n".join(out)
+
+
+def _csv(choices):
+    def parse(text):
+        items = [t for t in text.split(",") if t]
+        bad = [t for t in items if t not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(choices)}")
+        return items
+    return parse
+
+
+def main(argv=None):
+    """Parse, set up the process group (unless one exists), run; rank 0
+    prints and writes ``--json``.  Returns 0 when no candidate failed."""
+    p = argparse.ArgumentParser(prog="torchrun ... -m transformer_engine_compile.bench_tp",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", type=_csv(list(CONFIGS)), default=None,
+                   help="comma-separated; default llama-b on CUDA, llama-tiny on CPU")
+    p.add_argument("--recipes", type=_csv(["bf16", *RECIPES]), default=["fp8_current", "fp8_block"],
+                   help="comma-separated; te bf16 and the torch baseline always run")
+    p.add_argument("--sp", type=_csv(["0", "1"]), default=["0", "1"],
+                   help="te candidates without (0) and with (1) sequence parallelism")
+    p.add_argument("--modes", type=_csv(list(MODES)), default=["compiled"])
+    p.add_argument("--steps", type=int, default=10, help="timed steps (median)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--device", choices=("cuda", "cpu"),
+                   default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--backend", default="inductor", help="torch.compile backend for 'compiled'")
+    p.add_argument("--candidates", type=lambda text: text.split(","), default=None,
+                   help="comma-separated labels: run only these")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one step per candidate: the collectives' share")
+    p.add_argument("--json", help="rank 0 writes the rows here")
+    args = p.parse_args(argv)
+    cuda = args.device == "cuda"
+    configs = args.configs or (["llama-b"] if cuda else ["llama-tiny"])
+    own_group = not dist.is_initialized()
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if own_group:
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    rank0 = dist.get_rank() == 0
+    log = print if rank0 else (lambda *a, **k: None)
+    rows = []
+    try:
+        machine = (torch.cuda.get_device_name(device) if cuda
+                   else "cpu (a smoke run: times mean nothing)")
+        log(f"{machine}, torch {torch.__version__}, tensor parallel over "
+            f"{dist.get_world_size()} ranks ({dist.get_backend()}), steps {args.steps}\n")
+        if cuda:  # built before anything is timed (kernels/native.py)
+            from .kernels import native
+            native.extension(wait=True)
+        bench_llama.keep_compiled_entries()
+        rows = run(configs, args.recipes, [s == "1" for s in args.sp], args.modes, device,
+                   steps=args.steps, warmup=args.warmup, only=args.candidates,
+                   profile=args.profile, backend=args.backend,
+                   log=lambda text: log(text, flush=True))
+        if rank0 and args.json:
+            with open(args.json, "w") as f:
+                json.dump({"machine": machine, "torch": torch.__version__,
+                           "world_size": dist.get_world_size(), "rows": rows}, f, indent=1)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+def _cpu_worker(rank, world, tmp, argv):
+    torch.set_num_threads(1)
+    store = dist.FileStore(os.path.join(tmp, "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        main(["--device", "cpu", *argv, "--json", os.path.join(tmp, "rows.json")])
+    finally:
+        dist.destroy_process_group()
+
+
+def cpu_run(argv=(), nprocs=2):
+    """Run the benchmark on ``nprocs`` CPU processes (gloo) with ``argv``
+    (default ``llama-tiny``, one warm-up and one timed step); rank 0's rows."""
+    import torch.multiprocessing as mp
+
+    argv = ["--steps", "1", "--warmup", "1", *argv]
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_cpu_worker, args=(nprocs, tmp, list(argv)), nprocs=nprocs)
+        with open(os.path.join(tmp, "rows.json")) as f:
+            return json.load(f)["rows"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
