@@ -25,7 +25,9 @@ global tokens/s, the ratio to the baseline in the same mode (>1: faster),
 all-gather bytes per step and rank (counted over one step by wrapping
 ``torch.distributed``'s all-gather functions, which FSDP2 calls through the
 module attribute), rank 0's peak memory, and the Dynamo graphs compiled over
-the candidate's steps (one per block when nothing recompiles).  A candidate that fails prints
+the candidate's steps (one per block when nothing recompiles); with
+``--profile`` each candidate's step broken down per CUDA stream on every
+rank and a cProfile of it (:mod:`.bench_profile`).  A candidate that fails prints
 its error and the others still run (the failure must happen on every rank,
 as it does for errors that do not depend on the data; otherwise the other
 ranks wait in a collective).
@@ -174,57 +176,9 @@ def measure(cfg, kind, rec, gather_recipe, mode, device, mesh, *, steps, warmup,
     row["all_gather_bytes"] = gathered[0]
     row["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # compiles, all steps
     if profile:
+        from .bench_profile import profile_step
         row["profile"] = profile_step(step, x, target)
     return row
-
-
-def profile_step(step, x, target):
-    """One step under ``torch.profiler`` (after an unprofiled one), summarised
-    per stream on every rank (:mod:`.bench_profile`): the list of the ranks'
-    summaries, the same on every rank."""
-    from torch.profiler import ProfilerActivity, profile, schedule
-
-    from .bench_profile import summarize
-
-    activities = [ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(ProfilerActivity.CUDA)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=1),
-                     on_trace_ready=lambda p: p.export_chrome_trace(path)) as prof:
-            for _ in range(2):
-                step(x, target)
-                prof.step()
-        summary = summarize(path) if os.path.exists(path) else {}
-    if summary:  # GPU events: the host's part by Python function too
-        summary["python"] = python_profile(step, x, target)
-    summaries = [None] * dist.get_world_size()
-    dist.all_gather_object(summaries, summary)
-    return summaries
-
-
-def python_profile(step, x, target, top=35) -> str:
-    """cProfile of one step, its backward run on the calling thread: the
-    functions by own time and by cumulative time (the host's share of a
-    host-bound step, by function)."""
-    import cProfile
-    import io
-    import pstats
-
-    prof = cProfile.Profile()
-    # the backward on this thread (not the autograd engine's device thread,
-    # which cProfile would not see): FSDP2's backward hooks are host work too
-    with torch.autograd.set_multithreading_enabled(False):
-        prof.enable()
-        step(x, target)
-        prof.disable()
-    out = io.StringIO()
-    stats = pstats.Stats(prof, stream=out)
-    stats.sort_stats("tottime").print_stats(top)
-    stats.sort_stats("cumulative").print_stats(top)
-    stats.print_callers("sleep|synchronize")  # where the host waits, if anywhere
-    return out.getvalue()
 
 
 def run(configs, recipe_names, modes, device, *, steps=10, warmup=3, backend="inductor",

@@ -18,6 +18,9 @@ Chrome trace (``prof.export_chrome_trace``) and returns, in milliseconds:
 * ``host``: the CPU ranges (``record_function`` names: FSDP2's
   ``FSDP::...`` hooks and the ``te.fsdp.*`` extension) by total time.
 
+:func:`profile_step` profiles one training step on every rank of a
+distributed benchmark and returns the ranks' summaries.
+
 The compute stream is the one with the most busy time outside NCCL's
 kernels (a collective issued with ``async_op=False`` runs on the issuing
 stream, so NCCL kernels are told apart by name).
@@ -27,6 +30,11 @@ from __future__ import annotations
 
 import collections
 import json
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
 
 
 def _union(intervals):
@@ -79,7 +87,6 @@ def summarize(trace_path: str, top: int = 12) -> dict:
     with open(trace_path) as f:
         events = json.load(f)["traceEvents"]
     by_stream = collections.defaultdict(list)
-    names = collections.defaultdict(list)
     host = collections.Counter()
     host_calls = collections.Counter()
     for ev in events:
@@ -153,3 +160,50 @@ def format_summary(label: str, s: dict) -> str:
     lines += ["", "| host range | calls | ms |", "|---|---:|---:|"]
     lines += [f"| {n[:90]} | {c} | {t:.2f} |" for n, c, t in s["host"]]
     return "\n".join(lines) + "\n"
+
+
+def profile_step(step, x, target):
+    """One step under ``torch.profiler`` (after an unprofiled one), summarised
+    per stream on every rank (:func:`summarize`): the list of the ranks'
+    summaries, the same on every rank."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=1),
+                     on_trace_ready=lambda p: p.export_chrome_trace(path)) as prof:
+            for _ in range(2):
+                step(x, target)
+                prof.step()
+        summary = summarize(path) if os.path.exists(path) else {}
+    if summary:  # GPU events: the host's part by Python function too
+        summary["python"] = python_profile(step, x, target)
+    summaries = [None] * dist.get_world_size()
+    dist.all_gather_object(summaries, summary)
+    return summaries
+
+
+def python_profile(step, x, target, top=35) -> str:
+    """cProfile of one step, its backward run on the calling thread: the
+    functions by own time and by cumulative time (the host's share of a
+    host-bound step, by function)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    # the backward on this thread (not the autograd engine's device thread,
+    # which cProfile would not see): FSDP2's backward hooks are host work too
+    with torch.autograd.set_multithreading_enabled(False):
+        prof.enable()
+        step(x, target)
+        prof.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    stats.print_callers("sleep|synchronize")  # where the host waits, if anywhere
+    return out.getvalue()

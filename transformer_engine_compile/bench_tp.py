@@ -163,7 +163,7 @@ def inputs(cfg, sp: bool, group, device):
 
 def measure(cfg, kind, rec, sp, mode, group, device, *, steps, warmup, profile, backend):
     """One candidate in one mode: the row's measured fields."""
-    from .bench_fsdp import profile_step
+    from .bench_profile import profile_step
 
     model = build(cfg, kind, rec, sp, group, device)
     step = bench_llama.make_step(model, rec, mode if mode == "eager" else "default",
