@@ -196,19 +196,19 @@ def test_quantized_all_gather_wraps_gemm_weights_only_and_copies():
 def transpose_worker(group):
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-    from transformer_engine_compile import fsdp
+    from transformer_engine_compile import fsdp_weight
     from transformer_engine_compile.dynamo import compat
 
     rec = F.recipe_of("fp8_current")
     x = torch.randn(8, F.IN, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     made = []
-    original = fsdp._transpose
+    original = fsdp_weight._transpose
 
     def counted(*args, **kwargs):
         made.append("backward" if compat.in_backward_pass() else "forward")
         return original(*args, **kwargs)
 
-    fsdp._transpose = counted
+    fsdp_weight._transpose = counted
     try:
         for reshard in (True, False):
             model = F.build("cpu")
@@ -226,7 +226,7 @@ def transpose_worker(group):
             # the forward's does not; kept: the forward's gather makes it once
             assert made == ["backward" if reshard else "forward"] * weights, (reshard, made)
     finally:
-        fsdp._transpose = original
+        fsdp_weight._transpose = original
 
 
 def test_fsdp_transposed_copy_made_once_where_the_backward_reads_it():

@@ -30,8 +30,6 @@ refused with an error, as is a layer whose dp mesh is not one dim of a
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
@@ -136,7 +134,7 @@ def _state_dict_hook(module, state_dict, prefix, local_metadata):
     copies of a layer share nothing)."""
     from torch.distributed.tensor import DTensor
 
-    from .fsdp import _plain
+    from .fsdp_weight import _plain
 
     for name, dim in tp_split_dims(module).items():
         key = prefix + name

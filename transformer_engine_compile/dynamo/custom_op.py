@@ -66,20 +66,13 @@ from ..quantization.wrapper import QuantizedTensor
 from . import arg_views
 from . import buckets as B
 from . import compat, export, lowering
-from .flat_result import (Layout, entry_count, flatten_result, layout_of, pack_saved,
-                          unflatten_result, unpack_saved)
+from .flat_result import (Layout, OpResult, entry_count, flatten_result, layout_of,
+                          pack_saved, unflatten_result, unpack_saved)
 from .tensor_proto import to_tensor_proto
 
 NAMESPACE = "te_compile"
 _LIB = None
 _REGISTERED: dict[str, "CustomOpPair"] = {}
-
-
-class OpResult(NamedTuple):
-    """What a forward impl/fake returns: outputs and tensors saved for backward."""
-
-    outputs: dict
-    saved: dict = {}
 
 
 class Update(NamedTuple):

@@ -1,6 +1,6 @@
 """The flat ``Tensor[]`` an op returns, and what its autograd saves.
 
-An op impl returns an :class:`~.custom_op.OpResult` (outputs and values
+An op impl returns an :class:`OpResult` (outputs and values
 saved for backward, tensors or quantized storages).  The op's schema can
 only return a flat list of tensors: :func:`flatten_result` lays the result
 out (each storage as its buffers, aliases of arguments or outputs left
@@ -12,15 +12,19 @@ layer state the backward updates off it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from ..quantization.base import QuantizedTensorStorage
 from .tensor_proto import TensorProto
 
-if TYPE_CHECKING:
-    from .custom_op import OpResult
+
+class OpResult(NamedTuple):
+    """What a forward impl/fake returns: outputs and tensors saved for backward."""
+
+    outputs: dict
+    saved: dict = {}
 
 
 # -- flat layouts --------------------------------------------------------------------

@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..fsdp import check_gathered_weight
+from .weight_format import check_gathered_weight
 from .. import checkpointing
 from .. import distributed as D
 from ..autocast import get_amax_reduction_group, get_autocast_recipe

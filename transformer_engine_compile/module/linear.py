@@ -15,7 +15,7 @@ from .. import distributed as D
 from .. import checkpointing
 from ..autocast import get_amax_reduction_group, get_autocast_recipe
 from ..dynamo.state import ensure_buffers, register_module
-from ..fsdp import check_gathered_weight
+from .weight_format import check_gathered_weight
 from ..quantization.base import QuantizedTensorStorage
 from ..quantization import factory
 from . import args_memo, linear_plain_ops
