@@ -8,5 +8,6 @@ setup(
     package_data={"transformer_engine_compile": ["kernels/*.cpp", "kernels/*.h"]},  # the native eager path
     python_requires=">=3.10",
     install_requires=["torch>=2.11", "numpy"],  # numpy: torch.distributed.checkpoint's object gathers
-    extras_require={"test": ["pytest", "pytest-xdist", "transformers"], "gpu": ["triton"]},
+    extras_require={"test": ["pytest", "pytest-xdist", "transformers", "import-linter"],
+                    "gpu": ["triton"]},
 )
