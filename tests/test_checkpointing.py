@@ -1,4 +1,4 @@
-"""Activation checkpointing (issue 15, point 5): ``te.checkpoint`` and
+"""Activation checkpointing: ``te.checkpoint`` and
 ``torch.utils.checkpoint`` (non-reentrant and reentrant), with ``te.autocast`` outside
 or inside the checkpointed function, eager and compiled, give the gradients
 and layer state of the same model without checkpointing, bit for bit."""

@@ -1,4 +1,4 @@
-"""te.convert (issue 16): an existing torch.nn model's Linear layers become
+"""te.convert: an existing torch.nn model's Linear layers become
 te.Linear in place, with the same parameters; the converted model equals
 the original without a recipe and trains under one, eager and compiled."""
 

@@ -1,4 +1,4 @@
-"""The eager path's shortcuts (issue 14): te.Linear's argument memo and
+"""The eager path's shortcuts: te.Linear's argument memo and
 non-view outputs.  Each shortcut must give what the full path gives."""
 
 import copy

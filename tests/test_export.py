@@ -1,4 +1,4 @@
-"""``torch.export`` (issue 15, point 10): a program made by ``te.export``
+"""``torch.export``: a program made by ``te.export``
 survives ``torch.export.save`` / ``torch.export.load`` and its outputs equal
 eager bit for bit; one made by plain ``torch.export.export`` does not (torch
 drops the inline value-opaque arguments when saving)."""

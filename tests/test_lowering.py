@@ -296,8 +296,7 @@ def test_next_pow2_is_tritons():
 def test_cuda_lowering_weight_cache_read_steps_in_the_amax_launch():
     """DelayedScaling with the weight cached (``is_first_microbatch=False``):
     the launch recording the weight's amax (its cast kernel without copies)
-    runs the forward's step, not a step launch of its own (which it was
-    before the thirty-third session); it writes over the buffers as the step
+    runs the forward's step, not a step launch of its own; it writes over the buffers as the step
     that dy's cast runs in the backward does.  (This trace names no counter
     pool, so the two-launch kernels run, as in AOTInductor; on the GPU the
     one launch of kernels/triton_delayed.py.)"""

@@ -1,4 +1,4 @@
-"""Any token count in every recipe (issue 16): the block formats pad the
+"""Any token count in every recipe: the block formats pad the
 rows of their columnwise copies inside the quantizer (``column_block``),
 so a layer takes 1, 7, 200 or 4095 tokens, eager and compiled, in one
 dynamic graph."""

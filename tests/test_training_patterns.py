@@ -1,4 +1,4 @@
-"""Training patterns users rely on (issue 15): copies and pickles of layers
+"""Training patterns users rely on: copies and pickles of layers
 with state, initialisation on the meta device.  Each copy must have its own
 state, run eager and compiled, equal what the original would do, and leave
 the original alone."""

@@ -1,4 +1,4 @@
-"""Host time per ``te.Linear`` op call, per recipe (issue 14's first target).
+"""Host time per ``te.Linear`` op call, per recipe.
 
 Inputs are tiny (256 x 256 weight, 256 tokens) so the GPU is never the
 bottleneck: N back-to-back calls, then one synchronize, and the wall time
@@ -120,8 +120,8 @@ def measure(recipes=HOST_RECIPES, device="cuda", n=200, size=256, tokens=256, ro
     "rounds"}`` and baselines.  Every closure is built first; the ``rounds``
     then time each in turn and each figure is the median over the rounds
     (a ratio: the median of its per-round ratios), since these hosts' speed
-    drifts within seconds by more than the recipes differ (docs/benchmarks.md,
-    thirty-eighth session)."""
+    drifts within seconds by more than the recipes differ (seen on the lent
+    H200 hosts)."""
     device = torch.device(device)
     dt = torch.bfloat16
     gen = torch.Generator(device=device).manual_seed(0)

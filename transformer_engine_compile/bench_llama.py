@@ -1,4 +1,4 @@
-"""A Llama-style decoder for whole-training-step benchmarks (issue 14).
+"""A Llama-style decoder for whole-training-step benchmarks.
 
 RMSNorm, rotary embeddings, SDPA attention with grouped KV heads and a
 SwiGLU MLP; every projection (q, k, v, o, gate, up, down) comes from a
@@ -137,7 +137,7 @@ class PackedBlock(torch.nn.Module):
     in one, SwiGLU as Transformer Engine defines it: ``silu(first half) *
     second half``), on te modules.  ``fused``: ``te.LayerNormLinear`` (norm
     + QKV) and ``te.LayerNormMLP`` (norm + SwiGLU MLP), else the same model
-    from separate norms and ``te.Linear``s (issue 17's comparison);
+    from separate norms and ``te.Linear``s (the fused modules' comparison);
     ``split``: those ``te.Linear``s hold q/k/v and gate/up as parameters of
     their own (``parameters_split``), as a model loaded from separately
     stored weights would."""

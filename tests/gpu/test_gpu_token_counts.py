@@ -1,4 +1,4 @@
-"""Ragged token counts on the GPU (issue 16): the Triton quantization of a
+"""Ragged token counts on the GPU: the Triton quantization of a
 zero-padded matrix equals the reference bit for bit, and te.Linear at
 ragged counts trains eager = inductor = reduce-overhead (zero cudagraph
 skips) with no host synchronisation.  Skips without CUDA; qa/L0_gpu runs it."""

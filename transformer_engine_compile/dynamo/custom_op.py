@@ -536,9 +536,9 @@ def _owning(t):
 
 
 class _EagerFunction(torch.autograd.Function):
-    """The eager path's autograd node.  Kept lean (issue 14): every eager
-    layer call runs its forward and backward, so each Python step here is
-    host time per layer (docs/benchmarks.md, twenty-third session)."""
+    """The eager path's autograd node.  Kept lean: every eager layer call
+    runs its forward and backward, so each Python step here is host time
+    per layer."""
 
     @staticmethod
     def forward(ctx, pair, args, diff_fields, names, *diff_tensors):

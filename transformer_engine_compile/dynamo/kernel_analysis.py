@@ -8,7 +8,7 @@ repeats it for every node at each stage that asks (AOTAutograd's
 functionalization, inductor's graph lowering, on 2.13 its kernel IR node),
 with no cache.  A llama-a step under Float8CurrentScaling has 112 kernel
 nodes, all of one kernel: about half of te's compile time over torch's own
-model went there (docs/benchmarks.md, thirty-first session).
+model went there (the first compiled step, timed on an H200).
 
 The answer depends only on the kernel and on what ``generate_ttir`` hands
 Triton's code generator: a tensor becomes an empty tensor of its dtype, a

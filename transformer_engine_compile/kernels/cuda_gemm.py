@@ -200,8 +200,8 @@ def _has_mm_out_dtype() -> bool:
 # 8.2 us at 256^3, 11.5 against 8.8 at 128 x 1024 x 512) and ~70 us less host
 # time.  Larger products cost it more GPU time (it decodes an operand tile
 # once per output tile: 11.8 against 9.4 us at 512^3, 3x at 1024^3), and a
-# long K loop over few tiles more still (256 x 256 x 2048: ~4x);
-# docs/benchmarks.md (thirty-sixth session)
+# long K loop over few tiles more still (256 x 256 x 2048: ~4x; single
+# GEMMs timed on an H200)
 NVFP4_FUSED_MAX = 1 << 26
 NVFP4_FUSED_DIM = 1024
 

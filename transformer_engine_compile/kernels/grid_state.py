@@ -5,8 +5,8 @@ cast.  Done in one launch (``triton_current._fp8_current_kernel``), the
 programs share a few counters: they claim amax tiles from one counter, count
 the finished ones on another, wait until all are done, and the last program
 to leave zeroes the slot again.  A launch saved per quantization is ~11-13
-us of host time in a lowered llama-a step, 56 per step (docs/benchmarks.md,
-eighteenth session).
+us of host time in a lowered llama-a step, 56 per step (``bench --configs
+llama-a`` on an H200).
 
 The counters must be zero when the kernel starts, and zeroing a fresh buffer
 would cost the launch saved.  So they live in a persistent, zero-initialised
@@ -17,8 +17,8 @@ other, so the slot a kernel uses is:
 * run eagerly (op impls): one slot per CUDA stream, so kernels on two
   streams (FSDP's all-gather stream) never share one.  Not while a CUDA
   graph is captured: a replay costs no host time, and on the GPU the two
-  launches are the faster (llama-a: 1.42 against 1.63 ms of quantization
-  per step, docs/benchmarks.md, nineteenth session);
+  launches are the faster (llama-a on an H200: 1.42 against 1.63 ms of
+  quantization per step);
 * traced into a lowered graph (``kernels/tracing.py``): a slot per traced
   call, cycling through the rest of the pool.  The graph keeps the slot's
   address as a constant, so the op call puts the pool's address into its

@@ -10,8 +10,7 @@ zeroed slot of ``grid_state.py``'s pool.  Where no slot may be used (CUDA
 graph capture, AOTInductor, a graph that does not name the pool) the
 two-launch kernels of ``triton_quant.py`` run instead.  One launch saves
 its host time (~11-13 us per call in a lowered llama-a step) for 0-4 us
-more GPU time per call (docs/benchmarks.md, eighteenth and nineteenth
-sessions).
+more GPU time per call (``bench --configs llama-a`` on an H200).
 """
 
 from __future__ import annotations
@@ -43,8 +42,8 @@ def _wait_until_counted(counter, total):
     thread of the program (the others hold masked lanes; the max shares
     its value).  When every thread of every waiting program read it, the
     loads queued at the counter's L2 slice ahead of the last programs'
-    atomic adds, and the wait took ~5 us longer on an H200
-    (docs/benchmarks.md, nineteenth session).  Plain Triton, no asm: torch
+    atomic adds, and the wait took ~5 us longer on an H200.  Plain
+    Triton, no asm: torch
     analyses a traced kernel's mutations, and inline asm with side effects
     makes that analysis fail (inductor then copies every input)."""
     lane = tl.arange(0, 256)  # one lane per thread of 8 warps: lane 0 is one thread's

@@ -1,4 +1,4 @@
-"""The eager layers' argument memo and the native eager path's entry (issue 14).
+"""The eager layers' argument memo and the native eager path's entry.
 
 An eager layer called again in a configuration it ran recently (the memo
 key: ``te.Linear._memo_key``, ``te.LayerNormMLP._memo_key``) reuses the

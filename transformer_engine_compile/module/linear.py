@@ -658,7 +658,7 @@ class Linear(torch.nn.Module):
         no tensor parallelism, no fused wgrad accumulation.  Without a bias
         added (the Llama-style layer) the layer then runs ``F.linear``, which
         inductor sees like torch's own layer, instead of the ops, whose host
-        time buys nothing without quantization (issue 14).  The two GEMMs of
+        time buys nothing without quantization.  The two GEMMs of
         the backward are the same cuBLAS calls eager and compiled, so
         compiled still equals eager bit for bit.  A bias keeps the ops when
         compiled, whose bias gradient reduces the same way in both (inductor

@@ -1,4 +1,4 @@
-"""The linear ops' real impls run natively (issue 14).
+"""The linear ops' real impls run natively.
 
 A compiled graph whose ``te_compile::linear_fwd`` / ``linear_bwd`` calls
 stay ops (not lowered into inductor), and the op host-time benchmark, run
@@ -11,8 +11,8 @@ arguments.  Without a recipe the short path (module/linear_plain_ops.py)
 runs, but a backward whose bias takes a gradient runs the plain plan
 (``F.linear``'s GEMMs from C++, the bias gradient's two launches), bit
 for bit the short path's: its launches cost ~25 us less there, while
-the GEMM-only calls cost the same either way (docs/benchmarks.md,
-forty-first session).  Not covered, so the Python impls run: the FP8
+the GEMM-only calls cost the same either way (``bench --configs host`` on
+an H200).  Not covered, so the Python impls run: the FP8
 weight cache
 (``is_first_microbatch``), and what the eager plan does not cover (tensor
 parallelism, ``fp8_output`` / ``fp8_grad``, FP8 weights,

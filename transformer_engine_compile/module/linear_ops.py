@@ -201,7 +201,7 @@ def _step_after(q, history, scale, group):
     (``StepAfter``, one launch fewer), or None: without state, with an amax
     group (the amaxes are all-reduced between the two), or while a CUDA
     graph is captured (a replay costs no launches, and on the GPU the fused
-    step is the slower: docs/benchmarks.md, twelfth session)."""
+    step is the slower, measured on an H200)."""
     if history is None or group is not None or (
             history.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
@@ -661,7 +661,7 @@ def _native_forward(pair, decoder, flat, args):
 def _native_backward(pair, decoder, flat, args):
     """The backward op's: without a recipe the native impl only where the
     bias takes a gradient (its two launches from C++; the rest costs the
-    same either way, docs/benchmarks.md, forty-first session), else
+    same either way, ``bench --configs host`` on an H200), else
     linear_plain_ops.py."""
     plain = args.grad_output_quantizer is None and args.input_quantizer is None
     if plain and not args.bias_requires_grad:

@@ -1,4 +1,4 @@
-"""The linear ops' calls without a recipe, in a short path (issue 14).
+"""The linear ops' calls without a recipe, in a short path.
 
 A ``te_compile::linear_fwd`` / ``linear_bwd`` call without a recipe (bf16
 training) stays an op call where inductor does not lower it (the forward
