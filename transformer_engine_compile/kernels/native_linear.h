@@ -2,7 +2,7 @@
 // backward that kernels/native.py's extension shares between its sources:
 // native_linear.cpp (the eager path: one C++ call and an autograd node),
 // native_linear_grads.cpp (the backward's GEMMs, for the node and the ops)
-// and native_linear_op.cpp (the linear ops' real impls, issue 14).
+// and native_linear_op.cpp (the linear ops' real impls).
 #pragma once
 
 #include "native_common.h"
