@@ -1,4 +1,4 @@
-"""Issue 15's training patterns on CUDA (fast kernels): copies and
+"""The training patterns users rely on, on CUDA (fast kernels): copies and
 checkpoint resume under reduce-overhead, torch.autocast in bf16 and fp16,
 a layer applied in two compiled calls before one backward.
 Skips without CUDA; qa/L0_gpu runs it."""
