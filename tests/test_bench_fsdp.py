@@ -54,7 +54,7 @@ def test_fsdp_bench_cpu_every_candidate_and_gather_bytes(capfd):
             assert r["tokens_per_s"] == pytest.approx(2 * 2 * 64 / r["ms"] * 1e3)
 
     out = capfd.readouterr().out  # rank 0 printed the table; rank 1 printed nothing
-    assert out.count("| config | candidate |") == 1 and "world size 2 (gloo)" in out
+    assert out.count("| config | candidate |") == 1 and "(2 ranks, gloo)" in out
     assert out.count("| llama-tiny | te fp8_current (bf16 gather) |") == 2
 
 

@@ -38,7 +38,7 @@ def test_tp_bench_cpu_candidates_losses_and_profile(capfd):
                 assert r["x_bf16"] == pytest.approx(by[("torch bf16 TP", mode)]["ms"] / r["ms"])
     out = capfd.readouterr().out
     assert out.count("| config | candidate | mode | ms/step |") == 1
-    assert "tensor parallel over 2 ranks (gloo)" in out and "| NCCL share |" in out
+    assert "tensor parallel, steps 1 (2 ranks, gloo)" in out and "| NCCL share |" in out
 
 
 def test_tp_bench_refuses_uneven_heads():

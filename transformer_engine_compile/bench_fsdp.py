@@ -41,16 +41,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
-import json
-import os
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 
+from . import bench_distributed as D
 from . import bench_llama
 from . import recipe as R
 from .bench import RECIPES, torchao_unavailable_reason
@@ -202,20 +199,11 @@ def run(configs, recipe_names, modes, device, *, steps=10, warmup=3, backend="in
             if only and label not in only:
                 continue
             for mode in modes:
-                row = {"config": cname, "candidate": label, "mode": mode}
-                try:
-                    row.update(measure(CONFIGS[cname], kind, rec, gather_recipe, mode, device,
-                                       mesh, steps=steps, warmup=warmup, backend=backend,
-                                       profile=profile))
-                    row["x_bf16"] = bench_llama._ratio(rows + [row], row, BASELINE, mode)
-                except Exception as e:  # one failing candidate must not hide the others
-                    row["error"] = bench_llama.error_text(e)
-                rows.append(row)
-                log(format_row(row))
-                torch._dynamo.reset()
-                gc.collect()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+                D.add_row(rows, {"config": cname, "candidate": label, "mode": mode},
+                          lambda: measure(CONFIGS[cname], kind, rec, gather_recipe, mode,
+                                          device, mesh, steps=steps, warmup=warmup,
+                                          backend=backend, profile=profile),
+                          BASELINE, format_row, log, device)
         log("")
     if profile:
         log(format_profiles(rows))
@@ -260,26 +248,16 @@ def format_row(row):
             f"{row['peak_gib']:.2f} | {row['first_step_s']:.1f} | {row['graphs']} |")
 
 
-def _csv(choices):
-    def parse(text):
-        items = [t for t in text.split(",") if t]
-        bad = [t for t in items if t not in choices]
-        if bad or not items:
-            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(choices)}")
-        return items
-    return parse
-
-
 def main(argv=None):
     """Parse, set up the process group (unless one exists), run; rank 0
     prints and writes ``--json``.  Returns 0 when no candidate failed."""
     p = argparse.ArgumentParser(prog="torchrun ... -m transformer_engine_compile.bench_fsdp",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", type=_csv(list(CONFIGS)), default=None,
+    p.add_argument("--configs", type=D.csv(list(CONFIGS)), default=None,
                    help="comma-separated; default llama-b on CUDA, llama-tiny on CPU")
-    p.add_argument("--recipes", type=_csv(["bf16", *RECIPES]), default=["bf16", "fp8_current", "fp8_block"],
+    p.add_argument("--recipes", type=D.csv(["bf16", *RECIPES]), default=["bf16", "fp8_current", "fp8_block"],
                    help="comma-separated; te bf16 and the torch bf16 baseline always run")
-    p.add_argument("--modes", type=_csv(list(MODES)), default=list(MODES))
+    p.add_argument("--modes", type=D.csv(list(MODES)), default=list(MODES))
     p.add_argument("--steps", type=int, default=10, help="timed steps (median)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device", choices=("cuda", "cpu"),
@@ -293,64 +271,22 @@ def main(argv=None):
                    help="also profile one step per candidate and print where its time goes "
                         "per CUDA stream (every rank; rank 0's kernels and host ranges)")
     args = p.parse_args(argv)
-    cuda = args.device == "cuda"
-    configs = args.configs or (["llama-b"] if cuda else ["llama-tiny"])
-    own_group = not dist.is_initialized()
-    if cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    if own_group:
-        dist.init_process_group("nccl" if cuda else "gloo",
-                                device_id=device if cuda else None)
-    rank0 = dist.get_rank() == 0
-    log = print if rank0 else (lambda *a, **k: None)
-    try:
-        machine = (torch.cuda.get_device_name(device) if cuda
-                   else "cpu (a smoke run: times mean nothing)")
-        log(f"{machine}, torch {torch.__version__}, world size {dist.get_world_size()} "
-            f"({dist.get_backend()}), per-rank batch as the config, steps {args.steps}\n")
-        if cuda:  # the native eager extension (the root's te layers run eagerly) built
-            # first: a build in the background would share the host with the timed steps
-            from .kernels import native
-            log("native eager path: " + ("built" if native.extension(wait=True) is not None
-                                         else f"not used ({native._state['failed'] or 'disabled'})"))
-        rows = run(configs, args.recipes, args.modes, device, steps=args.steps,
-                   warmup=args.warmup, backend=args.backend, with_torchao=not args.no_torchao,
-                   only=args.candidates, profile=args.profile,
-                   log=lambda text: log(text, flush=True))
-        if rank0 and args.json:
-            with open(args.json, "w") as f:
-                json.dump({"machine": machine, "torch": torch.__version__,
-                           "world_size": dist.get_world_size(), "rows": rows}, f, indent=1)
-    finally:
-        if own_group:
-            dist.destroy_process_group()
-    return 0 if all("error" not in r for r in rows) else 1
-
-
-def _cpu_worker(rank, world, tmp, argv):
-    torch.set_num_threads(1)
-    store = dist.FileStore(os.path.join(tmp, "store"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    try:
-        main(["--device", "cpu", *argv, "--json", os.path.join(tmp, "rows.json")])
-    finally:
-        dist.destroy_process_group()
+    configs = args.configs or (["llama-b"] if args.device == "cuda" else ["llama-tiny"])
+    # the root's te layers run eagerly: run_main builds the native extension first
+    return D.run_main(args.device, args.json,
+                      f"data parallel, per-rank batch as the config, steps {args.steps}",
+                      lambda device, log: run(configs, args.recipes, args.modes, device,
+                                              steps=args.steps, warmup=args.warmup,
+                                              backend=args.backend,
+                                              with_torchao=not args.no_torchao,
+                                              only=args.candidates, profile=args.profile,
+                                              log=log))
 
 
 def cpu_run(argv=(), nprocs=2):
-    """Run the benchmark on ``nprocs`` CPU processes (gloo, a file store in a
-    temporary directory) with ``argv`` (default: ``llama-tiny``, one warm-up
-    and one timed step); returns rank 0's rows."""
-    import torch.multiprocessing as mp
-
-    argv = ["--steps", "1", "--warmup", "1", *argv]
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_cpu_worker, args=(nprocs, tmp, list(argv)), nprocs=nprocs)
-        with open(os.path.join(tmp, "rows.json")) as f:
-            return json.load(f)["rows"]
+    """Run the benchmark on ``nprocs`` CPU processes (gloo) with ``argv``
+    (default ``llama-tiny``, one warm-up and one timed step); rank 0's rows."""
+    return D.cpu_run(main, argv, nprocs)
 
 
 if __name__ == "__main__":

@@ -38,17 +38,14 @@ nothing; :func:`cpu_run` spawns the processes for the tests.
 from __future__ import annotations
 
 import argparse
-import gc
-import json
-import os
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from . import bench_distributed as D
 from . import bench_llama
 from .bench import RECIPES
 
@@ -59,28 +56,18 @@ COLUMN = ("q", "k", "v", "gate", "up")
 ROW = ("o", "down")
 
 
-class TPBlock(torch.nn.Module):
-    """bench_llama's block on this rank's heads and ffn columns; tokens come
+class TPBlock(bench_llama.Block):
+    """bench_llama's block (full-size ``torch.nn.Linear`` projections, which
+    :func:`build` then splits) computing on this rank's heads; tokens come
     in flattened, ``(tokens, hidden)`` (this rank's share under SP)."""
 
     def __init__(self, cfg, tp: int, device):
-        super().__init__()
-        hd = cfg.hidden // cfg.heads
         if cfg.heads % tp or cfg.kv_heads % tp or cfg.ffn % tp:
             raise ValueError(f"{tp} ranks do not split {cfg.heads} heads, {cfg.kv_heads} KV "
                              f"heads and ffn {cfg.ffn} evenly")
-        self.heads, self.kv_heads, self.head_dim = cfg.heads // tp, cfg.kv_heads // tp, hd
+        super().__init__(cfg, bench_llama.torch_linear, device)
+        self.heads, self.kv_heads = cfg.heads // tp, cfg.kv_heads // tp  # this rank's
         self.batch, self.seq = cfg.batch, cfg.seq
-        self.attn_norm = bench_llama.RMSNorm(cfg.hidden, device)
-        self.mlp_norm = bench_llama.RMSNorm(cfg.hidden, device)
-        lin = bench_llama.torch_linear
-        self.q = lin(cfg.hidden, cfg.heads * hd, device)
-        self.k = lin(cfg.hidden, cfg.kv_heads * hd, device)
-        self.v = lin(cfg.hidden, cfg.kv_heads * hd, device)
-        self.o = lin(cfg.heads * hd, cfg.hidden, device)
-        self.gate = lin(cfg.hidden, cfg.ffn, device)
-        self.up = lin(cfg.hidden, cfg.ffn, device)
-        self.down = lin(cfg.ffn, cfg.hidden, device)
 
     def forward(self, x, cos, sin):
         h = self.attn_norm(x)
@@ -89,23 +76,6 @@ class TPBlock(torch.nn.Module):
         x = x + self.o(a)
         h = self.mlp_norm(x)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
-
-
-class TPLlama(torch.nn.Module):
-    """The decoder on flattened tokens: ``forward(x (tokens, hidden))``."""
-
-    def __init__(self, cfg, tp: int, device):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(TPBlock(cfg, tp, device) for _ in range(cfg.layers))
-        self.norm = bench_llama.RMSNorm(cfg.hidden, device)
-        cos, sin = bench_llama.rope_tables(cfg, device)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x, self.cos, self.sin)
-        return self.norm(x)
 
 
 def build(cfg, kind, rec, sp: bool, group, device):
@@ -119,7 +89,8 @@ def build(cfg, kind, rec, sp: bool, group, device):
 
     tp = dist.get_world_size(group)
     torch.manual_seed(0)
-    model = TPLlama(cfg, tp, device)
+    # bench_llama's decoder over TP blocks: tokens flattened, (tokens, hidden)
+    model = bench_llama.Llama(cfg, None, device, block=lambda: TPBlock(cfg, tp, device))
     if kind == "torch":
         mesh = init_device_mesh(device.type, (tp,))
         plan = {**{n: ColwiseParallel() for n in COLUMN}, **{n: RowwiseParallel() for n in ROW}}
@@ -199,20 +170,11 @@ def run(configs, recipe_names, sp_modes, modes, device, *, steps=10, warmup=3, o
             if only and label not in only:
                 continue
             for mode in modes:
-                row = {"config": cname, "candidate": label, "mode": mode}
-                try:
-                    row.update(measure(CONFIGS[cname], kind, rec, sp, mode, group, device,
-                                       steps=steps, warmup=warmup, profile=profile,
-                                       backend=backend))
-                    row["x_bf16"] = bench_llama._ratio(rows + [row], row, BASELINE, mode)
-                except Exception as e:  # one failing candidate must not hide the others
-                    row["error"] = bench_llama.error_text(e)
-                rows.append(row)
-                log(format_row(row))
-                torch._dynamo.reset()
-                gc.collect()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+                D.add_row(rows, {"config": cname, "candidate": label, "mode": mode},
+                          lambda: measure(CONFIGS[cname], kind, rec, sp, mode, group, device,
+                                          steps=steps, warmup=warmup, profile=profile,
+                                          backend=backend),
+                          BASELINE, format_row, log, device)
         log("")
     if profile:
         log(format_collectives(rows))
@@ -249,28 +211,18 @@ def format_collectives(rows) -> str:
     return "\n".join(out)
 
 
-def _csv(choices):
-    def parse(text):
-        items = [t for t in text.split(",") if t]
-        bad = [t for t in items if t not in choices]
-        if bad or not items:
-            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(choices)}")
-        return items
-    return parse
-
-
 def main(argv=None):
     """Parse, set up the process group (unless one exists), run; rank 0
     prints and writes ``--json``.  Returns 0 when no candidate failed."""
     p = argparse.ArgumentParser(prog="torchrun ... -m transformer_engine_compile.bench_tp",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", type=_csv(list(CONFIGS)), default=None,
+    p.add_argument("--configs", type=D.csv(list(CONFIGS)), default=None,
                    help="comma-separated; default llama-b on CUDA, llama-tiny on CPU")
-    p.add_argument("--recipes", type=_csv(["bf16", *RECIPES]), default=["fp8_current", "fp8_block"],
+    p.add_argument("--recipes", type=D.csv(["bf16", *RECIPES]), default=["fp8_current", "fp8_block"],
                    help="comma-separated; te bf16 and the torch baseline always run")
-    p.add_argument("--sp", type=_csv(["0", "1"]), default=["0", "1"],
+    p.add_argument("--sp", type=D.csv(["0", "1"]), default=["0", "1"],
                    help="te candidates without (0) and with (1) sequence parallelism")
-    p.add_argument("--modes", type=_csv(list(MODES)), default=["compiled"])
+    p.add_argument("--modes", type=D.csv(list(MODES)), default=["compiled"])
     p.add_argument("--steps", type=int, default=10, help="timed steps (median)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device", choices=("cuda", "cpu"),
@@ -282,62 +234,20 @@ def main(argv=None):
                    help="also profile one step per candidate: the collectives' share")
     p.add_argument("--json", help="rank 0 writes the rows here")
     args = p.parse_args(argv)
-    cuda = args.device == "cuda"
-    configs = args.configs or (["llama-b"] if cuda else ["llama-tiny"])
-    own_group = not dist.is_initialized()
-    if cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    if own_group:
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
-    rank0 = dist.get_rank() == 0
-    log = print if rank0 else (lambda *a, **k: None)
-    rows = []
-    try:
-        machine = (torch.cuda.get_device_name(device) if cuda
-                   else "cpu (a smoke run: times mean nothing)")
-        log(f"{machine}, torch {torch.__version__}, tensor parallel over "
-            f"{dist.get_world_size()} ranks ({dist.get_backend()}), steps {args.steps}\n")
-        if cuda:  # built before anything is timed (kernels/native.py)
-            from .kernels import native
-            native.extension(wait=True)
-        bench_llama.keep_compiled_entries()
-        rows = run(configs, args.recipes, [s == "1" for s in args.sp], args.modes, device,
-                   steps=args.steps, warmup=args.warmup, only=args.candidates,
-                   profile=args.profile, backend=args.backend,
-                   log=lambda text: log(text, flush=True))
-        if rank0 and args.json:
-            with open(args.json, "w") as f:
-                json.dump({"machine": machine, "torch": torch.__version__,
-                           "world_size": dist.get_world_size(), "rows": rows}, f, indent=1)
-    finally:
-        if own_group:
-            dist.destroy_process_group()
-    return 0 if all("error" not in r for r in rows) else 1
-
-
-def _cpu_worker(rank, world, tmp, argv):
-    torch.set_num_threads(1)
-    store = dist.FileStore(os.path.join(tmp, "store"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    try:
-        main(["--device", "cpu", *argv, "--json", os.path.join(tmp, "rows.json")])
-    finally:
-        dist.destroy_process_group()
+    configs = args.configs or (["llama-b"] if args.device == "cuda" else ["llama-tiny"])
+    bench_llama.keep_compiled_entries()
+    return D.run_main(args.device, args.json, f"tensor parallel, steps {args.steps}",
+                      lambda device, log: run(configs, args.recipes,
+                                              [s == "1" for s in args.sp], args.modes, device,
+                                              steps=args.steps, warmup=args.warmup,
+                                              only=args.candidates, profile=args.profile,
+                                              backend=args.backend, log=log))
 
 
 def cpu_run(argv=(), nprocs=2):
     """Run the benchmark on ``nprocs`` CPU processes (gloo) with ``argv``
     (default ``llama-tiny``, one warm-up and one timed step); rank 0's rows."""
-    import torch.multiprocessing as mp
-
-    argv = ["--steps", "1", "--warmup", "1", *argv]
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_cpu_worker, args=(nprocs, tmp, list(argv)), nprocs=nprocs)
-        with open(os.path.join(tmp, "rows.json")) as f:
-            return json.load(f)["rows"]
+    return D.cpu_run(main, argv, nprocs)
 
 
 if __name__ == "__main__":
