@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import sys
 import time
 
@@ -55,7 +56,11 @@ from .bench import RECIPES, torchao_unavailable_reason
 BASELINE = "torch bf16"
 MODES = ("eager", "compiled")
 CONFIGS = {**bench_llama.LLAMA_CONFIGS, **bench_llama.TINY_LLAMA, **bench_llama.HF_CONFIGS,
-           **bench_llama.TINY_HF}
+           **bench_llama.TINY_HF,
+           # llama-b's layer, 4 layers, 2 x 2048 tokens per rank: the model data
+           # parallelism is measured on (Hugging Face's, as users convert it)
+           "hf-llama-b4": dataclasses.replace(bench_llama.LLAMA_CONFIGS["llama-b"], layers=4,
+                                              batch=2, vocab=32000)}
 
 
 def candidates(recipe_names, with_torchao):

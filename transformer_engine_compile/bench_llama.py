@@ -59,9 +59,6 @@ TINY_LLAMA = {"llama-tiny": LlamaConfig(layers=2, hidden=256, ffn=256, heads=4, 
 HF_CONFIGS = {
     "hf-llama-a": dataclasses.replace(LLAMA_CONFIGS["llama-a"], vocab=32000),
     "hf-llama-b": dataclasses.replace(LLAMA_CONFIGS["llama-b"], vocab=32000),
-    # llama-b's layer at 4 layers and 2 x 2048 tokens: the data-parallel
-    # benchmark's model (a batch per rank, sharded over the ranks)
-    "hf-llama-b4": dataclasses.replace(LLAMA_CONFIGS["llama-b"], layers=4, batch=2, vocab=32000),
 }
 TINY_HF = {"hf-llama-tiny": dataclasses.replace(TINY_LLAMA["llama-tiny"], vocab=512)}
 ALL_LLAMA = {**LLAMA_CONFIGS, **TINY_LLAMA, **HF_CONFIGS, **TINY_HF}
