@@ -66,6 +66,7 @@ __all__ = ["QuantizedAllGatherWeight", "fully_shard", "gather_format", "gathered
 
 FP8_BLOCK = 128
 
+
 def gemm_weight_names(module: torch.nn.Module) -> tuple:
     """Names of ``module``'s own GEMM weights (``te.Linear`` / ``te.LayerNormLinear``:
     ``weight``; ``te.LayerNormMLP``: ``fc1_weight``, ``fc2_weight``), else ().
