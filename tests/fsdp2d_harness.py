@@ -54,7 +54,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import transformer_engine_compile as te
 from transformer_engine_compile import recipe
-from transformer_engine_compile.bench_fsdp import count_all_gather_bytes
+from transformer_engine_compile.benchmarks.fsdp import count_all_gather_bytes
 
 from fsdp_harness import _assert_bit_equal, _rel, reported
 

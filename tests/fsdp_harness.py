@@ -47,7 +47,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import transformer_engine_compile as te
 from transformer_engine_compile import recipe
-from transformer_engine_compile.bench_fsdp import count_all_gather_bytes
+from transformer_engine_compile.benchmarks.fsdp import count_all_gather_bytes
 
 NAMES = ("bf16", "fp8_current", "fp8_block", "mxfp8", "nvfp4", "delayed")
 QUANTIZED_GATHER = ("fp8_current", "fp8_block")

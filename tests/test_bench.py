@@ -8,7 +8,8 @@ import statistics
 import pytest
 import torch
 
-from transformer_engine_compile import bench, kernels
+from transformer_engine_compile import kernels
+from transformer_engine_compile.benchmarks import compare as bench
 from transformer_engine_compile.kernels import reference as ref
 
 
@@ -125,7 +126,7 @@ def test_hugging_face_llama_config_trains_every_candidate(tmp_path):
 
 def test_hugging_face_model_refuses_packed_kinds():
     pytest.importorskip("transformers")
-    from transformer_engine_compile import bench_llama as bl
+    from transformer_engine_compile.benchmarks import llama as bl
     with pytest.raises(ValueError, match="no 'te-fused' variant"):
         bl.build(bl.TINY_HF["hf-llama-tiny"], "te-fused", "cpu")
 
@@ -133,7 +134,7 @@ def test_hugging_face_model_refuses_packed_kinds():
 def test_autograd_threads_off_holds_for_the_run_only(tmp_path, monkeypatch):
     """``--autograd-threads off``: the timed steps run with the engine's
     device threads off, the setting comes back after, the JSON says so."""
-    from transformer_engine_compile import bench_llama
+    from transformer_engine_compile.benchmarks import llama as bench_llama
     seen = []
 
     def fake_run(*args, **kwargs):
@@ -152,7 +153,7 @@ def test_autograd_threads_off_holds_for_the_run_only(tmp_path, monkeypatch):
 
 def test_llama_model_on_te_linear_is_the_torch_model():
     """Same weights: te.Linear in bf16 runs the same GEMMs as torch.nn.Linear."""
-    from transformer_engine_compile import bench_llama as bl
+    from transformer_engine_compile.benchmarks import llama as bl
     cfg = bl.TINY_LLAMA["llama-tiny"]
     ref_model, te_model = bl.build(cfg, "torch", "cpu"), bl.build(cfg, "te", "cpu")
     te_model.load_state_dict(ref_model.state_dict())
@@ -163,7 +164,7 @@ def test_llama_model_on_te_linear_is_the_torch_model():
 
 
 def test_host_stack_step_runs_every_layer_once_backward():
-    from transformer_engine_compile import bench_host
+    from transformer_engine_compile.benchmarks import host as bench_host
     layers = [torch.nn.Linear(8, 8, bias=False) for _ in range(bench_host.STACK)]
     x = torch.randn(4, 8, requires_grad=True)
     dy = torch.randn(4, 8)
@@ -179,7 +180,7 @@ def test_host_stack_step_runs_every_layer_once_backward():
 
 def test_host_benchmark_times_the_real_ops():
     import transformer_engine_compile as te
-    from transformer_engine_compile import bench_host
+    from transformer_engine_compile.benchmarks import host as bench_host
     out = bench_host.measure(["bf16", "fp8_current"], "cpu", n=1, size=128, tokens=128,
                              rounds=2, log=lambda *_: None)
     assert [r["recipe"] for r in out["rows"]] == ["bf16", "fp8_current"]
@@ -211,7 +212,7 @@ def test_bench_error_text_names_the_layers_error_under_compile():
     own error (Dynamo raises "Observed exception" with it as the cause),
     whole and on one line."""
     import transformer_engine_compile as te
-    from transformer_engine_compile.bench_llama import error_text
+    from transformer_engine_compile.benchmarks.llama import error_text
 
     layer = te.Linear(100, 64)
 
@@ -235,7 +236,7 @@ def test_bench_error_text_keeps_dynamos_debug_context_where_the_cause_lacks_it()
     cause ("ExceptionVariable(<class 'ValueError'>)") and its message only in
     the wrapper's "Developer debug context" line: that line is kept, and only
     where the cause does not already say it (torch 2.13: both say it)."""
-    from transformer_engine_compile.bench_llama import error_text
+    from transformer_engine_compile.benchmarks.llama import error_text
 
     def chained(context, cause_text):
         wrapper = RuntimeError(f"Observed exception\n  Explanation: no handler.\n\n"
@@ -260,7 +261,7 @@ def test_llama_fused_model_computes_the_unfused_model():
     and from separate norms + te.Linear, given the same weights, compute the
     same function (up to the norms' roundings: the bench's RMSNorm rounds
     twice, the fused norm once)."""
-    from transformer_engine_compile import bench_llama as bl
+    from transformer_engine_compile.benchmarks import llama as bl
     cfg = bl.TINY_LLAMA["llama-tiny"]
     fused, unfused = bl.build(cfg, "te-fused", "cpu"), bl.build(cfg, "te-unfused", "cpu")
     names = {"qkv.layer_norm_weight": "attn_norm.weight", "mlp.layer_norm_weight":
@@ -289,7 +290,7 @@ def test_llama_split_model_is_the_unfused_model():
     """The packed model with q/k/v and gate/up as parameters of their own
     (``parameters_split``), loaded from the unfused model's packed weights,
     trains bit for bit as the unfused model (fp8_current, eager)."""
-    from transformer_engine_compile import bench_llama as bl
+    from transformer_engine_compile.benchmarks import llama as bl
     from transformer_engine_compile import recipe
     cfg = bl.TINY_LLAMA["llama-tiny"]
     split, unfused = bl.build(cfg, "te-split", "cpu"), bl.build(cfg, "te-unfused", "cpu")
@@ -323,7 +324,7 @@ def test_bench_bias_flag_builds_layers_with_a_bias(tmp_path):
 def test_llama_interleaved_rounds_take_turns(monkeypatch):
     """--rounds: every candidate is built first, then the rounds time each in
     turn (the calls of one candidate are spread over the whole run)."""
-    from transformer_engine_compile import bench_llama as bl
+    from transformer_engine_compile.benchmarks import llama as bl
     calls, made = [], []
     make_step = bl.make_step
 

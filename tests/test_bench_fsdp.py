@@ -8,8 +8,8 @@ import math
 import pytest
 import torch.distributed as dist
 
-from transformer_engine_compile import bench_fsdp
-from transformer_engine_compile.bench import torchao_available
+from transformer_engine_compile.benchmarks import fsdp as bench_fsdp
+from transformer_engine_compile.benchmarks.compare import torchao_available
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed missing")
 

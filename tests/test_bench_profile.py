@@ -1,4 +1,4 @@
-"""The step breakdown of a profiler trace (bench_profile): stream busy
+"""The step breakdown of a profiler trace (benchmarks.step_profile): stream busy
 times, exposed collectives and host ranges of a hand-made Chrome trace
 whose answer is known."""
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from transformer_engine_compile import bench_profile as bp
+from transformer_engine_compile.benchmarks import step_profile as bp
 
 
 def _kernel(name, ts, dur, stream):

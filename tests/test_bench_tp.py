@@ -8,7 +8,7 @@ import math
 import pytest
 import torch.distributed as dist
 
-from transformer_engine_compile import bench_tp
+from transformer_engine_compile.benchmarks import tp as bench_tp
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed missing")
 

@@ -47,3 +47,26 @@ def test_a_new_cycle_breaks_the_contract(tmp_path, monkeypatch):
         """))
     monkeypatch.syspath_prepend(str(tmp_path))
     assert _lint(str(tmp_path / "contracts.ini"), str(tmp_path)) != 0
+
+
+@pytest.mark.parametrize("old, new", [
+    ("bench", "benchmarks.compare"), ("bench_llama", "benchmarks.llama"),
+    ("bench_host", "benchmarks.host"), ("bench_norm", "benchmarks.norm"),
+    ("bench_fsdp", "benchmarks.fsdp"), ("parallel_demo", "demos.parallel"), ("tour", "demos.tour")])
+def test_old_module_paths_are_the_moved_modules(old, new):
+    """The benchmarks and demos moved into their subpackages; their old
+    paths import the moved modules themselves (one release of grace)."""
+    import importlib
+
+    assert (importlib.import_module(f"transformer_engine_compile.{old}")
+            is importlib.import_module(f"transformer_engine_compile.{new}"))
+
+
+def test_old_demo_path_still_runs():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "transformer_engine_compile.tour", "--shape", "128",
+                          "256"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "B/elem" in out.stdout

@@ -1,5 +1,5 @@
 """The README's main job (``python -m transformer_engine_compile``, the
-training demo) and the format tour (``python -m transformer_engine_compile.tour``)."""
+training demo) and the format tour (``python -m transformer_engine_compile.demos.tour``)."""
 
 import re
 import subprocess
@@ -9,7 +9,7 @@ import pytest
 
 
 def test_format_tour_prints_every_format_with_sane_numbers():
-    out = subprocess.run([sys.executable, "-m", "transformer_engine_compile.tour", "--shape", "256", "512"],
+    out = subprocess.run([sys.executable, "-m", "transformer_engine_compile.demos.tour", "--shape", "256", "512"],
                          capture_output=True, text=True, check=True, timeout=300).stdout
     rows = {}
     for line in out.splitlines():

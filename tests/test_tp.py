@@ -234,7 +234,7 @@ def test_torchrun_example_runs():
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # gloo on CPU
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "transformer_engine_compile.parallel_demo", "--steps", "3"],
+         "-m", "transformer_engine_compile.demos.parallel", "--steps", "3"],
         capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "TP == single device: True" in proc.stdout, proc.stdout

@@ -38,6 +38,6 @@ if [ "$NPROC" -ge 4 ]; then
   python -m torch.distributed.run --standalone --nproc_per_node 4 tests/fsdp2d_harness.py --device cuda
 fi
 for recipe in bf16 fp8_current; do
-  run -m transformer_engine_compile.parallel_demo --recipe "$recipe" --steps 5
+  run -m transformer_engine_compile.demos.parallel --recipe "$recipe" --steps 5
 done
 echo "qa/L1_distributed: passed"

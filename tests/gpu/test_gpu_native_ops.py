@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import transformer_engine_compile as te
-from transformer_engine_compile import bench_host
+from transformer_engine_compile.benchmarks import host as bench_host
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 if torch.cuda.is_available():

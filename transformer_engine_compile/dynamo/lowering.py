@@ -9,7 +9,7 @@ own impl on the traced tensors with the fast kernels traced
 ``wrap_triton`` nodes) and its cuBLAS calls.  Inductor then launches those
 from its generated code, and a layer call costs a few launches of host time
 instead of the op's Python (decoding arguments, building storages, the
-dispatcher round trip; ``bench --configs llama-a``).  The kernels are the
+dispatcher round trip; ``benchmarks --configs llama-a``).  The kernels are the
 eager op's kernels, so compiled still equals eager bit for bit.
 
 A call is lowered only where that holds (otherwise the op node stays and
@@ -29,7 +29,7 @@ runs its impl at run time, as before):
 Graphs compiled for CUDA graphs (``mode="reduce-overhead"``) lower too,
 since the lowered calls share one quantization of an input read by several
 layers (``shared_inputs.py``), which ops cannot: llama-a 1.7-2% less step
-time than as ops (``bench --configs llama-a`` on an H200).  There
+time than as ops (``benchmarks --configs llama-a`` on an H200).  There
 current scaling keeps its two launches (no counter slot,
 ``kernels/grid_state.py``): a replay costs no host time, and the two
 launches less GPU time.

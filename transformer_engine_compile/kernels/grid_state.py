@@ -5,7 +5,7 @@ cast.  Done in one launch (``triton_current._fp8_current_kernel``), the
 programs share a few counters: they claim amax tiles from one counter, count
 the finished ones on another, wait until all are done, and the last program
 to leave zeroes the slot again.  A launch saved per quantization is ~11-13
-us of host time in a lowered llama-a step, 56 per step (``bench --configs
+us of host time in a lowered llama-a step, 56 per step (``benchmarks --configs
 llama-a`` on an H200).
 
 The counters must be zero when the kernel starts, and zeroing a fresh buffer

@@ -6,7 +6,7 @@ says which) as one C++ call whose backward is a C++ autograd node, and
 (module/layernorm_linear_native.py) the same way: the
 Python eager path costs ~150 us of Python per layer forward + backward, and
 the autograd engine runs a Python backward on its device thread, which ran
-that Python up to 2x slower on the lent H200 hosts (``bench --configs
+that Python up to 2x slower on the lent H200 hosts (``benchmarks --configs
 host``).  The C++ side launches the very Triton kernels the
 Python path compiled, through the driver, with the arguments a plan fixed
 (:func:`launch_spec`), and calls torch's ``_scaled_mm`` as the Python path

@@ -3,7 +3,7 @@
 // The op impls allocate 3-17 outputs per call (copies, scales, amaxes,
 // dequantized operands), and each torch.empty from Python costs 3-5 us of
 // host time on the lent H200 hosts against about 1 us from here
-// (bench --configs host).  Each tensor is an
+// (benchmarks --configs host).  Each tensor is an
 // allocation of its own, as with torch.empty: no output shares storage.
 #include "native_common.h"
 

@@ -10,7 +10,7 @@ zeroed slot of ``grid_state.py``'s pool.  Where no slot may be used (CUDA
 graph capture, AOTInductor, a graph that does not name the pool) the
 two-launch kernels of ``triton_quant.py`` run instead.  One launch saves
 its host time (~11-13 us per call in a lowered llama-a step) for 0-4 us
-more GPU time per call (``bench --configs llama-a`` on an H200).
+more GPU time per call (``benchmarks --configs llama-a`` on an H200).
 """
 
 from __future__ import annotations

@@ -384,7 +384,7 @@ _BUFFERS = ("rowwise_data", "rowwise_scale_inv", "rowwise_amax",
 # more GPU time from about 1M elements on (H200, us: 512^2 x (RHT, stochastic) /
 # x with a 512^2 W: 12.7 / 9.3 against 12.1 / 11.8 in two launches; 1024^2:
 # 25.1 / 25.7 against 16.0 / 17.2; 4096 x 2048: 131.6 / 83.7 against 101.7 /
-# 68.1; ``bench --configs host`` on an H200), so it serves small calls
+# 68.1; ``benchmarks --configs host`` on an H200), so it serves small calls
 # (the host-bound ones) only.
 _ONE_LAUNCH_MAX = 1 << 19  # elements quantized in one launch (both operands)
 _one_launch = Launcher(_nvfp4_one_kernel, num_warps=4)

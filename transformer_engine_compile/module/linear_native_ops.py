@@ -11,7 +11,7 @@ arguments.  Without a recipe the short path (module/linear_plain_ops.py)
 runs, but a backward whose bias takes a gradient runs the plain plan
 (``F.linear``'s GEMMs from C++, the bias gradient's two launches), bit
 for bit the short path's: its launches cost ~25 us less there, while
-the GEMM-only calls cost the same either way (``bench --configs host`` on
+the GEMM-only calls cost the same either way (``benchmarks --configs host`` on
 an H200).  Not covered, so the Python impls run: the FP8
 weight cache
 (``is_first_microbatch``), and what the eager plan does not cover (tensor

@@ -661,7 +661,7 @@ def _native_forward(pair, decoder, flat, args):
 def _native_backward(pair, decoder, flat, args):
     """The backward op's: without a recipe the native impl only where the
     bias takes a gradient (its two launches from C++; the rest costs the
-    same either way, ``bench --configs host`` on an H200), else
+    same either way, ``benchmarks --configs host`` on an H200), else
     linear_plain_ops.py."""
     plain = args.grad_output_quantizer is None and args.input_quantizer is None
     if plain and not args.bias_requires_grad:

@@ -1,8 +1,8 @@
-"""Tensor-parallel whole-training-step benchmark: bench_llama's Llama-style
+"""Tensor-parallel whole-training-step benchmark: benchmarks.llama's Llama-style
 decoder with its projections split over N ranks (q, k, v, gate, up
 column-parallel; o, down row-parallel), FP8 recipes against bf16.
 
-    torchrun --nproc_per_node 4 -m transformer_engine_compile.bench_tp \\
+    torchrun --nproc_per_node 4 -m transformer_engine_compile.benchmarks.tp \\
         --configs llama-b --recipes fp8_current,fp8_block [--profile]
 
 Candidates, side by side in one process:
@@ -20,7 +20,7 @@ Candidates, side by side in one process:
 The ranks share one batch of the config's size (tensor parallelism splits
 the layers, not the data), and every candidate starts from the same full
 weights (the te layers load their shards of the torch model's).  One step
-is bench_llama's (forward under the recipe, fp32 MSE loss, backward, fused
+is benchmarks.llama's (forward under the recipe, fp32 MSE loss, backward, fused
 AdamW on CUDA, ``loss.item()``), the whole step compiled (``fullgraph``)
 or eager.
 
@@ -29,7 +29,7 @@ the baseline in the same mode (>1: faster), peak memory, the first step's
 loss (the ranks' mean; the same model, so the bf16 rows agree to bf16
 rounding) and, with
 ``--profile``, the collectives' share of the step: NCCL kernel time and
-the part of it the compute stream did not overlap (:mod:`.bench_profile`).
+the part of it the compute stream did not overlap (:mod:`.step_profile`).
 
 ``--device cpu`` runs gloo and ``llama-tiny``, a smoke run whose times mean
 nothing; :func:`cpu_run` spawns the processes for the tests.
@@ -45,19 +45,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from . import bench_distributed as D
-from . import bench_llama
-from .bench import RECIPES
+from . import distributed as D
+from . import llama
+from .compare import RECIPES
 
 BASELINE = "torch bf16 TP"
 MODES = ("eager", "compiled")
-CONFIGS = {**bench_llama.LLAMA_CONFIGS, **bench_llama.TINY_LLAMA}
+CONFIGS = {**llama.LLAMA_CONFIGS, **llama.TINY_LLAMA}
 COLUMN = ("q", "k", "v", "gate", "up")
 ROW = ("o", "down")
 
 
-class TPBlock(bench_llama.Block):
-    """bench_llama's block (full-size ``torch.nn.Linear`` projections, which
+class TPBlock(llama.Block):
+    """benchmarks.llama's block (full-size ``torch.nn.Linear`` projections, which
     :func:`build` then splits) computing on this rank's heads; tokens come
     in flattened, ``(tokens, hidden)`` (this rank's share under SP)."""
 
@@ -65,13 +65,13 @@ class TPBlock(bench_llama.Block):
         if cfg.heads % tp or cfg.kv_heads % tp or cfg.ffn % tp:
             raise ValueError(f"{tp} ranks do not split {cfg.heads} heads, {cfg.kv_heads} KV "
                              f"heads and ffn {cfg.ffn} evenly")
-        super().__init__(cfg, bench_llama.torch_linear, device)
+        super().__init__(cfg, llama.torch_linear, device)
         self.heads, self.kv_heads = cfg.heads // tp, cfg.kv_heads // tp  # this rank's
         self.batch, self.seq = cfg.batch, cfg.seq
 
     def forward(self, x, cos, sin):
         h = self.attn_norm(x)
-        a = bench_llama._attention(self, self.q(h), self.k(h), self.v(h), self.batch, self.seq,
+        a = llama._attention(self, self.q(h), self.k(h), self.v(h), self.batch, self.seq,
                                    cos, sin)
         x = x + self.o(a)
         h = self.mlp_norm(x)
@@ -85,12 +85,12 @@ def build(cfg, kind, rec, sp: bool, group, device):
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
 
-    from .module.linear import Linear
+    from ..module.linear import Linear
 
     tp = dist.get_world_size(group)
     torch.manual_seed(0)
-    # bench_llama's decoder over TP blocks: tokens flattened, (tokens, hidden)
-    model = bench_llama.Llama(cfg, None, device, block=lambda: TPBlock(cfg, tp, device))
+    # benchmarks.llama's decoder over TP blocks: tokens flattened, (tokens, hidden)
+    model = llama.Llama(cfg, None, device, block=lambda: TPBlock(cfg, tp, device))
     if kind == "torch":
         mesh = init_device_mesh(device.type, (tp,))
         plan = {**{n: ColwiseParallel() for n in COLUMN}, **{n: RowwiseParallel() for n in ROW}}
@@ -124,7 +124,7 @@ def candidates(recipe_names, sp_modes):
 def inputs(cfg, sp: bool, group, device):
     """(x, target) on this rank: the shared batch's tokens, flattened, or
     this rank's contiguous share of them under SP."""
-    x, target = bench_llama.inputs(cfg, device, seed=1)  # the same on every rank
+    x, target = llama.inputs(cfg, device, seed=1)  # the same on every rank
     x, target = x.reshape(-1, cfg.hidden), target.reshape(-1, cfg.hidden)
     if sp:
         rank, tp = dist.get_rank(group), dist.get_world_size(group)
@@ -134,10 +134,10 @@ def inputs(cfg, sp: bool, group, device):
 
 def measure(cfg, kind, rec, sp, mode, group, device, *, steps, warmup, profile, backend):
     """One candidate in one mode: the row's measured fields."""
-    from .bench_profile import profile_step
+    from .step_profile import profile_step
 
     model = build(cfg, kind, rec, sp, group, device)
-    step = bench_llama.make_step(model, rec, mode if mode == "eager" else "default",
+    step = llama.make_step(model, rec, mode if mode == "eager" else "default",
                                  backend=backend)
     x, target = inputs(cfg, sp, group, device)
     row = {}
@@ -149,10 +149,10 @@ def measure(cfg, kind, rec, sp, mode, group, device, *, steps, warmup, profile, 
     losses = [None] * dist.get_world_size(group)
     dist.all_gather_object(losses, loss, group=group)
     row["first_loss"] = sum(losses) / len(losses)
-    row["ms"], row["host_ms"] = bench_llama.time_steps(step, x, target, warmup=warmup,
+    row["ms"], row["host_ms"] = llama.time_steps(step, x, target, warmup=warmup,
                                                        steps=steps)
     row["tokens_per_s"] = cfg.tokens / row["ms"] * 1e3
-    row["peak_gib"] = bench_llama.peak_gib(step, x, target, device)
+    row["peak_gib"] = llama.peak_gib(step, x, target, device)
     row["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     if profile:
         row["profile"] = profile_step(step, x, target)
@@ -214,7 +214,7 @@ def format_collectives(rows) -> str:
 def main(argv=None):
     """Parse, set up the process group (unless one exists), run; rank 0
     prints and writes ``--json``.  Returns 0 when no candidate failed."""
-    p = argparse.ArgumentParser(prog="torchrun ... -m transformer_engine_compile.bench_tp",
+    p = argparse.ArgumentParser(prog="torchrun ... -m transformer_engine_compile.benchmarks.tp",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", type=D.csv(list(CONFIGS)), default=None,
                    help="comma-separated; default llama-b on CUDA, llama-tiny on CPU")
@@ -235,7 +235,7 @@ def main(argv=None):
     p.add_argument("--json", help="rank 0 writes the rows here")
     args = p.parse_args(argv)
     configs = args.configs or (["llama-b"] if args.device == "cuda" else ["llama-tiny"])
-    bench_llama.keep_compiled_entries()
+    llama.keep_compiled_entries()
     return D.run_main(args.device, args.json, f"tensor parallel, steps {args.steps}",
                       lambda device, log: run(configs, args.recipes,
                                               [s == "1" for s in args.sp], args.modes, device,

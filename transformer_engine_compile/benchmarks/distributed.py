@@ -1,4 +1,4 @@
-"""What the torchrun benchmarks (``bench_fsdp``, ``bench_tp``) share: the
+"""What the torchrun benchmarks (``benchmarks.fsdp``, ``benchmarks.tp``) share: the
 process group and device of this rank, rank 0's log, the rows written as
 JSON, the native extension built before anything is timed, and the same
 benchmark spawned on CPU processes for the tests."""
@@ -60,7 +60,7 @@ def native_first(device: torch.device, log) -> None:
     timed steps."""
     if device.type != "cuda":
         return
-    from .kernels import native
+    from ..kernels import native
 
     ext = native.extension(wait=True)
     log("native eager path: " + ("built" if ext is not None
@@ -80,13 +80,13 @@ def add_row(rows: list, row: dict, measure, baseline: str, format_row, log, devi
     ``baseline`` in the same mode (or the error: one failing candidate must
     not hide the others), appended to ``rows`` and logged; then the
     candidate's compiled code and memory are let go."""
-    from . import bench_llama
+    from . import llama
 
     try:
         row.update(measure())
-        row["x_bf16"] = bench_llama._ratio(rows + [row], row, baseline, row["mode"])
+        row["x_bf16"] = llama._ratio(rows + [row], row, baseline, row["mode"])
     except Exception as e:
-        row["error"] = bench_llama.error_text(e)
+        row["error"] = llama.error_text(e)
     rows.append(row)
     log(format_row(row))
     torch._dynamo.reset()

@@ -1,0 +1,14 @@
+"""Benchmarks, run with ``python -m``; each prints ratios against baselines
+run side by side in one process (docs/benchmarks.md).
+
+* ``transformer_engine_compile.benchmarks`` (:mod:`.compare`): single layers,
+  whole training steps (``--configs llama-a llama-b hf-llama-a hf-llama-b``)
+  and host time per op call (``--configs host``) against ``torch.nn.Linear``
+  bf16 and torchao;
+* ``.benchmarks.norm``: the LayerNorm modules' host time and kernels;
+* ``.benchmarks.fsdp`` and ``.benchmarks.tp`` (under ``torchrun``): whole
+  steps under FSDP2 and under tensor parallelism, ``--profile`` for where a
+  step's time goes (:mod:`.step_profile`).
+
+The library never imports this package (``.importlinter``).
+"""
