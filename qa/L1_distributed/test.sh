@@ -21,7 +21,7 @@ sys.exit(0 if n >= int(sys.argv[1]) else f"qa/L1_distributed needs {sys.argv[1]}
 PY
 run() { python -m torch.distributed.run --standalone --nproc_per_node "$NPROC" "$@"; }
 # MODES / extra harness arguments (e.g. --parallel row:1 --recipes bf16) pick a
-# subset; the whole run took 66 s on 2 H200s with a warm inductor cache
+# subset; with a cold inductor cache (a fresh machine) the whole run takes over 5 minutes on 2 H200s
 run tests/tp_harness.py --device cuda --modes ${MODES:-default reduce-overhead} "$@"
 # a ragged token count (2 x 100: no multiple of any block) with sequence parallelism
 run tests/tp_harness.py --device cuda --modes ${MODES:-default reduce-overhead} \
