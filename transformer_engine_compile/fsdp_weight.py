@@ -45,7 +45,7 @@ class QuantizedAllGatherWeight(torch.Tensor):
 
     The quantized shard is made once per weight update and kept: the
     forward's gather and the backward's re-gather send the same bytes, and
-    :func:`precompute_scales` makes every shard's right after the optimizer
+    ``te.fsdp.precompute_scales`` makes every shard right after the optimizer
     step, so FSDP2's gather hooks (on the step's critical host path) only
     hand it over.  A weight update is seen through the inner tensor's version
     counter (in-place ops on it or on views of it) and a counter this class
