@@ -75,6 +75,15 @@ def save_rows(path, device, rows) -> None:
                        "world_size": dist.get_world_size(), "rows": rows}, f, indent=1)
 
 
+def table_row(row: dict, cells) -> str:
+    """A markdown row: config, candidate and mode, then ``cells(row)`` (the
+    benchmark's own columns, joined by ``|``), or the row's error."""
+    head = f"| {row['config']} | {row['candidate']} | {row['mode']} |"
+    if "error" in row:
+        return f"{head} ERROR: {row['error'].replace('|', '/')} |"
+    return f"{head} {cells(row)} |"
+
+
 def add_row(rows: list, row: dict, measure, baseline: str, format_row, log, device) -> None:
     """``row`` filled with ``measure()``'s fields and its ratio to
     ``baseline`` in the same mode (or the error: one failing candidate must

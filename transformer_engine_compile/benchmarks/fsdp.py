@@ -245,12 +245,10 @@ HEADER = ("| config | candidate | mode | gather | ms/step | tokens/s (global) | 
 
 
 def format_row(row):
-    head = f"| {row['config']} | {row['candidate']} | {row['mode']} |"
-    if "error" in row:
-        return f"{head} ERROR: {row['error'].replace('|', '/')} |"
-    return (f"{head} {row['gather']} | {row['ms']:.2f} | {row['tokens_per_s']:.0f} | "
-            f"{row['x_bf16']:.2f} | {row['all_gather_bytes'] / 2 ** 20:.2f} | "
-            f"{row['peak_gib']:.2f} | {row['first_step_s']:.1f} | {row['graphs']} |")
+    return D.table_row(row, lambda r: (
+        f"{r['gather']} | {r['ms']:.2f} | {r['tokens_per_s']:.0f} | {r['x_bf16']:.2f} | "
+        f"{r['all_gather_bytes'] / 2 ** 20:.2f} | {r['peak_gib']:.2f} | "
+        f"{r['first_step_s']:.1f} | {r['graphs']}"))
 
 
 def main(argv=None):

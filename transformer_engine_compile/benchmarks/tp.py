@@ -186,12 +186,9 @@ HEADER = ("| config | candidate | mode | ms/step | tokens/s | x bf16 TP | peak G
 
 
 def format_row(row):
-    head = f"| {row['config']} | {row['candidate']} | {row['mode']} |"
-    if "error" in row:
-        return f"{head} ERROR: {row['error'].replace('|', '/')} |"
-    return (f"{head} {row['ms']:.2f} | {row['tokens_per_s']:.0f} | {row['x_bf16']:.2f} | "
-            f"{row['peak_gib']:.2f} | {row['first_loss']:.5f} | {row['first_step_s']:.1f} | "
-            f"{row['graphs']} |")
+    return D.table_row(row, lambda r: (
+        f"{r['ms']:.2f} | {r['tokens_per_s']:.0f} | {r['x_bf16']:.2f} | {r['peak_gib']:.2f} | "
+        f"{r['first_loss']:.5f} | {r['first_step_s']:.1f} | {r['graphs']}"))
 
 
 def format_collectives(rows) -> str:
