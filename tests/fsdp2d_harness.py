@@ -121,7 +121,8 @@ def data(device, steps=STEPS):
 def shard(model, mesh, rec, quantized: bool, compile_backend=None):
     """Per-layer and root FSDP2 over ``mesh["dp"]``; compiled per layer after."""
     for layer in (model[0], model[2]):
-        te.fsdp.fully_shard(layer, recipe=rec if quantized else None, mesh=mesh["dp"])
+        te.fsdp.fully_shard(layer, recipe=rec if quantized else None, mesh=mesh["dp"],
+                            quantized_gather=True)
         if compile_backend is not None:
             layer.compile(fullgraph=True, backend=compile_backend)
     torch_fully_shard(model, mesh=mesh["dp"])
@@ -338,7 +339,7 @@ def run_checkpoint(mesh, name, device, path) -> None:
     everyone = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
     single = build(device)
     for layer in (single[0], single[2]):
-        te.fsdp.fully_shard(layer, recipe=rec, mesh=everyone)
+        te.fsdp.fully_shard(layer, recipe=rec, mesh=everyone, quantized_gather=True)
     torch_fully_shard(single, mesh=everyone)
     state = te.fsdp.fit_extra_state(single.state_dict(), path)
     dcp.load(state, checkpoint_id=path)

@@ -92,7 +92,8 @@ def shard(model, rec, quantized: bool, compile_backend=None):
     """Per-layer and root ``fully_shard``."""
     for layer in model:
         if any(True for _ in layer.parameters()):
-            te.fsdp.fully_shard(layer, recipe=rec if quantized else None)
+            te.fsdp.fully_shard(layer, recipe=rec if quantized else None,
+                                quantized_gather=True)
             if compile_backend is not None:
                 layer.compile(fullgraph=True, backend=compile_backend)
     torch_fully_shard(model)

@@ -146,7 +146,8 @@ def one_rank_worker(group):
 
     rec = F.recipe_of("fp8_current")
     model = F.build("cpu")
-    te.fsdp.fully_shard(model, recipe=rec, mesh=init_device_mesh("cpu", (1,)))
+    te.fsdp.fully_shard(model, recipe=rec, mesh=init_device_mesh("cpu", (1,)),
+                        quantized_gather=True)
     assert not any(isinstance(p, te.fsdp.QuantizedAllGatherWeight) for p in model.parameters())
     x = torch.randn(8, F.IN, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     with te.autocast(recipe=rec):
@@ -214,10 +215,12 @@ def transpose_worker(group):
             model = F.build("cpu")
             for layer in model:
                 if any(True for _ in layer.parameters()):
-                    te.fsdp.fully_shard(layer, recipe=rec, reshard_after_forward=reshard)
+                    te.fsdp.fully_shard(layer, recipe=rec, reshard_after_forward=reshard,
+                                        quantized_gather=True)
             torch_fully_shard(model)
             weights = sum(isinstance(p._local_tensor, te.fsdp.QuantizedAllGatherWeight)
                           for p in model.parameters())
+            assert weights == 4, weights
             made.clear()
             with te.autocast(recipe=rec):
                 y = model(x)
@@ -236,6 +239,7 @@ def test_fsdp_transposed_copy_made_once_where_the_backward_reads_it():
 # -- choosing the gather ------------------------------------------------------------------
 def gather_choice_worker(group):
     import logging
+    import os
 
     records = []
     handler = logging.Handler()
@@ -244,23 +248,37 @@ def gather_choice_worker(group):
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     rec = F.recipe_of("fp8_block")
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
     try:
-        quantized, plain = F.build("cpu"), F.build("cpu")
-        te.fsdp.fully_shard(quantized, recipe=rec)
+        quantized, plain, auto = F.build("cpu"), F.build("cpu"), F.build("cpu")
+        te.fsdp.fully_shard(quantized, recipe=rec, quantized_gather=True)
         te.fsdp.fully_shard(plain, recipe=rec, quantized_gather=False)
+        te.fsdp.fully_shard(auto, recipe=rec)  # both ranks on this host
+        os.environ["LOCAL_WORLD_SIZE"] = "1"  # as torchrun says with one rank per host
+        assert te.fsdp.spans_hosts()
+        across = F.build("cpu")
+        te.fsdp.fully_shard(across, recipe=rec)
     finally:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
         logger.removeHandler(handler)
+    assert not te.fsdp.spans_hosts()
     formats = te.fsdp.gathered_formats(quantized)
     # 128x128 blocks over 2 ranks: the 256-row weights split into whole blocks
     assert formats == {"0.weight": "fp8_block", "2.weight": "fp8_block",
                        "3.fc1_weight": "fp8_block", "3.fc2_weight": "fp8_block"}, formats
+    assert te.fsdp.gathered_formats(across) == formats
     assert set(te.fsdp.gathered_formats(plain).values()) == {"high precision"}
+    assert set(te.fsdp.gathered_formats(auto).values()) == {"high precision"}
+    head = "te.fsdp.fully_shard(Sequential): GEMM weights gathered "
     said = [r.getMessage() for r in records]
-    assert said == ["te.fsdp.fully_shard(Sequential): GEMM weights gathered fp8_block 4/4",
-                    "te.fsdp.fully_shard(Sequential): GEMM weights gathered high precision 4/4 "
-                    "(quantized_gather=False)"], said
-    with pytest.raises(TypeError, match="quantized_gather must be True or False"):
-        te.fsdp.fully_shard(F.build("cpu"), recipe=rec, quantized_gather="auto")
+    assert said == [head + "fp8_block 4/4 (quantized_gather=True)",
+                    head + "high precision 4/4 (quantized_gather=False)",
+                    head + "high precision 4/4 (quantized_gather='auto': one host, where the "
+                    "high-precision gather is faster; quantized_gather=True saves memory)",
+                    head + "fp8_block 4/4 (quantized_gather='auto': the shard group spans "
+                    "hosts)"], said
+    with pytest.raises(TypeError, match="quantized_gather must be True, False or 'auto'"):
+        te.fsdp.fully_shard(F.build("cpu"), recipe=rec, quantized_gather="yes")
 
 
 def test_fsdp_gather_choice_reported():

@@ -15,6 +15,11 @@ high-precision shard that implements FSDP2's all-gather extension:
   without quantizing again, and its weight gradient is a plain tensor that
   FSDP2 reduce-scatters as usual.
 
+Which gather runs is ``fully_shard``'s ``quantized_gather``: by default
+(``"auto"``) quantized when the shard group spans hosts and high precision
+within one host, where the quantized gather's host work per weight costs
+more than its halved bytes save (:func:`choose_gather`).
+
 Which recipes gather quantized (:func:`gather_format`):
 
 * ``Float8CurrentScaling``: the shard's amax is all-reduced (max) over the
@@ -49,7 +54,8 @@ dequantized weight without them (validation).
 from __future__ import annotations
 
 import logging
-from typing import Optional
+import os
+from typing import Optional, Union
 
 import torch
 
@@ -60,7 +66,8 @@ from .module.weight_format import check_gathered_weight  # noqa: F401  (te.fsdp'
 
 log = logging.getLogger(__name__)
 
-__all__ = ["QuantizedAllGatherWeight", "fully_shard", "gather_format", "gathered_formats",
+__all__ = ["QuantizedAllGatherWeight", "fully_shard", "choose_gather", "spans_hosts",
+           "gather_format", "gathered_formats",
            "quantized_all_gather", "gemm_weight_names", "check_gathered_weight", "fit_extra_state",
            "precompute_scales"]
 
@@ -194,33 +201,71 @@ def gathered_formats(module: torch.nn.Module) -> dict:
     return out
 
 
-def _log_gather(module: torch.nn.Module, quantized_gather: bool) -> None:
+def _log_gather(module: torch.nn.Module, why: str) -> None:
     formats = gathered_formats(module)
     if not formats:
         return
     counts: dict = {}
     for fmt in formats.values():
         counts[fmt] = counts.get(fmt, 0) + 1
-    why = "" if quantized_gather else " (quantized_gather=False)"
-    log.info("te.fsdp.fully_shard(%s): GEMM weights gathered %s%s", type(module).__name__,
+    log.info("te.fsdp.fully_shard(%s): GEMM weights gathered %s (%s)", type(module).__name__,
              ", ".join(f"{fmt} {n}/{len(formats)}" for fmt, n in counts.items()), why)
 
 
+def _ranks_per_host() -> int:
+    """Ranks per host: torchrun's ``LOCAL_WORLD_SIZE``, else the visible
+    GPUs, else the whole world (one host)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    if local <= 0 and torch.cuda.is_available():
+        local = torch.cuda.device_count()
+    return local if local > 0 else torch.distributed.get_world_size()
+
+
+def spans_hosts(mesh=None) -> bool:
+    """True when the shard group (``mesh``'s, else the world) holds ranks of
+    more than one host, ranks numbered host by host as torchrun does."""
+    group = mesh.get_group() if mesh is not None else torch.distributed.group.WORLD
+    per_host = _ranks_per_host()
+    ranks = torch.distributed.get_process_group_ranks(group)
+    return len({r // per_host for r in ranks}) > 1
+
+
+def choose_gather(quantized_gather: Union[bool, str], mesh=None) -> tuple:
+    """``(quantize, why)``: whether :func:`fully_shard` gathers quantized,
+    and the reason it logs.  ``"auto"`` gathers quantized only when the
+    shard group spans hosts: within one host (NVLink) the high-precision
+    gather measured faster for every recipe and model (docs/parallel.md),
+    the all-gather hidden behind compute and the quantized gather's
+    per-weight host work exposed; between hosts the gather's bytes are
+    what the step waits for, and the quantized gather halves them."""
+    if isinstance(quantized_gather, bool):
+        return quantized_gather, f"quantized_gather={quantized_gather}"
+    if quantized_gather != "auto":
+        raise TypeError(f"te.fsdp.fully_shard: quantized_gather must be True, False or "
+                        f"'auto', got {quantized_gather!r}")
+    if spans_hosts(mesh):
+        return True, "quantized_gather='auto': the shard group spans hosts"
+    return False, ("quantized_gather='auto': one host, where the high-precision gather is "
+                   "faster; quantized_gather=True saves memory")
+
+
 def fully_shard(module: torch.nn.Module, *, recipe: Optional[R.Recipe] = None, mesh=None,
-                quantized_gather: bool = True, **kwargs):
+                quantized_gather: Union[bool, str] = "auto", **kwargs):
     """``torch.distributed.fsdp.fully_shard(module, mesh=mesh, **kwargs)``
     with the GEMM weights inside ``module`` gathered in ``recipe``'s format
-    (:func:`quantized_all_gather`; ``recipe=None`` or
-    ``quantized_gather=False`` gathers high precision).  Which format each
-    weight gathers in is logged (logger ``transformer_engine_compile.fsdp``,
+    (:func:`quantized_all_gather`) when ``quantized_gather`` says so:
+    ``True``, ``False`` (high precision), or ``"auto"`` (the default,
+    :func:`choose_gather`: quantized when the shard group spans hosts).
+    ``recipe=None`` gathers high precision.  Which format each weight
+    gathers in, and why, is logged (logger ``transformer_engine_compile.fsdp``,
     INFO) and :func:`gathered_formats` tells.
 
     The quantized gather moves half of bf16's bytes and keeps peak memory
-    at or below the high-precision gather's; the high-precision gather
-    costs less host time per step (no all-gather extension per weight) but
-    each layer then saves its quantized weight copy for the backward, so
-    peak memory grows by the FP8 size of every gathered layer's weights.
-    docs/parallel.md measures both.
+    at or below bf16 FSDP2's; the high-precision gather costs less host
+    time per step (no all-gather extension per weight) but each layer then
+    saves its quantized weight copy for the backward, so peak memory grows
+    by the FP8 size of every gathered layer's weights.  docs/parallel.md
+    measures both.
 
     ``mesh`` is the data-parallel mesh, as for torch's: with tensor
     parallelism on a ``(dp, tp)`` mesh pass ``mesh["dp"]`` (the layers hold
@@ -241,12 +286,10 @@ def fully_shard(module: torch.nn.Module, *, recipe: Optional[R.Recipe] = None, m
     if recipe is not None and not isinstance(recipe, R.Recipe):
         raise TypeError(f"te.fsdp.fully_shard: recipe must be a "
                         f"transformer_engine_compile.recipe.Recipe or None, got {type(recipe).__name__}")
-    if not isinstance(quantized_gather, bool):
-        raise TypeError(f"te.fsdp.fully_shard: quantized_gather must be True or False, "
-                        f"got {quantized_gather!r}")
-    if quantized_gather:
+    quantize, why = choose_gather(quantized_gather, mesh)
+    if quantize:
         quantized_all_gather(module, recipe, world_size=_world_size(mesh))
-    _log_gather(module, quantized_gather)
+    _log_gather(module, why)
     fsdp_tp.register(module)
     return torch_fully_shard(module, mesh=mesh, **kwargs)
 

@@ -89,7 +89,7 @@ def shard(model, gather_recipe, mesh, compiled, backend):
     from .. import fsdp
 
     for block in llama.decoder_blocks(model):
-        fsdp.fully_shard(block, recipe=gather_recipe, mesh=mesh)
+        fsdp.fully_shard(block, recipe=gather_recipe, mesh=mesh, quantized_gather=True)
         if compiled:
             block.compile(fullgraph=True, backend=backend)
     fsdp.fully_shard(model, mesh=mesh)
