@@ -50,7 +50,8 @@ def cuda_kernels_on_meta(one_launch=False):
     no pool (kernels/grid_state.py)."""
     import triton
 
-    from transformer_engine_compile.kernels import cuda_gemm, grid_state, triton_launch
+    from transformer_engine_compile.quantization import cuda_gemm
+    from transformer_engine_compile.kernels import grid_state, triton_launch
     kernels._load("cuda")
     added = [(name, "meta") for (name, dev) in list(kernels._FAST) if dev == "cuda"]
     for name, _ in added:

@@ -10,7 +10,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import transformer_engine_compile as te
 from transformer_engine_compile import recipe
-from transformer_engine_compile.dynamo import compat
+from transformer_engine_compile import compat
 
 from test_linear import _reset
 from test_training_patterns import _assert_same

@@ -14,7 +14,7 @@ import torch
 
 import transformer_engine_compile as te
 from transformer_engine_compile import recipe
-from transformer_engine_compile.dynamo import compat
+from transformer_engine_compile import compat
 from transformer_engine_compile.dynamo.buckets import SimpleValues
 
 from test_linear import _reset

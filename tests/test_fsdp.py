@@ -198,7 +198,7 @@ def transpose_worker(group):
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     from transformer_engine_compile import fsdp_weight
-    from transformer_engine_compile.dynamo import compat
+    from transformer_engine_compile import compat
 
     rec = F.recipe_of("fp8_current")
     x = torch.randn(8, F.IN, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)

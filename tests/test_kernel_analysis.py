@@ -12,7 +12,8 @@ import sympy
 import torch
 
 import transformer_engine_compile  # noqa: F401 - installs the memo with the ops
-from transformer_engine_compile.dynamo import compat, kernel_analysis as ka
+from transformer_engine_compile import compat
+from transformer_engine_compile.dynamo import kernel_analysis as ka
 
 
 class _StandIn:

@@ -552,7 +552,7 @@ def test_fp8_primary_weights_compiled_equals_eager(qname):
 @pytest.mark.parametrize("name", ["mxfp8", "delayed"])
 def test_te_export_round_trip(name, tmp_path):
     """te.export's program survives torch.export.save/load and equals eager."""
-    from transformer_engine_compile.dynamo import compat
+    from transformer_engine_compile import compat
 
     if not compat.export_keeps_opaque_constants():
         pytest.skip("this torch cannot save opaque constants")

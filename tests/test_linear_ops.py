@@ -8,7 +8,7 @@ import torch
 
 import transformer_engine_compile as te
 from transformer_engine_compile import recipe
-from transformer_engine_compile.dynamo import compat
+from transformer_engine_compile import compat
 from transformer_engine_compile.dynamo.custom_op import OpResult
 from transformer_engine_compile.dynamo.tensor_proto import TensorProto
 from transformer_engine_compile.module import linear_ops as L

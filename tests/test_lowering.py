@@ -512,7 +512,7 @@ def test_cuda_lowering_nvfp4_forward_only(module, options, x_grad, fused, monkey
     weight's columnwise copy is not written: a spare buffer stands in."""
     pytest.importorskip("triton")
     from cuda_trace import lowered_cuda_traces
-    from transformer_engine_compile.kernels import cuda_gemm
+    from transformer_engine_compile.quantization import cuda_gemm
     if not fused:
         monkeypatch.setattr(cuda_gemm, "NVFP4_FUSED_MAX", 0)
     layer, x = _meta_module(module, options)

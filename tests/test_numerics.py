@@ -124,7 +124,7 @@ def test_fp8_blockwise_1d_scales_are_stored_as_the_gemm_reads_them(rows):
     (Mp/128, K) flat), so the (rows, blocks) operand view the block-scaled
     GEMM takes has stride (1, rows) and ``_outer_major`` passes it on
     without a copy.  Values: the reciprocal scale of each row's block."""
-    from transformer_engine_compile.kernels.cuda_gemm import _outer_major
+    from transformer_engine_compile.quantization.cuda_gemm import _outer_major
 
     x = INPUTS["row_magnitudes"][:rows] * INPUTS["col_magnitudes"][:rows].sign()
     t = te.Float8BlockQuantizer(block_scaling_dim=1).quantize(x)

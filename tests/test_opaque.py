@@ -7,7 +7,8 @@ import torch
 from torch._dynamo.utils import counters
 
 import transformer_engine_compile as te
-from transformer_engine_compile.dynamo import compat, opaque
+from transformer_engine_compile import compat
+from transformer_engine_compile.quantization import opaque
 
 from conftest import STATELESS
 

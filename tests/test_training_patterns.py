@@ -391,7 +391,7 @@ def test_no_version_check_saved_tensors_pinned():
     """compat.save_without_version_check relies on private AOTAutograd
     machinery (node meta read by the partitioner, a runtime slice of saved
     tensors kept off save_for_backward); pin it on every supported torch."""
-    from transformer_engine_compile.dynamo import compat
+    from transformer_engine_compile import compat
 
     assert compat.saved_without_version_check_supported()
 

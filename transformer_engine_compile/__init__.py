@@ -12,7 +12,7 @@ from .autocast import (autocast, fp8_autocast, get_autocast_recipe, is_autocast_
 from .checkpointing import checkpoint
 from .convert import convert
 from .dynamo.export import export, lift_value_opaque
-from .dynamo.opaque import compile_support, is_value_opaque, register_value_opaque_quantizer
+from .quantization.opaque import compile_support, is_value_opaque, register_value_opaque_quantizer
 from .dynamo.tensor_proto import TensorProto, to_tensor_proto
 from .quantization import (Float8BlockQuantizer, Float8BlockwiseQTensor,
                            Float8BlockwiseQTensorStorage, Float8CurrentScalingQuantizer,

@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from .dynamo.compat import unchecked_side_effects
+from .compat import unchecked_side_effects
 from .recipe import DelayedScaling, Float8CurrentScaling, Recipe
 
 

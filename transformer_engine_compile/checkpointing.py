@@ -33,7 +33,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint as _torch_check
                                     create_selective_checkpoint_contexts)
 
 from .autocast import _set_state, current_state
-from .dynamo import compat
+from . import compat
 
 
 class _Record:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels, recipe
-from .kernels.gemm import gemm
+from .quantization.gemm import gemm
 from .quantization.factory import quantizer_for
 
 _WARM_RECIPES = (recipe.Float8CurrentScaling(), recipe.Float8BlockScaling(),

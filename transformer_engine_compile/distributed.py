@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from . import kernels
-from .dynamo import compat
+from . import compat
 from .quantization.base import flat_2d
 
 PARALLEL_MODES = (None, "column", "row")

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .dynamo import compat
+from . import compat
 
 __all__ = ["register", "tp_split_dims"]
 

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_map
 
 from . import kernels
 from . import recipe as R
-from .dynamo import compat
+from . import compat
 from .kernels import reference as ref
 from .quantization import factory
 

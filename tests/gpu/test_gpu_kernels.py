@@ -11,8 +11,8 @@ import torch
 import transformer_engine_compile as te
 from transformer_engine_compile import kernels
 from transformer_engine_compile.kernels import reference as ref
-from transformer_engine_compile.kernels.cuda_gemm import gemm_path
-from transformer_engine_compile.kernels.gemm import gemm, gemm_reference
+from transformer_engine_compile.quantization.cuda_gemm import gemm_path
+from transformer_engine_compile.quantization.gemm import gemm, gemm_reference
 
 from conftest import STATELESS, USAGES, USAGE_IDS
 from test_linear import RECIPES
@@ -432,7 +432,7 @@ def test_fast_gemm_takes_any_row_count(name, m, monkeypatch):
     (tokens = A's rows: tensorwise as is, blockwise padded to 16 inside the
     GEMM) and wgrad (tokens = the inner dim: blockwise copies padded by the
     quantizer, tensorwise padded to 16 inside the GEMM)."""
-    from transformer_engine_compile.kernels import cuda_gemm
+    from transformer_engine_compile.quantization import cuda_gemm
     if name == "fp8_block" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("cuBLAS block-scaled FP8 GEMM: sm_90 only")
     xq, wq, gq = _operands(RECIPES[name], m=m, k=384, n=512)

@@ -165,7 +165,7 @@ def test_native_nvfp4_three_kernel_gemms_equal_python(ext, calls, rec, monkeypat
     """The products above are small enough for the one-kernel NVFP4 GEMM
     (``cuda_gemm.nvfp4_fused``); with that limit at 0 both paths take the
     three kernels (dequantize, torch's GEMM, epilogue) and still agree."""
-    from transformer_engine_compile.kernels import cuda_gemm
+    from transformer_engine_compile.quantization import cuda_gemm
     monkeypatch.setattr(cuda_gemm, "NVFP4_FUSED_MAX", 0)
     test_native_block_mxfp8_nvfp4_equal_python_bit_for_bit(
         ext, calls, (2, 128, 256), 256, True, torch.bfloat16, True, rec)

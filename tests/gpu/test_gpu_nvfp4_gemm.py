@@ -13,7 +13,8 @@ from transformer_engine_compile.kernels import reference as ref
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 if torch.cuda.is_available():
     pytest.importorskip("triton")
-    from transformer_engine_compile.kernels import cuda_gemm, triton_nvfp4_gemm as tg
+    from transformer_engine_compile.quantization import cuda_gemm
+    from transformer_engine_compile.kernels import triton_nvfp4_gemm as tg
 
 
 def _operand(rows, k, wide, gen):
@@ -70,7 +71,7 @@ def test_gemm_takes_one_kernel_for_small_products(monkeypatch):
     run as one kernel each; above ``NVFP4_FUSED_MAX`` as three, and both
     paths agree to fp32 accumulation rounding."""
     from test_gpu_kernels import _operands
-    from transformer_engine_compile.kernels.gemm import gemm
+    from transformer_engine_compile.quantization.gemm import gemm
     xq, wq, gq = _operands(R.NVFP4BlockScaling())
     assert cuda_gemm.nvfp4_fused(256, 512, 384)
     for a, au, b, bu in ((xq, "rowwise", wq, "rowwise"), (gq, "rowwise", wq, "columnwise"),

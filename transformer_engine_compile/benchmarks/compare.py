@@ -38,7 +38,7 @@ import torch
 
 from . import host, llama
 from .. import recipe as R
-from ..kernels import cuda_gemm
+from ..quantization import cuda_gemm
 
 CONFIGS = {  # name: (tokens M, in K, out N, layers)
     "8192^3": (8192, 8192, 8192, 1),

@@ -1,4 +1,3 @@
-"""Compile machinery: torch-version compat, value-opaque registration,
-TensorProto.  Import the submodules directly (``dynamo.opaque``,
-``dynamo.tensor_proto``); this package imports nothing so that the
-quantization modules can use ``dynamo.opaque`` without an import cycle."""
+"""Compile machinery: the custom-op generator and its buckets, TensorProto,
+lowering into inductor, the layers' compiled state.  Import the submodules
+directly (``dynamo.custom_op``, ``dynamo.tensor_proto``)."""

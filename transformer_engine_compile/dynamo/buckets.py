@@ -36,8 +36,8 @@ import torch
 from ..quantization.base import (QuantizedMeta, QuantizedTensorStorage, Quantizer, class_key,
                                  storage_parts)
 from ..quantization.wrapper import QuantizedTensor
-from . import compat
-from .opaque import is_value_opaque
+from .. import compat
+from ..quantization.opaque import is_value_opaque
 
 TensorOrQuantized = Union[torch.Tensor, QuantizedTensorStorage, None]
 """Annotation of a field holding a plain tensor, a quantized tensor or None."""

@@ -65,7 +65,8 @@ from ..quantization.base import QuantizedTensorStorage, storage_parts, storage_r
 from ..quantization.wrapper import QuantizedTensor
 from . import arg_views
 from . import buckets as B
-from . import compat, export, lowering
+from .. import compat
+from . import export, lowering
 from .flat_result import (Layout, OpResult, entry_count, flatten_result, layout_of,
                           pack_saved, unflatten_result, unpack_saved)
 from .tensor_proto import to_tensor_proto

@@ -24,9 +24,9 @@ import warnings
 import torch
 from torch.export.graph_signature import CustomObjArgument, InputKind, InputSpec
 
-from . import compat
+from .. import compat
 from .buckets import QuantizerSlot, SimpleValues
-from .opaque import is_value_opaque
+from ..quantization.opaque import is_value_opaque
 
 
 _LIFTING = [False]  # inside te.export: its program gets lifted

@@ -33,7 +33,7 @@ import sys
 
 import torch
 
-from . import compat
+from .. import compat
 
 _PACKAGE = __name__.split(".")[0] + "."
 _MISSING = object()

@@ -50,7 +50,8 @@ from typing import Callable
 
 from ..kernels import grid_state
 from ..kernels.tracing import fast_kernels_traced
-from . import compat, kernel_analysis
+from .. import compat
+from . import kernel_analysis
 
 _DEVICES = {"cuda"} if os.environ.get("TE_COMPILE_LOWER_OPS", "1") != "0" else set()
 

@@ -25,7 +25,7 @@ import weakref
 from typing import Optional
 
 from ..kernels import tracing
-from . import compat
+from .. import compat
 
 _MEMO: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tracer -> {key: buffers}
 

@@ -27,7 +27,7 @@ import weakref
 
 import torch
 
-from . import compat
+from .. import compat
 
 _MODULES: "weakref.WeakValueDictionary[str, torch.nn.Module]" = weakref.WeakValueDictionary()
 _KEYS = itertools.count()

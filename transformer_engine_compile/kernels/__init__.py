@@ -12,7 +12,7 @@ CPU installs never import them.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -80,6 +80,19 @@ def has_fast(name: str, device_type: str) -> bool:
     return (name, device_type) in _FAST
 
 
+_LOADERS: dict[str, list] = {}
+
+
+def on_load(device_type: str, register: Callable) -> None:
+    """Call ``register`` when ``device_type``'s fast kernels load (now if
+    they have): how a layer above this package (the GEMM over quantized
+    formats, ``quantization.gemm``) adds its fast kernel."""
+    if device_type in _loaded_devices:
+        register()
+    else:
+        _LOADERS.setdefault(device_type, []).append(register)
+
+
 def _load(device_type: str) -> None:
     if device_type in _loaded_devices:
         return
@@ -87,9 +100,11 @@ def _load(device_type: str) -> None:
     if device_type == "cuda":
         from . import cuda  # registers what this machine supports
         cuda.register()
+    for register in _LOADERS.pop(device_type, ()):
+        register()
 
 
-def get(name: str, x: torch.Tensor) -> Callable:
+def get(name: str, x: torch.Tensor, fallback: Optional[Callable] = None) -> Callable:
     # Code that Dynamo traces (a quantizer called directly in a compiled
     # region) gets the reference, which inductor fuses itself; the custom
     # ops run their impls at run time, where the fast kernels apply, or are
@@ -101,7 +116,4 @@ def get(name: str, x: torch.Tensor) -> Callable:
         fn = _FAST.get((name, device_type))
         if fn is not None:
             return fn
-    if name == "gemm":  # lives in gemm.py, which imports quantization (import cycle)
-        from .gemm import gemm_reference
-        return gemm_reference
-    return getattr(reference, name)
+    return fallback if fallback is not None else getattr(reference, name)

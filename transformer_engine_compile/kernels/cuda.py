@@ -1,7 +1,8 @@
 """Registration of the CUDA fast paths (see kernels/__init__.py).
 
-Quantization and normalisation kernels need Triton; the GEMM needs only torch's cuBLAS
-bindings.  Either is skipped, with the reference used instead, when its
+Quantization and normalisation kernels need Triton.  The GEMM, which
+needs only torch's cuBLAS bindings, reads the quantized formats and so
+registers from ``quantization.gemm`` (:func:`~..kernels.on_load`).  Either is skipped, with the reference used instead, when its
 requirement is missing: ``available()`` reports what was registered.
 """
 
@@ -18,9 +19,6 @@ def triton_available() -> bool:
 
 def register() -> None:
     from . import register_fast
-    from .cuda_gemm import gemm_cuda
-    register_fast("gemm", "cuda", gemm_cuda)
-    _REGISTERED.append("gemm")
     if not triton_available():
         return
     from . import triton_quant as tq
@@ -63,5 +61,7 @@ def register() -> None:
 
 
 def available() -> tuple:
-    """Names of the kernel ops that have a CUDA fast path on this install."""
-    return tuple(_REGISTERED)
+    """Names of the kernel ops that have a CUDA fast path on this install
+    (the GEMM, registered by quantization.gemm, first)."""
+    from . import has_fast
+    return ("gemm",) * has_fast("gemm", "cuda") + tuple(_REGISTERED)

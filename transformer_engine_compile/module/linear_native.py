@@ -139,12 +139,12 @@ def _eligible(args: LinearFwdArgs, plain: bool = False) -> bool:
                 and w.dtype != torch.float32 and kernels.has_fast("quantize_mxfp8", "cuda")
                 and kernels.has_fast("dequantize_mxfp8", "cuda"))
     if recipe == "nvfp4":  # the Python path's GEMMs are the bf16 emulation then
-        from ..kernels import cuda_gemm
+        from ..quantization import cuda_gemm
         return (m % 16 == 0 and k % 16 == 0 and n % 16 == 0 and cuda_gemm._has_mm_out_dtype()
                 and all(kernels.has_fast(name, "cuda") for name in (
                     "quantize_nvfp4", "dequantize_nvfp4_blocks", "nvfp4_gemm_epilogue")))
     if recipe == "block":  # the Python path's GEMM is cuBLAS's block-scaled one then
-        from ..kernels import cuda_gemm
+        from ..quantization import cuda_gemm
         return (m % 128 == 0 and k % 128 == 0 and n % 128 == 0
                 and torch.cuda.get_device_capability(x.device) == (9, 0)
                 and cuda_gemm._has_block_scaled_mm()
@@ -445,7 +445,7 @@ def _nvfp4_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
     torch's bf16 GEMM with an fp32 product, and the epilogue kernel; or, for
     small products (``cuda_gemm.nvfp4_fused``), one kernel per GEMM."""
     from ..kernels import triton_nvfp4 as tn, triton_nvfp4_gemm as tg  # Triton: CUDA only
-    from ..kernels.cuda_gemm import nvfp4_fused
+    from ..quantization.cuda_gemm import nvfp4_fused
     x, w = args.inp, args.weight
     q, wq = _input_quantizer(args), _weight_quantizer(args)
     if not ext.has_mm_dtype() or q.stochastic_rounding or wq.stochastic_rounding:

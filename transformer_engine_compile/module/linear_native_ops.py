@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from ..checkpointing import check_forward_op_in_backward
-from ..dynamo.opaque import _config_key
+from ..quantization.opaque import _config_key
 from ..kernels import grid_state, native, tracing
 from ..quantization.blockwise import Float8BlockwiseQTensorStorage
 from ..quantization.float8 import Float8TensorStorage

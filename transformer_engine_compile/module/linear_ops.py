@@ -28,13 +28,14 @@ import torch
 from .. import distributed as D
 from .. import kernels
 from ..checkpointing import check_forward_op_in_backward
-from ..dynamo import compat, shared_inputs
+from .. import compat
+from ..dynamo import shared_inputs
 from ..dynamo.buckets import TensorOrQuantized
 from ..dynamo.custom_op import OpResult, register_custom_op
-from ..dynamo.opaque import is_value_opaque
+from ..quantization.opaque import is_value_opaque
 from ..dynamo.tensor_proto import TensorProto, to_tensor_proto
 from ..kernels import tracing
-from ..kernels.gemm import gemm
+from ..quantization.gemm import gemm
 from ..kernels.reference import STEP_COUNTER, AmaxSlot
 from ..quantization.base import QuantizedTensorStorage, Quantizer
 from ..quantization.mxfp8 import MXFP8Quantizer

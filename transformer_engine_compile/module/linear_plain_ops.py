@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .. import kernels
 from ..checkpointing import check_forward_op_in_backward
-from ..kernels.gemm import gemm_reference
+from ..quantization.gemm import gemm_reference
 from . import linear_ops  # imports this module: its names are read at call time
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

@@ -9,6 +9,7 @@ from .float8 import (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantize
 from .mxfp8 import MXFP8Quantizer, MXFP8Tensor, MXFP8TensorStorage
 from .nvfp4 import NVFP4Quantizer, NVFP4Tensor, NVFP4TensorStorage
 from .wrapper import QuantizedTensor
+from . import cuda_gemm  # noqa: F401  (registers the CUDA GEMM with kernels)
 
 __all__ = [
     "BufferDesc", "BufferSpec", "QuantizedMeta", "QuantizedTensorStorage", "QuantizedTensor",

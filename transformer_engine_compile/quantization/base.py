@@ -22,7 +22,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from ..dynamo.compat import OpaqueBase
+from ..compat import OpaqueBase
 
 HIGH_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from ..dynamo.opaque import register_value_opaque_quantizer
+from .opaque import register_value_opaque_quantizer
 from ..kernels import reference as ref
 from .base import BufferSpec, Quantizer, QuantizedTensorStorage, flat_2d, padded_rows
 from .float8 import fp8_format_name

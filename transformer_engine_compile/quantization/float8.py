@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from ..dynamo.opaque import register_value_opaque_quantizer
+from .opaque import register_value_opaque_quantizer
 from ..kernels import reference as ref
 from ..kernels import tracing
 from .base import BufferSpec, Quantizer, QuantizedTensorStorage, flat_2d, rows_2d

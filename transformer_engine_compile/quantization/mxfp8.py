@@ -10,7 +10,7 @@ copy holds Mp = M rounded up to 32 rows, the ones past M zero.
 from __future__ import annotations
 
 from .. import kernels
-from ..dynamo.opaque import register_value_opaque_quantizer
+from .opaque import register_value_opaque_quantizer
 from ..kernels import reference as ref
 from .base import BufferSpec, Quantizer, QuantizedTensorStorage, flat_2d, padded_rows
 from .float8 import fp8_format_name

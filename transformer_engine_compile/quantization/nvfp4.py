@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from ..dynamo.opaque import register_value_opaque_quantizer
+from .opaque import register_value_opaque_quantizer
 from ..kernels import reference as ref
 from .base import BufferSpec, Quantizer, QuantizedTensorStorage, flat_2d, padded_rows
 from .wrapper import QuantizedTensor
