@@ -13,5 +13,6 @@ setup(
     # tests); 3.6-3.9 are the versions torch 2.11-2.15 pair with
     extras_require={"test": ["pytest", "pytest-xdist", "transformers", "import-linter",
                              "triton>=3.6,<3.10; platform_system == 'Linux'"],
-                    "gpu": ["triton"]},
+                    "gpu": ["triton"],
+                    "plots": ["matplotlib"]},
 )
