@@ -82,7 +82,7 @@ def ext():
 def calls(monkeypatch):
     """Counts the linear calls the native path ran (a plan that declines is
     not counted)."""
-    from transformer_engine_compile.module import linear_native
+    from transformer_engine_compile.module import linear_native_node
     n = {"native": 0}
 
     def counting(real):
@@ -94,8 +94,8 @@ def calls(monkeypatch):
 
     # with_norm: a fused module's norm and first GEMM under DelayedScaling
     for name in ("__call__", "with_norm"):
-        monkeypatch.setattr(linear_native.NativeLinear, name,
-                            counting(getattr(linear_native.NativeLinear, name)))
+        monkeypatch.setattr(linear_native_node.NativeLinear, name,
+                            counting(getattr(linear_native_node.NativeLinear, name)))
     return n
 
 

@@ -20,7 +20,9 @@ from torch._dynamo.utils import counters
 
 import transformer_engine_compile as te
 from transformer_engine_compile import recipe
-from transformer_engine_compile.module import linear_ops as L
+from transformer_engine_compile.module import linear_compute as L
+from transformer_engine_compile.module.linear_args import LinearFwdArgs, _grad_output_quantizer
+from transformer_engine_compile.module.linear_ops import LINEAR_OPS
 
 from test_linear import RECIPES, _reset
 

@@ -214,17 +214,17 @@ def test_delayed_scaling_norm_writes_fp8_itself(module, options, compiled):
 def test_linear_forward_checks_a_prequantized_input_against_delayed_scaling():
     """linear_forward's callers under delayed scaling hand over the recorded
     amaxes with the quantized input, and only then."""
-    from transformer_engine_compile.module import linear_ops
+    from transformer_engine_compile.module import linear_args, linear_compute
     args = _fwd_args("delayed")
-    q = linear_ops._input_quantizer(args)
+    q = linear_args._input_quantizer(args)
     xq = q.quantize_with_scale(args.inp.detach(), args.scale_fwd[0])
     with pytest.raises(ValueError, match="amaxes"):
-        linear_ops.linear_forward(args, xq)
+        linear_compute.linear_forward(args, xq)
     with pytest.raises(ValueError, match="amaxes"):
-        linear_ops.linear_forward(args, None, amaxes=torch.zeros(2))
+        linear_compute.linear_forward(args, None, amaxes=torch.zeros(2))
     bf16 = _fwd_args("bf16")
     with pytest.raises(ValueError, match="amaxes"):
-        linear_ops.linear_forward(bf16, bf16.inp, amaxes=torch.zeros(2))
+        linear_compute.linear_forward(bf16, bf16.inp, amaxes=torch.zeros(2))
 
 
 # -- against torch's normalisation followed by te.Linear ---------------------------------

@@ -11,12 +11,14 @@ from transformer_engine_compile import recipe
 from transformer_engine_compile import compat
 from transformer_engine_compile.dynamo.custom_op import OpResult
 from transformer_engine_compile.dynamo.tensor_proto import TensorProto
-from transformer_engine_compile.module import linear_ops as L
+from transformer_engine_compile.module import linear_compute as L
+from transformer_engine_compile.module.linear_args import LinearFwdArgs, _grad_output_quantizer
+from transformer_engine_compile.module.linear_ops import LINEAR_OPS
 from transformer_engine_compile.quantization import factory
 
 from test_linear import RECIPES, _make_step, _reset
 
-OPS = L.LINEAR_OPS
+OPS = LINEAR_OPS
 X = torch.randn(128, 128, dtype=torch.bfloat16)
 
 # opcheck's test_schema (SchemaCheckMode compares the inputs of every aten op
@@ -88,7 +90,7 @@ def _fwd_args(rec, *, bias=True, input_rg=True, weight_rg=True, save_original_in
     x = torch.randn(*lead, 128, dtype=torch.bfloat16)
     w = torch.randn(128, 128, dtype=torch.bfloat16)
     q = (lambda role, **kw: te.quantizer_for(rec, role, **kw)) if rec is not None else None
-    args = L.LinearFwdArgs(
+    args = LinearFwdArgs(
         inp=x, weight=w, bias=torch.randn(128, dtype=torch.bfloat16) if bias else None,
         input_requires_grad=input_rg, weight_requires_grad=weight_rg, bias_requires_grad=bias,
         save_original_input=save_original_input, cache_weight=cache_weight and rec is not None)
@@ -263,7 +265,7 @@ def test_opcheck_with_fp8_grad_and_quantized_grad_output(name):
     real = L.linear_forward(args)
     dy = _grad_outputs(name)[1]
     bwd = OPS.make_bwd_args(real.saved, L.linear_setup_context(args), {"grad_output": dy})
-    assert L._uses_quantized_grad(bwd, L._grad_output_quantizer(bwd))
+    assert L._uses_quantized_grad(bwd, _grad_output_quantizer(bwd))
     assert isinstance(L.linear_backward(bwd)["inp"], te.QuantizedTensor)
     opcheck(OPS.bwd_op, OPS.bwd_plan.encode(bwd), True)
 

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves as pytree_leaves
 
 import transformer_engine_compile as te
 from transformer_engine_compile.dynamo import lowering
-from transformer_engine_compile.module import linear_ops
+from transformer_engine_compile.module import linear_args, linear_lowering, linear_ops
 
 pytestmark = pytest.mark.skipif(not linear_ops.LINEAR_OPS.available,
                                 reason="torch without the opaque-object API")
@@ -549,16 +549,16 @@ def test_mxfp8_outputs_other_than_bf16_keep_the_ops(dtype, lowered):
     from transformer_engine_compile.quantization.mxfp8 import MXFP8Quantizer
     q = MXFP8Quantizer()
     x = torch.empty(32, 64, dtype=dtype)
-    fwd = linear_ops.LinearFwdArgs(inp=x, weight=torch.empty(64, 64, dtype=torch.bfloat16),
+    fwd = linear_args.LinearFwdArgs(inp=x, weight=torch.empty(64, 64, dtype=torch.bfloat16),
                                    input_quantizer=q, weight_quantizer=q)
-    assert linear_ops._lowers_forward(fwd) is lowered
-    dgrad = linear_ops.LinearBwdArgs(grad_output=x, grad_output_quantizer=q,
+    assert linear_lowering._lowers_forward(fwd) is lowered
+    dgrad = linear_args.LinearBwdArgs(grad_output=x, grad_output_quantizer=q,
                                      input_requires_grad=True)
-    assert linear_ops._lowers_backward(dgrad) is lowered
-    wgrad = linear_ops.LinearBwdArgs(grad_output=torch.empty(32, 64, dtype=torch.bfloat16),
+    assert linear_lowering._lowers_backward(dgrad) is lowered
+    wgrad = linear_args.LinearBwdArgs(grad_output=torch.empty(32, 64, dtype=torch.bfloat16),
                                      grad_output_quantizer=q, weight_requires_grad=True,
                                      weight_dtype=dtype)
-    assert linear_ops._lowers_backward(wgrad) is lowered
+    assert linear_lowering._lowers_backward(wgrad) is lowered
 
 
 @pytest.mark.parametrize("module, options", LN_CASES)

@@ -14,7 +14,9 @@ import torch
 
 import transformer_engine_compile as te
 from transformer_engine_compile import distributed as D
-from transformer_engine_compile.module import linear_ops as L
+from transformer_engine_compile.module import linear_compute as L
+from transformer_engine_compile.module.linear_args import LinearFwdArgs, _grad_output_quantizer
+from transformer_engine_compile.module.linear_ops import LINEAR_OPS
 
 import tp_harness as H
 
@@ -83,7 +85,7 @@ def _tp_args(group, parallel_mode, sp, name, save_original_input=False):
     else:
         x_shape, w_shape, b_len = (H.SEQ, H.BATCH, H.IN // tp), (H.OUT, H.IN // tp), H.OUT
         dy_shape = (local_seq, H.BATCH, H.OUT)
-    args = L.LinearFwdArgs(
+    args = LinearFwdArgs(
         inp=torch.randn(x_shape, dtype=torch.bfloat16),
         weight=torch.randn(w_shape, dtype=torch.bfloat16),
         bias=torch.randn(b_len, dtype=torch.bfloat16),
@@ -100,7 +102,7 @@ def _tp_args(group, parallel_mode, sp, name, save_original_input=False):
 def parity_worker(group):
     from test_linear_ops import _assert_parity, _describe
 
-    ops = L.LINEAR_OPS
+    ops = LINEAR_OPS
     tp = torch.distributed.get_world_size(group)
     for parallel_mode, sp in H.PARALLEL_CASES:
         for name in H.RECIPES:
@@ -128,7 +130,7 @@ def parity_worker(group):
 def opcheck_worker(group):
     from test_linear_ops import opcheck
 
-    ops = L.LINEAR_OPS
+    ops = LINEAR_OPS
     for parallel_mode, sp in H.PARALLEL_CASES:
         for name in ("bf16", "fp8_current"):
             torch.manual_seed(0)

@@ -9,7 +9,7 @@ from .layernorm_linear_ops import LayerNormLinearBwdArgs, LayerNormLinearFwdArgs
 from .layernorm_mlp import LayerNormMLP
 from .layernorm_mlp_ops import LayerNormMLPBwdArgs, LayerNormMLPFwdArgs
 from .linear import Linear
-from .linear_ops import LinearBwdArgs, LinearFwdArgs
+from .linear_args import LinearBwdArgs, LinearFwdArgs
 from .norm import LayerNorm, RMSNorm
 
 __all__ = ["Linear", "LinearFwdArgs", "LinearBwdArgs", "LayerNormLinear",

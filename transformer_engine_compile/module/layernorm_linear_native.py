@@ -38,8 +38,9 @@ import torch
 from .. import kernels
 from ..kernels import native
 from .layernorm_linear_ops import LayerNormLinearFwdArgs
-from .linear_native import _DTYPE_NAMES, plan_for
-from .linear_ops import _input_quantizer
+from .linear_native_node import _DTYPE_NAMES
+from .linear_native import plan_for
+from .linear_args import _input_quantizer
 from .norm_ops import _gamma
 
 

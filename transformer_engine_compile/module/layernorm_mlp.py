@@ -30,7 +30,7 @@ from .extra_state import (check_extra_state, delayed_state_names, load_without_e
 from .linear import (_PLAIN_TENSORS, _parallel_config, init_weight_, _torch_autocast_dtype,
                      check_gemm_shapes, first_microbatch_flag, gemm_state, main_grad_of,
                      set_quantizers, state_plan)
-from .linear_ops import LinearFwdArgs
+from .linear_args import LinearFwdArgs
 
 __all__ = ["LayerNormMLP"]
 

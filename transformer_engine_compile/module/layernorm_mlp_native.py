@@ -29,7 +29,8 @@ from .. import kernels
 from ..kernels import native
 from .layernorm_linear_native import norm_eligible, norm_plan, norm_then_linear
 from .layernorm_mlp_ops import LayerNormMLPFwdArgs, activation_backward
-from .linear_native import _DTYPE_NAMES, plan_for
+from .linear_native_node import _DTYPE_NAMES
+from .linear_native import plan_for
 
 
 class NativeLayerNormMLP:

@@ -22,7 +22,8 @@ from . import args_memo, linear_plain_ops
 from .extra_state import (check_extra_state, delayed_state_names, load_without_extra_state,
                           pack_delayed_state, unpack_delayed_state)
 from .linear_native import linear_plan
-from .linear_ops import LINEAR_OPS, LinearBwdArgs, LinearFwdArgs, _input_usage
+from .linear_ops import LINEAR_OPS
+from .linear_args import LinearBwdArgs, LinearFwdArgs, _input_usage
 from .param_split import join_rows, pack_rows, register_rows, split_layout
 
 __all__ = ["Linear", "LinearFwdArgs", "LinearBwdArgs", "LINEAR_OPS"]

@@ -9,10 +9,9 @@ import torch
 
 from ..kernels import reference as ref
 from ..kernels.reference import FP8_DTYPE
-from .linear_native import (_DTYPE_NAMES, READ_CACHE, _cache_buffers, _cache_mode,
-                            _listed_launches, _PythonBackward, _wgrad_dtype, _with_bias_grad)
-from .linear_ops import (LinearFwdArgs, _grad_output_quantizer, _input_quantizer,
-                         _weight_quantizer)
+from .linear_native_node import (_DTYPE_NAMES, READ_CACHE, _cache_buffers, _cache_mode,
+                                 _listed_launches, _PythonBackward, _wgrad_dtype, _with_bias_grad)
+from .linear_args import LinearFwdArgs, _grad_output_quantizer, _input_quantizer, _weight_quantizer
 
 
 def delayed_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot, given_x=False):

@@ -44,7 +44,7 @@ from ..quantization.mxfp8 import MXFP8TensorStorage
 from ..quantization.nvfp4 import NVFP4TensorStorage
 from .linear_native import linear_plan
 from .linear_plain_ops import _PLAIN  # the short path's plain tensor types
-from .linear_ops import LinearFwdArgs
+from .linear_args import LinearFwdArgs
 
 # configurations kept per call site (the oldest goes first): a dynamic graph's
 # token counts, training and evaluation

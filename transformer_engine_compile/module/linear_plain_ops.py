@@ -4,8 +4,8 @@ A ``te_compile::linear_fwd`` / ``linear_bwd`` call without a recipe (bf16
 training) stays an op call where inductor does not lower it (the forward
 of a layer with a bias, ``_lowers_forward``; ``backend="aot_eager"``) and in
 the op host-time benchmark.  Its Python impl walks
-every branch of :func:`~.linear_ops.linear_forward` /
-:func:`~.linear_ops.linear_backward` (quantization, delayed scaling, the
+every branch of :func:`~.linear_compute.linear_forward` /
+:func:`~.linear_compute.linear_backward` (quantization, delayed scaling, the
 weight cache, collectives) around one or two GEMMs.  The plain
 configuration (no recipe, no tensor parallelism, plain tensors, no
 ``main_grad``) runs the same GEMM calls here directly, with the same
@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from .. import kernels
 from ..checkpointing import check_forward_op_in_backward
 from ..quantization.gemm import gemm_reference
-from . import linear_ops  # imports this module: its names are read at call time
+from .linear_args import _tp
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -39,7 +39,7 @@ def forward(args):
     x, w, b = args.inp, args.weight, args.bias
     if (args.input_quantizer is not None or args.output_quantizer is not None
             or type(x) not in _PLAIN or type(w) not in _PLAIN
-            or (b is not None and type(b) not in _PLAIN) or linear_ops._tp(args)[0]
+            or (b is not None and type(b) not in _PLAIN) or _tp(args)[0]
             or args.amax_history_fwd is not None or args.weight_workspace is not None
             or args.cache_weight):
         return None
@@ -60,7 +60,7 @@ def backward(args):
     dy, x, w = args.grad_output, args.inputmat, args.weightmat
     if (args.grad_output_quantizer is not None or args.input_quantizer is not None
             or args.grad_input_quantizer is not None or args.main_grad is not None
-            or args.amax_history_bwd is not None or linear_ops._tp(args)[0]
+            or args.amax_history_bwd is not None or _tp(args)[0]
             or type(dy) not in _PLAIN
             or (args.weight_requires_grad and type(x) not in _PLAIN)
             or (args.input_requires_grad and type(w) not in _PLAIN)):
