@@ -200,7 +200,7 @@ def test_host_benchmark_times_the_real_ops():
     x = torch.randn(128, 128, dtype=torch.bfloat16)
     with te.autocast(recipe=rec):
         expected = layer(x)
-    from transformer_engine_compile.module.linear_ops import LINEAR_OPS
+    from transformer_engine_compile.module.linear.ops import LINEAR_OPS
     with te.autocast(recipe=rec):
         flat = LINEAR_OPS.fwd_plan.encode(layer._make_args(x, None, False, False))
     with torch.no_grad():

@@ -12,7 +12,7 @@ import torch
 
 import transformer_engine_compile as te
 from transformer_engine_compile import recipe
-from transformer_engine_compile.module import linear_plain_ops
+from transformer_engine_compile.module.linear import plain as linear_plain_ops
 from transformer_engine_compile.module.linear import Linear
 
 
@@ -287,7 +287,7 @@ def test_args_memo_serves_layernorm_mlp(name):
     the norm or either GEMM, the activation, ``return_bias``, no-grad mode,
     another input shape.  Each call equals a memo-less copy's, every
     gradient included; under DelayedScaling the copy runs on the same state."""
-    from transformer_engine_compile.module.layernorm_mlp import LayerNormMLP
+    from transformer_engine_compile.module.layernorm.mlp import LayerNormMLP
     rec = recipe.DelayedScaling() if name == "delayed" else recipe.by_name(name)
     torch.manual_seed(0)
     layer = te.LayerNormMLP(128, 256, normalization="RMSNorm", activation="swiglu",
@@ -340,7 +340,7 @@ def test_args_memo_serves_weight_caching(module, name):
     an optimizer step between, True and False each build their arguments
     once, and every microbatch equals a memo-less copy's, the cache it
     leaves included.  A re-registered cache buffer rebuilds."""
-    from transformer_engine_compile.module.layernorm_mlp import LayerNormMLP
+    from transformer_engine_compile.module.layernorm.mlp import LayerNormMLP
     rec = {"delayed": recipe.DelayedScaling(),  # deterministic: the twin draws no other bits
            "nvfp4": recipe.NVFP4BlockScaling(disable_stochastic_rounding=True)}.get(
                name) or recipe.by_name(name)
@@ -388,8 +388,8 @@ def test_args_memo_serves_fused_wgrad_accumulation(module):
     memo-less copy (``weight.grad`` stays None), and the entry serves only
     while each weight's ``main_grad`` is the one it bound: a new
     ``main_grad`` builds again, a deleted one meets the full path's error."""
-    from transformer_engine_compile.module.layernorm_linear import LayerNormLinear
-    from transformer_engine_compile.module.layernorm_mlp import LayerNormMLP
+    from transformer_engine_compile.module.layernorm.linear import LayerNormLinear
+    from transformer_engine_compile.module.layernorm.mlp import LayerNormMLP
     rec = recipe.Float8CurrentScaling()
     torch.manual_seed(0)
     if module == "linear":

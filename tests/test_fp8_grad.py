@@ -20,9 +20,9 @@ from torch._dynamo.utils import counters
 
 import transformer_engine_compile as te
 from transformer_engine_compile import recipe
-from transformer_engine_compile.module import linear_compute as L
-from transformer_engine_compile.module.linear_args import LinearFwdArgs, _grad_output_quantizer
-from transformer_engine_compile.module.linear_ops import LINEAR_OPS
+from transformer_engine_compile.module.linear import compute as L
+from transformer_engine_compile.module.linear.args import LinearFwdArgs, _grad_output_quantizer
+from transformer_engine_compile.module.linear.ops import LINEAR_OPS
 
 from test_linear import RECIPES, _reset
 
@@ -136,7 +136,7 @@ def test_delayed_scaling_producer_state_and_consumer_history():
 
 
 def _count_quantize_calls(monkeypatch) -> list:
-    """Record (shape, internal) of every tensor ``linear_ops.py`` quantizes
+    """Record (shape, internal) of every tensor ``linear/ops.py`` quantizes
     through ``_quantize`` or as an input/weight pair (current scaling):
     internal for a layer's own operands, a wrapper (not internal) for the
     fp8_grad output."""

@@ -197,7 +197,7 @@ def test_quantized_all_gather_wraps_gemm_weights_only_and_copies():
 def transpose_worker(group):
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-    from transformer_engine_compile import fsdp_weight
+    from transformer_engine_compile.parallel import fsdp_weight
     from transformer_engine_compile import compat
 
     rec = F.recipe_of("fp8_current")

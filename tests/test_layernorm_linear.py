@@ -15,7 +15,7 @@ from torch._dynamo.utils import counters
 
 import transformer_engine_compile as te
 from transformer_engine_compile import kernels, recipe
-from transformer_engine_compile.module import layernorm_linear_ops as LN
+from transformer_engine_compile.module.layernorm import linear_ops as LN
 
 from test_linear import RECIPES, _reset
 from test_linear_ops import OP_RECIPES, _assert_parity, _describe, opcheck
@@ -214,7 +214,8 @@ def test_delayed_scaling_norm_writes_fp8_itself(module, options, compiled):
 def test_linear_forward_checks_a_prequantized_input_against_delayed_scaling():
     """linear_forward's callers under delayed scaling hand over the recorded
     amaxes with the quantized input, and only then."""
-    from transformer_engine_compile.module import linear_args, linear_compute
+    from transformer_engine_compile.module.linear import (args as linear_args, compute as
+                                                          linear_compute)
     args = _fwd_args("delayed")
     q = linear_args._input_quantizer(args)
     xq = q.quantize_with_scale(args.inp.detach(), args.scale_fwd[0])

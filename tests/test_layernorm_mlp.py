@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 import transformer_engine_compile as te
 from transformer_engine_compile import recipe
 from transformer_engine_compile.kernels.reference import ACTIVATIONS
-from transformer_engine_compile.module import layernorm_mlp_ops as M
+from transformer_engine_compile.module.layernorm import mlp_ops as M
 
 from test_linear import RECIPES, _reset
 from test_linear_ops import _assert_parity, _describe, opcheck

@@ -295,7 +295,7 @@ def test_bias_free_layer_without_recipe_runs_torch_linear(monkeypatch):
     result, compiled equal to eager.  A recipe keeps the ops; so does a bias
     compiled, and eagerly it runs the ops' kernels behind PlainLinear."""
     from torch._dynamo.testing import AotEagerAndRecordGraphs
-    from transformer_engine_compile.module.linear_ops import LINEAR_OPS
+    from transformer_engine_compile.module.linear.ops import LINEAR_OPS
 
     _reset()
     calls = []

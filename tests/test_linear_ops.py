@@ -11,9 +11,9 @@ from transformer_engine_compile import recipe
 from transformer_engine_compile import compat
 from transformer_engine_compile.dynamo.custom_op import OpResult
 from transformer_engine_compile.dynamo.tensor_proto import TensorProto
-from transformer_engine_compile.module import linear_compute as L
-from transformer_engine_compile.module.linear_args import LinearFwdArgs, _grad_output_quantizer
-from transformer_engine_compile.module.linear_ops import LINEAR_OPS
+from transformer_engine_compile.module.linear import compute as L
+from transformer_engine_compile.module.linear.args import LinearFwdArgs, _grad_output_quantizer
+from transformer_engine_compile.module.linear.ops import LINEAR_OPS
 from transformer_engine_compile.quantization import factory
 
 from test_linear import RECIPES, _make_step, _reset

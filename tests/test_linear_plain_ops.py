@@ -1,5 +1,5 @@
 """The linear ops' short path for calls without a recipe
-(module/linear_plain_ops.py): the Python impls' outputs bit for bit, and
+(module/linear/plain.py): the Python impls' outputs bit for bit, and
 None (the Python impl) for every configuration it does not cover."""
 
 import dataclasses
@@ -9,8 +9,8 @@ import torch
 
 import transformer_engine_compile as te
 from transformer_engine_compile.dynamo.custom_op import _owning
-from transformer_engine_compile.module import linear_plain_ops as plain
-from transformer_engine_compile.module.linear_ops import LINEAR_OPS as OPS
+from transformer_engine_compile.module.linear import plain as plain
+from transformer_engine_compile.module.linear.ops import LINEAR_OPS as OPS
 
 BF16 = torch.bfloat16
 # on CUDA the Python impl's GEMMs dispatch to cuda_gemm.py, which the short path skips

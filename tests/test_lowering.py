@@ -18,7 +18,8 @@ from torch.utils._pytree import tree_leaves as pytree_leaves
 
 import transformer_engine_compile as te
 from transformer_engine_compile.dynamo import lowering
-from transformer_engine_compile.module import linear_args, linear_lowering, linear_ops
+from transformer_engine_compile.module.linear import (args as linear_args, lowering as
+                                                      linear_lowering, ops as linear_ops)
 
 pytestmark = pytest.mark.skipif(not linear_ops.LINEAR_OPS.available,
                                 reason="torch without the opaque-object API")

@@ -1,5 +1,5 @@
 """The native eager path's CPU-side logic (kernels/native.py,
-module/linear_native.py): launch descriptions from a compiled kernel's
+module/linear/native.py): launch descriptions from a compiled kernel's
 signature, and the Python path kept where no plan applies.  The C++ side
 runs in tests/gpu/test_gpu_native.py."""
 
@@ -121,8 +121,8 @@ def test_fused_planners_say_the_extension_is_still_building(monkeypatch):
     ``...`` (ask again later); the fused modules' planners pass that on
     instead of reading a plan from it (a fresh machine's first
     te.LayerNormLinear / te.LayerNormMLP calls used to fail so)."""
-    from transformer_engine_compile.module import layernorm_linear_native as lln
-    from transformer_engine_compile.module import layernorm_mlp_native as lmn
+    from transformer_engine_compile.module.layernorm import linear_native as lln
+    from transformer_engine_compile.module.layernorm import mlp_native as lmn
     asked = []
 
     def still_building(args, given_x=False, plain=False):

@@ -1,10 +1,10 @@
-"""The native ops' planning step on CPU (module/linear_native_ops.py): when
+"""The native ops' planning step on CPU (module/linear/native_ops.py): when
 a call site's entry gets planned and when a call runs natively.  The
 native calls themselves run on CUDA only (tests/gpu/test_gpu_native_ops.py)."""
 
 import torch
 
-from transformer_engine_compile.module import linear_native_ops as lno
+from transformer_engine_compile.module.linear import native_ops as lno
 
 
 class _Plan:
@@ -53,7 +53,7 @@ def test_ready_declines_without_a_plan_a_slot_or_during_capture(monkeypatch):
 def _bf16_bwd_args(bias, x_grad=True, w_grad=True):
     """The backward op's arguments of a bf16 te.Linear call (no recipe)."""
     import transformer_engine_compile as te
-    from transformer_engine_compile.module.linear_ops import LINEAR_OPS as ops
+    from transformer_engine_compile.module.linear.ops import LINEAR_OPS as ops
     layer = te.Linear(32, 16, bias=bias, params_dtype=torch.bfloat16)
     layer.weight.requires_grad_(w_grad)
     x = torch.randn(8, 32, dtype=torch.bfloat16, requires_grad=x_grad)
@@ -83,7 +83,8 @@ def test_plain_backward_without_a_bias_gradient_skips_the_native_impl(monkeypatc
     """linear_ops._native_backward: a bias-free plain backward goes straight
     to the short path; one with a bias gradient asks the native impl first
     and takes the short path where it declines (here: on CPU)."""
-    from transformer_engine_compile.module import linear_ops, linear_plain_ops
+    from transformer_engine_compile.module.linear import (ops as linear_ops, plain as
+                                                          linear_plain_ops)
     asked = []
     monkeypatch.setattr(lno, "backward", lambda *a: asked.append(a) or None)
     for bias in (False, True):

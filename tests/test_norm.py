@@ -205,7 +205,7 @@ def test_amax_from_norm_equals_separate_quantization(normalization, rec, monkeyp
     """FP8 current scaling quantizes the norm's output with the amax the
     norm produced: outputs and gradients equal the path that quantizes it
     separately (its own amax pass), bit for bit."""
-    from transformer_engine_compile.module import layernorm_linear_ops as LO
+    from transformer_engine_compile.module.layernorm import linear_ops as LO
     layer = _layernorm_linear_pair(normalization)
     if rec == "fp8_current_pow2":
         r = recipe.Float8CurrentScaling(use_power_2_scales=True, amax_epsilon=1e-3)

@@ -290,8 +290,8 @@ def test_activation_checkpointing():
 
 # -- tensor parallelism (gloo, 2 processes) -------------------------------------------------
 def _tp_split_worker(group):
-    from transformer_engine_compile.fsdp import gemm_weight_names
-    from transformer_engine_compile.fsdp_tp import tp_split_dims
+    from transformer_engine_compile.parallel.fsdp import gemm_weight_names
+    from transformer_engine_compile.parallel.fsdp_tp import tp_split_dims
 
     rank = torch.distributed.get_rank(group)
     split = {"q": 128, "k": 64, "v": 64}

@@ -14,9 +14,9 @@ import torch
 
 import transformer_engine_compile as te
 from transformer_engine_compile import distributed as D
-from transformer_engine_compile.module import linear_compute as L
-from transformer_engine_compile.module.linear_args import LinearFwdArgs, _grad_output_quantizer
-from transformer_engine_compile.module.linear_ops import LINEAR_OPS
+from transformer_engine_compile.module.linear import compute as L
+from transformer_engine_compile.module.linear.args import LinearFwdArgs, _grad_output_quantizer
+from transformer_engine_compile.module.linear.ops import LINEAR_OPS
 
 import tp_harness as H
 

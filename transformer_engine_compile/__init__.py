@@ -7,7 +7,8 @@ layers (``Linear``, ``LayerNormLinear``, ``LayerNormMLP``, ``LayerNorm``, ``RMSN
 ``torch.export.save`` can store).
 """
 
-from . import fsdp, recipe
+from .parallel import fsdp
+from . import recipe
 from .autocast import (autocast, fp8_autocast, get_autocast_recipe, is_autocast_enabled)
 from .checkpointing import checkpoint
 from .convert import convert

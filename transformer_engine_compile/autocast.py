@@ -8,7 +8,7 @@ torch 2.11's Dynamo cannot trace ``setattr`` on a class.)  Inside a
 higher-order op's body (``torch.utils.checkpoint`` under compile) Dynamo
 refuses writes to outside state unless told they are safe; entering and
 leaving the context restores what it wrote, so both are run through
-:func:`~.dynamo.compat.unchecked_side_effects`.
+:func:`~.compat.unchecked_side_effects`.
 """
 
 from __future__ import annotations

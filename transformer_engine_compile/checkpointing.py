@@ -10,7 +10,7 @@ record (the layer, the ``te.autocast`` state, the forward scales it used) to
 its region's :class:`Recording`, and the recomputation replays the records
 in call order.  A region is ``te.checkpoint``'s own (passed to torch through
 the public ``context_fn``) or, for a direct ``torch.utils.checkpoint`` call,
-the one :func:`~.dynamo.compat.checkpoint_region` finds; its records live
+the one :func:`~.compat.checkpoint_region` finds; its records live
 and die with it.
 
 Compiled code records nothing: under ``torch.compile`` the checkpointed

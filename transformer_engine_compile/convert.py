@@ -9,7 +9,7 @@ from typing import Callable, Optional
 import torch
 
 from . import recipe as R
-from .module.linear import Linear
+from .module.linear.layer import Linear
 from .quantization import factory
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 The collectives here run *inside* te.Linear's custom ops (the real impls),
 so a compiled graph holds one opaque op per layer and direction, never a
-collective of its own; the fakes only model shapes (see module/linear_ops.py).
+collective of its own; the fakes only model shapes (see module/linear/ops.py).
 
 Column parallel splits ``out_features``; row parallel splits ``in_features``
 and sums the partial outputs over the group.  With sequence parallelism the

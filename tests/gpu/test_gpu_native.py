@@ -1,4 +1,4 @@
-"""The native eager path (kernels/native.py, module/linear_native.py): an
+"""The native eager path (kernels/native.py, module/linear/native.py): an
 eager ``te.Linear`` under fp8_current (with or without a bias) or
 fp8_block run by the C++ extension gives the Python path's bits, in the
 ways users train.  Skips without CUDA."""

@@ -1,7 +1,7 @@
 """The native eager path of the fused modules: ``te.LayerNormLinear``
-(module/layernorm_linear_native.py: its norm as a native call and node,
+(module/layernorm/linear_native.py: its norm as a native call and node,
 then the layer's native linear call) and ``te.LayerNormMLP``
-(module/layernorm_mlp_native.py: norm, fc1, activation, fc2) give the
+(module/layernorm/mlp_native.py: norm, fc1, activation, fc2) give the
 Python path's bits, outputs and gradients, in the ways users train.
 Skips without CUDA."""
 
@@ -19,8 +19,8 @@ from native_steps import (assert_same, chain, compare, microbatch_steps, native_
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 if torch.cuda.is_available():
     pytest.importorskip("triton")
-    from transformer_engine_compile.module.layernorm_linear_native import NativeLayerNormLinear
-    from transformer_engine_compile.module.layernorm_mlp_native import NativeLayerNormMLP
+    from transformer_engine_compile.module.layernorm.linear_native import NativeLayerNormLinear
+    from transformer_engine_compile.module.layernorm.mlp_native import NativeLayerNormMLP
 
 CURRENT = R.Float8CurrentScaling()
 BLOCK = R.Float8BlockScaling()
@@ -217,7 +217,7 @@ def test_native_layernorm_mlp_under_torch_autocast(ext, calls):
 def test_native_activation_node_takes_other_gradients_the_python_way(ext):
     """A gradient the node's launch does not take (here a strided one) goes
     through the Python path's activation backward, as the op's would."""
-    from transformer_engine_compile.module.layernorm_mlp_ops import activation_backward
+    from transformer_engine_compile.module.layernorm.mlp_ops import activation_backward
     layer = _mlp(256, 256)
     x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
     with te.autocast(recipe=CURRENT):

@@ -1,4 +1,4 @@
-"""The linear ops' native real impls (module/linear_native_ops.py): each
+"""The linear ops' native real impls (module/linear/native_ops.py): each
 recipe's ``te_compile::linear_fwd`` / ``linear_bwd`` run by the C++
 extension return what the Python impls return, output for output, bit for
 bit, in the fakes' layout; a compiled training loop whose ops stay ops
@@ -16,8 +16,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 if torch.cuda.is_available():
     pytest.importorskip("triton")
     from transformer_engine_compile.kernels import native
-    from transformer_engine_compile.module import linear_native_ops
-    from transformer_engine_compile.module.linear_ops import LINEAR_OPS as OPS
+    from transformer_engine_compile.module.linear import native_ops as linear_native_ops
+    from transformer_engine_compile.module.linear.ops import LINEAR_OPS as OPS
 
 RECIPES = ("fp8_current", "fp8_delayed", "fp8_block", "mxfp8", "nvfp4")
 

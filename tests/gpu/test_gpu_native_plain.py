@@ -1,4 +1,4 @@
-"""The native plain plan (module/linear_native.py, ``_plain_plan``): an
+"""The native plain plan (module/linear/native.py, ``_plain_plan``): an
 eager bf16 / fp16 ``te.Linear`` with a bias and no recipe runs as one C++
 call and a C++ autograd node, giving ``linear_plain_ops.PlainLinear``'s
 bits in the ways users train.  Skips without CUDA."""

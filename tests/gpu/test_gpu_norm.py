@@ -189,7 +189,7 @@ def test_layernorm_linear_norm_amax_equals_separate_quantization(normalization,
     """te.LayerNormLinear under FP8 current scaling on CUDA: quantizing the
     norm's output with the norm kernel's amax gives the same bytes, output
     and gradients as quantizing it separately, bit for bit."""
-    from transformer_engine_compile.module import layernorm_linear_ops as LO
+    from transformer_engine_compile.module.layernorm import linear_ops as LO
     layer = _layer(normalization, zero_centered_gamma)
     x = torch.randn(4, 300, 1024, device="cuda", dtype=torch.bfloat16) * 2
     dy = torch.randn(4, 300, 768, device="cuda", dtype=torch.bfloat16)

@@ -61,7 +61,7 @@ class _TeStack(torch.nn.Module):
     (whose input is the graph input) hands its predecessor a quantized dgrad."""
 
     def __init__(self, k, n, layers, device, fp8_grad=False, bias=False):
-        from ..module.linear import Linear
+        from ..module.linear.layer import Linear
 
         super().__init__()
         self.layers = torch.nn.ModuleList(

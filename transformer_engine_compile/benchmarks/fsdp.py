@@ -86,7 +86,7 @@ def shard(model, gather_recipe, mesh, compiled, backend):
     asked), the root the rest.  ``te.fsdp.fully_shard`` with ``recipe=None``
     is torch's ``fully_shard`` (nothing is wrapped), so the baseline and
     torchao go through it too."""
-    from .. import fsdp
+    from ..parallel import fsdp
 
     for block in llama.decoder_blocks(model):
         fsdp.fully_shard(block, recipe=gather_recipe, mesh=mesh, quantized_gather=True)
@@ -98,7 +98,7 @@ def shard(model, gather_recipe, mesh, compiled, backend):
 def gather_label(model, kind):
     """How the GEMM weights are gathered: e.g. "fp8_current 14/14" for the
     te weights FSDP2 gathers quantized, "bf16" when none is."""
-    from ..fsdp import QuantizedAllGatherWeight, gemm_weight_names
+    from ..parallel.fsdp import QuantizedAllGatherWeight, gemm_weight_names
 
     if kind == "torchao":
         return "fp8 (torchao)"
@@ -157,7 +157,7 @@ def measure(cfg, kind, rec, gather_recipe, mode, device, mesh, *, steps, warmup,
     if kind == "torchao":
         after_step = lambda: precompute_float8_dynamic_scale_for_fsdp(model)  # noqa: E731
     elif gather_recipe is not None:  # te: the weights' amaxes in one all-reduce
-        from .. import fsdp
+        from ..parallel import fsdp
         after_step = lambda: fsdp.precompute_scales(model)  # noqa: E731
     # only DelayedScaling reads the group: its amaxes are all-reduced over the ranks
     group = dist.group.WORLD if isinstance(rec, R.DelayedScaling) else None

@@ -91,7 +91,7 @@ def _busy_gpu(device, seconds=0.3) -> None:
 def _op_calls(layer, rec, x, dy):
     """Closures calling the forward and backward ops with flat arguments."""
     from ..autocast import autocast
-    from ..module.linear_ops import LINEAR_OPS as ops
+    from ..module.linear.ops import LINEAR_OPS as ops
 
     with autocast(enabled=rec is not None, recipe=rec):
         args = layer._make_args(x, None, False, False)
@@ -195,7 +195,7 @@ def _recipe_calls(name, size, dt, device, x, dy) -> dict:
     the two ops, eager one layer (engine threads on / off) and eager per
     layer of a stack."""
     from ..autocast import autocast
-    from ..module.linear import Linear
+    from ..module.linear.layer import Linear
 
     rec = host_recipe(name)
     torch.manual_seed(0)

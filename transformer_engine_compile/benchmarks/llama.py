@@ -213,7 +213,7 @@ def torch_linear(k, n, device):
 
 
 def te_linear(k, n, device):
-    from ..module.linear import Linear
+    from ..module.linear.layer import Linear
     return Linear(k, n, bias=False, params_dtype=torch.bfloat16, device=device)
 
 

@@ -51,9 +51,9 @@ def _op_calls(layer, rec, x, dy):
 def host_times(n=300, size=256, tokens=256, rounds=3, log=print) -> list:
     """Per case, the smallest of ``rounds`` interleaved measurements (each
     the median of 5 x ``n`` calls; the spread between rounds is printed)."""
-    from ..module import layernorm_linear_ops as LO
-    from ..module.layernorm_linear import LayerNormLinear
-    from ..module.linear import Linear
+    from ..module.layernorm import linear_ops as LO
+    from ..module.layernorm.linear import LayerNormLinear
+    from ..module.linear.layer import Linear
 
     dev = torch.device("cuda")
     dt = torch.bfloat16

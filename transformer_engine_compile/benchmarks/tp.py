@@ -85,7 +85,7 @@ def build(cfg, kind, rec, sp: bool, group, device):
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
 
-    from ..module.linear import Linear
+    from ..module.linear.layer import Linear
 
     tp = dist.get_world_size(group)
     torch.manual_seed(0)

@@ -1,9 +1,9 @@
 """The native (C++) eager path's extension: building it, describing launches.
 
-``native_linear.cpp`` runs an eager ``te.Linear`` call (module/linear_native.py
+``native_linear.cpp`` runs an eager ``te.Linear`` call (module/linear/native.py
 says which) as one C++ call whose backward is a C++ autograd node, and
 ``native_norm.cpp`` the normalisation of an eager ``te.LayerNormLinear``
-(module/layernorm_linear_native.py) the same way: the
+(module/layernorm/linear_native.py) the same way: the
 Python eager path costs ~150 us of Python per layer forward + backward, and
 the autograd engine runs a Python backward on its device thread, which ran
 that Python up to 2x slower on the lent H200 hosts (``benchmarks --configs

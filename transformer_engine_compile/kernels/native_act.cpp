@@ -1,5 +1,5 @@
 // The activation of an eager te.LayerNormMLP (between its two native linear
-// calls) as one C++ call and a C++ autograd node; module/layernorm_mlp_native.py
+// calls) as one C++ call and a C++ autograd node; module/layernorm/mlp_native.py
 // builds the plans and says when.
 //
 // The same Triton kernels as the Python path with the same arguments

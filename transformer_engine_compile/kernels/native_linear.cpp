@@ -286,7 +286,7 @@ Forward forward_nvfp4(const Plan& p, const at::Tensor& x, const at::Tensor& w,
   return f;
 }
 
-// No recipe: F.linear on the operands module/linear_plain_ops.py passes
+// No recipe: F.linear on the operands module/linear/plain.py passes
 // it (x as (M, K), W as it is), so the same cuBLAS call gives the same
 // bits; the backward reads x and W themselves.
 Forward forward_plain(const Plan& p, const at::Tensor& x, const at::Tensor& w,
@@ -499,7 +499,7 @@ at::Tensor run(const std::shared_ptr<Plan>& plan, const at::Tensor& x, const at:
   node->set_next_edges(std::move(edges));
   // saved in the order the Python path saves them, so saved-tensor hooks
   // (activation checkpointing's among them) see the same sequence: x's before
-  // W's without a recipe (linear_plain_ops.PlainLinear), W's first otherwise
+  // W's without a recipe (plain.PlainLinear), W's first otherwise
   auto save_w = [&] {
     if (!node->x_grad) return;
     node->w_t_ = SavedVariable(f.w_t, false);

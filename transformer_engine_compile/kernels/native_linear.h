@@ -18,7 +18,7 @@ namespace te_native __attribute__((visibility("hidden"))) {
 
 // -- the plan of one te.Linear configuration -------------------------------------
 // kPlain: no recipe (bf16 or fp16 with a bias: F.linear's GEMMs, the bias
-// gradient's launches), as module/linear_plain_ops.py runs them.
+// gradient's launches), as module/linear/plain.py runs them.
 enum Recipe : int64_t { kCurrent = 0, kBlock = 1, kDelayed = 2, kMx = 3, kNvfp4 = 4, kPlain = 5 };
 // Current, delayed or blockwise scaling with is_first_microbatch: the
 // weight's copies written into the layer's FP8 weight cache after the GEMM

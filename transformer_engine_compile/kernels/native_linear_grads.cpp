@@ -1,6 +1,6 @@
 // The backward of a native te.Linear plan: dy quantized, the dgrad and wgrad
 // GEMMs on the saved copies, the bias gradient; as the Python path's
-// backward runs them (module/linear_ops.py), so both give the same bits.
+// backward runs them (module/linear/compute.py), so both give the same bits.
 // Shared by the eager path's autograd node (native_linear.cpp) and the
 // backward op's real impl (native_linear_op.cpp).
 #include "native_linear.h"
@@ -145,7 +145,7 @@ void block_grads(const Plan& p, const at::Tensor& dy, const at::Tensor& dy2d, co
 }
 
 // dgrad and wgrad without a recipe: F.linear on the operands
-// linear_plain_ops.linear_grads passes it (dy as (M, N), W's and x's
+// plain.linear_grads passes it (dy as (M, N), W's and x's
 // transposes), for the same cuBLAS calls; dy as it is, not `operand`'s
 // aligned copy, which could change the GEMM's algorithm.
 void plain_grads(const Plan& p, const at::Tensor& dy, const Saved& s, bool want_dx, bool want_dw,

@@ -1,5 +1,5 @@
 // The linear ops' real impls as one C++ call each, for the
-// configurations a native plan covers (module/linear_native_ops.py says
+// configurations a native plan covers (module/linear/native_ops.py says
 // which): te_compile::linear_fwd's and linear_bwd's flat outputs, in the
 // order and shapes their fakes lay them out (dynamo/flat_result.py), from
 // the kernels the eager path's plan runs, so the ops give the Python

@@ -1,6 +1,6 @@
 // The normalisation of an eager te.LayerNormLinear or te.LayerNormMLP
 // (LayerNorm or RMSNorm) as one C++ call and a C++ autograd node, ahead of
-// the module's native linear call (module/layernorm_linear_native.py builds
+// the module's native linear call (module/layernorm/linear_native.py builds
 // the plans and says when; layernorm_mlp_native.py for te.LayerNormMLP).
 //
 // The same Triton kernels as the Python path, with the same arguments: the

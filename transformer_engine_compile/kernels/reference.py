@@ -561,7 +561,7 @@ def dequantize_nvfp4_blocks(packed, scale_q, out_dtype=torch.bfloat16) -> torch.
     per-tensor scale.  The products have at most 6 significant bits (2 of
     E2M1, 4 of E4M3) within bf16's exponent range, so they are exact in
     bf16: the bf16 tensor cores can multiply them exactly (the fast NVFP4
-    GEMM, kernels/cuda_gemm.py), and :func:`nvfp4_gemm_epilogue` applies the
+    GEMM, quantization/cuda_gemm.py), and :func:`nvfp4_gemm_epilogue` applies the
     per-tensor scales to the fp32 product."""
     return _nvfp4_values_times(packed, scale_q.float()).to(out_dtype)
 

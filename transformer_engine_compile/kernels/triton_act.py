@@ -112,7 +112,7 @@ def _plain(x) -> bool:
 
 def forward_call(x, name: str):
     """The forward launch for a plain ``x``: ``(grid, key, args, y)``, with
-    ``y`` allocated (module/layernorm_mlp_native.py fixes these arguments
+    ``y`` allocated (module/layernorm/mlp_native.py fixes these arguments
     in a native launch)."""
     gated = ref.ACTIVATIONS[name][1]
     n = x.shape[-1]

@@ -19,7 +19,7 @@ alike under one seed.  The two launches:
   scales, amax).  The columnwise copy re-reads its tile transposed from
   memory (see ``triton_quant._tile_t``).
 
-For the emulated GEMM (kernels/cuda_gemm.py), ``dequantize_nvfp4_blocks``
+For the emulated GEMM (quantization/cuda_gemm.py), ``dequantize_nvfp4_blocks``
 writes a copy's values times their block scales in bf16 (exact) and
 ``nvfp4_gemm_epilogue`` divides the fp32 product by both per-tensor scales
 and adds the bias, one pass each.

@@ -8,7 +8,7 @@ Each program dequantizes its operand tiles in registers, exactly as
 block scale is exact in bf16), multiplies them on the bf16 tensor cores
 into fp32, and applies ``reference.nvfp4_gemm_epilogue`` (both per-tensor
 scales, the bias, one rounding) to its accumulator.  The three-kernel path
-of kernels/cuda_gemm.py (dequantize both operands, ``torch.mm`` into fp32,
+of quantization/cuda_gemm.py (dequantize both operands, ``torch.mm`` into fp32,
 the epilogue) computes the same products in cuBLAS's order; this one sums
 them in the order of its K loop, so the two agree to fp32 accumulation
 rounding, not bit for bit (tests bound the difference).

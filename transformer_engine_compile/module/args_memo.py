@@ -4,8 +4,8 @@ An eager layer called again in a configuration it ran recently (the memo
 key: ``te.Linear._memo_key``, ``te.LayerNormMLP._memo_key``) reuses the
 arguments it checked and built then, skipping the checks and the
 dataclass; an entry also carries the configuration's native plan (the
-layer's ``_native_plan``: module/linear_native.py,
-layernorm_linear_native.py, layernorm_mlp_native.py), asked for at the
+layer's ``_native_plan``: module/linear/native.py,
+layernorm/linear_native.py, layernorm/mlp_native.py), asked for at the
 entry's second call.  The memo lives in the layer's ``__dict__`` as
 ``(parameters, {key: ArgsTemplate})``: the parameter objects it was made
 for (the layer's ``_memo_parameters()``) and the last

@@ -1,4 +1,4 @@
-"""cuBLAS GEMMs on CUDA: ``out = A @ B^T`` (operand table in kernels/gemm.py).
+"""cuBLAS GEMMs on CUDA: ``out = A @ B^T`` (operand table in quantization/gemm.py).
 
 Which path a product takes (``gemm_path`` names it; docs/linear.md lists them):
 
@@ -210,7 +210,7 @@ def nvfp4_fused(m: int, n: int, k: int) -> bool:
     """Whether an emulated NVFP4 product of (M, K) by (N, K) runs in one
     kernel.  Symmetric in M, N and K: a te.Linear call's three products
     (fprop, dgrad, wgrad) multiply the same three sizes, so they all take
-    the same path; the native eager path (module/linear_native.py) asks
+    the same path; the native eager path (module/linear/native.py) asks
     the same question."""
     return m * n * k <= NVFP4_FUSED_MAX and max(m, n, k) <= NVFP4_FUSED_DIM
 

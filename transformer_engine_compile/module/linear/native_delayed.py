@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import reference as ref
-from ..kernels.reference import FP8_DTYPE
-from .linear_native_node import (_DTYPE_NAMES, READ_CACHE, _cache_buffers, _cache_mode,
-                                 _listed_launches, _PythonBackward, _wgrad_dtype, _with_bias_grad)
-from .linear_args import LinearFwdArgs, _grad_output_quantizer, _input_quantizer, _weight_quantizer
+from ...kernels import reference as ref
+from ...kernels.reference import FP8_DTYPE
+from .native_node import (_DTYPE_NAMES, READ_CACHE, _cache_buffers, _cache_mode, _listed_launches,
+                          _PythonBackward, _wgrad_dtype, _with_bias_grad)
+from .args import LinearFwdArgs, _grad_output_quantizer, _input_quantizer, _weight_quantizer
 
 
 def delayed_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot, given_x=False):
@@ -22,11 +22,11 @@ def delayed_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot, given_x
     and a zeroed amax vector where the step does not fit in that launch);
     reading the FP8 weight cache, x's cast, W's amax and the step, in one
     launch too (else three).  ``given_x``: without x's cast (a fused module's norm
-    kernel writes x's copies and amax: layernorm_linear_native.py).  The
+    kernel writes x's copies and amax: layernorm/linear_native.py).  The
     launches are compiled on scratch buffers of the state's shapes (zeros:
     the values do not matter), so planning leaves the layer's state
     untouched and copies nothing."""
-    from ..kernels import triton_quant as tq  # Triton: imported on CUDA only
+    from ...kernels import triton_quant as tq  # Triton: imported on CUDA only
     x, w = args.inp, args.weight
     q, wq = _input_quantizer(args), _weight_quantizer(args)
     dgrad, wgrad = args.input_requires_grad, args.weight_requires_grad
@@ -109,7 +109,7 @@ def _one_delayed_launch(a2d, b2d, scales, q, wq, step, slot):
     delayed-scaling kernel the Python path runs for these operands
     (``quantize_stepped``; ``wq`` None with ``b2d``: b's amax alone), or
     None where it runs two (the step too large)."""
-    from ..kernels import triton_delayed as td  # Triton: imported on CUDA only
+    from ...kernels import triton_delayed as td  # Triton: imported on CUDA only
     call = td.delayed_call(a2d, b2d, scales, q.fp8_format,
                            (q.rowwise_usage, q.columnwise_usage),
                            (False, False) if wq is None else (wq.rowwise_usage,
@@ -126,7 +126,7 @@ def _amax_then_step(w2d, amaxes, step) -> list:
     cast under DelayedScaling: W's amax into ``amaxes[1]``, then the step
     over the forward history (``linear_ops._weight_for_gemm`` and
     ``_delayed_updates``: the Python path's own launches)."""
-    from ..kernels import triton_quant as tq  # Triton: imported on CUDA only
+    from ...kernels import triton_quant as tq  # Triton: imported on CUDA only
     return [tq.amax_call(w2d, amaxes, 1),
             tq._step_call(step.history, amaxes, step.new_history, step.new_scale, step.fmt,
                           step.margin, step.algo)]

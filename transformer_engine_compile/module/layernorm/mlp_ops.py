@@ -33,18 +33,18 @@ from typing import Optional
 
 import torch
 
-from .. import kernels
-from ..dynamo.arg_views import field_view, prefixed_fields
-from ..dynamo.custom_op import OpResult, prefixed, register_custom_op
-from ..dynamo.tensor_proto import TensorProto
-from ..kernels.reference import ACTIVATIONS
-from . import norm_ops as N
-from .layernorm_linear_ops import norm_linear_forward
-from .linear_ops import LINEAR_OPS
-from .linear_args import LinearBwdArgs, LinearFwdArgs
-from .linear_lowering import _lowers_backward, _lowers_forward
-from .linear_compute import (linear_backward, linear_backward_fake, linear_forward,
-                             linear_forward_fake, linear_setup_context)
+from ... import kernels
+from ...dynamo.arg_views import field_view, prefixed_fields
+from ...dynamo.custom_op import OpResult, prefixed, register_custom_op
+from ...dynamo.tensor_proto import TensorProto
+from ...kernels.reference import ACTIVATIONS
+from ..norm import ops as N
+from .linear_ops import norm_linear_forward
+from ..linear.ops import LINEAR_OPS
+from ..linear.args import LinearBwdArgs, LinearFwdArgs
+from ..linear.lowering import _lowers_backward, _lowers_forward
+from ..linear.compute import (linear_backward, linear_backward_fake, linear_forward,
+                              linear_forward_fake, linear_setup_context)
 
 GEMMS = ("fc1_", "fc2_")  # field prefixes of the two GEMMs
 GATED = tuple(name for name, (_, gated) in ACTIVATIONS.items() if gated)

@@ -2,7 +2,7 @@
 
 The call becomes four native calls, each with its C++ autograd node: the
 normalisation (``native_norm.cpp``, as te.LayerNormLinear's), fc1's native
-linear call on its output (module/linear_native.py, the plan a
+linear call on its output (module/linear/native.py, the plan a
 ``te.Linear`` of fc1's configuration gets), the activation
 (``native_act.cpp``: triton_act's launches, saving fc1's output as the op
 saves it) and fc2's native linear call.  That is bit for bit the Python
@@ -13,7 +13,7 @@ adds ``ln_out``'s gradient to fc1's dgrad as the op adds them
 (``tests/gpu/test_gpu_native_fused.py`` compares every output and gradient).
 
 Under DelayedScaling the norm and fc1 are one native call, as in
-te.LayerNormLinear (module/layernorm_linear_native.py: the norm kernel
+te.LayerNormLinear (module/layernorm/linear_native.py: the norm kernel
 writes fc1's FP8 input itself, as the Python path's does).
 
 Covered: what both the native linear path and te.LayerNormLinear's native
@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import torch
 
-from .. import kernels
-from ..kernels import native
-from .layernorm_linear_native import norm_eligible, norm_plan, norm_then_linear
-from .layernorm_mlp_ops import LayerNormMLPFwdArgs, activation_backward
-from .linear_native_node import _DTYPE_NAMES
-from .linear_native import plan_for
+from ... import kernels
+from ...kernels import native
+from .linear_native import norm_eligible, norm_plan, norm_then_linear
+from .mlp_ops import LayerNormMLPFwdArgs, activation_backward
+from ..linear.native_node import _DTYPE_NAMES
+from ..linear.native import plan_for
 
 
 class NativeLayerNormMLP:
@@ -91,7 +91,7 @@ def plan_for_layernorm_mlp(args: LayerNormMLPFwdArgs):
 def _act_plan(ext, args: LayerNormMLPFwdArgs):
     """The native activation plan (``native_act.cpp``) and a scratch tensor
     of the activation's output (what fc2's plan is made for), or None."""
-    from ..kernels import triton_act as ta  # Triton: imported on CUDA only
+    from ...kernels import triton_act as ta  # Triton: imported on CUDA only
     x, name = args.inp, args.activation
     n = args.fc1_weight.shape[0]
     in_shape = (*x.shape[:-1], n)

@@ -4,8 +4,8 @@ A ``te_compile::linear_fwd`` / ``linear_bwd`` call without a recipe (bf16
 training) stays an op call where inductor does not lower it (the forward
 of a layer with a bias, ``_lowers_forward``; ``backend="aot_eager"``) and in
 the op host-time benchmark.  Its Python impl walks
-every branch of :func:`~.linear_compute.linear_forward` /
-:func:`~.linear_compute.linear_backward` (quantization, delayed scaling, the
+every branch of :func:`~.compute.linear_forward` /
+:func:`~.compute.linear_backward` (quantization, delayed scaling, the
 weight cache, collectives) around one or two GEMMs.  The plain
 configuration (no recipe, no tensor parallelism, plain tensors, no
 ``main_grad``) runs the same GEMM calls here directly, with the same
@@ -16,7 +16,7 @@ every device's ``"gemm"`` is :func:`~..kernels.gemm.gemm_reference`
 dispatch.  Eager calls of such a layer with a bias run the same functions
 behind one autograd node, :class:`PlainLinear`.  On CUDA, once the native
 extension is built, the eager calls and the backward op's calls with a
-bias gradient run the native plain plan instead (module/linear_native.py,
+bias gradient run the native plain plan instead (module/linear/native.py,
 ``_plain_plan``): the same calls from C++, and a C++ autograd node.
 """
 
@@ -26,10 +26,10 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from .. import kernels
-from ..checkpointing import check_forward_op_in_backward
-from ..quantization.gemm import gemm_reference
-from .linear_args import _tp
+from ... import kernels
+from ...checkpointing import check_forward_op_in_backward
+from ...quantization.gemm import gemm_reference
+from .args import _tp
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 

@@ -14,10 +14,10 @@ from typing import Optional
 
 import torch
 
-from .. import compat
-from ..dynamo.buckets import TensorOrQuantized
-from ..quantization.opaque import is_value_opaque
-from ..quantization.base import QuantizedTensorStorage, Quantizer
+from ... import compat
+from ...dynamo.buckets import TensorOrQuantized
+from ...quantization.opaque import is_value_opaque
+from ...quantization.base import QuantizedTensorStorage, Quantizer
 
 
 try:

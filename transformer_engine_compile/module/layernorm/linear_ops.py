@@ -22,17 +22,17 @@ from typing import Optional
 
 import torch
 
-from ..dynamo.arg_views import with_fields
-from ..dynamo.custom_op import OpResult, register_custom_op
-from ..kernels.reference import AmaxSlot
-from . import norm_ops as N
-from ..quantization.float8 import Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer
-from .linear_ops import LINEAR_OPS
-from .linear_args import (LinearBwdArgs, LinearFwdArgs, _input_quantizer, _paired_weight_quantizer,
-                          _tp)
-from .linear_lowering import _lowers_backward, _lowers_forward
-from .linear_compute import (_zero_amaxes, linear_backward, linear_backward_fake, linear_forward,
-                             linear_forward_fake, linear_setup_context)
+from ...dynamo.arg_views import with_fields
+from ...dynamo.custom_op import OpResult, register_custom_op
+from ...kernels.reference import AmaxSlot
+from ..norm import ops as N
+from ...quantization.float8 import Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer
+from ..linear.ops import LINEAR_OPS
+from ..linear.args import (LinearBwdArgs, LinearFwdArgs, _input_quantizer,
+                           _paired_weight_quantizer, _tp)
+from ..linear.lowering import _lowers_backward, _lowers_forward
+from ..linear.compute import (_zero_amaxes, linear_backward, linear_backward_fake, linear_forward,
+                              linear_forward_fake, linear_setup_context)
 
 
 @dataclasses.dataclass

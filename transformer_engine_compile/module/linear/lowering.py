@@ -7,11 +7,11 @@ import dataclasses
 
 import torch
 
-from .. import kernels
-from ..quantization.base import QuantizedTensorStorage
-from ..quantization.mxfp8 import MXFP8Quantizer
-from ..quantization.nvfp4 import NVFP4Quantizer
-from .linear_args import LinearBwdArgs, LinearFwdArgs
+from ... import kernels
+from ...quantization.base import QuantizedTensorStorage
+from ...quantization.mxfp8 import MXFP8Quantizer
+from ...quantization.nvfp4 import NVFP4Quantizer
+from .args import LinearBwdArgs, LinearFwdArgs
 
 
 def _lowers_forward(args: LinearFwdArgs) -> bool:
@@ -61,7 +61,7 @@ def _lowers_backward(args: LinearBwdArgs) -> bool:
 
 def mxfp8_converted_output(quantizer, out_dtype) -> bool:
     """An MXFP8 GEMM whose output is not bf16.  Hopper emulates MXFP8 with
-    bf16 GEMMs (kernels/cuda_gemm.py): an fp16 output is the bf16 product
+    bf16 GEMMs (quantization/cuda_gemm.py): an fp16 output is the bf16 product
     converted, which inductor fuses with the conversions after it and drops
     (GPU, torch.autocast fp16: x's gradient kept bf16 bits where eager
     rounds to fp16); an fp32 output takes the reference GEMM on operands

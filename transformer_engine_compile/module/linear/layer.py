@@ -1,6 +1,6 @@
 """``te.Linear``: the module.  It validates its arguments, picks the
 quantizers of the active recipe, binds its state buffers and calls the
-custom ops of ``linear_ops.py`` (eager: the same impls under an
+custom ops of ``linear/ops.py`` (eager: the same impls under an
 ``autograd.Function``), or falls back to eager for what the ops do not
 model.
 """
@@ -11,20 +11,21 @@ from typing import Optional
 
 import torch
 
-from .. import distributed as D
-from .. import checkpointing
-from ..autocast import get_amax_reduction_group, get_autocast_recipe
-from ..dynamo.state import ensure_buffers, register_module
-from .weight_format import check_gathered_weight
-from ..quantization.base import QuantizedTensorStorage
-from ..quantization import factory
-from . import args_memo, linear_plain_ops
-from .extra_state import (check_extra_state, delayed_state_names, load_without_extra_state,
-                          pack_delayed_state, unpack_delayed_state)
-from .linear_native import linear_plan
-from .linear_ops import LINEAR_OPS
-from .linear_args import LinearBwdArgs, LinearFwdArgs, _input_usage
-from .param_split import join_rows, pack_rows, register_rows, split_layout
+from ... import distributed as D
+from ... import checkpointing
+from ...autocast import get_amax_reduction_group, get_autocast_recipe
+from ...dynamo.state import ensure_buffers, register_module
+from ..weight_format import check_gathered_weight
+from ...quantization.base import QuantizedTensorStorage
+from ...quantization import factory
+from .. import args_memo
+from . import plain as linear_plain_ops
+from ..extra_state import (check_extra_state, delayed_state_names, load_without_extra_state,
+                           pack_delayed_state, unpack_delayed_state)
+from .native import linear_plan
+from .ops import LINEAR_OPS
+from .args import LinearBwdArgs, LinearFwdArgs, _input_usage
+from ..param_split import join_rows, pack_rows, register_rows, split_layout
 
 __all__ = ["Linear", "LinearFwdArgs", "LinearBwdArgs", "LINEAR_OPS"]
 
@@ -222,7 +223,7 @@ class Linear(torch.nn.Module):
 
     _OPS = LINEAR_OPS  # the op pair; LayerNormLinear runs its own
     # a subclass whose eager calls keep an argument memo (module/args_memo.py)
-    # says how its native plans are made (module/layernorm_linear_native.py)
+    # says how its native plans are made (module/layernorm/linear_native.py)
     _MEMO = True
     _native_plan = staticmethod(linear_plan)
 
@@ -533,7 +534,7 @@ class Linear(torch.nn.Module):
         previous layer reads as its own dy: FP8 current scaling, FP8
         blockwise and MXFP8 (bit for bit what that layer would make), and
         DelayedScaling (with this layer's grad-input scale)."""
-        from .. import recipe as R
+        from ... import recipe as R
 
         if recipe is None:
             raise ValueError("te.Linear: fp8_grad=True needs an active quantization recipe "
@@ -641,8 +642,8 @@ class Linear(torch.nn.Module):
 
     def _plain_eager(self, inp, weight, bias, is_first_microbatch, call, cast) -> dict:
         """An eager plain call with a bias added: from a configuration's
-        second call on the native node (linear_native.py's plain plan),
-        else :class:`~.linear_plain_ops.PlainLinear`, whose first call
+        second call on the native node (linear/native.py's plain plan),
+        else :class:`~.plain.PlainLinear`, whose first call
         makes the memo entry the plan hangs on; the same bits either way."""
         key = self._memo_key(inp, None, torch.is_grad_enabled(), is_first_microbatch, False,
                              False, weight, bias, cast)
@@ -687,7 +688,7 @@ class Linear(torch.nn.Module):
     def _eager_fallback(self, reason, inp, weight, bias, is_first_microbatch, fp8_output,
                         fp8_grad):
         """Eager run of a configuration the ops do not model (a graph break)."""
-        from ..dynamo.fallback import record_fallback
+        from ...dynamo.fallback import record_fallback
 
         record_fallback(self, reason)
         if reason == "fp8_grad_graph_input":  # the gradient leaves in high precision
@@ -696,6 +697,6 @@ class Linear(torch.nn.Module):
 
     def compile_fallbacks(self) -> tuple:
         """Reasons this layer fell back to eager under torch.compile (first seen first)."""
-        from ..dynamo.fallback import fallback_reasons
+        from ...dynamo.fallback import fallback_reasons
 
         return fallback_reasons(self)

@@ -2,20 +2,20 @@
 (one configuration's plan, run from C++), the weight-cache modes, the
 launches every plan shares (the bias gradient's), and the Python backward
 a node falls back to for a gradient it does not take as it is.  The plans
-for each recipe are made in ``linear_native.py`` and
-``linear_native_delayed.py``."""
+for each recipe are made in ``linear/native.py`` and
+``linear/native_delayed.py``."""
 
 from __future__ import annotations
 
 import torch
 
-from .. import kernels
-from ..kernels import grid_state, native
-from ..kernels.triton_launch import int_key
-from ..quantization.blockwise import Float8BlockwiseQTensorStorage
-from ..quantization.float8 import Float8TensorStorage
-from .linear_args import LinearBwdArgs, LinearFwdArgs
-from .linear_compute import BACKWARD_UPDATES, linear_backward, linear_setup_context
+from ... import kernels
+from ...kernels import grid_state, native
+from ...kernels.triton_launch import int_key
+from ...quantization.blockwise import Float8BlockwiseQTensorStorage
+from ...quantization.float8 import Float8TensorStorage
+from .args import LinearBwdArgs, LinearFwdArgs
+from .compute import BACKWARD_UPDATES, linear_backward, linear_setup_context
 
 _GEMM_OUT = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -73,7 +73,7 @@ class NativeLinear:
     def with_norm(self, norm, x, ln_w, ln_b, w, bias, slot):
         """A fused module's norm (``norm``: its FP8-writing plan) and this
         GEMM under DelayedScaling as one native call
-        (layernorm_linear_native.py): ``{"out": y, "ln_out": ln_out}``, ln_out
+        (layernorm/linear_native.py): ``{"out": y, "ln_out": ln_out}``, ln_out
         None where the norm does not write it; None where either plan
         declines the call (checked before either runs)."""
         res = self.ext.norm_linear(self.plan, norm, x, ln_w, ln_b, w, bias, slot[0], slot[1],
@@ -145,7 +145,7 @@ def _listed_launches(ext, device, launches, slots):
 def _bias_grad_launches(ext, m, n, dtype, device):
     """The native launches of the bias gradient (``column_sum`` of dy, two
     kernels) and its group count, or None."""
-    from ..kernels import triton_bias  # Triton: imported on CUDA only
+    from ...kernels import triton_bias  # Triton: imported on CUDA only
     with torch.no_grad():
         dy2d = torch.zeros((m, n), dtype=dtype, device=device)
         launches, parts, out = triton_bias.column_sum_calls(dy2d, dtype)
@@ -175,8 +175,8 @@ class _PythonBackward:
         self.xq, self.wq = q.usage_variant(False, True), wq.usage_variant(False, True)
 
     def __call__(self, dy, x_t, x_sinv, w_t, w_sinv, x_amax=None, w_amax=None):
-        from ..dynamo.custom_op import apply_updates
-        from ..kernels.tracing import eager_buffers_in_place
+        from ...dynamo.custom_op import apply_updates
+        from ...kernels.tracing import eager_buffers_in_place
         x = w = None
 
         def buffers(*tensors):  # NVFP4's copies also have their amax

@@ -15,9 +15,9 @@ import operator
 
 import torch
 
-from .. import distributed as D
-from .. import kernels
-from ..dynamo.tensor_proto import TensorProto
+from ... import distributed as D
+from ... import kernels
+from ...dynamo.tensor_proto import TensorProto
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 

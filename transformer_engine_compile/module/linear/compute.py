@@ -1,9 +1,9 @@
 """``te.Linear``'s forward and backward, written once against
-:class:`~.linear_args.LinearFwdArgs` / :class:`~.linear_args.LinearBwdArgs`.
+:class:`~.args.LinearFwdArgs` / :class:`~.args.LinearBwdArgs`.
 
 Eager mode runs them under a ``torch.autograd.Function``; under
 ``torch.compile`` they run inside the two generated custom ops
-(``linear_ops.py``).  Each real impl has a fake next to it that follows the
+(``linear/ops.py``).  Each real impl has a fake next to it that follows the
 same control flow on :class:`TensorProto`s; the layout-parity test holds
 them together.
 
@@ -21,19 +21,19 @@ from __future__ import annotations
 
 import torch
 
-from .. import distributed as D
-from .. import kernels
-from ..checkpointing import check_forward_op_in_backward
-from ..dynamo import shared_inputs
-from ..dynamo.custom_op import OpResult, Update
-from ..dynamo.tensor_proto import TensorProto, to_tensor_proto
-from ..kernels import tracing
-from ..quantization.gemm import gemm
-from ..kernels.reference import STEP_COUNTER, AmaxSlot
-from ..quantization.base import QuantizedTensorStorage
-from .linear_args import (LinearBwdArgs, LinearFwdArgs, _grad_output_quantizer, _input_quantizer,
-                          _out_shape, _paired_weight_quantizer, _quantizes_weight,
-                          _reuses_workspace, _tp, _weight_quantizer)
+from ... import distributed as D
+from ... import kernels
+from ...checkpointing import check_forward_op_in_backward
+from ...dynamo import shared_inputs
+from ...dynamo.custom_op import OpResult, Update
+from ...dynamo.tensor_proto import TensorProto, to_tensor_proto
+from ...kernels import tracing
+from ...quantization.gemm import gemm
+from ...kernels.reference import STEP_COUNTER, AmaxSlot
+from ...quantization.base import QuantizedTensorStorage
+from .args import (LinearBwdArgs, LinearFwdArgs, _grad_output_quantizer, _input_quantizer,
+                   _out_shape, _paired_weight_quantizer, _quantizes_weight, _reuses_workspace, _tp,
+                   _weight_quantizer)
 
 
 # state written right after the ops, visible to PyTorch (dynamo/custom_op.py):

@@ -4,10 +4,10 @@ A compiled graph whose ``te_compile::linear_fwd`` / ``linear_bwd`` calls
 stay ops (not lowered into inductor), and the op host-time benchmark, run
 the ops' Python impls: ~100 us of Python per call around the same few
 kernels.  Where the eager path's native plan covers a call's
-configuration (module/linear_native.py), the op's kernel runs it instead,
+configuration (module/linear/native.py), the op's kernel runs it instead,
 one C++ call (kernels/native_linear_op.cpp) returning the flat outputs
 the Python impl would, bit for bit: the same kernels with the same
-arguments.  Without a recipe the short path (module/linear_plain_ops.py)
+arguments.  Without a recipe the short path (module/linear/plain.py)
 runs, but a backward whose bias takes a gradient runs the plain plan
 (``F.linear``'s GEMMs from C++, the bias gradient's two launches), bit
 for bit the short path's: its launches cost ~25 us less there, while
@@ -35,16 +35,16 @@ from __future__ import annotations
 
 import torch
 
-from ..checkpointing import check_forward_op_in_backward
-from ..quantization.opaque import _config_key
-from ..kernels import grid_state, native, tracing
-from ..quantization.blockwise import Float8BlockwiseQTensorStorage
-from ..quantization.float8 import Float8TensorStorage
-from ..quantization.mxfp8 import MXFP8TensorStorage
-from ..quantization.nvfp4 import NVFP4TensorStorage
-from .linear_native import linear_plan
-from .linear_plain_ops import _PLAIN  # the short path's plain tensor types
-from .linear_args import LinearFwdArgs
+from ...checkpointing import check_forward_op_in_backward
+from ...quantization.opaque import _config_key
+from ...kernels import grid_state, native, tracing
+from ...quantization.blockwise import Float8BlockwiseQTensorStorage
+from ...quantization.float8 import Float8TensorStorage
+from ...quantization.mxfp8 import MXFP8TensorStorage
+from ...quantization.nvfp4 import NVFP4TensorStorage
+from .native import linear_plan
+from .plain import _PLAIN  # the short path's plain tensor types
+from .args import LinearFwdArgs
 
 # configurations kept per call site (the oldest goes first): a dynamic graph's
 # token counts, training and evaluation

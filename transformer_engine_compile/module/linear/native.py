@@ -21,11 +21,11 @@ by the node.  Nothing else: no tensor parallelism, no ``fp8_output`` /
 te.Linear's calls without a recipe (``plain=True``: a bf16 or fp16 layer
 with a bias, eagerly; the backward op's calls with a bias gradient) get
 a plain plan: ``F.linear``'s GEMMs called from C++ on the operands the
-Python short path (linear_plain_ops.py) passes, the bias gradient's two
+Python short path (linear/plain.py) passes, the bias gradient's two
 launches, a node saving x and W themselves; any sizes.  Any other call, and any call
 while a CUDA graph is captured, under a functorch transform or forward-mode
 AD, keeps the Python path.  A plan is made once per argument memo entry of
-the layer (module/linear.py), from the same helpers the Python path decides
+the layer (module/linear/layer.py), from the same helpers the Python path decides
 with, so both paths run the same kernels with the same arguments.
 """
 
@@ -33,19 +33,19 @@ from __future__ import annotations
 
 import torch
 
-from .. import kernels
-from ..kernels import grid_state, native
-from ..kernels.reference import FP8_DTYPE
-from ..quantization.blockwise import Float8BlockQuantizer
-from ..quantization.float8 import Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer
-from ..quantization.mxfp8 import MXFP8Quantizer
-from ..quantization.nvfp4 import NVFP4Quantizer
-from . import linear_plain_ops
-from .linear_args import (LinearFwdArgs, _grad_output_quantizer, _input_quantizer,
-                          _paired_weight_quantizer, _tp, _weight_quantizer)
-from .linear_native_node import (_DTYPE_NAMES, _GEMM_OUT, NO_CACHE, READ_CACHE, _PythonBackward,
-                                 _cache_buffers, _cache_mode, _listed_launches, _wgrad_dtype,
-                                 _with_bias_grad)
+from ... import kernels
+from ...kernels import grid_state, native
+from ...kernels.reference import FP8_DTYPE
+from ...quantization.blockwise import Float8BlockQuantizer
+from ...quantization.float8 import Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer
+from ...quantization.mxfp8 import MXFP8Quantizer
+from ...quantization.nvfp4 import NVFP4Quantizer
+from . import plain as linear_plain_ops
+from .args import (LinearFwdArgs, _grad_output_quantizer, _input_quantizer,
+                   _paired_weight_quantizer, _tp, _weight_quantizer)
+from .native_node import (_DTYPE_NAMES, _GEMM_OUT, NO_CACHE, READ_CACHE, _PythonBackward,
+                          _cache_buffers, _cache_mode, _listed_launches, _wgrad_dtype,
+                          _with_bias_grad)
 
 
 def _eligible(args: LinearFwdArgs, plain: bool = False) -> bool:
@@ -81,12 +81,12 @@ def _eligible(args: LinearFwdArgs, plain: bool = False) -> bool:
                 and w.dtype != torch.float32 and kernels.has_fast("quantize_mxfp8", "cuda")
                 and kernels.has_fast("dequantize_mxfp8", "cuda"))
     if recipe == "nvfp4":  # the Python path's GEMMs are the bf16 emulation then
-        from ..quantization import cuda_gemm
+        from ...quantization import cuda_gemm
         return (m % 16 == 0 and k % 16 == 0 and n % 16 == 0 and cuda_gemm._has_mm_out_dtype()
                 and all(kernels.has_fast(name, "cuda") for name in (
                     "quantize_nvfp4", "dequantize_nvfp4_blocks", "nvfp4_gemm_epilogue")))
     if recipe == "block":  # the Python path's GEMM is cuBLAS's block-scaled one then
-        from ..quantization import cuda_gemm
+        from ...quantization import cuda_gemm
         return (m % 128 == 0 and k % 128 == 0 and n % 128 == 0
                 and torch.cuda.get_device_capability(x.device) == (9, 0)
                 and cuda_gemm._has_block_scaled_mm()
@@ -179,7 +179,7 @@ def plan_for(args: LinearFwdArgs, given_x: bool = False, plain: bool = False):
     if recipe == "block":
         return _block_plan(ext, args, m, k, n, slot)
     if recipe == "delayed":
-        from .linear_native_delayed import delayed_plan  # imports this module's helpers
+        from .native_delayed import delayed_plan  # imports this module's helpers
         return delayed_plan(ext, args, m, k, n, slot, given_x)
     if recipe == "mx":
         return _mx_plan(ext, args, m, k, n, slot)
@@ -224,12 +224,12 @@ def plan_for(args: LinearFwdArgs, given_x: bool = False, plain: bool = False):
 
 def linear_plan(args: LinearFwdArgs):
     """:func:`plan_for` of a te.Linear call, which may have no recipe
-    (the layer's ``_native_plan``; the ops' plans, linear_native_ops.py)."""
+    (the layer's ``_native_plan``; the ops' plans, linear/native_ops.py)."""
     return plan_for(args, plain=True)
 
 
 def _plain_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
-    """A :class:`NativeLinear` without a recipe (module/linear_plain_ops.py's
+    """A :class:`NativeLinear` without a recipe (module/linear/plain.py's
     calls): ``F.linear``'s GEMMs on the operands the Python path passes,
     called from C++, and the bias gradient's two launches; the node saves
     x and W themselves."""
@@ -263,7 +263,7 @@ def _mx_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
     """A :class:`NativeLinear` under MXFP8BlockScaling: x, W and dy quantized
     by the MXFP8 kernel, each GEMM operand dequantized to bf16 by its kernel
     and multiplied by torch's bf16 GEMM (cuda_gemm._emulated_bf16)."""
-    from ..kernels import triton_block as tb  # Triton: imported on CUDA only
+    from ...kernels import triton_block as tb  # Triton: imported on CUDA only
     x, w = args.inp, args.weight
     q, wq = _input_quantizer(args), _weight_quantizer(args)
     dgrad, wgrad = args.input_requires_grad, args.weight_requires_grad
@@ -335,8 +335,8 @@ def _nvfp4_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
     draws), each GEMM's operands dequantized to bf16 by the blocks kernel,
     torch's bf16 GEMM with an fp32 product, and the epilogue kernel; or, for
     small products (``cuda_gemm.nvfp4_fused``), one kernel per GEMM."""
-    from ..kernels import triton_nvfp4 as tn, triton_nvfp4_gemm as tg  # Triton: CUDA only
-    from ..quantization.cuda_gemm import nvfp4_fused
+    from ...kernels import triton_nvfp4 as tn, triton_nvfp4_gemm as tg  # Triton: CUDA only
+    from ...quantization.cuda_gemm import nvfp4_fused
     x, w = args.inp, args.weight
     q, wq = _input_quantizer(args), _weight_quantizer(args)
     if not ext.has_mm_dtype() or q.stochastic_rounding or wq.stochastic_rounding:
@@ -464,7 +464,7 @@ def _block_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
 def _bias_add_launch(ext, y2d, bias):
     """The native launch of the bias add the Python path runs after a
     block-scaled GEMM (compiled by launching it once on ``y2d``)."""
-    from ..kernels import triton_bias  # Triton: imported on CUDA only
+    from ...kernels import triton_bias  # Triton: imported on CUDA only
     grid, key, largs = triton_bias.bias_add_call(y2d, bias)
     triton_bias._bias_add_launch(grid, key, *largs)
     return native.launch_spec(ext, triton_bias._bias_add_launch, y2d.device.index, grid, key,
@@ -474,7 +474,7 @@ def _bias_add_launch(ext, y2d, bias):
 def _block_launch(ext, a2d, q):
     """The native launch of the blockwise kernel the Python path runs for
     ``a2d`` with quantizer ``q`` (compiled by launching it once)."""
-    from ..kernels import triton_block as tb  # Triton: imported on CUDA only
+    from ...kernels import triton_block as tb  # Triton: imported on CUDA only
     grid, key, largs, out = tb.fp8_block_call(a2d, q.fp8_format, q.block_scaling_dim == 2,
                                               q.force_pow_2_scales, q.amax_epsilon,
                                               q.rowwise_usage, q.columnwise_usage)
@@ -486,7 +486,7 @@ def _block_launch(ext, a2d, q):
 def _block_pair_launch(ext, x2d, w2d, q, wq):
     """The native launch of the blockwise x/W pair kernel the Python path
     runs (``Float8BlockQuantizer.quantize_pair_unchecked``)."""
-    from ..kernels import triton_block as tb  # Triton: imported on CUDA only
+    from ...kernels import triton_block as tb  # Triton: imported on CUDA only
     grid, key, largs, out_x, out_w = tb.fp8_block_pair_call(
         x2d, w2d, q.fp8_format, q.force_pow_2_scales, q.amax_epsilon,
         (q.block_scaling_dim == 2, q.rowwise_usage, q.columnwise_usage),
@@ -499,8 +499,8 @@ def _block_pair_launch(ext, x2d, w2d, q, wq):
 def _launch(ext, a2d, b2d, q, a_usage, b_usage, slot):
     """The native launch of the current-scaling kernel the Python path runs
     for these operands (compiled by launching it once on them)."""
-    from ..kernels import triton_current as tc  # Triton: imported on CUDA only
-    from ..kernels.triton_quant import _fp8_copy_args
+    from ...kernels import triton_current as tc  # Triton: imported on CUDA only
+    from ...kernels.triton_quant import _fp8_copy_args
     grid, key, args, out_a, out_b = tc.one_launch_call(
         a2d, b2d, q.fp8_format, q.force_pow_2_scales, q.amax_epsilon, a_usage,
         b_usage or (False, False), slot)

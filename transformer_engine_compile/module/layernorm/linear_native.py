@@ -3,7 +3,7 @@
 The call becomes two native calls: the normalisation (``native_norm.cpp``:
 the Python path's norm kernels, a C++ autograd node saving x, mean, rstd
 and gamma as its op does) and the layer's native linear call on its
-output (module/linear_native.py, the same plan as a ``te.Linear``'s).  That
+output (module/linear/native.py, the same plan as a ``te.Linear``'s).  That
 is bit for bit the Python path, whose fused op runs the same norm kernel
 and then quantizes the norm's output exactly as ``te.Linear`` quantizes an
 input (under current scaling the norm kernel hands the cast its amax, the
@@ -25,7 +25,7 @@ a te.Linear with a bias gets (``linear_native._plain_plan``: ``F.linear``'s
 GEMMs from C++), with or without a bias; the Python path's op runs the same
 GEMMs and the same bias-gradient kernel.
 
-Covered: what the native linear path covers (module/linear_native.py);
+Covered: what the native linear path covers (module/linear/native.py);
 LayerNorm or RMSNorm, zero-centred gamma, ``return_layernorm_output``;
 norm parameters of one dtype, rows of at most ``triton_norm.MAX_K``.
 Anything else keeps the Python path.
@@ -35,13 +35,13 @@ from __future__ import annotations
 
 import torch
 
-from .. import kernels
-from ..kernels import native
-from .layernorm_linear_ops import LayerNormLinearFwdArgs
-from .linear_native_node import _DTYPE_NAMES
-from .linear_native import plan_for
-from .linear_args import _input_quantizer
-from .norm_ops import _gamma
+from ... import kernels
+from ...kernels import native
+from .linear_ops import LayerNormLinearFwdArgs
+from ..linear.native_node import _DTYPE_NAMES
+from ..linear.native import plan_for
+from ..linear.args import _input_quantizer
+from ..norm.ops import _gamma
 
 
 class NativeLayerNormLinear:
@@ -110,7 +110,7 @@ def norm_eligible(args) -> bool:
     rms = args.normalization == "RMSNorm"
     if type(x) is not torch.Tensor or not x.is_cuda or (b is not None) == rms:
         return False
-    from ..kernels import triton_norm  # Triton: imported on CUDA only
+    from ...kernels import triton_norm  # Triton: imported on CUDA only
     params = (w,) if rms else (w, b)
     return (all(type(p) in (torch.Tensor, torch.nn.Parameter) and p.device == x.device
                 and p.dtype == w.dtype and p.dim() == 1 and p.is_contiguous()
@@ -125,7 +125,7 @@ def norm_plan(ext, args, fp8_args=None):
     None where a launch cannot be native.  ``fp8_args``: the first GEMM's
     arguments under DelayedScaling, whose input quantizer the norm kernel
     writes the FP8 copy for (``triton_norm.norm_forward_fp8``)."""
-    from ..kernels import triton_norm as tn  # Triton: imported on CUDA only
+    from ...kernels import triton_norm as tn  # Triton: imported on CUDA only
     x, w = args.inp, args.ln_weight
     rms = args.normalization == "RMSNorm"
     m, k, dev = x.numel() // x.shape[-1], x.shape[-1], x.device
@@ -183,9 +183,9 @@ def _fp8_launches(ext, args, x2d, gamma, beta, eps, rms, with_y):
     launches are compiled on), then the transpose of the copy where the GEMM
     keeps x's columnwise copy; the first two None where a launch cannot be
     native."""
-    from ..kernels import reference as ref
-    from ..kernels import triton_norm as tn
-    from ..kernels import triton_quant as tq
+    from ...kernels import reference as ref
+    from ...kernels import triton_norm as tn
+    from ...kernels import triton_quant as tq
     q = _input_quantizer(args)
     m, k, dev = x2d.shape[0], x2d.shape[1], x2d.device
     dtype = ref.FP8_DTYPE[q.fp8_format]
