@@ -27,7 +27,7 @@ from ...kernels.reference import ACTIVATIONS
 from ..norm.layer import reset_norm_parameters
 from ..extra_state import (check_extra_state, delayed_state_names, load_without_extra_state,
                            pack_delayed_state, unpack_delayed_state)
-from ..linear.layer import (_PLAIN_TENSORS, _parallel_config, init_weight_, _torch_autocast_dtype,
+from ..linear.setup import (_PLAIN_TENSORS, _parallel_config, init_weight_, _torch_autocast_dtype,
                             check_gemm_shapes, first_microbatch_flag, gemm_state, main_grad_of,
                             set_quantizers, state_plan)
 from ..linear.args import LinearFwdArgs
@@ -367,7 +367,12 @@ class LayerNormMLP(torch.nn.Module):
         return self._forward(inp, self._params(), is_first_microbatch, call)
 
     def _forward(self, inp, params, is_first_microbatch, call=None, cast=False):
-        """``cast``: ``params`` are torch.autocast's casts of the layer's
+        """The one place a call picks its path: eagerly a configuration seen
+        before runs its native plan (``args_memo.native_forward``); compiled,
+        the custom ops (``mlp_ops.py``) or the eager fallback for what they
+        do not model; eager otherwise, the ops' impls.
+
+        ``cast``: ``params`` are torch.autocast's casts of the layer's
         (or the parameters, where no cast was needed)."""
         key = None
         if not torch.compiler.is_compiling():
