@@ -1,9 +1,11 @@
 """Layers, one subpackage per family: ``linear/`` (``te.Linear``),
 ``layernorm/`` (``te.LayerNormLinear``, ``te.LayerNormMLP``), ``norm/``
-(``te.LayerNorm``, ``te.RMSNorm``); the files here are what they share
+(``te.LayerNorm``, ``te.RMSNorm``), ``grouped/`` (``te.GroupedLinear``);
+the files here are what they share
 (the argument memo, extra state, parameter splits, the gathered weight's
 format check)."""
 
+from .grouped import GroupedLinear, GroupedLinearBwdArgs, GroupedLinearFwdArgs
 from .layernorm import (LayerNormLinear, LayerNormLinearBwdArgs, LayerNormLinearFwdArgs,
                         LayerNormMLP, LayerNormMLPBwdArgs, LayerNormMLPFwdArgs)
 from .linear import Linear, LinearBwdArgs, LinearFwdArgs
@@ -11,4 +13,5 @@ from .norm import LayerNorm, RMSNorm
 
 __all__ = ["Linear", "LinearFwdArgs", "LinearBwdArgs", "LayerNormLinear",
            "LayerNormLinearFwdArgs", "LayerNormLinearBwdArgs", "LayerNormMLP",
-           "LayerNormMLPFwdArgs", "LayerNormMLPBwdArgs", "LayerNorm", "RMSNorm"]
+           "LayerNormMLPFwdArgs", "LayerNormMLPBwdArgs", "LayerNorm", "RMSNorm",
+           "GroupedLinear", "GroupedLinearFwdArgs", "GroupedLinearBwdArgs"]

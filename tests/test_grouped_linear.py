@@ -1,0 +1,228 @@
+"""te.GroupedLinear (mixture-of-experts layer), bf16 grouped GEMMs on CPU:
+numerics against a per-expert loop, the generated ops (opcheck), compiled
+against eager, routing that changes every step without recompiling, and
+the argument checks."""
+
+import copy
+import io
+
+import pytest
+import torch
+
+import transformer_engine_compile as te
+from transformer_engine_compile.module.grouped import GROUPED_LINEAR_OPS as OPS
+from transformer_engine_compile.module.grouped import GroupedLinearFwdArgs
+from transformer_engine_compile.module.grouped.compute import (grouped_linear_forward,
+                                                                grouped_linear_setup_context)
+
+E, IN, OUT = 4, 64, 32
+
+
+def _layer(bias=True, seed=0):
+    torch.manual_seed(seed)
+    layer = te.GroupedLinear(E, IN, OUT, bias=bias, params_dtype=torch.bfloat16)
+    if bias:
+        with torch.no_grad():
+            layer.bias.normal_()
+    return layer
+
+
+def _loop(layer, x, sizes, dy):
+    """Output and gradients of one plain linear per expert, in bf16."""
+    x = x.detach().requires_grad_()
+    w = layer.weight.detach().requires_grad_()
+    b = None if layer.bias is None else layer.bias.detach().requires_grad_()
+    outs, start = [], 0
+    for g, m in enumerate(sizes):
+        y = x[start:start + m] @ w[g].t()
+        outs.append(y if b is None else y + b[g])
+        start += m
+    y = torch.cat(outs)
+    y.backward(dy)
+    return y, x.grad, w.grad, None if b is None else b.grad
+
+
+def _run(layer, x, routing, dy, step=None):
+    x = x.detach().requires_grad_()
+    layer.zero_grad(set_to_none=True)
+    y = (layer if step is None else step)(x, routing)
+    y.backward(dy)
+    return y, x.grad, layer.weight.grad, None if layer.bias is None else layer.bias.grad
+
+
+def _data(sizes, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    tokens = sum(sizes)
+    x = torch.randn(tokens, IN, generator=g).to(torch.bfloat16)
+    dy = torch.randn(tokens, OUT, generator=g).to(torch.bfloat16)
+    return x, dy
+
+
+SIZES = [(5, 0, 11, 16), (0, 0, 0, 8), (8, 8, 8, 8)]
+
+
+@pytest.mark.parametrize("sizes", SIZES, ids=["ragged", "one-expert", "even"])
+@pytest.mark.parametrize("form", ["list", "tensor"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_matches_a_loop_over_experts(sizes, form, bias):
+    layer = _layer(bias)
+    x, dy = _data(sizes)
+    routing = list(sizes) if form == "list" else torch.tensor(sizes)
+    y, dx, dw, db = _run(layer, x, routing, dy)
+    ry, rdx, rdw, rdb = _loop(layer, x, sizes, dy)
+    torch.testing.assert_close(y, ry, rtol=0, atol=0)
+    torch.testing.assert_close(dx, rdx, rtol=0, atol=0)
+    torch.testing.assert_close(dw, rdw, rtol=0, atol=0)
+    empty = [g for g, m in enumerate(sizes) if m == 0]
+    assert all(dw[g].count_nonzero() == 0 for g in empty)
+    if bias:  # a GEMM against ones: fp32 sums, rounded once
+        torch.testing.assert_close(db, rdb, rtol=1e-2, atol=1e-2)
+        assert all(db[g].count_nonzero() == 0 for g in empty)
+
+
+def test_offsets_and_leading_dims():
+    layer = _layer()
+    sizes = (3, 5, 0, 8)
+    x, dy = _data(sizes)
+    ref = layer(x, list(sizes))
+    ends = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    torch.testing.assert_close(layer(x, m_offsets=ends), ref, rtol=0, atol=0)
+    torch.testing.assert_close(layer(x, m_offsets=ends.tolist()), ref, rtol=0, atol=0)
+    y3 = layer(x.view(2, 8, IN), list(sizes))
+    assert y3.shape == (2, 8, OUT)
+    torch.testing.assert_close(y3.view(16, OUT), ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_equals_eager_and_routing_changes_without_recompiling(backend):
+    torch._dynamo.reset()
+    layer, compiled_layer = _layer(), _layer()
+    compiled_layer.load_state_dict(layer.state_dict())
+    compiles = []
+
+    def counting(gm, example_inputs):
+        compiles.append(gm)
+        if backend == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+            return compile_fx(gm, example_inputs)
+        from torch._dynamo.backends.common import aot_autograd
+        from functorch.compile import nop
+        return aot_autograd(fw_compiler=nop, bw_compiler=nop)(gm, example_inputs)
+
+    step = torch.compile(compiled_layer, fullgraph=True, backend=counting)
+    g = torch.Generator().manual_seed(3)
+    for i in range(6):
+        sizes = torch.randint(0, 9, (E,), generator=g)
+        sizes[i % E] = 0  # an expert without tokens every step
+        sizes[(i + 1) % E] += 1
+        x, dy = _data(sizes.tolist(), seed=10 + i)
+        eager = _run(layer, x, sizes, dy)
+        compiled = _run(compiled_layer, x, sizes, dy, step)
+        for a, b in zip(eager, compiled):
+            torch.testing.assert_close(b, a, rtol=0, atol=0)
+    # a recompile once the token count turns dynamic, none for the routing
+    assert len(compiles) <= 2, len(compiles)
+
+
+def test_an_expanded_gradient_is_taken():
+    layer = _layer()
+    sizes = (5, 0, 11, 16)
+    x, _ = _data(sizes)
+    layer(x.requires_grad_(), list(sizes)).sum().backward()  # dy: ones with zero strides
+    ones = torch.ones(32, OUT, dtype=torch.bfloat16)
+    ref = _loop(layer, x, sizes, ones)
+    torch.testing.assert_close(x.grad, ref[1], rtol=0, atol=0)
+    torch.testing.assert_close(layer.weight.grad, ref[2], rtol=0, atol=0)
+
+
+def test_opcheck_forward_and_backward_ops():
+    sizes = (5, 0, 11, 16)
+    x, dy = _data(sizes)
+    layer = _layer()
+    args = GroupedLinearFwdArgs(
+        inp=x.requires_grad_(), weight=layer.weight.detach(),
+        m_offsets=torch.tensor(sizes).cumsum(0).to(torch.int32), bias=layer.bias.detach(),
+        input_requires_grad=True, weight_requires_grad=True, bias_requires_grad=True)
+    torch.library.opcheck(OPS.fwd_op, tuple(OPS.fwd_plan.encode(args)))
+    real = grouped_linear_forward(args)
+    args.inp.requires_grad_(False)
+    bwd = OPS.make_bwd_args(real.saved, grouped_linear_setup_context(args), {"grad_output": dy})
+    torch.library.opcheck(OPS.bwd_op, tuple(OPS.bwd_plan.encode(bwd)))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_bad_routing_is_refused(compiled):
+    """Before any kernel, eager and compiled (where fullgraph=True's Dynamo
+    wraps a raised error in Unsupported, the message intact)."""
+    torch._dynamo.reset()
+    layer = _layer()
+    call = torch.compile(layer, fullgraph=True, backend="aot_eager") if compiled else layer
+    x, _ = _data((4, 4, 4, 4))
+
+    def raises(exc, match):
+        return pytest.raises(torch._dynamo.exc.Unsupported if compiled else exc, match=match)
+
+    with raises(ValueError, "sum to 15, the input has 16 rows"):
+        call(x, [4, 4, 4, 3])
+    with raises(ValueError, "must not be negative"):
+        call(x, [8, -4, 8, 4])
+    with raises(ValueError, "one entry per expert"):
+        call(x, [8, 8])
+    with raises(ValueError, "one entry per expert"):
+        call(x, torch.tensor([8, 8]))
+    with raises(TypeError, "integer tensor"):
+        call(x, torch.tensor([4.0, 4.0, 4.0, 4.0]))
+    with pytest.raises(RuntimeError, match="m_splits must be non-negative counts"):
+        call(x, torch.tensor([4, 4, 4, 3]))  # checked on the device
+    with pytest.raises(RuntimeError, match="m_splits must be non-negative counts"):
+        call(x, torch.tensor([12, -4, 4, 4]))
+    with raises(ValueError, "in_features=64"):
+        call(torch.zeros(16, 32, dtype=torch.bfloat16), [4, 4, 4, 4])
+    with pytest.raises(TypeError, match="exactly one of m_splits and m_offsets"):
+        layer(x, [4, 4, 4, 4], m_offsets=[4, 8, 12, 16])
+    with pytest.raises(ValueError, match="non-decreasing"):
+        layer(x, m_offsets=[4, 2, 12, 16])
+
+
+def test_recipes_not_implemented_say_so():
+    layer = _layer()
+    x, _ = _data((4, 4, 4, 4))
+    with te.autocast(recipe=te.recipe.Float8CurrentScaling()):
+        with pytest.raises(NotImplementedError, match="Float8CurrentScaling is not implemented"):
+            layer(x, [4, 4, 4, 4])
+
+
+def test_constructor_checks_and_state():
+    with pytest.raises(ValueError, match="num_gemms must be a positive int"):
+        te.GroupedLinear(0, IN, OUT)
+    layer = _layer()
+    assert layer.weight.shape == (E, OUT, IN) and layer.bias.shape == (E, OUT)
+    assert layer.weight_i(2).data_ptr() == layer.weight[2].data_ptr()
+    # each expert initialised on its own (te.Linear's init), not one shared draw
+    assert not torch.equal(layer.weight[0], layer.weight[1])
+    buf = io.BytesIO()
+    torch.save(layer.state_dict(), buf)
+    buf.seek(0)
+    other = te.GroupedLinear(E, IN, OUT, params_dtype=torch.bfloat16)
+    other.load_state_dict(torch.load(buf))
+    clone = copy.deepcopy(layer)
+    x, _ = _data((4, 4, 4, 4))
+    torch.testing.assert_close(other(x, [4, 4, 4, 4]), layer(x, [4, 4, 4, 4]), rtol=0, atol=0)
+    torch.testing.assert_close(clone(x, [4, 4, 4, 4]), layer(x, [4, 4, 4, 4]), rtol=0, atol=0)
+
+
+def test_torch_autocast_computes_in_its_dtype():
+    torch.manual_seed(0)
+    layer = te.GroupedLinear(E, IN, OUT)  # fp32 parameters
+    x = torch.randn(16, IN)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x, [4, 4, 4, 4])
+    assert y.dtype == torch.bfloat16
+    ref = _loop(_cast(layer), x.to(torch.bfloat16), (4, 4, 4, 4),
+                torch.zeros(16, OUT, dtype=torch.bfloat16))[0]
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+
+
+def _cast(layer):
+    out = copy.deepcopy(layer).to(torch.bfloat16)
+    return out

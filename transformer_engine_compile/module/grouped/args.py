@@ -1,0 +1,40 @@
+"""The arguments of ``te.GroupedLinear``'s ops: the contract with the op
+generator (``dynamo/custom_op.py``), as ``linear/args.py`` is te.Linear's.
+
+The tokens of all experts arrive as one ``(tokens, in_features)`` input,
+rows grouped by expert; ``m_offsets`` (int32, one entry per expert) holds
+the end row of each group, the layout ``torch._grouped_mm`` takes.  Group
+sizes live on the device only, so routing that changes every step needs
+no host synchronisation and no recompilation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+
+@dataclasses.dataclass
+class GroupedLinearFwdArgs:
+    inp: torch.Tensor                    # (tokens, in_features), rows grouped by expert
+    weight: torch.Tensor                 # (num_gemms, out_features, in_features)
+    m_offsets: torch.Tensor              # (num_gemms,) int32: each group's end row
+    bias: Optional[torch.Tensor] = None  # (num_gemms, out_features)
+    input_requires_grad: bool = False
+    weight_requires_grad: bool = False
+    bias_requires_grad: bool = False
+
+
+@dataclasses.dataclass
+class GroupedLinearBwdArgs:
+    grad_output: torch.Tensor                # (tokens, out_features)
+    m_offsets: Optional[torch.Tensor] = None
+    inputmat: Optional[torch.Tensor] = None  # x, for wgrad
+    weightmat: Optional[torch.Tensor] = None  # W, for dgrad
+    input_requires_grad: bool = False
+    weight_requires_grad: bool = False
+    bias_requires_grad: bool = False
+    weight_dtype: torch.dtype = torch.float32
+    bias_dtype: Optional[torch.dtype] = None

@@ -1,0 +1,171 @@
+"""``te.GroupedLinear``: one linear layer per expert of a mixture of experts,
+all run as grouped GEMMs.
+
+Transformer Engine's constructor and names, with one difference: the
+weights are one stacked parameter ``weight`` of shape ``(num_gemms,
+out_features, in_features)`` (and ``bias`` ``(num_gemms, out_features)``)
+rather than ``weight0 ... weight{n-1}``.  The grouped GEMMs
+(``torch._grouped_mm``, and ``torch._scaled_grouped_mm`` for FP8) take the
+experts' weights as one 3-D tensor: per-expert parameters would be stacked
+into a new tensor at every forward, a copy of every expert weight per step,
+and FSDP2 then shards the stacked parameter by experts.  ``weight_i(i)``
+reads expert ``i``'s weight (a view).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+from ...autocast import get_autocast_recipe
+from ..linear.setup import _torch_autocast_dtype, init_weight_
+from .args import GroupedLinearFwdArgs
+from .ops import GROUPED_LINEAR_OPS
+
+__all__ = ["GroupedLinear"]
+
+
+class GroupedLinear(torch.nn.Module):
+    """``y_g = x_g W_g^T + b_g`` for each group ``g`` of rows of ``x``.
+
+    ``forward(inp, m_splits)``: ``inp`` is ``(tokens, in_features)`` (or
+    ``(..., in_features)``, flattened) with the rows of expert 0 first, then
+    expert 1's, and so on; ``m_splits`` the number of rows of each expert,
+    either a list of ints (Transformer Engine's form: checked on the host,
+    copied to the device every call) or a 1-D integer tensor on the input's
+    device (no host synchronisation: the form for CUDA graphs and for
+    routing that changes every step under ``torch.compile``, checked on the
+    device).  ``m_offsets=`` instead takes each group's end row (int32), the
+    layout the grouped GEMM reads.  Experts with no tokens are allowed.
+
+    Recipes: bf16 (no recipe) runs ``torch._grouped_mm``; the FP8 recipes
+    are not implemented yet and raise under ``te.autocast`` with one.
+    """
+
+    def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True,
+                 *, init_method=None, params_dtype: Optional[torch.dtype] = None,
+                 device: Union[torch.device, str, None] = None):
+        super().__init__()
+        for name, value in (("num_gemms", num_gemms), ("in_features", in_features),
+                            ("out_features", out_features)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"te.GroupedLinear: {name} must be a positive int, got {value!r}")
+        self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
+        self.init_method = init_method
+        dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
+        self.weight = torch.nn.Parameter(torch.empty(num_gemms, out_features, in_features,
+                                                     dtype=dtype, device=device))
+        self.bias = torch.nn.Parameter(torch.zeros(num_gemms, out_features, dtype=dtype,
+                                                   device=device)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Each expert's weight as ``te.Linear`` initialises its own; zero bias."""
+        if self.weight.is_meta:
+            return
+        with torch.no_grad():
+            for i in range(self.num_gemms):
+                init_weight_(self.weight[i], self.init_method)
+            if self.bias is not None:
+                self.bias.zero_()
+
+    def weight_i(self, i: int) -> torch.Tensor:
+        """Expert ``i``'s weight, ``(out_features, in_features)`` (a view)."""
+        return self.weight[i]
+
+    def extra_repr(self) -> str:
+        return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, bias={self.bias is not None}")
+
+    # -- routing -------------------------------------------------------------------------
+    def _offsets(self, m_splits, m_offsets, tokens: int, device) -> torch.Tensor:
+        """Each group's end row (int32, on ``device``), the arguments checked."""
+        if (m_splits is None) == (m_offsets is None):
+            raise TypeError("te.GroupedLinear: pass exactly one of m_splits and m_offsets")
+        given = m_splits if m_offsets is None else m_offsets
+        what = "m_splits" if m_offsets is None else "m_offsets"
+        if isinstance(given, torch.Tensor):
+            if given.dim() != 1 or given.shape[0] != self.num_gemms:
+                raise ValueError(f"te.GroupedLinear: {what} must hold one entry per expert "
+                                 f"({self.num_gemms}), got shape {tuple(given.shape)}")
+            if given.dtype.is_floating_point or given.dtype.is_complex or given.dtype == torch.bool:
+                raise TypeError(f"te.GroupedLinear: {what} must be an integer tensor, got "
+                                f"{given.dtype}")
+            if given.device != device:
+                raise ValueError(f"te.GroupedLinear: {what} must be on the input's device "
+                                 f"({device}), got {given.device}")
+            if m_offsets is None:
+                offs = torch.cumsum(given, 0, dtype=torch.int32)
+                ok = (offs[-1] == tokens) & (given >= 0).all()
+            else:
+                offs = given.to(torch.int32)
+                ok = (offs[-1] == tokens) & (offs[0] >= 0) & (offs[1:] >= offs[:-1]).all()
+            # checked on the device: no host synchronisation, in graphs too
+            # (the message names no size: a traced token count would be specialized)
+            torch._assert_async(ok, f"te.GroupedLinear: {what} must be non-negative "
+                                    f"{'counts summing to' if m_offsets is None else 'non-decreasing end rows ending at'}"
+                                    " the input's row count")
+            return offs
+        sizes = list(given)
+        if len(sizes) != self.num_gemms:
+            raise ValueError(f"te.GroupedLinear: {what} must hold one entry per expert "
+                             f"({self.num_gemms}), got {len(sizes)}")
+        if any(not isinstance(s, int) or isinstance(s, bool) for s in sizes):
+            raise TypeError(f"te.GroupedLinear: {what} must hold ints, got {sizes!r}")
+        if m_offsets is None:
+            if any(s < 0 for s in sizes):
+                raise ValueError(f"te.GroupedLinear: m_splits must not be negative, got {sizes}")
+            if sum(sizes) != tokens:
+                raise ValueError(f"te.GroupedLinear: m_splits sum to {sum(sizes)}, the input "
+                                 f"has {tokens} rows")
+            ends, total = [], 0
+            for s in sizes:
+                total += s
+                ends.append(total)
+        else:
+            ends = sizes
+            if any(b < a for a, b in zip([0] + ends, ends)) or ends[-1] != tokens:
+                raise ValueError(f"te.GroupedLinear: m_offsets must be non-decreasing end rows "
+                                 f"ending at the input's {tokens} rows, got {sizes}")
+        return torch.tensor(ends, dtype=torch.int32, device=device)
+
+    # -- forward -------------------------------------------------------------------------
+    def forward(self, inp: torch.Tensor, m_splits: Union[Sequence[int], torch.Tensor, None] = None,
+                *, m_offsets: Union[Sequence[int], torch.Tensor, None] = None) -> torch.Tensor:
+        if inp.shape[-1] != self.in_features:
+            raise ValueError(f"te.GroupedLinear: the input's last dim is {inp.shape[-1]}, the "
+                             f"layer takes in_features={self.in_features}")
+        recipe = get_autocast_recipe()
+        if recipe is not None:
+            raise NotImplementedError(
+                f"te.GroupedLinear: {type(recipe).__name__} is not implemented yet; the layer "
+                "runs without a recipe (bf16 grouped GEMMs)")
+        weight, bias = self.weight, self.bias
+        ac_dtype = _torch_autocast_dtype(inp)
+        if ac_dtype is not None:  # torch.autocast: compute in its dtype, as te.Linear does
+            with torch.autocast(inp.device.type, enabled=False):
+                weight = weight.to(ac_dtype)
+                bias = None if bias is None else bias.to(ac_dtype)
+                return self._forward(inp.to(ac_dtype), weight, bias, m_splits, m_offsets)
+        return self._forward(inp, weight, bias, m_splits, m_offsets)
+
+    def _forward(self, inp, weight, bias, m_splits, m_offsets):
+        if inp.dtype != weight.dtype:
+            raise TypeError(f"te.GroupedLinear: input dtype {inp.dtype} differs from the "
+                            f"weight's {weight.dtype}")
+        if inp.is_cuda and inp.dtype != torch.bfloat16:
+            raise TypeError("te.GroupedLinear: on CUDA the grouped GEMM (torch._grouped_mm) "
+                            f"takes bfloat16, got {inp.dtype}")
+        x = inp.reshape(-1, self.in_features)
+        offs = self._offsets(m_splits, m_offsets, x.shape[0], x.device)
+        args = GroupedLinearFwdArgs(
+            inp=x, weight=weight, m_offsets=offs, bias=bias,
+            input_requires_grad=inp.requires_grad and torch.is_grad_enabled(),
+            weight_requires_grad=weight.requires_grad and torch.is_grad_enabled(),
+            bias_requires_grad=bias is not None and bias.requires_grad and torch.is_grad_enabled())
+        if torch.compiler.is_compiling():
+            out = GROUPED_LINEAR_OPS(args)["out"]
+        else:
+            out = GROUPED_LINEAR_OPS.eager(args)["out"]
+        return out.reshape(*inp.shape[:-1], self.out_features)
