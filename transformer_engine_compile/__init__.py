@@ -4,7 +4,7 @@
 Public API: recipes (``recipe``), ``autocast`` / ``fp8_autocast``, the
 quantizers and quantized tensors of every format, ``TensorProto``, and the
 layers (``Linear``, ``LayerNormLinear``, ``LayerNormMLP``, ``LayerNorm``, ``RMSNorm``,
-``GroupedLinear``), and ``export`` (``torch.export.export`` whose program
+``GroupedLinear``, ``GroupedExperts``), and ``export`` (``torch.export.export`` whose program
 ``torch.export.save`` can store).
 """
 
@@ -23,8 +23,8 @@ from .quantization import (Float8BlockQuantizer, Float8BlockwiseQTensor,
                            NVFP4TensorStorage, QuantizedTensor, QuantizedTensorStorage, Quantizer,
                            delayed_scaling_step, update_delayed_scaling)
 from .quantization.factory import quantizer_for
-from .module import (GroupedLinear, GroupedLinearBwdArgs, GroupedLinearFwdArgs, LayerNorm,
-                     LayerNormLinear, LayerNormLinearBwdArgs, LayerNormLinearFwdArgs,
+from .module import (GroupedExperts, GroupedLinear, GroupedLinearBwdArgs, GroupedLinearFwdArgs,
+                     LayerNorm, LayerNormLinear, LayerNormLinearBwdArgs, LayerNormLinearFwdArgs,
                      LayerNormMLP, LayerNormMLPBwdArgs, LayerNormMLPFwdArgs, Linear,
                      LinearBwdArgs, LinearFwdArgs, RMSNorm)
 from .dynamo.fallback import fallback_report
@@ -36,7 +36,7 @@ __all__ = [
     "Linear", "LinearFwdArgs", "LinearBwdArgs", "LayerNormLinear", "LayerNormLinearFwdArgs",
     "LayerNormLinearBwdArgs", "LayerNormMLP", "LayerNormMLPFwdArgs", "LayerNormMLPBwdArgs",
     "LayerNorm", "RMSNorm", "GroupedLinear", "GroupedLinearFwdArgs", "GroupedLinearBwdArgs",
-    "fallback_report", "prepare_cuda_graphs",
+    "GroupedExperts", "fallback_report", "prepare_cuda_graphs",
     "recipe", "autocast", "fp8_autocast", "checkpoint", "convert", "get_autocast_recipe", "is_autocast_enabled",
     "compile_support", "export", "lift_value_opaque", "is_value_opaque", "register_value_opaque_quantizer",
     "TensorProto", "to_tensor_proto", "quantizer_for",

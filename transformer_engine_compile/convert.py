@@ -1,5 +1,6 @@
 """``te.convert``: swap the ``torch.nn.Linear`` layers of an existing model
-for ``te.Linear``, in place, keeping their parameters."""
+for ``te.Linear``, and its mixture-of-experts experts for
+``te.GroupedExperts``, in place, keeping their parameters."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Callable, Optional
 import torch
 
 from . import recipe as R
+from .module.grouped.experts import GroupedExperts
 from .module.linear.layer import Linear
 from .quantization import factory
 
@@ -56,13 +58,53 @@ def _new_linear(old: torch.nn.Linear, fqn: str, params_dtype) -> Linear:
     return new
 
 
+def experts_layout(module: torch.nn.Module) -> Optional[str]:
+    """Why ``module``, a Hugging Face experts module (stacked ``gate_up_proj``
+    and ``down_proj`` parameters, ``act_fn``), cannot become a
+    :class:`~.module.grouped.experts.GroupedExperts`, or None when it can:
+    gate rows then up rows, ``(out, in)`` weights, no bias (the layout of
+    ``transformers``' Mixtral, Qwen2/3-MoE experts)."""
+    for flag, want in (("has_gate", True), ("has_bias", False), ("is_transposed", False),
+                       ("is_concatenated", True), ("has_post_expert_norm", False)):
+        if getattr(module, flag, want) != want:
+            return f"{flag}={getattr(module, flag)} (te.GroupedExperts takes {flag}={want})"
+    gate_up, down = module.gate_up_proj, module.down_proj
+    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0] or \
+            gate_up.shape[1] != 2 * down.shape[2] or gate_up.shape[2] != down.shape[1]:
+        return (f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not "
+                "(experts, 2 ffn, hidden) and (experts, hidden, ffn)")
+    return None
+
+
+def _is_experts(module: torch.nn.Module) -> bool:
+    return (not isinstance(module, GroupedExperts)
+            and isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter)
+            and isinstance(getattr(module, "down_proj", None), torch.nn.Parameter)
+            and callable(getattr(module, "act_fn", None)))
+
+
+def _new_experts(old: torch.nn.Module, params_dtype) -> GroupedExperts:
+    experts, ffn2, hidden = old.gate_up_proj.shape
+    new = GroupedExperts(experts, hidden, ffn2 // 2, activation=old.act_fn,
+                         params_dtype=old.gate_up_proj.dtype, device="meta")
+    for pname in ("gate_up_proj", "down_proj"):
+        p = getattr(old, pname)
+        if params_dtype is not None and p.dtype != params_dtype:
+            p = torch.nn.Parameter(p.detach().to(params_dtype), requires_grad=p.requires_grad)
+        setattr(new, pname, p)
+    new.train(old.training)
+    return new
+
+
 def convert(model: torch.nn.Module,
             module_filter_fn: Optional[Callable[[torch.nn.Module, str], bool]] = None,
             params_dtype: Optional[torch.dtype] = None,
             recipe: Optional[R.Recipe] = None) -> torch.nn.Module:
     """Replace every ``torch.nn.Linear`` of ``model`` that
     ``module_filter_fn(module, fqn)`` accepts (all when None) by a
-    ``te.Linear`` holding the same parameters (cast to ``params_dtype`` when
+    ``te.Linear``, and every Hugging Face experts module (stacked
+    ``gate_up_proj`` / ``down_proj``, see :func:`experts_layout`) by a
+    ``te.GroupedExperts``, each holding the same parameters (cast to ``params_dtype`` when
     given, else the same Parameter objects, so tied weights stay tied and an
     optimizer built before still updates them).  In place; returns the model
     (the new layer when ``model`` itself is a ``torch.nn.Linear``).
@@ -75,6 +117,10 @@ def convert(model: torch.nn.Module,
     take (so training under it needs no other filter).  A layer that some
     recipes cannot take is converted and those are named (INFO).  Without a
     recipe the converted layer runs the same GEMM as ``torch.nn.Linear``.
+    Experts run bf16 grouped GEMMs only so far: with a recipe given they are
+    kept (logged), and a model whose experts were converted raises in them
+    under ``te.autocast`` with a recipe (exclude them with
+    ``module_filter_fn`` to train the rest in FP8).
     """
     if recipe is not None and not isinstance(recipe, R.Recipe):
         raise TypeError(f"te.convert: recipe must be a transformer_engine_compile.recipe.Recipe, "
@@ -111,22 +157,46 @@ def convert(model: torch.nn.Module,
         new_of[id(module)] = new
         return new
 
+    def experts_replacement(module, fqn):
+        if id(module) in new_of:
+            return new_of[id(module)]
+        new = None
+        if module_filter_fn is None or module_filter_fn(module, fqn):
+            reason = experts_layout(module)
+            if reason is None and recipe is not None:
+                reason = f"te.GroupedExperts does not run {type(recipe).__name__} yet (bf16 only)"
+            if reason is not None:
+                skipped[fqn] = reason
+            else:
+                new = _new_experts(module, params_dtype)
+                converted_experts.append(fqn)
+        new_of[id(module)] = new
+        return new
+
+    converted_experts: list = []
     if isinstance(model, torch.nn.Linear):
         new = replacement(model, "")
-        _log(converted, skipped)
+        _log(converted, skipped, converted_experts)
         return model if new is None else new
     for parent_name, parent in list(model.named_modules(remove_duplicate=False)):
         for name, child in list(parent._modules.items()):  # duplicates included
+            fqn = f"{parent_name}.{name}" if parent_name else name
             if isinstance(child, torch.nn.Linear):
-                fqn = f"{parent_name}.{name}" if parent_name else name
                 new = replacement(child, fqn)
-                if new is not None:
-                    setattr(parent, name, new)
-    _log(converted, skipped)
+            elif child is not None and _is_experts(child):
+                new = experts_replacement(child, fqn)
+            else:
+                continue
+            if new is not None:
+                setattr(parent, name, new)
+    _log(converted, skipped, converted_experts)
     return model
 
 
-def _log(converted, skipped) -> None:
+def _log(converted, skipped, converted_experts=()) -> None:
     log.info("te.convert: %d torch.nn.Linear layer(s) converted to te.Linear", len(converted))
+    if converted_experts:
+        log.info("te.convert: %d experts module(s) converted to te.GroupedExperts",
+                 len(converted_experts))
     for fqn, reason in skipped.items():
         log.warning("te.convert: kept %s as it is: %s", fqn or "the model", reason)

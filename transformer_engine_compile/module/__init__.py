@@ -5,7 +5,7 @@ the files here are what they share
 (the argument memo, extra state, parameter splits, the gathered weight's
 format check)."""
 
-from .grouped import GroupedLinear, GroupedLinearBwdArgs, GroupedLinearFwdArgs
+from .grouped import GroupedExperts, GroupedLinear, GroupedLinearBwdArgs, GroupedLinearFwdArgs
 from .layernorm import (LayerNormLinear, LayerNormLinearBwdArgs, LayerNormLinearFwdArgs,
                         LayerNormMLP, LayerNormMLPBwdArgs, LayerNormMLPFwdArgs)
 from .linear import Linear, LinearBwdArgs, LinearFwdArgs
@@ -14,4 +14,4 @@ from .norm import LayerNorm, RMSNorm
 __all__ = ["Linear", "LinearFwdArgs", "LinearBwdArgs", "LayerNormLinear",
            "LayerNormLinearFwdArgs", "LayerNormLinearBwdArgs", "LayerNormMLP",
            "LayerNormMLPFwdArgs", "LayerNormMLPBwdArgs", "LayerNorm", "RMSNorm",
-           "GroupedLinear", "GroupedLinearFwdArgs", "GroupedLinearBwdArgs"]
+           "GroupedExperts", "GroupedLinear", "GroupedLinearFwdArgs", "GroupedLinearBwdArgs"]

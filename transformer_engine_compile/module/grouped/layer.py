@@ -78,94 +78,106 @@ class GroupedLinear(torch.nn.Module):
         return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, "
                 f"out_features={self.out_features}, bias={self.bias is not None}")
 
-    # -- routing -------------------------------------------------------------------------
-    def _offsets(self, m_splits, m_offsets, tokens: int, device) -> torch.Tensor:
-        """Each group's end row (int32, on ``device``), the arguments checked."""
-        if (m_splits is None) == (m_offsets is None):
-            raise TypeError("te.GroupedLinear: pass exactly one of m_splits and m_offsets")
-        given = m_splits if m_offsets is None else m_offsets
-        what = "m_splits" if m_offsets is None else "m_offsets"
-        if isinstance(given, torch.Tensor):
-            if given.dim() != 1 or given.shape[0] != self.num_gemms:
-                raise ValueError(f"te.GroupedLinear: {what} must hold one entry per expert "
-                                 f"({self.num_gemms}), got shape {tuple(given.shape)}")
-            if given.dtype.is_floating_point or given.dtype.is_complex or given.dtype == torch.bool:
-                raise TypeError(f"te.GroupedLinear: {what} must be an integer tensor, got "
-                                f"{given.dtype}")
-            if given.device != device:
-                raise ValueError(f"te.GroupedLinear: {what} must be on the input's device "
-                                 f"({device}), got {given.device}")
-            if m_offsets is None:
-                offs = torch.cumsum(given, 0, dtype=torch.int32)
-                ok = (offs[-1] == tokens) & (given >= 0).all()
-            else:
-                offs = given.to(torch.int32)
-                ok = (offs[-1] == tokens) & (offs[0] >= 0) & (offs[1:] >= offs[:-1]).all()
-            # checked on the device: no host synchronisation, in graphs too
-            # (the message names no size: a traced token count would be specialized)
-            torch._assert_async(ok, f"te.GroupedLinear: {what} must be non-negative "
-                                    f"{'counts summing to' if m_offsets is None else 'non-decreasing end rows ending at'}"
-                                    " the input's row count")
-            return offs
-        sizes = list(given)
-        if len(sizes) != self.num_gemms:
-            raise ValueError(f"te.GroupedLinear: {what} must hold one entry per expert "
-                             f"({self.num_gemms}), got {len(sizes)}")
-        if any(not isinstance(s, int) or isinstance(s, bool) for s in sizes):
-            raise TypeError(f"te.GroupedLinear: {what} must hold ints, got {sizes!r}")
-        if m_offsets is None:
-            if any(s < 0 for s in sizes):
-                raise ValueError(f"te.GroupedLinear: m_splits must not be negative, got {sizes}")
-            if sum(sizes) != tokens:
-                raise ValueError(f"te.GroupedLinear: m_splits sum to {sum(sizes)}, the input "
-                                 f"has {tokens} rows")
-            ends, total = [], 0
-            for s in sizes:
-                total += s
-                ends.append(total)
-        else:
-            ends = sizes
-            if any(b < a for a, b in zip([0] + ends, ends)) or ends[-1] != tokens:
-                raise ValueError(f"te.GroupedLinear: m_offsets must be non-decreasing end rows "
-                                 f"ending at the input's {tokens} rows, got {sizes}")
-        return torch.tensor(ends, dtype=torch.int32, device=device)
-
-    # -- forward -------------------------------------------------------------------------
     def forward(self, inp: torch.Tensor, m_splits: Union[Sequence[int], torch.Tensor, None] = None,
                 *, m_offsets: Union[Sequence[int], torch.Tensor, None] = None) -> torch.Tensor:
-        if inp.shape[-1] != self.in_features:
-            raise ValueError(f"te.GroupedLinear: the input's last dim is {inp.shape[-1]}, the "
-                             f"layer takes in_features={self.in_features}")
-        recipe = get_autocast_recipe()
-        if recipe is not None:
-            raise NotImplementedError(
-                f"te.GroupedLinear: {type(recipe).__name__} is not implemented yet; the layer "
-                "runs without a recipe (bf16 grouped GEMMs)")
-        weight, bias = self.weight, self.bias
-        ac_dtype = _torch_autocast_dtype(inp)
-        if ac_dtype is not None:  # torch.autocast: compute in its dtype, as te.Linear does
-            with torch.autocast(inp.device.type, enabled=False):
-                weight = weight.to(ac_dtype)
-                bias = None if bias is None else bias.to(ac_dtype)
-                return self._forward(inp.to(ac_dtype), weight, bias, m_splits, m_offsets)
-        return self._forward(inp, weight, bias, m_splits, m_offsets)
+        return grouped_linear(inp, self.weight, self.bias, m_splits, m_offsets=m_offsets)
 
-    def _forward(self, inp, weight, bias, m_splits, m_offsets):
-        if inp.dtype != weight.dtype:
-            raise TypeError(f"te.GroupedLinear: input dtype {inp.dtype} differs from the "
-                            f"weight's {weight.dtype}")
-        if inp.is_cuda and inp.dtype != torch.bfloat16:
-            raise TypeError("te.GroupedLinear: on CUDA the grouped GEMM (torch._grouped_mm) "
-                            f"takes bfloat16, got {inp.dtype}")
-        x = inp.reshape(-1, self.in_features)
-        offs = self._offsets(m_splits, m_offsets, x.shape[0], x.device)
-        args = GroupedLinearFwdArgs(
-            inp=x, weight=weight, m_offsets=offs, bias=bias,
-            input_requires_grad=inp.requires_grad and torch.is_grad_enabled(),
-            weight_requires_grad=weight.requires_grad and torch.is_grad_enabled(),
-            bias_requires_grad=bias is not None and bias.requires_grad and torch.is_grad_enabled())
-        if torch.compiler.is_compiling():
-            out = GROUPED_LINEAR_OPS(args)["out"]
+
+def grouped_linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                   m_splits: Union[Sequence[int], torch.Tensor, None] = None, *,
+                   m_offsets: Union[Sequence[int], torch.Tensor, None] = None) -> torch.Tensor:
+    """``te.GroupedLinear``'s forward as a function of its parameters
+    (``weight`` ``(num_gemms, out, in)``, ``bias`` ``(num_gemms, out)``): for
+    modules that hold expert weights under their own names
+    (:class:`~.experts.GroupedExperts`)."""
+    groups, out_features, in_features = weight.shape
+    if inp.shape[-1] != in_features:
+        raise ValueError(f"te.GroupedLinear: the input's last dim is {inp.shape[-1]}, the "
+                         f"layer takes in_features={in_features}")
+    recipe = get_autocast_recipe()
+    if recipe is not None:
+        raise NotImplementedError(
+            f"te.GroupedLinear: {type(recipe).__name__} is not implemented yet; the layer "
+            "runs without a recipe (bf16 grouped GEMMs)")
+    ac_dtype = _torch_autocast_dtype(inp)
+    if ac_dtype is not None:  # torch.autocast: compute in its dtype, as te.Linear does
+        with torch.autocast(inp.device.type, enabled=False):
+            return _grouped_linear(inp.to(ac_dtype), weight.to(ac_dtype),
+                                   None if bias is None else bias.to(ac_dtype), m_splits,
+                                   m_offsets)
+    return _grouped_linear(inp, weight, bias, m_splits, m_offsets)
+
+
+def _grouped_linear(inp, weight, bias, m_splits, m_offsets):
+    groups, out_features, in_features = weight.shape
+    if inp.dtype != weight.dtype:
+        raise TypeError(f"te.GroupedLinear: input dtype {inp.dtype} differs from the "
+                        f"weight's {weight.dtype}")
+    if inp.is_cuda and inp.dtype != torch.bfloat16:
+        raise TypeError("te.GroupedLinear: on CUDA the grouped GEMM (torch._grouped_mm) "
+                        f"takes bfloat16, got {inp.dtype}")
+    x = inp.reshape(-1, in_features)
+    offs = _offsets(groups, m_splits, m_offsets, x.shape[0], x.device)
+    grad = torch.is_grad_enabled()
+    args = GroupedLinearFwdArgs(
+        inp=x, weight=weight, m_offsets=offs, bias=bias,
+        input_requires_grad=inp.requires_grad and grad,
+        weight_requires_grad=weight.requires_grad and grad,
+        bias_requires_grad=bias is not None and bias.requires_grad and grad)
+    if torch.compiler.is_compiling():
+        out = GROUPED_LINEAR_OPS(args)["out"]
+    else:
+        out = GROUPED_LINEAR_OPS.eager(args)["out"]
+    return out.reshape(*inp.shape[:-1], out_features)
+
+
+def _offsets(groups: int, m_splits, m_offsets, tokens: int, device) -> torch.Tensor:
+    """Each group's end row (int32, on ``device``), the arguments checked."""
+    if (m_splits is None) == (m_offsets is None):
+        raise TypeError("te.GroupedLinear: pass exactly one of m_splits and m_offsets")
+    given = m_splits if m_offsets is None else m_offsets
+    what = "m_splits" if m_offsets is None else "m_offsets"
+    if isinstance(given, torch.Tensor):
+        if given.dim() != 1 or given.shape[0] != groups:
+            raise ValueError(f"te.GroupedLinear: {what} must hold one entry per expert "
+                             f"({groups}), got shape {tuple(given.shape)}")
+        if given.dtype.is_floating_point or given.dtype.is_complex or given.dtype == torch.bool:
+            raise TypeError(f"te.GroupedLinear: {what} must be an integer tensor, got "
+                            f"{given.dtype}")
+        if given.device != device:
+            raise ValueError(f"te.GroupedLinear: {what} must be on the input's device "
+                             f"({device}), got {given.device}")
+        if m_offsets is None:
+            offs = torch.cumsum(given, 0, dtype=torch.int32)
+            ok = (offs[-1] == tokens) & (given >= 0).all()
         else:
-            out = GROUPED_LINEAR_OPS.eager(args)["out"]
-        return out.reshape(*inp.shape[:-1], self.out_features)
+            offs = given.to(torch.int32)
+            ok = (offs[-1] == tokens) & (offs[0] >= 0) & (offs[1:] >= offs[:-1]).all()
+        # checked on the device: no host synchronisation, in graphs too
+        # (the message names no size: a traced token count would be specialized)
+        torch._assert_async(ok, f"te.GroupedLinear: {what} must be non-negative "
+                                f"{'counts summing to' if m_offsets is None else 'non-decreasing end rows ending at'}"
+                                " the input's row count")
+        return offs
+    sizes = list(given)
+    if len(sizes) != groups:
+        raise ValueError(f"te.GroupedLinear: {what} must hold one entry per expert "
+                         f"({groups}), got {len(sizes)}")
+    if any(not isinstance(s, int) or isinstance(s, bool) for s in sizes):
+        raise TypeError(f"te.GroupedLinear: {what} must hold ints, got {sizes!r}")
+    if m_offsets is None:
+        if any(s < 0 for s in sizes):
+            raise ValueError(f"te.GroupedLinear: m_splits must not be negative, got {sizes}")
+        if sum(sizes) != tokens:
+            raise ValueError(f"te.GroupedLinear: m_splits sum to {sum(sizes)}, the input "
+                             f"has {tokens} rows")
+        ends, total = [], 0
+        for s in sizes:
+            total += s
+            ends.append(total)
+    else:
+        ends = sizes
+        if any(b < a for a, b in zip([0] + ends, ends)) or ends[-1] != tokens:
+            raise ValueError(f"te.GroupedLinear: m_offsets must be non-decreasing end rows "
+                             f"ending at the input's {tokens} rows, got {sizes}")
+    return torch.tensor(ends, dtype=torch.int32, device=device)

@@ -1,0 +1,82 @@
+"""``te.GroupedExperts``: a mixture of experts' SwiGLU experts (gate and up
+projections, activation, down projection) as two grouped GEMMs, over tokens
+a router sent to ``top_k`` experts each.
+
+Its call is Hugging Face's experts interface, ``experts(hidden_states,
+top_k_index, top_k_weights)``, and its parameters Hugging Face's stacked
+layout and names: ``gate_up_proj`` ``(num_experts, 2 * ffn, hidden)`` (gate
+rows first, then up) and ``down_proj`` ``(num_experts, hidden, ffn)``, so
+``te.convert`` swaps a model's experts for it keeping their parameters, and
+its state dict loads into the model it came from.
+
+The step, torchtitan's pattern, without a host synchronisation:
+permute the (token, slot) pairs by expert (a stable sort), count each
+expert's rows on the device (``histc``), run gate/up, the activation of
+the gate times up, and down as grouped GEMMs (:func:`~.layer.grouped_linear`),
+scale by the routing weights, and unpermute back to each token's ``top_k``
+slots, summed in slot order.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Union
+
+import torch
+
+from ..linear.setup import init_weight_
+from .layer import grouped_linear
+
+__all__ = ["GroupedExperts"]
+
+
+class GroupedExperts(torch.nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, *,
+                 activation: Optional[Callable] = None, params_dtype: Optional[torch.dtype] = None,
+                 device: Union[torch.device, str, None] = None, init_method=None):
+        super().__init__()
+        self.num_experts, self.hidden_size, self.ffn_hidden_size = (num_experts, hidden_size,
+                                                                    ffn_hidden_size)
+        self.act_fn = activation if activation is not None else torch.nn.functional.silu
+        dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
+        self.gate_up_proj = torch.nn.Parameter(torch.empty(
+            num_experts, 2 * ffn_hidden_size, hidden_size, dtype=dtype, device=device))
+        self.down_proj = torch.nn.Parameter(torch.empty(
+            num_experts, hidden_size, ffn_hidden_size, dtype=dtype, device=device))
+        self.init_method = init_method
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.gate_up_proj.is_meta:
+            return
+        with torch.no_grad():
+            for i in range(self.num_experts):
+                init_weight_(self.gate_up_proj[i], self.init_method)
+                init_weight_(self.down_proj[i], self.init_method)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+                f"ffn_hidden_size={self.ffn_hidden_size}")
+
+    def tokens_per_expert(self, expert_ids_sorted: torch.Tensor) -> torch.Tensor:
+        """Rows per expert (int32, on the device) of the sorted expert ids:
+        ``histc`` rather than ``bincount``, which reads its maximum on the
+        host (CPU ``histc`` takes floats, CUDA's integers)."""
+        ids = expert_ids_sorted.float() if expert_ids_sorted.device.type == "cpu" \
+            else expert_ids_sorted.int()
+        counts = torch.histc(ids, bins=self.num_experts, min=0, max=self.num_experts - 1)
+        return counts.to(torch.int32)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        tokens, hidden = hidden_states.shape
+        top_k = top_k_index.shape[-1]
+        ids = top_k_index.reshape(-1)
+        ids_sorted, perm = torch.sort(ids, stable=True)
+        x = hidden_states[perm // top_k]
+        counts = self.tokens_per_expert(ids_sorted)
+        gate, up = grouped_linear(x, self.gate_up_proj, None, counts).chunk(2, dim=-1)
+        y = grouped_linear(self.act_fn(gate) * up, self.down_proj, None, counts)
+        y = y * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(y.dtype)
+        # back to (token, slot) order: every slot is written once (no scatter-add)
+        slots = torch.empty_like(y).index_copy(0, perm, y)
+        return slots.view(tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
