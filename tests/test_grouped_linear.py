@@ -184,12 +184,89 @@ def test_bad_routing_is_refused(compiled):
         layer(x, m_offsets=[4, 2, 12, 16])
 
 
-def test_recipes_not_implemented_say_so():
+@pytest.mark.parametrize("rec", [te.recipe.DelayedScaling(), te.recipe.Float8BlockScaling(),
+                                 te.recipe.MXFP8BlockScaling()], ids=lambda r: type(r).__name__)
+def test_recipes_not_implemented_say_so(rec):
     layer = _layer()
     x, _ = _data((4, 4, 4, 4))
-    with te.autocast(recipe=te.recipe.Float8CurrentScaling()):
-        with pytest.raises(NotImplementedError, match="Float8CurrentScaling is not implemented"):
+    with te.autocast(recipe=rec):
+        with pytest.raises(NotImplementedError, match=f"{type(rec).__name__} is not implemented"):
             layer(x, [4, 4, 4, 4])
+
+
+# -- FP8 current scaling: a te.Linear per expert, bit for bit (CPU reference) --------------
+def _fp8_loop(layer, x, sizes, dy, rec):
+    """te.Linear per expert (its reference path) on each expert's rows."""
+    outs, grads_x, start = [], [], 0
+    dw, db = torch.zeros_like(layer.weight), torch.zeros_like(layer.bias)
+    for g, m in enumerate(sizes):
+        lin = te.Linear(IN, OUT, params_dtype=torch.bfloat16)
+        with torch.no_grad():
+            lin.weight.copy_(layer.weight[g])
+            lin.bias.copy_(layer.bias[g])
+        xg = x[start:start + m].detach().requires_grad_()
+        with te.autocast(recipe=rec):
+            y = lin(xg)
+        y.backward(dy[start:start + m])
+        outs.append(y)
+        grads_x.append(xg.grad)
+        dw[g], db[g] = lin.weight.grad, lin.bias.grad
+        start += m
+    return torch.cat(outs), torch.cat(grads_x), dw, db
+
+
+@pytest.mark.parametrize("sizes", [(5, 0, 11, 16), (8, 8, 8, 8)], ids=["ragged", "even"])
+def test_fp8_current_matches_a_te_linear_per_expert(sizes):
+    rec = te.recipe.Float8CurrentScaling()
+    layer = _layer()
+    x, dy = _data(sizes)
+    x = x * torch.arange(1, x.shape[0] + 1).unsqueeze(1)  # scales that differ by expert
+    with te.autocast(recipe=rec):
+        y, dx, dw, db = _run(layer, x, torch.tensor(sizes), dy)
+    ry, rdx, rdw, rdb = _fp8_loop(layer, x, sizes, dy, rec)
+    torch.testing.assert_close(y, ry, rtol=0, atol=0)
+    torch.testing.assert_close(dx, rdx, rtol=0, atol=0)
+    torch.testing.assert_close(dw, rdw, rtol=0, atol=0)
+    torch.testing.assert_close(db, rdb, rtol=1e-2, atol=1e-2)
+    # and not the bf16 result: the FP8 rounding shows
+    assert not torch.equal(y, _run(layer, x, list(sizes), dy)[0])
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_fp8_current_compiled_equals_eager(backend):
+    torch._dynamo.reset()
+    rec = te.recipe.Float8CurrentScaling()
+    layer = _layer()
+    step = torch.compile(layer, fullgraph=True, backend=backend)
+    for seed, sizes in enumerate([(5, 0, 11, 16), (3, 9, 2, 18)]):
+        x, dy = _data(sizes, seed=20 + seed)
+        with te.autocast(recipe=rec):
+            eager = _run(layer, x, torch.tensor(sizes), dy)
+            compiled = _run(layer, x, torch.tensor(sizes), dy, step)
+        for a, b in zip(eager, compiled):
+            torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_fp8_opcheck_forward_and_backward_ops():
+    from test_linear_ops import opcheck
+
+    rec = te.recipe.Float8CurrentScaling()
+    sizes = (5, 0, 11, 16)
+    x, dy = _data(sizes)
+    layer = _layer()
+    q = {f"{role}_quantizer": te.quantizer_for(rec, role, internal=True)
+         for role in ("input", "weight", "grad_output")}
+    args = GroupedLinearFwdArgs(
+        inp=x.requires_grad_(), weight=layer.weight.detach(),
+        m_offsets=torch.tensor(sizes).cumsum(0).to(torch.int32), bias=layer.bias.detach(),
+        input_requires_grad=True, weight_requires_grad=True, bias_requires_grad=True, **q)
+    opcheck(OPS.fwd_op, OPS.fwd_plan.encode(args), True)
+    with torch.no_grad():  # as the op runs its impl
+        real = grouped_linear_forward(args)
+    assert real.saved["inputmat"].dtype == torch.float8_e4m3fn  # the backward keeps FP8
+    args.inp.requires_grad_(False)
+    bwd = OPS.make_bwd_args(real.saved, grouped_linear_setup_context(args), {"grad_output": dy})
+    opcheck(OPS.bwd_op, OPS.bwd_plan.encode(bwd), True)
 
 
 def test_constructor_checks_and_state():

@@ -117,8 +117,8 @@ def convert(model: torch.nn.Module,
     take (so training under it needs no other filter).  A layer that some
     recipes cannot take is converted and those are named (INFO).  Without a
     recipe the converted layer runs the same GEMM as ``torch.nn.Linear``.
-    Experts run bf16 grouped GEMMs only so far: with a recipe given they are
-    kept (logged), and a model whose experts were converted raises in them
+    Experts run bf16 grouped GEMMs on GPUs only so far: with a recipe given
+    they are kept (logged), and a model whose experts were converted raises in them
     under ``te.autocast`` with a recipe (exclude them with
     ``module_filter_fn`` to train the rest in FP8).
     """
@@ -164,7 +164,8 @@ def convert(model: torch.nn.Module,
         if module_filter_fn is None or module_filter_fn(module, fqn):
             reason = experts_layout(module)
             if reason is None and recipe is not None:
-                reason = f"te.GroupedExperts does not run {type(recipe).__name__} yet (bf16 only)"
+                reason = (f"te.GroupedExperts does not run {type(recipe).__name__} on GPUs yet "
+                          "(bf16 only there)")
             if reason is not None:
                 skipped[fqn] = reason
             else:

@@ -13,6 +13,13 @@ zero weight gradient):
 * the bias gradient ``db_g = sum of dy_g's rows`` the same way against a
   block of ones: a GEMM's fixed reduction order, where a scatter-add's
   atomics would differ from run to run.
+
+Under FP8 current scaling (``input_quantizer`` set) each expert's x, W and
+dy are quantized with scales of their own (``quantize.py``) and the GEMMs
+take the dequantized operands in fp32, the bias added in fp32 before the
+output's rounding: the numerics of a ``te.Linear`` per expert on its
+reference path.  The FP8 copies and their per-expert scales are what the
+backward keeps.
 """
 
 from __future__ import annotations
@@ -21,7 +28,9 @@ import torch
 
 from ...dynamo.custom_op import OpResult
 from ...dynamo.tensor_proto import TensorProto
+from ...kernels.reference import FP8_DTYPE
 from .args import GroupedLinearBwdArgs, GroupedLinearFwdArgs
+from .quantize import dequantize_experts, dequantize_rows, quantize_experts, quantize_rows
 
 # the ones block of the bias gradient: a few columns keep its rows 16-byte
 # aligned, as the CUDA grouped GEMM requires of its operands
@@ -34,27 +43,47 @@ def group_ids(m_offsets: torch.Tensor, tokens: int) -> torch.Tensor:
     return torch.searchsorted(m_offsets, rows, right=True)
 
 
+def _saved(args, x, w, x_scale_inv=None, w_scale_inv=None) -> dict:
+    wgrad, dgrad = args.weight_requires_grad, args.input_requires_grad
+    return {"inputmat": x if wgrad else None, "weightmat": w if dgrad else None,
+            "input_scale_inv": x_scale_inv if wgrad else None,
+            "weight_scale_inv": w_scale_inv if dgrad else None, "m_offsets": args.m_offsets}
+
+
 def grouped_linear_forward(args: GroupedLinearFwdArgs) -> OpResult:
     x, w, offs = args.inp, args.weight, args.m_offsets
-    y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    if args.input_quantizer is None:
+        y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        if args.bias is not None:
+            y = y + args.bias[group_ids(offs, x.shape[0])]
+        return OpResult({"out": y}, _saved(args, x, w))
+    rows = group_ids(offs, x.shape[0])
+    xq, x_scale_inv = quantize_rows(x, rows, w.shape[0], args.input_quantizer)
+    wq, w_scale_inv = quantize_experts(w, args.weight_quantizer)
+    y = torch._grouped_mm(dequantize_rows(xq, x_scale_inv, rows),
+                          dequantize_experts(wq, w_scale_inv).transpose(-2, -1), offs=offs)
     if args.bias is not None:
-        y = y + args.bias[group_ids(offs, x.shape[0])]
-    return OpResult({"out": y}, {"inputmat": x if args.weight_requires_grad else None,
-                                 "weightmat": w if args.input_requires_grad else None,
-                                 "m_offsets": offs})
+        y = y + args.bias.float()[rows]
+    return OpResult({"out": y.to(x.dtype)}, _saved(args, xq, wq, x_scale_inv, w_scale_inv))
 
 
 def grouped_linear_forward_fake(args: GroupedLinearFwdArgs) -> OpResult:
     x, w = args.inp, args.weight
     y = TensorProto((x.shape[0], w.shape[1]), x.dtype, device=x.device)
-    return OpResult({"out": y}, {"inputmat": x if args.weight_requires_grad else None,
-                                 "weightmat": w if args.input_requires_grad else None,
-                                 "m_offsets": args.m_offsets})
+    if args.input_quantizer is None:
+        return OpResult({"out": y}, _saved(args, x, w))
+    groups = (w.shape[0],)
+    xq = TensorProto(x.shape, FP8_DTYPE[args.input_quantizer.fp8_format], device=x.device)
+    wq = TensorProto(w.shape, FP8_DTYPE[args.weight_quantizer.fp8_format], device=w.device)
+    return OpResult({"out": y}, _saved(args, xq, wq,
+                                       TensorProto(groups, torch.float32, device=x.device),
+                                       TensorProto(groups, torch.float32, device=w.device)))
 
 
 def grouped_linear_setup_context(args: GroupedLinearFwdArgs) -> dict:
     """Non-tensor fields of GroupedLinearBwdArgs (tensors come from ``saved``)."""
-    return {"input_requires_grad": args.input_requires_grad,
+    return {"grad_output_quantizer": args.grad_output_quantizer,
+            "input_requires_grad": args.input_requires_grad,
             "weight_requires_grad": args.weight_requires_grad,
             "bias_requires_grad": args.bias_requires_grad,
             "weight_dtype": args.weight.dtype,
@@ -66,10 +95,22 @@ def grouped_linear_backward(args: GroupedLinearBwdArgs) -> dict:
     # grouped GEMM refuses
     dy, offs = args.grad_output.contiguous(), args.m_offsets
     dgrad = wgrad = dbias = None
-    if args.input_requires_grad:
-        dgrad = torch._grouped_mm(dy, args.weightmat, offs=offs)
-    if args.weight_requires_grad:
-        wgrad = torch._grouped_mm(dy.t(), args.inputmat, offs=offs).to(args.weight_dtype)
+    q = args.grad_output_quantizer
+    if q is None:
+        if args.input_requires_grad:
+            dgrad = torch._grouped_mm(dy, args.weightmat, offs=offs)
+        if args.weight_requires_grad:
+            wgrad = torch._grouped_mm(dy.t(), args.inputmat, offs=offs).to(args.weight_dtype)
+    elif args.input_requires_grad or args.weight_requires_grad:
+        rows = group_ids(offs, dy.shape[0])
+        dyq, dy_scale_inv = quantize_rows(dy, rows, offs.shape[0], q)
+        dyd = dequantize_rows(dyq, dy_scale_inv, rows)
+        if args.input_requires_grad:
+            w = dequantize_experts(args.weightmat, args.weight_scale_inv)
+            dgrad = torch._grouped_mm(dyd, w, offs=offs).to(dy.dtype)
+        if args.weight_requires_grad:
+            x = dequantize_rows(args.inputmat, args.input_scale_inv, rows)
+            wgrad = torch._grouped_mm(dyd.t(), x, offs=offs).to(args.weight_dtype)
     if args.bias_requires_grad:
         ones = torch.ones(dy.shape[0], _ONES_COLS, dtype=dy.dtype, device=dy.device)
         dbias = torch._grouped_mm(dy.t(), ones, offs=offs)[..., 0].to(args.bias_dtype).contiguous()
@@ -80,7 +121,7 @@ def grouped_linear_backward_fake(args: GroupedLinearBwdArgs) -> dict:
     dy = args.grad_output
     groups = args.m_offsets.shape[0]
     dgrad = wgrad = dbias = None
-    if args.input_requires_grad:
+    if args.input_requires_grad:  # dy's dtype, quantized or not
         dgrad = TensorProto((dy.shape[0], args.weightmat.shape[2]), dy.dtype, device=dy.device)
     if args.weight_requires_grad:
         wgrad = TensorProto((groups, dy.shape[1], args.inputmat.shape[1]), args.weight_dtype,

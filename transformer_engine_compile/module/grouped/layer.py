@@ -18,7 +18,9 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from ... import recipe as R
 from ...autocast import get_autocast_recipe
+from ...quantization import factory
 from ..linear.setup import _torch_autocast_dtype, init_weight_
 from .args import GroupedLinearFwdArgs
 from .ops import GROUPED_LINEAR_OPS
@@ -39,8 +41,11 @@ class GroupedLinear(torch.nn.Module):
     device).  ``m_offsets=`` instead takes each group's end row (int32), the
     layout the grouped GEMM reads.  Experts with no tokens are allowed.
 
-    Recipes: bf16 (no recipe) runs ``torch._grouped_mm``; the FP8 recipes
-    are not implemented yet and raise under ``te.autocast`` with one.
+    Recipes: bf16 (no recipe) runs ``torch._grouped_mm``.
+    ``Float8CurrentScaling`` quantizes each expert's x, W and dy with its
+    own scale, the numerics of a ``te.Linear`` per expert on its reference
+    path (fp32 GEMMs of the dequantized operands; CPU only so far).  The
+    other recipes are not implemented yet and raise under ``te.autocast``.
     """
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True,
@@ -94,21 +99,33 @@ def grouped_linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     if inp.shape[-1] != in_features:
         raise ValueError(f"te.GroupedLinear: the input's last dim is {inp.shape[-1]}, the "
                          f"layer takes in_features={in_features}")
-    recipe = get_autocast_recipe()
-    if recipe is not None:
-        raise NotImplementedError(
-            f"te.GroupedLinear: {type(recipe).__name__} is not implemented yet; the layer "
-            "runs without a recipe (bf16 grouped GEMMs)")
+    quantizers = _quantizers(get_autocast_recipe(), inp)
     ac_dtype = _torch_autocast_dtype(inp)
     if ac_dtype is not None:  # torch.autocast: compute in its dtype, as te.Linear does
         with torch.autocast(inp.device.type, enabled=False):
             return _grouped_linear(inp.to(ac_dtype), weight.to(ac_dtype),
                                    None if bias is None else bias.to(ac_dtype), m_splits,
-                                   m_offsets)
-    return _grouped_linear(inp, weight, bias, m_splits, m_offsets)
+                                   m_offsets, quantizers)
+    return _grouped_linear(inp, weight, bias, m_splits, m_offsets, quantizers)
 
 
-def _grouped_linear(inp, weight, bias, m_splits, m_offsets):
+def _quantizers(recipe, inp) -> dict:
+    """The ops' quantizer fields under ``recipe`` (none without one)."""
+    if recipe is None:
+        return {}
+    if not isinstance(recipe, R.Float8CurrentScaling):
+        raise NotImplementedError(
+            f"te.GroupedLinear: {type(recipe).__name__} is not implemented yet (bf16 and "
+            "Float8CurrentScaling are)")
+    if inp.device.type != "cpu":
+        raise NotImplementedError(
+            "te.GroupedLinear: Float8CurrentScaling runs on CPU only so far (its reference "
+            f"numerics); on {inp.device.type} train the experts in bf16")
+    return {f"{role}_quantizer": factory.quantizer_for(recipe, role, internal=True)
+            for role in ("input", "weight", "grad_output")}
+
+
+def _grouped_linear(inp, weight, bias, m_splits, m_offsets, quantizers):
     groups, out_features, in_features = weight.shape
     if inp.dtype != weight.dtype:
         raise TypeError(f"te.GroupedLinear: input dtype {inp.dtype} differs from the "
@@ -123,7 +140,7 @@ def _grouped_linear(inp, weight, bias, m_splits, m_offsets):
         inp=x, weight=weight, m_offsets=offs, bias=bias,
         input_requires_grad=inp.requires_grad and grad,
         weight_requires_grad=weight.requires_grad and grad,
-        bias_requires_grad=bias is not None and bias.requires_grad and grad)
+        bias_requires_grad=bias is not None and bias.requires_grad and grad, **quantizers)
     if torch.compiler.is_compiling():
         out = GROUPED_LINEAR_OPS(args)["out"]
     else:
