@@ -8,7 +8,11 @@ run side by side in one process (docs/benchmarks.md).
 * ``.benchmarks.norm``: the LayerNorm modules' host time and kernels;
 * ``.benchmarks.fsdp`` and ``.benchmarks.tp`` (under ``torchrun``): whole
   steps under FSDP2 and under tensor parallelism, ``--profile`` for where a
-  step's time goes (:mod:`.step_profile`).
+  step's time goes (:mod:`.step_profile`);
+* ``.benchmarks.convergence``: a 100M-parameter Llama trained for 2,000
+  steps on the standard library's bytes in bf16 and every recipe, the
+  loss curves compared (also under FSDP2 with ``torchrun ... --fsdp``);
+* ``.benchmarks.plots``: docs/benchmarks.md's figures from docs/results.
 
 The library never imports this package (``.importlinter``).
 """
