@@ -26,7 +26,15 @@ import torch
 from ..linear.setup import init_weight_
 from .layer import grouped_linear
 
-__all__ = ["GroupedExperts"]
+__all__ = ["GroupedExperts", "tokens_per_expert"]
+
+
+def tokens_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Rows per expert (int32, on the device) of routed expert ids:
+    ``histc`` rather than ``bincount``, which reads its maximum on the host
+    (CPU ``histc`` takes floats, CUDA's integers)."""
+    ids = expert_ids.float() if expert_ids.device.type == "cpu" else expert_ids.int()
+    return torch.histc(ids, bins=num_experts, min=0, max=num_experts - 1).to(torch.int32)
 
 
 class GroupedExperts(torch.nn.Module):
@@ -57,15 +65,6 @@ class GroupedExperts(torch.nn.Module):
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
                 f"ffn_hidden_size={self.ffn_hidden_size}")
 
-    def tokens_per_expert(self, expert_ids_sorted: torch.Tensor) -> torch.Tensor:
-        """Rows per expert (int32, on the device) of the sorted expert ids:
-        ``histc`` rather than ``bincount``, which reads its maximum on the
-        host (CPU ``histc`` takes floats, CUDA's integers)."""
-        ids = expert_ids_sorted.float() if expert_ids_sorted.device.type == "cpu" \
-            else expert_ids_sorted.int()
-        counts = torch.histc(ids, bins=self.num_experts, min=0, max=self.num_experts - 1)
-        return counts.to(torch.int32)
-
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         tokens, hidden = hidden_states.shape
@@ -73,7 +72,7 @@ class GroupedExperts(torch.nn.Module):
         ids = top_k_index.reshape(-1)
         ids_sorted, perm = torch.sort(ids, stable=True)
         x = hidden_states[perm // top_k]
-        counts = self.tokens_per_expert(ids_sorted)
+        counts = tokens_per_expert(ids_sorted, self.num_experts)
         gate, up = grouped_linear(x, self.gate_up_proj, None, counts).chunk(2, dim=-1)
         y = grouped_linear(self.act_fn(gate) * up, self.down_proj, None, counts)
         y = y * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(y.dtype)

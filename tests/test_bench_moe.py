@@ -1,0 +1,28 @@
+"""The mixture-of-experts benchmark's CPU smoke run: every candidate gets a
+row, te.GroupedExperts' output equals the torch baseline's, and a recipe
+the grouped layer does not run yet shows as an error row, not a crash."""
+
+import json
+
+import torch
+
+from transformer_engine_compile.benchmarks import moe
+
+
+def test_moe_benchmark_rows(tmp_path):
+    out = tmp_path / "moe.json"
+    rc = moe.main(["--configs", "tiny", "--steps", "1", "--eager", "--recipes", "fp8_current",
+                   "fp8_block", "--json", str(out)])
+    rows = {r["candidate"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rc == 1  # the fp8_block row failed
+    assert rows["torch bf16"]["x_bf16"] == 1.0
+    for label in ("te bf16", "te fp8_current"):
+        assert rows[label]["ms"] > 0 and rows[label]["x_bf16"] > 0
+    assert "Float8BlockScaling is not implemented" in rows["te fp8_block"]["error"]
+
+
+def test_te_block_equals_the_torch_block():
+    cfg = moe.CONFIGS["tiny"]
+    x = torch.randn(cfg.tokens, cfg.hidden, dtype=torch.bfloat16)
+    outs = [moe.build(cfg, kind, torch.device("cpu"))(x) for kind in ("torch", "te")]
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)

@@ -1,0 +1,188 @@
+"""Mixture-of-experts blocks: the router, top-k, the permutation, gate/up +
+SwiGLU + down as grouped GEMMs and the unpermutation (torchtitan's
+pattern), forward + backward per step, te.GroupedExperts per recipe against
+the same block on ``torch._grouped_mm`` in bf16, side by side in one
+process, compiled.
+
+    python -m transformer_engine_compile.benchmarks.moe [--configs mixtral qwen3] \\
+        [--recipes fp8_current] [--steps 20] [--json out.json]
+
+Configs: ``mixtral`` (hidden 4096, ffn 14336, 8 experts, top-2, 16k
+tokens), ``qwen3`` (hidden 2048, expert ffn 768, 128 experts, top-8, 16k
+tokens), ``tiny`` (the CPU smoke run: its times mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from .. import recipe as R
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    hidden: int
+    ffn: int
+    experts: int
+    top_k: int
+    tokens: int
+
+
+CONFIGS = {
+    "mixtral": MoEConfig(hidden=4096, ffn=14336, experts=8, top_k=2, tokens=16384),
+    "qwen3": MoEConfig(hidden=2048, ffn=768, experts=128, top_k=8, tokens=16384),
+    "tiny": MoEConfig(hidden=128, ffn=64, experts=8, top_k=2, tokens=64),
+}
+
+
+class TorchExperts(torch.nn.Module):
+    """The baseline: the same experts on ``torch._grouped_mm`` (torch's own
+    autograd), permuted and unpermuted as :class:`te.GroupedExperts` does."""
+
+    def __init__(self, experts, hidden, ffn, dtype, device):
+        super().__init__()
+        self.num_experts = experts
+        self.gate_up_proj = torch.nn.Parameter(
+            torch.randn(experts, 2 * ffn, hidden, dtype=dtype, device=device) * hidden ** -0.5)
+        self.down_proj = torch.nn.Parameter(
+            torch.randn(experts, hidden, ffn, dtype=dtype, device=device) * ffn ** -0.5)
+
+    def forward(self, x, index, weights):
+        from ..module.grouped.experts import tokens_per_expert
+
+        tokens, top_k = index.shape
+        ids_sorted, perm = torch.sort(index.reshape(-1), stable=True)
+        counts = tokens_per_expert(ids_sorted, self.num_experts)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        h = torch._grouped_mm(x[perm // top_k], self.gate_up_proj.transpose(-2, -1), offs=offs)
+        gate, up = h.chunk(2, dim=-1)
+        y = torch._grouped_mm(torch.nn.functional.silu(gate) * up,
+                              self.down_proj.transpose(-2, -1), offs=offs)
+        y = y * weights.reshape(-1)[perm].unsqueeze(-1).to(y.dtype)
+        return torch.empty_like(y).index_copy(0, perm, y).view(tokens, top_k, -1).sum(1)
+
+
+class Block(torch.nn.Module):
+    """Router (softmax, top-k, renormalised) then the experts, residual."""
+
+    def __init__(self, cfg: MoEConfig, experts: torch.nn.Module, dtype, device):
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.router = torch.nn.Linear(cfg.hidden, cfg.experts, bias=False, dtype=dtype,
+                                      device=device)
+        self.experts = experts
+
+    def forward(self, x):
+        probs = torch.softmax(self.router(x).float(), dim=-1)
+        weights, index = probs.topk(self.top_k, dim=-1)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+        return x + self.experts(x, index, weights)
+
+
+def build(cfg: MoEConfig, kind: str, device) -> Block:
+    """``kind``: "torch" (TorchExperts) or "te" (te.GroupedExperts), bf16,
+    the same weights (seed 0)."""
+    from ..module.grouped.experts import GroupedExperts
+
+    dtype = torch.bfloat16
+    torch.manual_seed(0)
+    base = TorchExperts(cfg.experts, cfg.hidden, cfg.ffn, dtype, device)
+    if kind == "torch":
+        experts = base
+    else:
+        experts = GroupedExperts(cfg.experts, cfg.hidden, cfg.ffn, params_dtype=dtype,
+                                 device=device)
+        experts.gate_up_proj, experts.down_proj = base.gate_up_proj, base.down_proj
+    torch.manual_seed(1)
+    return Block(cfg, experts, dtype, device)
+
+
+def time_block(block, rec, x, steps: int, compiled: bool) -> dict:
+    """Median ms of forward + backward (synchronised per step)."""
+    from ..autocast import autocast
+
+    def step():
+        with autocast(recipe=rec):
+            y = block(x)
+        y.float().pow(2).mean().backward()
+
+    run = torch.compile(step) if compiled else step
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    for _ in range(3):
+        run()
+    sync()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        run()
+        sync()
+        times.append(time.perf_counter() - start)
+    return {"ms": 1e3 * statistics.median(times)}
+
+
+def run(configs, recipes, device, steps, compiled, log=print) -> list:
+    rows = []
+    for name in configs:
+        cfg = CONFIGS[name]
+        g = torch.Generator().manual_seed(2)
+        x = torch.randn(cfg.tokens, cfg.hidden, generator=g).to(device, torch.bfloat16)
+        candidates = [("torch bf16", "torch", None), ("te bf16", "te", None)]
+        candidates += [(f"te {r}", "te", R.DelayedScaling() if r == "fp8_delayed"
+                        else R.by_name(r)) for r in recipes]
+        for label, kind, rec in candidates:
+            row = {"config": name, "candidate": label}
+            try:
+                row.update(time_block(build(cfg, kind, device), rec, x.requires_grad_(),
+                                      steps, compiled))
+                base = next((r for r in rows + [row] if r["config"] == name
+                             and r["candidate"] == "torch bf16" and "ms" in r), None)
+                row["x_bf16"] = None if base is None else base["ms"] / row["ms"]
+            except Exception as e:  # one failing candidate must not hide the others
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            rows.append(row)
+            log(format_row(row))
+            torch._dynamo.reset()
+    return rows
+
+
+def format_row(row) -> str:
+    head = f"{row['config']:>8} {row['candidate']:>18}"
+    if "error" in row:
+        return f"{head}  ERROR {row['error']}"
+    ratio = "" if row.get("x_bf16") is None else f"{row['x_bf16']:7.2f}x"
+    return f"{head} {row['ms']:9.2f} ms {ratio}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=None,
+                        help="default: mixtral qwen3 on a GPU, tiny on a CPU")
+    parser.add_argument("--recipes", nargs="+", default=["fp8_current"],
+                        choices=["fp8_current", "fp8_delayed", "fp8_block", "mxfp8", "nvfp4"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--eager", action="store_true")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    configs = args.configs or (["mixtral", "qwen3"] if device.type == "cuda" else ["tiny"])
+    print(f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
+          f"torch {torch.__version__}, {'eager' if args.eager else 'compiled'}, "
+          "forward + backward per step")
+    rows = run(configs, args.recipes, device, args.steps, not args.eager)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"torch": torch.__version__, "device": str(device), "rows": rows}, f,
+                      indent=1)
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
