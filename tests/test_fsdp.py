@@ -262,6 +262,9 @@ def gather_choice_worker(group):
         os.environ.pop("LOCAL_WORLD_SIZE", None)
         logger.removeHandler(handler)
     assert not te.fsdp.spans_hosts()
+    from torch.distributed.device_mesh import init_device_mesh
+    hsdp = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
+    assert not te.fsdp.spans_hosts(hsdp)  # HSDP: its shard dim
     formats = te.fsdp.gathered_formats(quantized)
     # 128x128 blocks over 2 ranks: the 256-row weights split into whole blocks
     assert formats == {"0.weight": "fp8_block", "2.weight": "fp8_block",

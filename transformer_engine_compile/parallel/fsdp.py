@@ -222,9 +222,13 @@ def _ranks_per_host() -> int:
 
 
 def spans_hosts(mesh=None) -> bool:
-    """True when the shard group (``mesh``'s, else the world) holds ranks of
-    more than one host, ranks numbered host by host as torchrun does."""
-    group = mesh.get_group() if mesh is not None else torch.distributed.group.WORLD
+    """True when the shard group (``mesh``'s last dim: the whole 1-D mesh, or
+    HSDP's shard dim; else the world) holds ranks of more than one host,
+    ranks numbered host by host as torchrun does."""
+    if mesh is None:
+        group = torch.distributed.group.WORLD
+    else:
+        group = mesh.get_group(mesh.ndim - 1) if mesh.ndim > 1 else mesh.get_group()
     per_host = _ranks_per_host()
     ranks = torch.distributed.get_process_group_ranks(group)
     return len({r // per_host for r in ranks}) > 1
