@@ -14,5 +14,7 @@ setup(
     extras_require={"test": ["pytest", "pytest-xdist", "transformers", "import-linter",
                              "triton>=3.6,<3.10; platform_system == 'Linux'"],
                     "gpu": ["triton"],
-                    "plots": ["matplotlib"]},
+                    "plots": ["matplotlib"],
+                    # kernels compiled at run time (kernels/runner.py); 4.3.5 is one wheel
+                    "cutedsl": ["nvidia-cutlass-dsl==4.3.5"]},
 )
