@@ -15,7 +15,8 @@ from torch._dynamo.utils import counters
 import transformer_engine_compile as te
 from transformer_engine_compile.dynamo.buckets import (QuantizerSlot, SimpleValues,
                                                        TensorOrQuantized, bucket_for)
-from transformer_engine_compile.dynamo.custom_op import (ArgPlan, OpResult, register_custom_op)
+from transformer_engine_compile.dynamo.arg_plan import ArgPlan
+from transformer_engine_compile.dynamo.custom_op import OpResult, register_custom_op
 
 
 class Mode(enum.Enum):

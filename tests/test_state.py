@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 
 import transformer_engine_compile as te
 from transformer_engine_compile import recipe
-from transformer_engine_compile.dynamo import custom_op
+from transformer_engine_compile.dynamo import arg_plan, updates as op_updates
 from transformer_engine_compile.kernels import reference as ref
 
 from test_linear import RECIPES, _reset
@@ -196,13 +196,13 @@ def test_eager_delayed_step_writes_the_buffers_itself(monkeypatch):
     stays functional (compiled: the updates are written after the op), and
     the state equals the eager one."""
     writes = []
-    real_write = custom_op._write
+    real_write = op_updates._write
 
     def spy(dst, new, how, where, detach=False):
         writes.append(where)
         return real_write(dst, new, how, where, detach)
 
-    monkeypatch.setattr(custom_op, "_write", spy)
+    monkeypatch.setattr(op_updates, "_write", spy)
     rec = recipe.DelayedScaling(amax_history_len=3)
     eager, compiled = _pair("cpu")
     step = _step_fn(rec)
@@ -283,11 +283,11 @@ def test_state_under_inductor(name):
 def test_update_declarations_are_checked():
     from transformer_engine_compile.module.linear import LinearFwdArgs
 
-    plan = custom_op.ArgPlan(LinearFwdArgs)
+    plan = arg_plan.ArgPlan(LinearFwdArgs)
     with pytest.raises(TypeError, match="not a tensor field"):
-        custom_op._check_updates({"x": "tp_size"}, plan, "forward_updates")
+        op_updates._check_updates({"x": "tp_size"}, plan, "forward_updates")
     with pytest.raises(TypeError, match="'copy' or 'add'"):
-        custom_op._check_updates({"x": ("main_grad", "mul")}, plan, "forward_updates")
+        op_updates._check_updates({"x": ("main_grad", "mul")}, plan, "forward_updates")
 
 
 def test_apply_updates_copies_adds_and_refuses_bad_targets():
@@ -296,13 +296,13 @@ def test_apply_updates_copies_adds_and_refuses_bad_targets():
         b = torch.ones(3)
         c = None
 
-    updates = {"x": custom_op.Update("a"), "y": custom_op.Update("b", "add"),
-               "z": custom_op.Update("c")}
-    rest = custom_op.apply_updates(updates, Args, {"x": torch.full((3,), 2.0),
+    updates = {"x": op_updates.Update("a"), "y": op_updates.Update("b", "add"),
+               "z": op_updates.Update("c")}
+    rest = op_updates.apply_updates(updates, Args, {"x": torch.full((3,), 2.0),
                                                    "y": torch.full((3,), 2.0), "out": 1})
     assert rest == {"out": 1}
     assert torch.equal(Args.a, torch.full((3,), 2.0)) and torch.equal(Args.b, torch.full((3,), 3.0))
     with pytest.raises(RuntimeError, match="no target"):
-        custom_op.apply_updates(updates, Args, {"z": torch.zeros(3)})
+        op_updates.apply_updates(updates, Args, {"z": torch.zeros(3)})
     with pytest.raises(RuntimeError, match="shape"):
-        custom_op.apply_updates(updates, Args, {"x": torch.zeros(4)})
+        op_updates.apply_updates(updates, Args, {"x": torch.zeros(4)})

@@ -19,6 +19,8 @@ import typing
 
 import torch
 
+from .updates import Update
+
 FIELD_NAMES: dict = {}  # dataclass -> its field names (ArgPlan fills it; read when traced)
 
 
@@ -76,3 +78,10 @@ def merge_views(cls, views: dict, **fields):
             if prefix + name in names:
                 fields[prefix + name] = getattr(view, name)
     return cls(**fields)
+
+
+def prefixed(values: dict, prefix: str, exclude=()) -> dict:
+    """``values`` with ``prefix`` before each key (``exclude`` left out); an
+    :class:`Update`'s field is prefixed too."""
+    return {prefix + k: (Update(prefix + v.field, v.how) if isinstance(v, Update) else v)
+            for k, v in values.items() if k not in exclude}

@@ -35,7 +35,8 @@ import torch
 
 from ... import kernels
 from ...dynamo.arg_views import field_view, prefixed_fields
-from ...dynamo.custom_op import OpResult, prefixed, register_custom_op
+from ...dynamo.custom_op import OpResult, register_custom_op
+from ...dynamo.arg_views import prefixed
 from ...dynamo.tensor_proto import TensorProto
 from ...kernels.reference import ACTIVATIONS
 from ..norm import ops as N

@@ -25,7 +25,8 @@ from ... import distributed as D
 from ... import kernels
 from ...checkpointing import check_forward_op_in_backward
 from ...dynamo import shared_inputs
-from ...dynamo.custom_op import OpResult, Update
+from ...dynamo.custom_op import OpResult
+from ...dynamo.updates import Update
 from ...dynamo.tensor_proto import TensorProto, to_tensor_proto
 from ...kernels import tracing
 from ...quantization.gemm import gemm

@@ -175,7 +175,7 @@ class _PythonBackward:
         self.xq, self.wq = q.usage_variant(False, True), wq.usage_variant(False, True)
 
     def __call__(self, dy, x_t, x_sinv, w_t, w_sinv, x_amax=None, w_amax=None):
-        from ...dynamo.custom_op import apply_updates
+        from ...dynamo.updates import apply_updates
         from ...kernels.tracing import eager_buffers_in_place
         x = w = None
 
