@@ -95,6 +95,26 @@ def _train(model, steps, compiled):
     return losses
 
 
+def test_convert_mixtral():
+    """Mixtral's experts have the same layout: converted, the same loss,
+    compiled fullgraph with no graph break."""
+    mixtral = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
+    cfg = transformers.MixtralConfig(
+        vocab_size=256, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=E,
+        num_experts_per_tok=TOP_K, max_position_embeddings=64)
+    torch.manual_seed(0)
+    ref = mixtral.MixtralForCausalLM(cfg)
+    model = te.convert(copy.deepcopy(ref))
+    assert isinstance(model.model.layers[0].mlp.experts, te.GroupedExperts)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    expected = ref(ids, labels=ids).loss
+    torch.testing.assert_close(model(ids, labels=ids).loss, expected, rtol=1e-5, atol=1e-6)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(ids, labels=ids).loss, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_converted_model_trains_compiled_as_eager():
     torch._dynamo.reset()
     torch.manual_seed(0)
