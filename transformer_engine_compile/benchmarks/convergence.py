@@ -147,11 +147,13 @@ def train(cfg: RunConfig, name: str, device, data, compiled: bool, fsdp: bool = 
         from ..parallel import fsdp as te_fsdp
         for layer in model.model.layers:
             te_fsdp.fully_shard(layer, recipe=rec)
+            if compiled:  # torchtitan's way: each FSDP2 block compiled after sharding
+                layer.compile()
         fully_shard(model)
     if cfg.batch % world:
         raise ValueError(f"the batch of {cfg.batch} does not split over {world} ranks")
     share = slice(rank * cfg.batch // world, (rank + 1) * cfg.batch // world)
-    step_loss = torch.compile(loss_of) if compiled else loss_of
+    step_loss = torch.compile(loss_of) if compiled and not fsdp else loss_of
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                             weight_decay=0.1, fused=device.type == "cuda")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, cfg))
