@@ -269,6 +269,16 @@ def test_fp8_opcheck_forward_and_backward_ops():
     opcheck(OPS.bwd_op, OPS.bwd_plan.encode(bwd), True)
 
 
+def test_cuda_operand_rules_are_checked_before_any_kernel():
+    from transformer_engine_compile.module.grouped.layer import _check_cuda_operands
+
+    _check_cuda_operands(torch.bfloat16, 64, 32)
+    with pytest.raises(TypeError, match="takes bfloat16, got torch.float32"):
+        _check_cuda_operands(torch.float32, 64, 32)
+    with pytest.raises(ValueError, match="divisible by 8.*in_features=60, out_features=30"):
+        _check_cuda_operands(torch.bfloat16, 60, 30)
+
+
 def test_constructor_checks_and_state():
     with pytest.raises(ValueError, match="num_gemms must be a positive int"):
         te.GroupedLinear(0, IN, OUT)

@@ -130,9 +130,8 @@ def _grouped_linear(inp, weight, bias, m_splits, m_offsets, quantizers):
     if inp.dtype != weight.dtype:
         raise TypeError(f"te.GroupedLinear: input dtype {inp.dtype} differs from the "
                         f"weight's {weight.dtype}")
-    if inp.is_cuda and inp.dtype != torch.bfloat16:
-        raise TypeError("te.GroupedLinear: on CUDA the grouped GEMM (torch._grouped_mm) "
-                        f"takes bfloat16, got {inp.dtype}")
+    if inp.is_cuda:
+        _check_cuda_operands(inp.dtype, in_features, out_features)
     x = inp.reshape(-1, in_features)
     offs = _offsets(groups, m_splits, m_offsets, x.shape[0], x.device)
     grad = torch.is_grad_enabled()
@@ -146,6 +145,20 @@ def _grouped_linear(inp, weight, bias, m_splits, m_offsets, quantizers):
     else:
         out = GROUPED_LINEAR_OPS.eager(args)["out"]
     return out.reshape(*inp.shape[:-1], out_features)
+
+
+def _check_cuda_operands(dtype: torch.dtype, in_features: int, out_features: int) -> None:
+    """What CUDA's grouped GEMM (``torch._grouped_mm``) takes, checked before
+    any kernel: bfloat16 operands whose rows are 16-byte aligned (feature
+    sizes multiples of 8)."""
+    if dtype != torch.bfloat16:
+        raise TypeError("te.GroupedLinear: on CUDA the grouped GEMM (torch._grouped_mm) "
+                        f"takes bfloat16, got {dtype}")
+    bad = [f"{name}={n}" for name, n in (("in_features", in_features),
+                                         ("out_features", out_features)) if n % 8]
+    if bad:
+        raise ValueError(f"te.GroupedLinear: on CUDA the grouped GEMM needs feature sizes "
+                         f"divisible by 8 (16-byte rows), got {', '.join(bad)}")
 
 
 def _offsets(groups: int, m_splits, m_offsets, tokens: int, device) -> torch.Tensor:
