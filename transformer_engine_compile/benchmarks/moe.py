@@ -44,7 +44,7 @@ CONFIGS = {
 
 class TorchExperts(torch.nn.Module):
     """The baseline: the same experts on ``torch._grouped_mm`` (torch's own
-    autograd), permuted and unpermuted as :class:`te.GroupedExperts` does."""
+    autograd), routed by te.GroupedExperts' own ``permute`` / ``unpermute``."""
 
     def __init__(self, experts, hidden, ffn, dtype, device):
         super().__init__()
@@ -55,18 +55,15 @@ class TorchExperts(torch.nn.Module):
             torch.randn(experts, hidden, ffn, dtype=dtype, device=device) * ffn ** -0.5)
 
     def forward(self, x, index, weights):
-        from ..module.grouped.experts import tokens_per_expert
+        from ..module.grouped.experts import permute, unpermute
 
-        tokens, top_k = index.shape
-        ids_sorted, perm = torch.sort(index.reshape(-1), stable=True)
-        counts = tokens_per_expert(ids_sorted, self.num_experts)
+        rows, perm, counts = permute(x, index, self.num_experts)
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        h = torch._grouped_mm(x[perm // top_k], self.gate_up_proj.transpose(-2, -1), offs=offs)
+        h = torch._grouped_mm(rows, self.gate_up_proj.transpose(-2, -1), offs=offs)
         gate, up = h.chunk(2, dim=-1)
         y = torch._grouped_mm(torch.nn.functional.silu(gate) * up,
                               self.down_proj.transpose(-2, -1), offs=offs)
-        y = y * weights.reshape(-1)[perm].unsqueeze(-1).to(y.dtype)
-        return torch.empty_like(y).index_copy(0, perm, y).view(tokens, top_k, -1).sum(1)
+        return unpermute(y, perm, weights)
 
 
 class Block(torch.nn.Module):

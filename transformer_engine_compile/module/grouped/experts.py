@@ -26,7 +26,7 @@ import torch
 from ..linear.setup import init_weight_
 from .layer import grouped_linear
 
-__all__ = ["GroupedExperts", "tokens_per_expert"]
+__all__ = ["GroupedExperts", "permute", "tokens_per_expert", "unpermute"]
 
 
 def tokens_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -35,6 +35,23 @@ def tokens_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tenso
     (CPU ``histc`` takes floats, CUDA's integers)."""
     ids = expert_ids.float() if expert_ids.device.type == "cpu" else expert_ids.int()
     return torch.histc(ids, bins=num_experts, min=0, max=num_experts - 1).to(torch.int32)
+
+
+def permute(hidden_states: torch.Tensor, top_k_index: torch.Tensor, num_experts: int) -> tuple:
+    """``(rows, perm, counts)``: each token's row once per slot, grouped by
+    expert (a stable sort), the permutation, and each expert's row count."""
+    ids_sorted, perm = torch.sort(top_k_index.reshape(-1), stable=True)
+    rows = hidden_states[perm // top_k_index.shape[-1]]
+    return rows, perm, tokens_per_expert(ids_sorted, num_experts)
+
+
+def unpermute(y: torch.Tensor, perm: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The expert outputs ``y`` (rows in :func:`permute`'s order) scaled by
+    the routing weights and summed per token over its slots, in slot order:
+    every slot is written once (``index_copy``, no scatter-add)."""
+    tokens, top_k = top_k_weights.shape
+    y = y * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(y.dtype)
+    return torch.empty_like(y).index_copy(0, perm, y).view(tokens, top_k, -1).sum(dim=1)
 
 
 class GroupedExperts(torch.nn.Module):
@@ -67,15 +84,7 @@ class GroupedExperts(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        tokens, hidden = hidden_states.shape
-        top_k = top_k_index.shape[-1]
-        ids = top_k_index.reshape(-1)
-        ids_sorted, perm = torch.sort(ids, stable=True)
-        x = hidden_states[perm // top_k]
-        counts = tokens_per_expert(ids_sorted, self.num_experts)
+        x, perm, counts = permute(hidden_states, top_k_index, self.num_experts)
         gate, up = grouped_linear(x, self.gate_up_proj, None, counts).chunk(2, dim=-1)
         y = grouped_linear(self.act_fn(gate) * up, self.down_proj, None, counts)
-        y = y * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(y.dtype)
-        # back to (token, slot) order: every slot is written once (no scatter-add)
-        slots = torch.empty_like(y).index_copy(0, perm, y)
-        return slots.view(tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
+        return unpermute(y, perm, top_k_weights).to(hidden_states.dtype)

@@ -14,6 +14,7 @@ reads expert ``i``'s weight (a view).
 
 from __future__ import annotations
 
+import itertools
 from typing import Optional, Sequence, Union
 
 import torch
@@ -201,10 +202,7 @@ def _offsets(groups: int, m_splits, m_offsets, tokens: int, device) -> torch.Ten
         if sum(sizes) != tokens:
             raise ValueError(f"te.GroupedLinear: m_splits sum to {sum(sizes)}, the input "
                              f"has {tokens} rows")
-        ends, total = [], 0
-        for s in sizes:
-            total += s
-            ends.append(total)
+        ends = list(itertools.accumulate(sizes))
     else:
         ends = sizes
         if any(b < a for a, b in zip([0] + ends, ends)) or ends[-1] != tokens:
