@@ -104,6 +104,24 @@ def add_row(rows: list, row: dict, measure, baseline: str, format_row, log, devi
         torch.cuda.empty_cache()
 
 
+def run_rows(configs, candidates, modes, only, measure, baseline: str, header: str, format_row,
+             log, device) -> list:
+    """Every (config, candidate, mode) row: ``candidates`` are tuples whose
+    first item is the label (those not in ``only``, when given, are
+    skipped), ``measure(config, candidate, mode)`` a row's fields."""
+    rows = []
+    for cname in configs:
+        log(header)
+        for cand in candidates:
+            if only and cand[0] not in only:
+                continue
+            for mode in modes:
+                add_row(rows, {"config": cname, "candidate": cand[0], "mode": mode},
+                        lambda: measure(cname, cand, mode), baseline, format_row, log, device)
+        log("")
+    return rows
+
+
 def run_main(device_name: str, json_path, what: str, body) -> int:
     """A torchrun benchmark's main after its arguments: start this rank,
     log the machine, torch and ``what`` (the run's layout), build the native

@@ -197,19 +197,14 @@ def run(configs, recipe_names, modes, device, *, steps=10, warmup=3, backend="in
     elif with_torchao:
         import torchao
         log(f"torchao {torchao.__version__}\n")
-    rows = []
-    for cname in configs:
-        log(HEADER)
-        for label, kind, rec, gather_recipe in candidates(recipe_names, with_torchao):
-            if only and label not in only:
-                continue
-            for mode in modes:
-                D.add_row(rows, {"config": cname, "candidate": label, "mode": mode},
-                          lambda: measure(CONFIGS[cname], kind, rec, gather_recipe, mode,
-                                          device, mesh, steps=steps, warmup=warmup,
-                                          backend=backend, profile=profile),
-                          BASELINE, format_row, log, device)
-        log("")
+
+    def measure_row(cname, candidate, mode):
+        _, kind, rec, gather_recipe = candidate
+        return measure(CONFIGS[cname], kind, rec, gather_recipe, mode, device, mesh,
+                       steps=steps, warmup=warmup, backend=backend, profile=profile)
+
+    rows = D.run_rows(configs, candidates(recipe_names, with_torchao), modes, only, measure_row,
+                      BASELINE, HEADER, format_row, log, device)
     if profile:
         log(format_profiles(rows))
     return rows

@@ -163,19 +163,14 @@ def run(configs, recipe_names, sp_modes, modes, device, *, steps=10, warmup=3, o
         log=print, profile=False, backend="inductor"):
     """All rows (every rank computes them; rank 0 logs them)."""
     group = dist.group.WORLD
-    rows = []
-    for cname in configs:
-        log(HEADER)
-        for label, kind, rec, sp in candidates(recipe_names, sp_modes):
-            if only and label not in only:
-                continue
-            for mode in modes:
-                D.add_row(rows, {"config": cname, "candidate": label, "mode": mode},
-                          lambda: measure(CONFIGS[cname], kind, rec, sp, mode, group, device,
-                                          steps=steps, warmup=warmup, profile=profile,
-                                          backend=backend),
-                          BASELINE, format_row, log, device)
-        log("")
+
+    def measure_row(cname, candidate, mode):
+        _, kind, rec, sp = candidate
+        return measure(CONFIGS[cname], kind, rec, sp, mode, group, device, steps=steps,
+                       warmup=warmup, profile=profile, backend=backend)
+
+    rows = D.run_rows(configs, candidates(recipe_names, sp_modes), modes, only, measure_row,
+                      BASELINE, HEADER, format_row, log, device)
     if profile:
         log(format_collectives(rows))
     return rows
