@@ -80,3 +80,27 @@ def test_fsdp2_follows_one_process():
         for step, (a, b) in enumerate(zip(single["train"], sharded[name]["train"])):
             assert abs(a - b) / a < tol, (name, step, a, b)
         assert single["train"][-1] < single["train"][0]
+
+
+def test_merge_tables_and_plots_runs_made_apart(tmp_path, capsys):
+    """Recipes trained on separate GPUs (one --json each) make one table and
+    one figure; a file of another configuration is refused."""
+    paths = []
+    for name in ("bf16", "fp8_current"):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps({"config": CFG.__dict__, "torch": "x", "device": "cpu",
+                                         "fsdp": False, "results": {name: _run(name)}}))
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "curves.png"
+    assert C.main(["--merge", *map(str, paths), "--plot", str(plot)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split("|")[1].strip(): line for line in lines if line.startswith("| ")}
+    gap = 100 * (_run("fp8_current")["final_val"] - _run("bf16")["final_val"]) \
+        / _run("bf16")["final_val"]
+    assert f"{gap:+.2f}%" in rows["fp8_current"] and "bf16" in rows
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"config": {**CFG.__dict__, "steps": 1}, "torch": "x",
+                                 "device": "cpu", "fsdp": False, "results": {}}))
+    with pytest.raises(SystemExit, match="another configuration"):
+        C.main(["--merge", str(paths[0]), str(other)])

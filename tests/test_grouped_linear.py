@@ -277,6 +277,10 @@ def test_cuda_operand_rules_are_checked_before_any_kernel():
         _check_cuda_operands(torch.float32, 64, 32)
     with pytest.raises(ValueError, match="divisible by 8.*in_features=60, out_features=30"):
         _check_cuda_operands(torch.bfloat16, 60, 30)
+    _check_cuda_operands(torch.bfloat16, 64, 32, fp8=True)
+    with pytest.raises(ValueError, match="FP8 grouped GEMM needs feature sizes divisible by 16"
+                                         ", got out_features=40"):
+        _check_cuda_operands(torch.bfloat16, 64, 40, fp8=True)
 
 
 def test_constructor_checks_and_state():

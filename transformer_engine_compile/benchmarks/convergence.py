@@ -253,6 +253,30 @@ def plot(results: dict, path: str, title: str) -> None:
     plt.close(fig)
 
 
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def merge(paths, plot_path=None) -> int:
+    """One table (and plot) of the results of several ``--json`` files of the
+    same configuration, in the order given."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    first = runs[0]
+    for run, path in zip(runs[1:], paths[1:]):
+        if run["config"] != first["config"]:
+            raise SystemExit(f"{path}: another configuration than {paths[0]}'s")
+    results = {name: r for run in runs for name, r in run["results"].items()}
+    print(f"{first['device']}, torch {first['torch']}, {first['config']}")
+    print(table(results))
+    if plot_path:
+        cfg = first["config"]
+        plot(results, plot_path, f"{cfg['steps']} steps of {cfg['batch']}x{cfg['seq']} bytes")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), default=None,
@@ -264,7 +288,12 @@ def main(argv=None) -> int:
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 over the torchrun ranks")
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None, help="a PNG of the curves (matplotlib)")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                        help="no training: the table (and --plot) of earlier runs' --json "
+                             "files, e.g. recipes run on separate GPUs")
     args = parser.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.plot)
     cfg = CONFIGS[args.config or ("llama-100m" if args.device == "cuda" else "tiny")]
     if args.steps is not None:
         cfg = dataclasses.replace(cfg, steps=args.steps)
@@ -280,20 +309,22 @@ def main(argv=None) -> int:
         log = print
     try:
         data = corpus()
-        log(f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
+        log(f"{device_name(device)}, "
             f"torch {torch.__version__}, {cfg}, {data[0].numel():,} training bytes, "
             f"{data[1].numel():,} held out")
         results = {}
+        writer = not args.fsdp or torch.distributed.get_rank() == 0
         for name in args.recipes:
             results[name] = train(cfg, name, device, data, compiled=not args.eager,
                                   fsdp=args.fsdp, log=log)
             torch._dynamo.reset()
+            if args.json and writer:  # after every recipe: a cut-short run keeps its curves
+                with open(args.json, "w") as f:
+                    json.dump({"config": dataclasses.asdict(cfg), "torch": torch.__version__,
+                               "device": device_name(device), "fsdp": args.fsdp,
+                               "results": results}, f)
         log(table(results))
-        if args.json and (not args.fsdp or torch.distributed.get_rank() == 0):
-            with open(args.json, "w") as f:
-                json.dump({"config": dataclasses.asdict(cfg), "torch": torch.__version__,
-                           "device": str(device), "fsdp": args.fsdp, "results": results}, f)
-        if args.plot and (not args.fsdp or torch.distributed.get_rank() == 0):
+        if args.plot and writer:
             plot(results, args.plot, f"{args.config or 'convergence'}: "
                  f"{cfg.steps} steps of {cfg.batch}x{cfg.seq} bytes")
     finally:

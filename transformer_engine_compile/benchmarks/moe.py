@@ -5,7 +5,7 @@ the same block on ``torch._grouped_mm`` in bf16, side by side in one
 process, compiled.
 
     python -m transformer_engine_compile.benchmarks.moe [--configs mixtral qwen3] \\
-        [--recipes fp8_current] [--steps 20] [--json out.json]
+        [--recipes fp8_current fp8_current_e4m3] [--steps 20] [--json out.json]
 
 Configs: ``mixtral`` (hidden 4096, ffn 14336, 8 experts, top-2, 16k
 tokens), ``qwen3`` (hidden 2048, expert ffn 768, 128 experts, top-8, 16k
@@ -42,13 +42,29 @@ CONFIGS = {
 }
 
 
+def _torch_grouped_mm(a, b_t, offs):
+    return torch._grouped_mm(a, b_t, offs=offs)
+
+
+def torchao_fp8_rowwise():
+    """torchao's FP8 rowwise grouped GEMM (its MoE training prototype, which
+    pads the token groups itself), or None where it does not import."""
+    try:
+        from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
+    except ImportError:
+        return None
+    return lambda a, b_t, offs: _to_fp8_rowwise_then_scaled_grouped_mm(a, b_t, offs)
+
+
 class TorchExperts(torch.nn.Module):
     """The baseline: the same experts on ``torch._grouped_mm`` (torch's own
-    autograd), routed by te.GroupedExperts' own ``permute`` / ``unpermute``."""
+    autograd), or on another grouped GEMM with its signature, routed by
+    te.GroupedExperts' own ``permute`` / ``unpermute``."""
 
-    def __init__(self, experts, hidden, ffn, dtype, device):
+    def __init__(self, experts, hidden, ffn, dtype, device, grouped_mm=_torch_grouped_mm):
         super().__init__()
         self.num_experts = experts
+        self.grouped_mm = grouped_mm
         self.gate_up_proj = torch.nn.Parameter(
             torch.randn(experts, 2 * ffn, hidden, dtype=dtype, device=device) * hidden ** -0.5)
         self.down_proj = torch.nn.Parameter(
@@ -59,10 +75,10 @@ class TorchExperts(torch.nn.Module):
 
         rows, perm, counts = permute(x, index, self.num_experts)
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        h = torch._grouped_mm(rows, self.gate_up_proj.transpose(-2, -1), offs=offs)
+        h = self.grouped_mm(rows, self.gate_up_proj.transpose(-2, -1), offs)
         gate, up = h.chunk(2, dim=-1)
-        y = torch._grouped_mm(torch.nn.functional.silu(gate) * up,
-                              self.down_proj.transpose(-2, -1), offs=offs)
+        y = self.grouped_mm(torch.nn.functional.silu(gate) * up,
+                            self.down_proj.transpose(-2, -1), offs)
         return unpermute(y, perm, weights)
 
 
@@ -84,14 +100,19 @@ class Block(torch.nn.Module):
 
 
 def build(cfg: MoEConfig, kind: str, device) -> Block:
-    """``kind``: "torch" (TorchExperts) or "te" (te.GroupedExperts), bf16,
+    """``kind``: "torch" (TorchExperts), "torchao" (TorchExperts on torchao's
+    FP8 rowwise grouped GEMM) or "te" (te.GroupedExperts), bf16 parameters,
     the same weights (seed 0)."""
     from ..module.grouped.experts import GroupedExperts
 
     dtype = torch.bfloat16
     torch.manual_seed(0)
     base = TorchExperts(cfg.experts, cfg.hidden, cfg.ffn, dtype, device)
-    if kind == "torch":
+    if kind == "torchao":
+        base.grouped_mm = torchao_fp8_rowwise()
+        if base.grouped_mm is None:
+            raise ImportError("torchao's MoE training prototype does not import")
+    if kind in ("torch", "torchao"):
         experts = base
     else:
         experts = GroupedExperts(cfg.experts, cfg.hidden, cfg.ffn, params_dtype=dtype,
@@ -124,6 +145,18 @@ def time_block(block, rec, x, steps: int, compiled: bool) -> dict:
     return {"ms": 1e3 * statistics.median(times)}
 
 
+RECIPES = ("fp8_current", "fp8_current_e4m3", "fp8_delayed", "fp8_block", "mxfp8", "nvfp4")
+
+
+def recipe(name: str):
+    """A recipe by its short name; ``fp8_current_e4m3`` is current scaling
+    with E4M3 gradients too (the grouped FP8 kernel on Hopper takes E4M3
+    only, so the default HYBRID runs its backward GEMMs in bf16)."""
+    if name == "fp8_current_e4m3":
+        return R.Float8CurrentScaling(fp8_format=R.Format.E4M3)
+    return R.DelayedScaling() if name == "fp8_delayed" else R.by_name(name)
+
+
 def run(configs, recipes, device, steps, compiled, log=print) -> list:
     rows = []
     for name in configs:
@@ -131,8 +164,9 @@ def run(configs, recipes, device, steps, compiled, log=print) -> list:
         g = torch.Generator().manual_seed(2)
         x = torch.randn(cfg.tokens, cfg.hidden, generator=g).to(device, torch.bfloat16)
         candidates = [("torch bf16", "torch", None), ("te bf16", "te", None)]
-        candidates += [(f"te {r}", "te", R.DelayedScaling() if r == "fp8_delayed"
-                        else R.by_name(r)) for r in recipes]
+        candidates += [(f"te {r}", "te", recipe(r)) for r in recipes]
+        if device.type == "cuda" and torchao_fp8_rowwise() is not None:
+            candidates.append(("torchao fp8 rowwise", "torchao", None))
         for label, kind, rec in candidates:
             row = {"config": name, "candidate": label}
             try:
@@ -161,8 +195,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=None,
                         help="default: mixtral qwen3 on a GPU, tiny on a CPU")
-    parser.add_argument("--recipes", nargs="+", default=["fp8_current"],
-                        choices=["fp8_current", "fp8_delayed", "fp8_block", "mxfp8", "nvfp4"])
+    parser.add_argument("--recipes", nargs="+", default=["fp8_current", "fp8_current_e4m3"],
+                        choices=RECIPES)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--eager", action="store_true")

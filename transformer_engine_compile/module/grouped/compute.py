@@ -15,11 +15,12 @@ zero weight gradient):
   atomics would differ from run to run.
 
 Under FP8 current scaling (``input_quantizer`` set) each expert's x, W and
-dy are quantized with scales of their own (``quantize.py``) and the GEMMs
-take the dequantized operands in fp32, the bias added in fp32 before the
-output's rounding: the numerics of a ``te.Linear`` per expert on its
-reference path.  The FP8 copies and their per-expert scales are what the
-backward keeps.
+dy are quantized with scales of their own (``quantize.py``).  On CUDA the
+GEMMs take the FP8 operands (``fp8_gemm.py``: ``torch._scaled_grouped_mm``).
+Elsewhere they take the dequantized operands in fp32, the bias added in fp32
+before the output's rounding: the numerics of a ``te.Linear`` per expert on
+its reference path.  The FP8 copies and their per-expert scales are what the
+backward keeps, on every device.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from ...dynamo.custom_op import OpResult
 from ...dynamo.tensor_proto import TensorProto
 from ...kernels.reference import FP8_DTYPE
+from . import fp8_gemm
 from .args import GroupedLinearBwdArgs, GroupedLinearFwdArgs
 from .quantize import dequantize_experts, dequantize_rows, quantize_experts, quantize_rows
 
@@ -60,11 +62,17 @@ def grouped_linear_forward(args: GroupedLinearFwdArgs) -> OpResult:
     rows = group_ids(offs, x.shape[0])
     xq, x_scale_inv = quantize_rows(x, rows, w.shape[0], args.input_quantizer)
     wq, w_scale_inv = quantize_experts(w, args.weight_quantizer)
+    saved = _saved(args, xq, wq, x_scale_inv, w_scale_inv)
+    if x.is_cuda:
+        y = fp8_gemm.fprop(xq, x_scale_inv, wq, w_scale_inv, rows, offs)
+        if args.bias is not None:
+            y = y + args.bias[rows]
+        return OpResult({"out": y}, saved)
     y = torch._grouped_mm(dequantize_rows(xq, x_scale_inv, rows),
                           dequantize_experts(wq, w_scale_inv).transpose(-2, -1), offs=offs)
     if args.bias is not None:
         y = y + args.bias.float()[rows]
-    return OpResult({"out": y.to(x.dtype)}, _saved(args, xq, wq, x_scale_inv, w_scale_inv))
+    return OpResult({"out": y.to(x.dtype)}, saved)
 
 
 def grouped_linear_forward_fake(args: GroupedLinearFwdArgs) -> OpResult:
@@ -102,19 +110,36 @@ def grouped_linear_backward(args: GroupedLinearBwdArgs) -> dict:
         if args.weight_requires_grad:
             wgrad = torch._grouped_mm(dy.t(), args.inputmat, offs=offs).to(args.weight_dtype)
     elif args.input_requires_grad or args.weight_requires_grad:
-        rows = group_ids(offs, dy.shape[0])
-        dyq, dy_scale_inv = quantize_rows(dy, rows, offs.shape[0], q)
+        dgrad, wgrad = _fp8_grads(args, dy, q)
+    if args.bias_requires_grad:
+        ones = torch.ones(dy.shape[0], _ONES_COLS, dtype=dy.dtype, device=dy.device)
+        dbias = torch._grouped_mm(dy.t(), ones, offs=offs)[..., 0].to(args.bias_dtype).contiguous()
+    return {"inp": dgrad, "weight": wgrad, "bias": dbias}
+
+
+def _fp8_grads(args: GroupedLinearBwdArgs, dy: torch.Tensor, q) -> tuple:
+    """dgrad and wgrad from the per-expert quantized dy and the saved FP8
+    copies: FP8 GEMMs on CUDA, fp32 GEMMs of the dequantized operands
+    elsewhere."""
+    offs, dgrad, wgrad = args.m_offsets, None, None
+    rows = group_ids(offs, dy.shape[0])
+    dyq, dy_scale_inv = quantize_rows(dy, rows, offs.shape[0], q)
+    if dy.is_cuda:
+        if args.input_requires_grad:
+            dgrad = fp8_gemm.dgrad(dyq, dy_scale_inv, args.weightmat, args.weight_scale_inv,
+                                   rows, offs)
+        if args.weight_requires_grad:
+            wgrad = fp8_gemm.wgrad(dyq, dy_scale_inv, args.inputmat, args.input_scale_inv,
+                                   rows, offs)
+    else:
         dyd = dequantize_rows(dyq, dy_scale_inv, rows)
         if args.input_requires_grad:
             w = dequantize_experts(args.weightmat, args.weight_scale_inv)
             dgrad = torch._grouped_mm(dyd, w, offs=offs).to(dy.dtype)
         if args.weight_requires_grad:
             x = dequantize_rows(args.inputmat, args.input_scale_inv, rows)
-            wgrad = torch._grouped_mm(dyd.t(), x, offs=offs).to(args.weight_dtype)
-    if args.bias_requires_grad:
-        ones = torch.ones(dy.shape[0], _ONES_COLS, dtype=dy.dtype, device=dy.device)
-        dbias = torch._grouped_mm(dy.t(), ones, offs=offs)[..., 0].to(args.bias_dtype).contiguous()
-    return {"inp": dgrad, "weight": wgrad, "bias": dbias}
+            wgrad = torch._grouped_mm(dyd.t(), x, offs=offs)
+    return dgrad, None if wgrad is None else wgrad.to(args.weight_dtype)
 
 
 def grouped_linear_backward_fake(args: GroupedLinearBwdArgs) -> dict:

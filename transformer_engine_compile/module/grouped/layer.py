@@ -44,9 +44,10 @@ class GroupedLinear(torch.nn.Module):
 
     Recipes: bf16 (no recipe) runs ``torch._grouped_mm``.
     ``Float8CurrentScaling`` quantizes each expert's x, W and dy with its
-    own scale, the numerics of a ``te.Linear`` per expert on its reference
-    path (fp32 GEMMs of the dequantized operands; CPU only so far).  The
-    other recipes are not implemented yet and raise under ``te.autocast``.
+    own scale and runs FP8 grouped GEMMs on CUDA (``fp8_gemm.py``), the fp32
+    GEMMs of the dequantized operands elsewhere (the numerics of a
+    ``te.Linear`` per expert on its reference path).  The other recipes are
+    not implemented yet and raise under ``te.autocast``.
     """
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True,
@@ -118,10 +119,6 @@ def _quantizers(recipe, inp) -> dict:
         raise NotImplementedError(
             f"te.GroupedLinear: {type(recipe).__name__} is not implemented yet (bf16 and "
             "Float8CurrentScaling are)")
-    if inp.device.type != "cpu":
-        raise NotImplementedError(
-            "te.GroupedLinear: Float8CurrentScaling runs on CPU only so far (its reference "
-            f"numerics); on {inp.device.type} train the experts in bf16")
     return {f"{role}_quantizer": factory.quantizer_for(recipe, role, internal=True)
             for role in ("input", "weight", "grad_output")}
 
@@ -132,7 +129,7 @@ def _grouped_linear(inp, weight, bias, m_splits, m_offsets, quantizers):
         raise TypeError(f"te.GroupedLinear: input dtype {inp.dtype} differs from the "
                         f"weight's {weight.dtype}")
     if inp.is_cuda:
-        _check_cuda_operands(inp.dtype, in_features, out_features)
+        _check_cuda_operands(inp.dtype, in_features, out_features, fp8=bool(quantizers))
     x = inp.reshape(-1, in_features)
     offs = _offsets(groups, m_splits, m_offsets, x.shape[0], x.device)
     grad = torch.is_grad_enabled()
@@ -148,18 +145,20 @@ def _grouped_linear(inp, weight, bias, m_splits, m_offsets, quantizers):
     return out.reshape(*inp.shape[:-1], out_features)
 
 
-def _check_cuda_operands(dtype: torch.dtype, in_features: int, out_features: int) -> None:
-    """What CUDA's grouped GEMM (``torch._grouped_mm``) takes, checked before
-    any kernel: bfloat16 operands whose rows are 16-byte aligned (feature
-    sizes multiples of 8)."""
+def _check_cuda_operands(dtype: torch.dtype, in_features: int, out_features: int,
+                         fp8: bool = False) -> None:
+    """What CUDA's grouped GEMMs take, checked before any kernel: bfloat16
+    operands, feature sizes multiples of 8 (16-byte bf16 rows) for
+    ``torch._grouped_mm`` and of 16 for the FP8 ``torch._scaled_grouped_mm``."""
     if dtype != torch.bfloat16:
         raise TypeError("te.GroupedLinear: on CUDA the grouped GEMM (torch._grouped_mm) "
                         f"takes bfloat16, got {dtype}")
+    align, kernel = (16, "FP8 grouped GEMM") if fp8 else (8, "grouped GEMM")
     bad = [f"{name}={n}" for name, n in (("in_features", in_features),
-                                         ("out_features", out_features)) if n % 8]
+                                         ("out_features", out_features)) if n % align]
     if bad:
-        raise ValueError(f"te.GroupedLinear: on CUDA the grouped GEMM needs feature sizes "
-                         f"divisible by 8 (16-byte rows), got {', '.join(bad)}")
+        raise ValueError(f"te.GroupedLinear: on CUDA the {kernel} needs feature sizes "
+                         f"divisible by {align}, got {', '.join(bad)}")
 
 
 def _offsets(groups: int, m_splits, m_offsets, tokens: int, device) -> torch.Tensor:

@@ -1,0 +1,118 @@
+"""The grouped GEMMs of per-expert FP8 current scaling on CUDA.
+
+``torch._scaled_grouped_mm`` (CUTLASS on Hopper) takes E4M3 operands, the
+left one row-major and the right one column-major, with fp32 *rowwise*
+scales: a per-expert tensor scale is a rowwise scale that repeats, so the
+kernel fits the recipe.  Its scales multiply the fp32 accumulator before the
+output's rounding to bf16.
+
+* fprop ``y = x W^T`` and dgrad ``dx = dy W``: 2-D x 3-D, the groups along
+  the rows; any group size works (zero included).
+* wgrad ``dW_g = dy_g^T x_g``: 2-D x 2-D, the groups along the reduced dim.
+  There the kernel asserts on the device that every group is non-empty and,
+  but for the last, a multiple of 16 rows long (16-byte TMA alignment).  So
+  each expert's rows are copied into a zero-padded buffer, every group
+  rounded up to a multiple of 16 (at least 16), in a static
+  ``tokens`` rounded up to 16 plus ``16 * experts`` rows: the padding adds zeros to the sums, the
+  shape never depends on the routing (CUDA graphs), and nothing syncs.
+
+E5M2 operands (the gradients of ``Format.HYBRID``) have no FP8 grouped
+kernel on Hopper: those GEMMs run ``torch._grouped_mm`` in bf16 on the FP8
+values (exact in bf16) and apply the two scales to its output per expert.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# the FP8 grouped GEMM's alignment of a group along the reduced dim (16 bytes)
+_ALIGN = 16
+
+
+def _rowwise(scale_inv: torch.Tensor, n: int) -> torch.Tensor:
+    """Per-expert scales as the kernel's ``(experts, n)`` rowwise scales."""
+    return scale_inv.unsqueeze(1).expand(-1, n).contiguous()
+
+
+def fprop(xq, x_scale_inv, wq, w_scale_inv, rows, offs) -> torch.Tensor:
+    """``y_g = x_g W_g^T`` (bf16) from FP8 ``xq`` ``(tokens, in)`` and ``wq``
+    ``(experts, out, in)``; ``rows`` is each row's expert."""
+    if not _e4m3(xq, wq):
+        return _unscaled(torch._grouped_mm(xq.to(torch.bfloat16),
+                                           wq.to(torch.bfloat16).transpose(-2, -1), offs=offs),
+                         (x_scale_inv * w_scale_inv)[rows], (-1, 1))
+    return torch._scaled_grouped_mm(xq, wq.transpose(-2, -1), x_scale_inv[rows],
+                                    _rowwise(w_scale_inv, wq.shape[1]), offs=offs,
+                                    out_dtype=torch.bfloat16, use_fast_accum=True)
+
+
+def dgrad(dyq, dy_scale_inv, wq, w_scale_inv, rows, offs) -> torch.Tensor:
+    """``dx_g = dy_g W_g`` (bf16): the weight's transpose made column-major."""
+    if not _e4m3(dyq, wq):
+        return _unscaled(torch._grouped_mm(dyq.to(torch.bfloat16), wq.to(torch.bfloat16),
+                                           offs=offs),
+                         (dy_scale_inv * w_scale_inv)[rows],
+                         (-1, 1))
+    w_cols = wq.transpose(-2, -1).contiguous().transpose(-2, -1)
+    return torch._scaled_grouped_mm(dyq, w_cols, dy_scale_inv[rows],
+                                    _rowwise(w_scale_inv, wq.shape[2]), offs=offs,
+                                    out_dtype=torch.bfloat16, use_fast_accum=False)
+
+
+def wgrad(dyq, dy_scale_inv, xq, x_scale_inv, rows, offs) -> torch.Tensor:
+    """``dW_g = dy_g^T x_g`` (bf16, ``(experts, out, in)``)."""
+    experts = offs.shape[0]
+    if not _e4m3(dyq, xq):
+        return _unscaled(torch._grouped_mm(dyq.to(torch.bfloat16).t(), xq.to(torch.bfloat16),
+                                           offs=offs),
+                         dy_scale_inv * x_scale_inv, (-1, 1, 1))
+    dy_pad, x_pad, pad_offs = _padded_groups(dyq, xq, rows, offs)
+    return torch._scaled_grouped_mm(
+        dy_pad.t().contiguous(), x_pad.t().contiguous().t(),
+        _rowwise(dy_scale_inv, dyq.shape[1]).view(-1),
+        _rowwise(x_scale_inv, xq.shape[1]).view(-1), offs=pad_offs,
+        out_dtype=torch.bfloat16, use_fast_accum=False).view(experts, dyq.shape[1], xq.shape[1])
+
+
+def _e4m3(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype == torch.float8_e4m3fn
+
+
+def _unscaled(out: torch.Tensor, scale: torch.Tensor, shape) -> torch.Tensor:
+    """A bf16 GEMM's output of FP8 values times their scales, per expert."""
+    return (out.float() * scale.view(shape)).to(torch.bfloat16)
+
+
+def padded_offsets(offs: torch.Tensor, tokens: int) -> torch.Tensor:
+    """End rows of the groups padded for the wgrad GEMM: each group rounded up
+    to a multiple of 16 rows (at least 16), the last one ending at the
+    buffer's static :func:`padded_rows`."""
+    experts = offs.shape[0]
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    padded = ((counts + _ALIGN - 1) // _ALIGN).clamp_min(1) * _ALIGN
+    ends = torch.cumsum(padded, 0, dtype=torch.int32)
+    return torch.cat([ends[:-1], ends.new_full((1,), padded_rows(tokens, experts))])
+
+
+def padded_rows(tokens: int, experts: int) -> int:
+    """The padded buffer's rows: enough for every group rounded up, itself a
+    multiple of 16 (the kernel's rule for the reduced dim's total)."""
+    return -(-tokens // _ALIGN) * _ALIGN + _ALIGN * experts
+
+
+def _padded_groups(dyq, xq, rows, offs):
+    """``dy`` and ``x`` with each expert's rows moved to its padded group,
+    zeros between, and the padded groups' end rows."""
+    tokens, experts = dyq.shape[0], offs.shape[0]
+    pad_offs = padded_offsets(offs, tokens)
+    starts = torch.cat([offs.new_zeros(1), offs[:-1]])
+    pad_starts = torch.cat([pad_offs.new_zeros(1), pad_offs[:-1]])
+    dest = torch.arange(tokens, device=dyq.device) + (pad_starts - starts)[rows]
+    size = padded_rows(tokens, experts)
+    padded = []
+    for t in (dyq, xq):
+        # FP8 moved as its bytes (index_put takes no float8 on every torch)
+        buf = torch.zeros(size, t.shape[1], dtype=torch.uint8, device=t.device)
+        buf[dest] = t.view(torch.uint8)
+        padded.append(buf.view(t.dtype))
+    return padded[0], padded[1], pad_offs
