@@ -213,11 +213,12 @@ def transpose_worker(group):
     try:
         for reshard in (True, False):
             model = F.build("cpu")
+            mesh = F.mesh_of(model)
             for layer in model:
                 if any(True for _ in layer.parameters()):
                     te.fsdp.fully_shard(layer, recipe=rec, reshard_after_forward=reshard,
-                                        quantized_gather=True)
-            torch_fully_shard(model)
+                                        mesh=mesh, quantized_gather=True)
+            torch_fully_shard(model, mesh=mesh)
             weights = sum(isinstance(p._local_tensor, te.fsdp.QuantizedAllGatherWeight)
                           for p in model.parameters())
             assert weights == 4, weights
@@ -251,13 +252,14 @@ def gather_choice_worker(group):
     os.environ.pop("LOCAL_WORLD_SIZE", None)
     try:
         quantized, plain, auto = F.build("cpu"), F.build("cpu"), F.build("cpu")
-        te.fsdp.fully_shard(quantized, recipe=rec, quantized_gather=True)
-        te.fsdp.fully_shard(plain, recipe=rec, quantized_gather=False)
-        te.fsdp.fully_shard(auto, recipe=rec)  # both ranks on this host
+        mesh = F.mesh_of(quantized)
+        te.fsdp.fully_shard(quantized, recipe=rec, mesh=mesh, quantized_gather=True)
+        te.fsdp.fully_shard(plain, recipe=rec, mesh=mesh, quantized_gather=False)
+        te.fsdp.fully_shard(auto, recipe=rec, mesh=mesh)  # both ranks on this host
         os.environ["LOCAL_WORLD_SIZE"] = "1"  # as torchrun says with one rank per host
         assert te.fsdp.spans_hosts()
         across = F.build("cpu")
-        te.fsdp.fully_shard(across, recipe=rec)
+        te.fsdp.fully_shard(across, recipe=rec, mesh=mesh)
     finally:
         os.environ.pop("LOCAL_WORLD_SIZE", None)
         logger.removeHandler(handler)
@@ -281,7 +283,7 @@ def gather_choice_worker(group):
                     head + "fp8_block 4/4 (quantized_gather='auto': the shard group spans "
                     "hosts)"], said
     with pytest.raises(TypeError, match="quantized_gather must be True, False or 'auto'"):
-        te.fsdp.fully_shard(F.build("cpu"), recipe=rec, quantized_gather="yes")
+        te.fsdp.fully_shard(F.build("cpu"), recipe=rec, mesh=mesh, quantized_gather="yes")
 
 
 def test_fsdp_gather_choice_reported():

@@ -43,6 +43,7 @@ def _train(model, batches):
 
 def fsdp_worker(group, compiled):
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     rank = dist.get_rank()
@@ -50,10 +51,11 @@ def fsdp_worker(group, compiled):
     ref = MoE()
     initial = copy.deepcopy(ref.state_dict())
     model = copy.deepcopy(ref)
-    te.fsdp.fully_shard(model.experts)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))  # not the machine's GPUs
+    te.fsdp.fully_shard(model.experts, mesh=mesh)
     if compiled:  # torchtitan's way: each FSDP2 block compiled after sharding
         model.experts.compile(fullgraph=True, backend="aot_eager")
-    fully_shard(model)
+    fully_shard(model, mesh=mesh)
     local = model.experts.gate_up_proj.to_local()
     assert local.shape == (E // 2, 2 * FFN, HIDDEN), local.shape  # sharded by experts
     batches = _batches(3)

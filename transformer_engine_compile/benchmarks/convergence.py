@@ -142,14 +142,16 @@ def train(cfg: RunConfig, name: str, device, data, compiled: bool, fsdp: bool = 
     model = build(cfg, name, device)
     world, rank = (dist.get_world_size(), dist.get_rank()) if fsdp else (1, 0)
     if fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         from ..parallel import fsdp as te_fsdp
+        mesh = init_device_mesh(device.type, (world,))  # --device's, not the machine's default
         for layer in model.model.layers:
-            te_fsdp.fully_shard(layer, recipe=rec)
+            te_fsdp.fully_shard(layer, recipe=rec, mesh=mesh)
             if compiled:  # torchtitan's way: each FSDP2 block compiled after sharding
                 layer.compile()
-        fully_shard(model)
+        fully_shard(model, mesh=mesh)
     if cfg.batch % world:
         raise ValueError(f"the batch of {cfg.batch} does not split over {world} ranks")
     share = slice(rank * cfg.batch // world, (rank + 1) * cfg.batch // world)

@@ -212,11 +212,13 @@ def _log_gather(module: torch.nn.Module, why: str) -> None:
              ", ".join(f"{fmt} {n}/{len(formats)}" for fmt, n in counts.items()), why)
 
 
-def _ranks_per_host() -> int:
-    """Ranks per host: torchrun's ``LOCAL_WORLD_SIZE``, else the visible
-    GPUs, else the whole world (one host)."""
+def _ranks_per_host(group) -> int:
+    """Ranks per host: torchrun's ``LOCAL_WORLD_SIZE``, else, for a group
+    with a GPU backend, the visible GPUs, else the whole world (one host: a
+    CPU group's ranks say nothing of the GPUs a machine has)."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
-    if local <= 0 and torch.cuda.is_available():
+    if local <= 0 and torch.cuda.is_available() \
+            and "nccl" in str(torch.distributed.get_backend(group)):
         local = torch.cuda.device_count()
     return local if local > 0 else torch.distributed.get_world_size()
 
@@ -229,7 +231,7 @@ def spans_hosts(mesh=None) -> bool:
         group = torch.distributed.group.WORLD
     else:
         group = mesh.get_group(mesh.ndim - 1) if mesh.ndim > 1 else mesh.get_group()
-    per_host = _ranks_per_host()
+    per_host = _ranks_per_host(group)
     ranks = torch.distributed.get_process_group_ranks(group)
     return len({r // per_host for r in ranks}) > 1
 
