@@ -88,17 +88,19 @@ def data(device, steps=STEPS):
              torch.randn(ROWS, IN, generator=g).to(device)) for _ in range(steps)]
 
 
-def mesh_of(model):
-    """A 1-D mesh over the world on the model's device: without one FSDP2
-    shards onto the machine's accelerator, also in a gloo run on CPU."""
+def world_mesh():
+    """A 1-D mesh over the world on the process group's device (NCCL: the
+    GPUs, gloo: the CPU): without one FSDP2 shards onto the machine's
+    accelerator, also in a gloo run on CPU."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
+    kind = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+    return init_device_mesh(kind, (dist.get_world_size(),))
 
 
 def shard(model, rec, quantized: bool, compile_backend=None):
     """Per-layer and root ``fully_shard``."""
-    mesh = mesh_of(model)
+    mesh = world_mesh()
     for layer in model:
         if any(True for _ in layer.parameters()):
             te.fsdp.fully_shard(layer, recipe=rec if quantized else None, mesh=mesh,

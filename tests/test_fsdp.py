@@ -213,7 +213,7 @@ def transpose_worker(group):
     try:
         for reshard in (True, False):
             model = F.build("cpu")
-            mesh = F.mesh_of(model)
+            mesh = F.world_mesh()
             for layer in model:
                 if any(True for _ in layer.parameters()):
                     te.fsdp.fully_shard(layer, recipe=rec, reshard_after_forward=reshard,
@@ -252,7 +252,7 @@ def gather_choice_worker(group):
     os.environ.pop("LOCAL_WORLD_SIZE", None)
     try:
         quantized, plain, auto = F.build("cpu"), F.build("cpu"), F.build("cpu")
-        mesh = F.mesh_of(quantized)
+        mesh = F.world_mesh()
         te.fsdp.fully_shard(quantized, recipe=rec, mesh=mesh, quantized_gather=True)
         te.fsdp.fully_shard(plain, recipe=rec, mesh=mesh, quantized_gather=False)
         te.fsdp.fully_shard(auto, recipe=rec, mesh=mesh)  # both ranks on this host

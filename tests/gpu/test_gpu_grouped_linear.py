@@ -19,11 +19,12 @@ RECIPES = {"bf16": None, "fp8_current": te.recipe.Float8CurrentScaling(),
 
 
 def _layer(device):
+    """The same weights on every device (made on the CPU, then moved)."""
     torch.manual_seed(0)
-    layer = te.GroupedLinear(E, IN, OUT, params_dtype=torch.bfloat16, device=device)
+    layer = te.GroupedLinear(E, IN, OUT, params_dtype=torch.bfloat16)
     with torch.no_grad():
         layer.bias.normal_()
-    return layer
+    return layer.to(device)
 
 
 def _data(sizes, seed=1):

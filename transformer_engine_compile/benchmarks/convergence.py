@@ -307,6 +307,8 @@ def main(argv=None) -> int:
     else:
         device = torch.device(args.device)
         if device.type == "cuda":
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(device)
         log = print
     try:
