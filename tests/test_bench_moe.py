@@ -26,3 +26,14 @@ def test_te_block_equals_the_torch_block():
     x = torch.randn(cfg.tokens, cfg.hidden, dtype=torch.bfloat16)
     outs = [moe.build(cfg, kind, torch.device("cpu"))(x) for kind in ("torch", "te")]
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+
+
+def test_padded_permutation_keeps_the_result():
+    """torchtitan's padded token groups (the torchao baseline's permutation)
+    change nothing but the layout: the same block output."""
+    cfg = moe.MoEConfig(hidden=32, ffn=16, experts=4, top_k=2, tokens=24)
+    x = torch.randn(cfg.tokens, cfg.hidden).to(torch.bfloat16)
+    plain = moe.build(cfg, "torch", torch.device("cpu"))
+    padded = moe.build(cfg, "torch", torch.device("cpu"))
+    padded.experts.padded = True
+    torch.testing.assert_close(padded(x), plain(x), rtol=0, atol=0)

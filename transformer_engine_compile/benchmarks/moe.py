@@ -53,7 +53,8 @@ def torchao_fp8_rowwise():
         from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
     except ImportError:
         return None
-    return lambda a, b_t, offs: _to_fp8_rowwise_then_scaled_grouped_mm(a, b_t, offs)
+    return lambda a, b_t, offs: _to_fp8_rowwise_then_scaled_grouped_mm(
+        a, b_t, offs, pad_token_groups_for_grouped_mm=False)
 
 
 class TorchExperts(torch.nn.Module):
@@ -61,10 +62,14 @@ class TorchExperts(torch.nn.Module):
     autograd), or on another grouped GEMM with its signature, routed by
     te.GroupedExperts' own ``permute`` / ``unpermute``."""
 
-    def __init__(self, experts, hidden, ffn, dtype, device, grouped_mm=_torch_grouped_mm):
+    def __init__(self, experts, hidden, ffn, dtype, device, grouped_mm=_torch_grouped_mm,
+                 padded=False):
         super().__init__()
         self.num_experts = experts
         self.grouped_mm = grouped_mm
+        # torchtitan's permutation for FP8 grouped GEMMs: each expert's rows
+        # padded to a multiple of 16 (at least 16) with zero rows
+        self.padded = padded
         self.gate_up_proj = torch.nn.Parameter(
             torch.randn(experts, 2 * ffn, hidden, dtype=dtype, device=device) * hidden ** -0.5)
         self.down_proj = torch.nn.Parameter(
@@ -75,11 +80,17 @@ class TorchExperts(torch.nn.Module):
 
         rows, perm, counts = permute(x, index, self.num_experts)
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        if self.padded:
+            from ..module.grouped.compute import group_ids
+            from ..module.grouped.fp8_gemm import padded_rows_of
+
+            dest, offs, size = padded_rows_of(offs, group_ids(offs, rows.shape[0]))
+            rows = rows.new_zeros(size, rows.shape[1]).index_put((dest,), rows)
         h = self.grouped_mm(rows, self.gate_up_proj.transpose(-2, -1), offs)
         gate, up = h.chunk(2, dim=-1)
         y = self.grouped_mm(torch.nn.functional.silu(gate) * up,
                             self.down_proj.transpose(-2, -1), offs)
-        return unpermute(y, perm, weights)
+        return unpermute(y[dest] if self.padded else y, perm, weights)
 
 
 class Block(torch.nn.Module):
@@ -109,7 +120,7 @@ def build(cfg: MoEConfig, kind: str, device) -> Block:
     torch.manual_seed(0)
     base = TorchExperts(cfg.experts, cfg.hidden, cfg.ffn, dtype, device)
     if kind == "torchao":
-        base.grouped_mm = torchao_fp8_rowwise()
+        base.grouped_mm, base.padded = torchao_fp8_rowwise(), True
         if base.grouped_mm is None:
             raise ImportError("torchao's MoE training prototype does not import")
     if kind in ("torch", "torchao"):

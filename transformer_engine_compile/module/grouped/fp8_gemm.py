@@ -100,15 +100,22 @@ def padded_rows(tokens: int, experts: int) -> int:
     return -(-tokens // _ALIGN) * _ALIGN + _ALIGN * experts
 
 
-def _padded_groups(dyq, xq, rows, offs):
-    """``dy`` and ``x`` with each expert's rows moved to its padded group,
-    zeros between, and the padded groups' end rows."""
-    tokens, experts = dyq.shape[0], offs.shape[0]
+def padded_rows_of(offs: torch.Tensor, rows: torch.Tensor) -> tuple:
+    """``(dest, padded offsets, buffer rows)``: where each of the grouped
+    rows (``rows``: each one's group) goes in the zero-padded buffer of
+    :func:`padded_offsets`."""
+    tokens, experts = rows.shape[0], offs.shape[0]
     pad_offs = padded_offsets(offs, tokens)
     starts = torch.cat([offs.new_zeros(1), offs[:-1]])
     pad_starts = torch.cat([pad_offs.new_zeros(1), pad_offs[:-1]])
-    dest = torch.arange(tokens, device=dyq.device) + (pad_starts - starts)[rows]
-    size = padded_rows(tokens, experts)
+    dest = torch.arange(tokens, device=rows.device) + (pad_starts - starts)[rows]
+    return dest, pad_offs, padded_rows(tokens, experts)
+
+
+def _padded_groups(dyq, xq, rows, offs):
+    """``dy`` and ``x`` with each expert's rows moved to its padded group,
+    zeros between, and the padded groups' end rows."""
+    dest, pad_offs, size = padded_rows_of(offs, rows)
     padded = []
     for t in (dyq, xq):
         # FP8 moved as its bytes (index_put takes no float8 on every torch)
