@@ -335,3 +335,39 @@ def test_fused_nvfp4_gemm_in_triton_interpreter():
     interpreter multiplies the tiles in fp32 (exact bf16 values, see the
     module); tests/gpu checks the bf16 tensor cores."""
     _interpret(_NVFP4_GEMM)
+
+
+_GROUPED = r'''
+import torch
+from transformer_engine_compile.kernels import reference as ref, triton_grouped as tg
+
+g = torch.Generator().manual_seed(0)
+sizes = [0, 5, 40, 1, 0, 70]  # bands of 16 rows that hold one group, and several
+rows = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+# groups 4x apart in size: a row cast with another group's scale is off by 4x or more
+x = (torch.randn(sum(sizes), 300, generator=g) * 4.0 ** rows.unsqueeze(1)).to(torch.bfloat16)
+x[7, 3] = float("inf")  # group 1's amax
+x[50, 0] = float("nan")  # group 2's
+for fmt, pow2 in (("e4m3", False), ("e5m2", True)):
+    for kwargs, x2d in ((dict(group_of_row=rows), x),
+                        (dict(rows_per_group=29), x[:116])):  # stacked weights: 4 x 29 rows
+        n = len(sizes) if "group_of_row" in kwargs else 4
+        data, sinv = tg.quantize_fp8_grouped(x2d, n, fmt, pow2, 0.0, **kwargs)
+        rdata, rsinv = ref.quantize_fp8_grouped(x2d, n, fmt, pow2, 0.0, **kwargs)
+        assert torch.equal(sinv, rsinv) or torch.allclose(sinv, rsinv, equal_nan=True), (sinv, rsinv)
+        assert data.dtype == rdata.dtype and data.shape == rdata.shape
+        # the interpreter's FP8 conversion is not the GPU's (E4M3 NaN, and a
+        # binade lower at some powers of two): finite values within 2x
+        finite = torch.isfinite(rdata.float())
+        a, b = data.float()[finite], rdata.float()[finite]
+        assert ((a - b).abs() <= b.abs() * 0.5 + 2 ** -9).all()
+print("ok")
+'''
+
+
+def test_grouped_fp8_quantize_in_triton_interpreter():
+    """The per-group current-scaling kernel (kernels/triton_grouped.py): every
+    group's scale equal to the reference's (exact amaxes, zero-row groups,
+    Inf and NaN), by row index and by stacked rows; the finite casts within
+    2x (the interpreter's conversion; bit equality is tests/gpu's)."""
+    _interpret(_GROUPED)

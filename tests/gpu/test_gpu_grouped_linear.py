@@ -141,3 +141,23 @@ def test_moe_training_under_cuda_graphs_with_changing_routing(name):
     assert counters["inductor"].get("cudagraph_skips", 0) == 0
     assert torch.isfinite(losses["eager"]).all()
     torch.testing.assert_close(losses["reduce-overhead"], losses["eager"], rtol=5e-2, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt,pow2", [("e4m3", False), ("e5m2", True)])
+def test_grouped_quantize_kernel_equals_the_reference(fmt, pow2):
+    """kernels/triton_grouped.py against reference.quantize_fp8_grouped, bit
+    for bit: tokens by their group index (empty groups, Inf, NaN) and
+    stacked weights by rows per group."""
+    from transformer_engine_compile.kernels import reference as ref
+    from transformer_engine_compile.kernels import triton_grouped as tg
+
+    sizes = [0, 37, 300, 1, 0, 175]
+    rows = torch.repeat_interleave(torch.arange(6), torch.tensor(sizes)).cuda()
+    x = (torch.randn(sum(sizes), 520, device="cuda") * 4.0 ** rows.unsqueeze(1)).bfloat16()
+    x[40, 3], x[100, 0] = float("inf"), float("nan")
+    for kwargs, x2d, groups in ((dict(group_of_row=rows), x, 6),
+                                (dict(rows_per_group=64), x[:448], 7)):
+        data, scale_inv = tg.quantize_fp8_grouped(x2d, groups, fmt, pow2, 0.0, **kwargs)
+        rdata, rscale_inv = ref.quantize_fp8_grouped(x2d, groups, fmt, pow2, 0.0, **kwargs)
+        assert torch.equal(data.view(torch.uint8), rdata.view(torch.uint8))
+        assert torch.equal(scale_inv, rscale_inv)

@@ -172,6 +172,22 @@ def current_scale(amax_: torch.Tensor, fmt: str, pow2: bool, eps: float) -> torc
     return compute_scale(amax_, FP8_MAX[fmt], pow2=pow2)
 
 
+def quantize_fp8_grouped(x2d, groups: int, fmt: str, pow2: bool, eps: float,
+                         group_of_row=None, rows_per_group: int = 0) -> tuple:
+    """Current scaling per group of rows (a mixture of experts' tokens or
+    stacked weights): ``(FP8 rows, fp32 scale_inv per group)``, each group
+    scaled by its own amax.  The group of row ``r`` is ``group_of_row[r]``,
+    or ``r // rows_per_group`` (consecutive equal groups)."""
+    if group_of_row is None:
+        group_of_row = torch.arange(x2d.shape[0], device=x2d.device) // rows_per_group
+    row_amax = x2d.abs().amax(dim=1).float() if x2d.shape[1] else \
+        x2d.new_zeros(x2d.shape[0], dtype=torch.float32)
+    amax_ = torch.zeros(groups, dtype=torch.float32, device=x2d.device).scatter_reduce(
+        0, group_of_row, row_amax, "amax")
+    scale = current_scale(amax_, fmt, pow2, eps)
+    return cast_fp8(x2d, scale[group_of_row].unsqueeze(1), fmt), torch.reciprocal(scale)
+
+
 def quantize_fp8_current(x2d, fmt, pow2, eps, rowwise, columnwise, amax=None) -> dict:
     """Current scaling: the scale comes from this tensor's amax (floored at eps).
     ``amax``: given instead (a 1-D fp32 tensor of partial maxima: the scale
