@@ -37,3 +37,23 @@ def test_padded_permutation_keeps_the_result():
     padded = moe.build(cfg, "torch", torch.device("cpu"))
     padded.experts.padded = True
     torch.testing.assert_close(padded(x), plain(x), rtol=0, atol=0)
+
+
+def test_the_bf16_rows_quantize_nothing(monkeypatch):
+    """A row without a recipe runs te.autocast disabled: enabled with no
+    recipe, te.autocast would quantize with the default one."""
+    import sys
+
+    ac = sys.modules["transformer_engine_compile.autocast"]  # the module, not the class
+    seen = []
+    real = ac.autocast
+
+    def recording(enabled=True, recipe=None, **kwargs):
+        seen.append((enabled, recipe))
+        return real(enabled=enabled, recipe=recipe, **kwargs)
+
+    monkeypatch.setattr(ac, "autocast", recording)
+    cfg = moe.CONFIGS["tiny"]
+    x = torch.randn(cfg.tokens, cfg.hidden).to(torch.bfloat16).requires_grad_()
+    moe.time_block(moe.build(cfg, "te", torch.device("cpu")), None, x, 1, compiled=False)
+    assert seen and all(enabled is False for enabled, _ in seen)

@@ -92,7 +92,9 @@ def test_merge_tables_and_plots_runs_made_apart(tmp_path, capsys):
                                          "fsdp": False, "results": {name: _run(name)}}))
     pytest.importorskip("matplotlib")
     plot = tmp_path / "curves.png"
-    assert C.main(["--merge", *map(str, paths), "--plot", str(plot)]) == 0
+    merged = tmp_path / "merged.json"
+    assert C.main(["--merge", *map(str, paths), "--plot", str(plot), "--json", str(merged)]) == 0
+    assert list(json.loads(merged.read_text())["results"]) == ["bf16", "fp8_current"]
     lines = capsys.readouterr().out.splitlines()
     rows = {line.split("|")[1].strip(): line for line in lines if line.startswith("| ")}
     gap = 100 * (_run("fp8_current")["final_val"] - _run("bf16")["final_val"]) \

@@ -128,7 +128,8 @@ def loss_of(model, x, y, rec):
     """Mean next-byte cross-entropy, bf16 autocast (and ``rec``'s FP8)."""
     from ..autocast import autocast
 
-    with torch.autocast(x.device.type, dtype=torch.bfloat16), autocast(recipe=rec):
+    with torch.autocast(x.device.type, dtype=torch.bfloat16), \
+            autocast(enabled=rec is not None, recipe=rec):
         logits = model(x).logits
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
@@ -259,9 +260,9 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def merge(paths, plot_path=None) -> int:
-    """One table (and plot) of the results of several ``--json`` files of the
-    same configuration, in the order given."""
+def merge(paths, plot_path=None, json_path=None) -> int:
+    """One table (and plot, and JSON) of the results of several ``--json``
+    files of the same configuration, in the order given."""
     runs = []
     for path in paths:
         with open(path) as f:
@@ -273,6 +274,9 @@ def merge(paths, plot_path=None) -> int:
     results = {name: r for run in runs for name, r in run["results"].items()}
     print(f"{first['device']}, torch {first['torch']}, {first['config']}")
     print(table(results))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({**first, "results": results}, f)
     if plot_path:
         cfg = first["config"]
         plot(results, plot_path, f"{cfg['steps']} steps of {cfg['batch']}x{cfg['seq']} bytes")
@@ -291,11 +295,11 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None, help="a PNG of the curves (matplotlib)")
     parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
-                        help="no training: the table (and --plot) of earlier runs' --json "
-                             "files, e.g. recipes run on separate GPUs")
+                        help="no training: the table (and --plot, --json) of earlier runs' "
+                             "--json files, e.g. recipes run on separate GPUs")
     args = parser.parse_args(argv)
     if args.merge:
-        return merge(args.merge, args.plot)
+        return merge(args.merge, args.plot, args.json)
     cfg = CONFIGS[args.config or ("llama-100m" if args.device == "cuda" else "tiny")]
     if args.steps is not None:
         cfg = dataclasses.replace(cfg, steps=args.steps)

@@ -138,7 +138,7 @@ def time_block(block, rec, x, steps: int, compiled: bool) -> dict:
     from ..autocast import autocast
 
     def step():
-        with autocast(recipe=rec):
+        with autocast(enabled=rec is not None, recipe=rec):  # recipe=None alone: the default
             y = block(x)
         y.float().pow(2).mean().backward()
 
