@@ -11,6 +11,7 @@ import torch
 
 from transformer_engine_compile.module.grouped import fp8_gemm
 from transformer_engine_compile.module.grouped.compute import group_ids
+from transformer_engine_compile.module.grouped.padding import padded_offsets
 from transformer_engine_compile.module.grouped.quantize import (dequantize_experts,
                                                                 dequantize_rows,
                                                                 quantize_experts, quantize_rows)
@@ -102,7 +103,7 @@ def test_padded_offsets_meet_the_kernel_rules():
     for sizes in SIZES + [(15, 1, 0, 32)]:
         tokens = sum(sizes)
         offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
-        pad = fp8_gemm.padded_offsets(offs, tokens)
+        pad = padded_offsets(offs, tokens, 16)
         lengths = torch.diff(pad, prepend=pad.new_zeros(1))
         assert pad.dtype == torch.int32 and int(pad[-1]) == -(-tokens // 16) * 16 + 16 * E
         assert (lengths >= torch.tensor(sizes)).all() and (lengths >= 16).all()

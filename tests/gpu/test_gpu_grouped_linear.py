@@ -15,7 +15,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 E, IN, OUT = 4, 256, 128
 RECIPES = {"bf16": None, "fp8_current": te.recipe.Float8CurrentScaling(),
            "fp8_current_e4m3": te.recipe.Float8CurrentScaling(
-               fp8_format=te.recipe.Format.E4M3)}
+               fp8_format=te.recipe.Format.E4M3),
+           # the block-scaled path (blocked.py): bf16 GEMMs of the dequantized values
+           "fp8_block": te.recipe.Float8BlockScaling(), "mxfp8": te.recipe.MXFP8BlockScaling()}
 
 
 def _layer(device):

@@ -82,10 +82,10 @@ class TorchExperts(torch.nn.Module):
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         if self.padded:
             from ..module.grouped.compute import group_ids
-            from ..module.grouped.fp8_gemm import padded_rows_of
+            from ..module.grouped.padding import padded_rows_of, scatter_rows
 
-            dest, offs, size = padded_rows_of(offs, group_ids(offs, rows.shape[0]))
-            rows = rows.new_zeros(size, rows.shape[1]).index_put((dest,), rows)
+            dest, offs, size = padded_rows_of(offs, group_ids(offs, rows.shape[0]), 16)
+            rows = scatter_rows(rows, dest, size)
         h = self.grouped_mm(rows, self.gate_up_proj.transpose(-2, -1), offs)
         gate, up = h.chunk(2, dim=-1)
         y = self.grouped_mm(torch.nn.functional.silu(gate) * up,

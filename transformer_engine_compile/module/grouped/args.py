@@ -24,7 +24,7 @@ class GroupedLinearFwdArgs:
     weight: torch.Tensor                 # (num_gemms, out_features, in_features)
     m_offsets: torch.Tensor              # (num_gemms,) int32: each group's end row
     bias: Optional[torch.Tensor] = None  # (num_gemms, out_features)
-    # FP8 current scaling: each expert's x, W and dy with a scale of its own
+    # a recipe's quantizers (none: bf16); each expert quantized as its own te.Linear
     input_quantizer: Optional[Quantizer] = None
     weight_quantizer: Optional[Quantizer] = None
     grad_output_quantizer: Optional[Quantizer] = None
@@ -37,11 +37,14 @@ class GroupedLinearFwdArgs:
 class GroupedLinearBwdArgs:
     grad_output: torch.Tensor                # (tokens, out_features)
     m_offsets: Optional[torch.Tensor] = None
-    inputmat: Optional[torch.Tensor] = None  # x (FP8 when quantized), for wgrad
-    weightmat: Optional[torch.Tensor] = None  # W (FP8 when quantized), for dgrad
-    input_scale_inv: Optional[torch.Tensor] = None   # (num_gemms,) fp32, quantized x
-    weight_scale_inv: Optional[torch.Tensor] = None  # (num_gemms,) fp32, quantized W
+    inputmat: Optional[torch.Tensor] = None  # x (FP8 under current scaling), for wgrad
+    weightmat: Optional[torch.Tensor] = None  # W (FP8 under current scaling), for dgrad
+    input_scale_inv: Optional[torch.Tensor] = None   # (num_gemms,) fp32, current scaling's x
+    weight_scale_inv: Optional[torch.Tensor] = None  # (num_gemms,) fp32, current scaling's W
     grad_output_quantizer: Optional[Quantizer] = None
+    # the block-scaled recipes quantize the saved x and W again (blocked.py)
+    input_quantizer: Optional[Quantizer] = None
+    weight_quantizer: Optional[Quantizer] = None
     input_requires_grad: bool = False
     weight_requires_grad: bool = False
     bias_requires_grad: bool = False

@@ -14,8 +14,10 @@ zero weight gradient):
   block of ones: a GEMM's fixed reduction order, where a scatter-add's
   atomics would differ from run to run.
 
-Under FP8 current scaling (``input_quantizer`` set) each expert's x, W and
-dy are quantized with scales of their own (``quantize.py``).  On CUDA the
+Under the block-scaled recipes the GEMMs take dequantized operands of
+groups padded to whole blocks (``blocked.py``).  Under FP8 current scaling
+each expert's x, W and dy are quantized with scales of their own
+(``quantize.py``).  On CUDA the
 GEMMs take the FP8 operands (``fp8_gemm.py``: ``torch._scaled_grouped_mm``).
 Elsewhere they take the dequantized operands in fp32, the bias added in fp32
 before the output's rounding: the numerics of a ``te.Linear`` per expert on
@@ -30,7 +32,8 @@ import torch
 from ...dynamo.custom_op import OpResult
 from ...dynamo.tensor_proto import TensorProto
 from ...kernels.reference import FP8_DTYPE
-from . import fp8_gemm
+from ...quantization.float8 import Float8CurrentScalingQuantizer
+from . import blocked, fp8_gemm
 from .args import GroupedLinearBwdArgs, GroupedLinearFwdArgs
 from .quantize import dequantize_experts, dequantize_rows, quantize_experts, quantize_rows
 
@@ -60,6 +63,11 @@ def grouped_linear_forward(args: GroupedLinearFwdArgs) -> OpResult:
             y = y + args.bias[group_ids(offs, x.shape[0])]
         return OpResult({"out": y}, _saved(args, x, w))
     rows = group_ids(offs, x.shape[0])
+    if not _current_scaling(args.input_quantizer):
+        y = blocked.fprop(x, w, args.input_quantizer, args.weight_quantizer, rows, offs)
+        if args.bias is not None:
+            y = y + args.bias.to(y.dtype)[rows]
+        return OpResult({"out": y.to(x.dtype)}, _saved(args, x, w))
     xq, x_scale_inv = quantize_rows(x, rows, w.shape[0], args.input_quantizer)
     wq, w_scale_inv = quantize_experts(w, args.weight_quantizer)
     saved = _saved(args, xq, wq, x_scale_inv, w_scale_inv)
@@ -78,7 +86,7 @@ def grouped_linear_forward(args: GroupedLinearFwdArgs) -> OpResult:
 def grouped_linear_forward_fake(args: GroupedLinearFwdArgs) -> OpResult:
     x, w = args.inp, args.weight
     y = TensorProto((x.shape[0], w.shape[1]), x.dtype, device=x.device)
-    if args.input_quantizer is None:
+    if args.input_quantizer is None or not _current_scaling(args.input_quantizer):
         return OpResult({"out": y}, _saved(args, x, w))
     groups = (w.shape[0],)
     xq = TensorProto(x.shape, FP8_DTYPE[args.input_quantizer.fp8_format], device=x.device)
@@ -88,9 +96,19 @@ def grouped_linear_forward_fake(args: GroupedLinearFwdArgs) -> OpResult:
                                        TensorProto(groups, torch.float32, device=w.device)))
 
 
+def _current_scaling(q) -> bool:
+    """Per-expert FP8 current scaling (FP8 grouped GEMMs on CUDA); the other
+    recipes take the block-scaled path (``blocked.py``)."""
+    return isinstance(q, Float8CurrentScalingQuantizer)
+
+
 def grouped_linear_setup_context(args: GroupedLinearFwdArgs) -> dict:
     """Non-tensor fields of GroupedLinearBwdArgs (tensors come from ``saved``)."""
+    blocked_recipe = args.input_quantizer is not None and \
+        not _current_scaling(args.input_quantizer)
     return {"grad_output_quantizer": args.grad_output_quantizer,
+            "input_quantizer": args.input_quantizer if blocked_recipe else None,
+            "weight_quantizer": args.weight_quantizer if blocked_recipe else None,
             "input_requires_grad": args.input_requires_grad,
             "weight_requires_grad": args.weight_requires_grad,
             "bias_requires_grad": args.bias_requires_grad,
@@ -110,7 +128,15 @@ def grouped_linear_backward(args: GroupedLinearBwdArgs) -> dict:
         if args.weight_requires_grad:
             wgrad = torch._grouped_mm(dy.t(), args.inputmat, offs=offs).to(args.weight_dtype)
     elif args.input_requires_grad or args.weight_requires_grad:
-        dgrad, wgrad = _fp8_grads(args, dy, q)
+        if _current_scaling(q):
+            dgrad, wgrad = _fp8_grads(args, dy, q)
+        else:
+            dgrad, wgrad = blocked.grads(dy, args.inputmat, args.weightmat, q,
+                                         args.input_quantizer, args.weight_quantizer,
+                                         group_ids(offs, dy.shape[0]), offs,
+                                         args.input_requires_grad, args.weight_requires_grad)
+            dgrad = None if dgrad is None else dgrad.to(dy.dtype)
+            wgrad = None if wgrad is None else wgrad.to(args.weight_dtype)
     if args.bias_requires_grad:
         ones = torch.ones(dy.shape[0], _ONES_COLS, dtype=dy.dtype, device=dy.device)
         dbias = torch._grouped_mm(dy.t(), ones, offs=offs)[..., 0].to(args.bias_dtype).contiguous()

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from .padding import padded_rows_of, scatter_rows
+
 # the FP8 grouped GEMM's alignment of a group along the reduced dim (16 bytes)
 _ALIGN = 16
 
@@ -83,43 +85,8 @@ def _unscaled(out: torch.Tensor, scale: torch.Tensor, shape) -> torch.Tensor:
     return (out.float() * scale.view(shape)).to(torch.bfloat16)
 
 
-def padded_offsets(offs: torch.Tensor, tokens: int) -> torch.Tensor:
-    """End rows of the groups padded for the wgrad GEMM: each group rounded up
-    to a multiple of 16 rows (at least 16), the last one ending at the
-    buffer's static :func:`padded_rows`."""
-    experts = offs.shape[0]
-    counts = torch.diff(offs, prepend=offs.new_zeros(1))
-    padded = ((counts + _ALIGN - 1) // _ALIGN).clamp_min(1) * _ALIGN
-    ends = torch.cumsum(padded, 0, dtype=torch.int32)
-    return torch.cat([ends[:-1], ends.new_full((1,), padded_rows(tokens, experts))])
-
-
-def padded_rows(tokens: int, experts: int) -> int:
-    """The padded buffer's rows: enough for every group rounded up, itself a
-    multiple of 16 (the kernel's rule for the reduced dim's total)."""
-    return -(-tokens // _ALIGN) * _ALIGN + _ALIGN * experts
-
-
-def padded_rows_of(offs: torch.Tensor, rows: torch.Tensor) -> tuple:
-    """``(dest, padded offsets, buffer rows)``: where each of the grouped
-    rows (``rows``: each one's group) goes in the zero-padded buffer of
-    :func:`padded_offsets`."""
-    tokens, experts = rows.shape[0], offs.shape[0]
-    pad_offs = padded_offsets(offs, tokens)
-    starts = torch.cat([offs.new_zeros(1), offs[:-1]])
-    pad_starts = torch.cat([pad_offs.new_zeros(1), pad_offs[:-1]])
-    dest = torch.arange(tokens, device=rows.device) + (pad_starts - starts)[rows]
-    return dest, pad_offs, padded_rows(tokens, experts)
-
-
 def _padded_groups(dyq, xq, rows, offs):
     """``dy`` and ``x`` with each expert's rows moved to its padded group,
     zeros between, and the padded groups' end rows."""
-    dest, pad_offs, size = padded_rows_of(offs, rows)
-    padded = []
-    for t in (dyq, xq):
-        # FP8 moved as its bytes (index_put takes no float8 on every torch)
-        buf = torch.zeros(size, t.shape[1], dtype=torch.uint8, device=t.device)
-        buf[dest] = t.view(torch.uint8)
-        padded.append(buf.view(t.dtype))
-    return padded[0], padded[1], pad_offs
+    dest, pad_offs, size = padded_rows_of(offs, rows, _ALIGN)
+    return scatter_rows(dyq, dest, size), scatter_rows(xq, dest, size), pad_offs

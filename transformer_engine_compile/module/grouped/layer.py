@@ -46,8 +46,10 @@ class GroupedLinear(torch.nn.Module):
     ``Float8CurrentScaling`` quantizes each expert's x, W and dy with its
     own scale and runs FP8 grouped GEMMs on CUDA (``fp8_gemm.py``), the fp32
     GEMMs of the dequantized operands elsewhere (the numerics of a
-    ``te.Linear`` per expert on its reference path).  The other recipes are
-    not implemented yet and raise under ``te.autocast``.
+    ``te.Linear`` per expert on its reference path).  The block-scaled
+    recipes quantize each expert as its own ``te.Linear`` would and run the
+    GEMMs on the dequantized values (``blocked.py``).  ``DelayedScaling``
+    is not implemented yet and raises under ``te.autocast``.
     """
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True,
@@ -115,10 +117,11 @@ def _quantizers(recipe, inp) -> dict:
     """The ops' quantizer fields under ``recipe`` (none without one)."""
     if recipe is None:
         return {}
-    if not isinstance(recipe, R.Float8CurrentScaling):
+    if isinstance(recipe, R.DelayedScaling):
         raise NotImplementedError(
-            f"te.GroupedLinear: {type(recipe).__name__} is not implemented yet (bf16 and "
-            "Float8CurrentScaling are)")
+            "te.GroupedLinear: DelayedScaling is not implemented yet (bf16, "
+            "Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling and "
+            "NVFP4BlockScaling are)")
     return {f"{role}_quantizer": factory.quantizer_for(recipe, role, internal=True)
             for role in ("input", "weight", "grad_output")}
 
