@@ -12,13 +12,13 @@ from transformer_engine_compile.benchmarks import moe
 def test_moe_benchmark_rows(tmp_path):
     out = tmp_path / "moe.json"
     rc = moe.main(["--configs", "tiny", "--steps", "1", "--eager", "--recipes", "fp8_current",
-                   "fp8_block", "--json", str(out)])
+                   "mxfp8", "fp8_delayed", "--json", str(out)])
     rows = {r["candidate"]: r for r in json.loads(out.read_text())["rows"]}
-    assert rc == 1  # the fp8_block row failed
+    assert rc == 1  # the fp8_delayed row failed
     assert rows["torch bf16"]["x_bf16"] == 1.0
-    for label in ("te bf16", "te fp8_current"):
+    for label in ("te bf16", "te fp8_current", "te mxfp8"):
         assert rows[label]["ms"] > 0 and rows[label]["x_bf16"] > 0
-    assert "Float8BlockScaling is not implemented" in rows["te fp8_block"]["error"]
+    assert "DelayedScaling is not implemented" in rows["te fp8_delayed"]["error"]
 
 
 def test_te_block_equals_the_torch_block():
@@ -57,3 +57,11 @@ def test_the_bf16_rows_quantize_nothing(monkeypatch):
     x = torch.randn(cfg.tokens, cfg.hidden).to(torch.bfloat16).requires_grad_()
     moe.time_block(moe.build(cfg, "te", torch.device("cpu")), None, x, 1, compiled=False)
     assert seen and all(enabled is False for enabled, _ in seen)
+
+
+def test_profile_prints_each_rows_kernels(capsys):
+    assert moe.main(["--configs", "tiny", "--steps", "1", "--eager", "--recipes", "fp8_current",
+                     "--profile"]) == 0
+    out = capsys.readouterr().out
+    for label in ("torch bf16", "te bf16", "te fp8_current"):
+        assert f"### tiny {label}\n" in out

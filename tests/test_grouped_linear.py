@@ -1,4 +1,4 @@
-"""te.GroupedLinear (mixture-of-experts layer) on CPU, bf16 and every recipe:
+"""te.GroupedLinear (mixture-of-experts layer) on CPU, bf16 and the recipes:
 numerics against a per-expert loop, the generated ops (opcheck), compiled
 against eager, routing that changes every step without recompiling, and
 the argument checks."""

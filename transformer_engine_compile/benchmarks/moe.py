@@ -5,7 +5,7 @@ the same block on ``torch._grouped_mm`` in bf16, side by side in one
 process, compiled.
 
     python -m transformer_engine_compile.benchmarks.moe [--configs mixtral qwen3] \\
-        [--recipes fp8_current fp8_current_e4m3] [--steps 20] [--json out.json]
+        [--recipes fp8_current fp8_current_e4m3] [--steps 20] [--json out.json] [--profile]
 
 Configs: ``mixtral`` (hidden 4096, ffn 14336, 8 experts, top-2, 16k
 tokens), ``qwen3`` (hidden 2048, expert ffn 768, 128 experts, top-8, 16k
@@ -133,8 +133,31 @@ def build(cfg: MoEConfig, kind: str, device) -> Block:
     return Block(cfg, experts, dtype, device)
 
 
-def time_block(block, rec, x, steps: int, compiled: bool) -> dict:
-    """Median ms of forward + backward (synchronised per step)."""
+def profile_once(run) -> dict:
+    """One more step of ``run`` under torch.profiler, summarised as the other
+    benchmarks print it (``step_profile.summarize``: the kernels by time)."""
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from .step_profile import summarize
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        cuda = torch.cuda.is_available()
+        with profile(activities=[ProfilerActivity.CPU]
+                     + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            run()
+            if cuda:
+                torch.cuda.synchronize()
+        prof.export_chrome_trace(path)
+        return summarize(path, top=20)
+
+
+def time_block(block, rec, x, steps: int, compiled: bool, profiled: bool = False) -> dict:
+    """Median ms of forward + backward (synchronised per step); with
+    ``profiled``, the kernels of one more step under ``"profile"``."""
     from ..autocast import autocast
 
     def step():
@@ -153,7 +176,10 @@ def time_block(block, rec, x, steps: int, compiled: bool) -> dict:
         run()
         sync()
         times.append(time.perf_counter() - start)
-    return {"ms": 1e3 * statistics.median(times)}
+    result = {"ms": 1e3 * statistics.median(times)}
+    if profiled:
+        result["profile"] = profile_once(run)
+    return result
 
 
 RECIPES = ("fp8_current", "fp8_current_e4m3", "fp8_delayed", "fp8_block", "mxfp8", "nvfp4")
@@ -168,7 +194,7 @@ def recipe(name: str):
     return R.DelayedScaling() if name == "fp8_delayed" else R.by_name(name)
 
 
-def run(configs, recipes, device, steps, compiled, log=print) -> list:
+def run(configs, recipes, device, steps, compiled, log=print, profiled=False) -> list:
     rows = []
     for name in configs:
         cfg = CONFIGS[name]
@@ -182,7 +208,7 @@ def run(configs, recipes, device, steps, compiled, log=print) -> list:
             row = {"config": name, "candidate": label}
             try:
                 row.update(time_block(build(cfg, kind, device), rec, x.requires_grad_(),
-                                      steps, compiled))
+                                      steps, compiled, profiled))
                 base = next((r for r in rows + [row] if r["config"] == name
                              and r["candidate"] == "torch bf16" and "ms" in r), None)
                 row["x_bf16"] = None if base is None else base["ms"] / row["ms"]
@@ -190,6 +216,9 @@ def run(configs, recipes, device, steps, compiled, log=print) -> list:
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             rows.append(row)
             log(format_row(row))
+            if "profile" in row:
+                from .step_profile import format_summary
+                log(format_summary(f"{name} {label}", row["profile"]))
             torch._dynamo.reset()
     return rows
 
@@ -212,13 +241,16 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--eager", action="store_true")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--profile", action="store_true",
+                        help="after timing, one step of each row under torch.profiler: "
+                             "its kernels by time")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     configs = args.configs or (["mixtral", "qwen3"] if device.type == "cuda" else ["tiny"])
     print(f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
           f"torch {torch.__version__}, {'eager' if args.eager else 'compiled'}, "
           "forward + backward per step")
-    rows = run(configs, args.recipes, device, args.steps, not args.eager)
+    rows = run(configs, args.recipes, device, args.steps, not args.eager, profiled=args.profile)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "device": str(device), "rows": rows}, f,
