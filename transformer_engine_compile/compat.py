@@ -451,3 +451,10 @@ def fsdp_gathers_again_for_backward(unit) -> bool:
                 and group.post_forward_mesh_info is not None)
     except (AttributeError, ImportError):
         return False
+
+
+def compile_cache_config():
+    """``torch.compiler.config`` where it has ``cache_key_tag`` (a string in
+    every on-disk compile cache key), else None."""
+    config = getattr(torch.compiler, "config", None)
+    return config if hasattr(config, "cache_key_tag") else None

@@ -64,6 +64,7 @@ from .. import compat
 from . import buckets as B
 from . import export, lowering
 from .arg_plan import ArgPlan
+from .cache_key import note_schema
 from .flat_result import (Layout, OpResult, entry_count, flatten_result, layout_of, pack_saved,
                           unflatten_result, unpack_saved)
 from .updates import _check_updates, apply_updates
@@ -303,6 +304,7 @@ def _library():
 def _define(op_name, schema, plan, real, fake, backward, setup_context=None):
     lib = _library()
     lib.define(schema)
+    note_schema(schema)
     qualname = f"{NAMESPACE}::{op_name}"
     lib.impl(op_name, real, "CompositeExplicitAutograd")
     torch.library.register_fake(qualname, fake, lib=lib)
