@@ -12,6 +12,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from transformer_engine_compile import recipe as R  # noqa: E402
 from transformer_engine_compile.benchmarks import convergence as C  # noqa: E402
 
 STEPS = 150
@@ -106,3 +107,21 @@ def test_merge_tables_and_plots_runs_made_apart(tmp_path, capsys):
                                  "device": "cpu", "fsdp": False, "results": {}}))
     with pytest.raises(SystemExit, match="another configuration"):
         C.main(["--merge", str(paths[0]), str(other)])
+
+
+def test_decoder_layers_compiled_apart_share_one_graph():
+    """--fsdp compiles each decoder layer on its own: they must share one
+    graph.  With Hugging Face's default KV cache every layer guarded on its
+    index, and 8 layers plus the held-out pass reached Dynamo's recompile
+    limit, running the layers eagerly from then on."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = CFG.__class__(**{**CFG.__dict__, "layers": 4})
+    model = C.build(cfg, "fp8_current", torch.device("cpu"))
+    for layer in model.model.layers:
+        layer.compile(backend="eager")
+    x = torch.randint(0, 256, (2, cfg.seq))
+    C.loss_of(model, x, x, R.Float8CurrentScaling()).backward()
+    assert counters["stats"]["unique_graphs"] == 1

@@ -106,7 +106,10 @@ def build(cfg: RunConfig, name: str, device) -> torch.nn.Module:
         vocab_size=256, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
         num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
         num_key_value_heads=cfg.heads, max_position_embeddings=cfg.seq,
-        attn_implementation="sdpa")
+        attn_implementation="sdpa",
+        # training keeps no KV cache: with one, every layer guards on its
+        # index and per-layer compilation (--fsdp) recompiles per layer
+        use_cache=False)
     torch.manual_seed(0)
     with torch.device(device):
         model = transformers.LlamaForCausalLM(hf_cfg)
