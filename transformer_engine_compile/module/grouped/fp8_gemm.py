@@ -10,11 +10,9 @@ output's rounding to bf16.
   the rows; any group size works (zero included).
 * wgrad ``dW_g = dy_g^T x_g``: 2-D x 2-D, the groups along the reduced dim.
   There the kernel asserts on the device that every group is non-empty and,
-  but for the last, a multiple of 16 rows long (16-byte TMA alignment).  So
-  each expert's rows are copied into a zero-padded buffer, every group
-  rounded up to a multiple of 16 (at least 16), in a static
-  ``tokens`` rounded up to 16 plus ``16 * experts`` rows: the padding adds zeros to the sums, the
-  shape never depends on the routing (CUDA graphs), and nothing syncs.
+  but for the last, a multiple of 16 rows long (16-byte TMA alignment), so
+  dy and x are copied into groups padded to 16 rows (``padding.py``: a
+  static buffer, zeros between the groups).
 
 E5M2 operands (the gradients of ``Format.HYBRID``) have no FP8 grouped
 kernel on Hopper: those GEMMs run ``torch._grouped_mm`` in bf16 on the FP8
@@ -53,8 +51,7 @@ def dgrad(dyq, dy_scale_inv, wq, w_scale_inv, rows, offs) -> torch.Tensor:
     if not _e4m3(dyq, wq):
         return _unscaled(torch._grouped_mm(dyq.to(torch.bfloat16), wq.to(torch.bfloat16),
                                            offs=offs),
-                         (dy_scale_inv * w_scale_inv)[rows],
-                         (-1, 1))
+                         (dy_scale_inv * w_scale_inv)[rows], (-1, 1))
     w_cols = wq.transpose(-2, -1).contiguous().transpose(-2, -1)
     return torch._scaled_grouped_mm(dyq, w_cols, dy_scale_inv[rows],
                                     _rowwise(w_scale_inv, wq.shape[2]), offs=offs,
@@ -63,7 +60,6 @@ def dgrad(dyq, dy_scale_inv, wq, w_scale_inv, rows, offs) -> torch.Tensor:
 
 def wgrad(dyq, dy_scale_inv, xq, x_scale_inv, rows, offs) -> torch.Tensor:
     """``dW_g = dy_g^T x_g`` (bf16, ``(experts, out, in)``)."""
-    experts = offs.shape[0]
     if not _e4m3(dyq, xq):
         return _unscaled(torch._grouped_mm(dyq.to(torch.bfloat16).t(), xq.to(torch.bfloat16),
                                            offs=offs),
@@ -73,7 +69,7 @@ def wgrad(dyq, dy_scale_inv, xq, x_scale_inv, rows, offs) -> torch.Tensor:
         dy_pad.t().contiguous(), x_pad.t().contiguous().t(),
         _rowwise(dy_scale_inv, dyq.shape[1]).view(-1),
         _rowwise(x_scale_inv, xq.shape[1]).view(-1), offs=pad_offs,
-        out_dtype=torch.bfloat16, use_fast_accum=False).view(experts, dyq.shape[1], xq.shape[1])
+        out_dtype=torch.bfloat16, use_fast_accum=False)
 
 
 def _e4m3(a: torch.Tensor, b: torch.Tensor) -> bool:
