@@ -23,8 +23,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from ..linear.setup import init_weight_
-from .layer import grouped_linear
+from .layer import grouped_linear, init_experts_
 
 __all__ = ["GroupedExperts", "permute", "tokens_per_expert", "unpermute"]
 
@@ -73,10 +72,7 @@ class GroupedExperts(torch.nn.Module):
     def reset_parameters(self) -> None:
         if self.gate_up_proj.is_meta:
             return
-        with torch.no_grad():
-            for i in range(self.num_experts):
-                init_weight_(self.gate_up_proj[i], self.init_method)
-                init_weight_(self.down_proj[i], self.init_method)
+        init_experts_(self.gate_up_proj, self.down_proj, init_method=self.init_method)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "

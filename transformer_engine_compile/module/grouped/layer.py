@@ -73,10 +73,9 @@ class GroupedLinear(torch.nn.Module):
         """Each expert's weight as ``te.Linear`` initialises its own; zero bias."""
         if self.weight.is_meta:
             return
-        with torch.no_grad():
-            for i in range(self.num_gemms):
-                init_weight_(self.weight[i], self.init_method)
-            if self.bias is not None:
+        init_experts_(self.weight, init_method=self.init_method)
+        if self.bias is not None:
+            with torch.no_grad():
                 self.bias.zero_()
 
     def weight_i(self, i: int) -> torch.Tensor:
@@ -90,6 +89,16 @@ class GroupedLinear(torch.nn.Module):
     def forward(self, inp: torch.Tensor, m_splits: Union[Sequence[int], torch.Tensor, None] = None,
                 *, m_offsets: Union[Sequence[int], torch.Tensor, None] = None) -> torch.Tensor:
         return grouped_linear(inp, self.weight, self.bias, m_splits, m_offsets=m_offsets)
+
+
+def init_experts_(*stacked: torch.Tensor, init_method=None) -> None:
+    """Initialise each expert's slice of stacked ``(experts, out, in)``
+    weights as ``te.Linear`` initialises its weight (in place), expert by
+    expert: expert 0's slice of each, then expert 1's, ..."""
+    with torch.no_grad():
+        for slices in zip(*stacked):
+            for expert in slices:
+                init_weight_(expert, init_method)
 
 
 def grouped_linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
