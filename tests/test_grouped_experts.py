@@ -143,12 +143,17 @@ def test_routing_changes_without_recompiling():
     assert len(compiles) == 1
 
 
-def test_convert_with_a_recipe_keeps_the_experts(caplog):
+def test_convert_checks_the_experts_sizes_against_the_recipe(caplog):
+    """Every recipe runs the experts; sizes a recipe's formats cannot take
+    keep the Hugging Face module, with the reason logged."""
+    model = torch.nn.Sequential(_hf_experts())
+    te.convert(model, recipe=te.recipe.Float8CurrentScaling())
+    assert isinstance(model[0], te.GroupedExperts)
     model = torch.nn.Sequential(_hf_experts())
     with caplog.at_level(logging.WARNING, logger="transformer_engine_compile.convert"):
-        te.convert(model, recipe=te.recipe.Float8CurrentScaling())
+        te.convert(model, recipe=te.recipe.Float8BlockScaling())  # 128-wide blocks
     assert isinstance(model[0], qwen3_moe.Qwen3MoeExperts)
-    assert "does not run Float8CurrentScaling on GPUs yet" in caplog.text
+    assert "the experts' gate/up GEMM" in caplog.text and "divisible by 128" in caplog.text
 
 
 def test_experts_layout_names_what_it_cannot_take():

@@ -184,14 +184,6 @@ def test_bad_routing_is_refused(compiled):
         layer(x, m_offsets=[4, 2, 12, 16])
 
 
-def test_delayed_scaling_not_implemented_says_so():
-    layer = _layer()
-    x, _ = _data((4, 4, 4, 4))
-    with te.autocast(recipe=te.recipe.DelayedScaling()):
-        with pytest.raises(NotImplementedError, match="DelayedScaling is not implemented"):
-            layer(x, [4, 4, 4, 4])
-
-
 # -- FP8 current scaling: a te.Linear per expert, bit for bit (CPU reference) --------------
 def _fp8_loop(layer, x, sizes, dy, rec):
     """te.Linear per expert (its reference path) on each expert's rows."""

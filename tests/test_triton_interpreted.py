@@ -361,13 +361,23 @@ for fmt, pow2 in (("e4m3", False), ("e5m2", True)):
         finite = torch.isfinite(rdata.float())
         a, b = data.float()[finite], rdata.float()[finite]
         assert ((a - b).abs() <= b.abs() * 0.5 + 2 ** -9).all()
+        # delayed scaling: given scales (4x apart, as the groups), amaxes recorded
+        scale = 448.0 / 4.0 ** torch.arange(n, dtype=torch.float32) / 4
+        data, amax = tg.quantize_fp8_grouped_scaled(x2d, scale, fmt, **kwargs)
+        rdata, ramax = ref.quantize_fp8_grouped_scaled(x2d, scale, fmt, **kwargs)
+        assert torch.equal(amax.isnan(), ramax.isnan())
+        assert torch.equal(amax.nan_to_num(), ramax.nan_to_num()), (amax, ramax)
+        finite = torch.isfinite(rdata.float())
+        a, b = data.float()[finite], rdata.float()[finite]
+        assert ((a - b).abs() <= b.abs() * 0.5 + 2 ** -9).all()
 print("ok")
 '''
 
 
 def test_grouped_fp8_quantize_in_triton_interpreter():
-    """The per-group current-scaling kernel (kernels/triton_grouped.py): every
-    group's scale equal to the reference's (exact amaxes, zero-row groups,
+    """The per-group kernels (kernels/triton_grouped.py), current scaling and
+    delayed scaling's given scales: every group's scale and amax equal to
+    the reference's (exact amaxes, zero-row groups,
     Inf and NaN), by row index and by stacked rows; the finite casts within
     2x (the interpreter's conversion; bit equality is tests/gpu's)."""
     _interpret(_GROUPED)

@@ -83,6 +83,17 @@ def _is_experts(module: torch.nn.Module) -> bool:
             and callable(getattr(module, "act_fn", None)))
 
 
+def _experts_shape_limit(module: torch.nn.Module, recipe) -> Optional[str]:
+    """Why ``recipe`` cannot take the experts' GEMMs (each expert quantized
+    as a te.Linear of its own), or None."""
+    _, ffn2, hidden = module.gate_up_proj.shape
+    for what, (n_in, n_out) in (("gate/up", (hidden, ffn2)), ("down", (ffn2 // 2, hidden))):
+        reason = shape_limits(n_in, n_out, {type(recipe).__name__: recipe})[type(recipe).__name__]
+        if reason is not None:
+            return f"the experts' {what} GEMM ({n_in} -> {n_out}): {reason}"
+    return None
+
+
 def _new_experts(old: torch.nn.Module, params_dtype) -> GroupedExperts:
     experts, ffn2, hidden = old.gate_up_proj.shape
     new = GroupedExperts(experts, hidden, ffn2 // 2, activation=old.act_fn,
@@ -164,8 +175,7 @@ def convert(model: torch.nn.Module,
         if module_filter_fn is None or module_filter_fn(module, fqn):
             reason = experts_layout(module)
             if reason is None and recipe is not None:
-                reason = (f"te.GroupedExperts does not run {type(recipe).__name__} on GPUs yet "
-                          "(bf16 only there)")
+                reason = _experts_shape_limit(module, recipe)
             if reason is not None:
                 skipped[fqn] = reason
             else:

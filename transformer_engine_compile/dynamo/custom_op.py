@@ -37,7 +37,7 @@ backward is allowed on inputs that do not require grad).  The eager path
 calls the impls themselves, not the ops, under
 ``kernels.tracing.eager_buffers_in_place``: an impl may then write such
 state itself and leave its update output out (the delayed-scaling step
-does: module/linear/ops.py, ``_delayed_updates``).
+does: module/delayed_step.py, ``delayed_updates``).
 
 The fakes are the single source of truth for the flat layout: the op
 returns ``Tensor[]``, and whoever reads it (the traced caller, the autograd

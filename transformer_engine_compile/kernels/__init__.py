@@ -26,6 +26,7 @@ OPS = (
     "quantize_fp8_current_pair",
     "quantize_fp8_current_pair_from_parts",
     "quantize_fp8_grouped",
+    "quantize_fp8_grouped_scaled",
     "quantize_mxfp8",
     "quantize_mxfp8_pair",
     "quantize_fp8_blockwise",

@@ -34,8 +34,9 @@ def register() -> None:
         register_fast(name, "cuda", getattr(tc, name))
         _REGISTERED.append(name)
     from . import triton_grouped
-    register_fast("quantize_fp8_grouped", "cuda", triton_grouped.quantize_fp8_grouped)
-    _REGISTERED.append("quantize_fp8_grouped")
+    for name in ("quantize_fp8_grouped", "quantize_fp8_grouped_scaled"):
+        register_fast(name, "cuda", getattr(triton_grouped, name))
+        _REGISTERED.append(name)
     from . import triton_block as tbk
     for name in ("quantize_fp8_blockwise", "quantize_fp8_blockwise_pair", "quantize_mxfp8",
                  "quantize_mxfp8_pair", "dequantize_mxfp8", "dequantize_mxfp8_pair"):

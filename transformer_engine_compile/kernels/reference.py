@@ -172,20 +172,41 @@ def current_scale(amax_: torch.Tensor, fmt: str, pow2: bool, eps: float) -> torc
     return compute_scale(amax_, FP8_MAX[fmt], pow2=pow2)
 
 
+def _rows_group(x2d, group_of_row, rows_per_group: int) -> torch.Tensor:
+    """The group of each row: ``group_of_row``, or ``r // rows_per_group``."""
+    if group_of_row is not None:
+        return group_of_row
+    return torch.arange(x2d.shape[0], device=x2d.device) // rows_per_group
+
+
+def amax_grouped(x2d, groups: int, group_of_row) -> torch.Tensor:
+    """``(groups,)`` fp32: the amax of each group's rows (0 for none)."""
+    row_amax = x2d.abs().amax(dim=1).float() if x2d.shape[1] else \
+        x2d.new_zeros(x2d.shape[0], dtype=torch.float32)
+    return torch.zeros(groups, dtype=torch.float32, device=x2d.device).scatter_reduce(
+        0, group_of_row, row_amax, "amax")
+
+
 def quantize_fp8_grouped(x2d, groups: int, fmt: str, pow2: bool, eps: float,
                          group_of_row=None, rows_per_group: int = 0) -> tuple:
     """Current scaling per group of rows (a mixture of experts' tokens or
     stacked weights): ``(FP8 rows, fp32 scale_inv per group)``, each group
     scaled by its own amax.  The group of row ``r`` is ``group_of_row[r]``,
     or ``r // rows_per_group`` (consecutive equal groups)."""
-    if group_of_row is None:
-        group_of_row = torch.arange(x2d.shape[0], device=x2d.device) // rows_per_group
-    row_amax = x2d.abs().amax(dim=1).float() if x2d.shape[1] else \
-        x2d.new_zeros(x2d.shape[0], dtype=torch.float32)
-    amax_ = torch.zeros(groups, dtype=torch.float32, device=x2d.device).scatter_reduce(
-        0, group_of_row, row_amax, "amax")
-    scale = current_scale(amax_, fmt, pow2, eps)
+    group_of_row = _rows_group(x2d, group_of_row, rows_per_group)
+    scale = current_scale(amax_grouped(x2d, groups, group_of_row), fmt, pow2, eps)
     return cast_fp8(x2d, scale[group_of_row].unsqueeze(1), fmt), torch.reciprocal(scale)
+
+
+def quantize_fp8_grouped_scaled(x2d, scale, fmt: str, group_of_row=None,
+                                rows_per_group: int = 0) -> tuple:
+    """Delayed scaling per group of rows: ``(FP8 rows, fp32 amax per
+    group)``, each group cast with its given scale (``scale``: ``(groups,)``
+    fp32) and its amax recorded for the next scales.  Groups as
+    :func:`quantize_fp8_grouped`."""
+    group_of_row = _rows_group(x2d, group_of_row, rows_per_group)
+    amax_ = amax_grouped(x2d, scale.shape[0], group_of_row)
+    return cast_fp8(x2d, scale.float()[group_of_row].unsqueeze(1), fmt), amax_
 
 
 def quantize_fp8_current(x2d, fmt, pow2, eps, rowwise, columnwise, amax=None) -> dict:

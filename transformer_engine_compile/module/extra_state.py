@@ -17,40 +17,44 @@ def delayed_state_names(prefix: str = "") -> tuple:
 def pack_delayed_state(module, names, device) -> torch.Tensor:
     """One GEMM's buffers ``names`` packed into a 1-D fp32 tensor (history fwd
     (L, 2), scale fwd (2,), history bwd (L, 2), scale bwd (2,): 4 L + 4
-    values), or an empty one when the module has not run under DelayedScaling."""
+    values for a te.Linear; a grouped GEMM's have more columns), or an empty
+    one when the module has not run under DelayedScaling."""
     parts = [module._buffers.get(n) for n in names]
     if any(p is None for p in parts):
         return torch.empty(0, dtype=torch.float32, device=device)
     return torch.cat([p.detach().reshape(-1) for p in parts])
 
 
-def check_extra_state(owner: str, state, gemms: int = 1) -> None:
+def check_extra_state(owner: str, state, gemms: int = 1, columns: tuple = (2, 2)) -> None:
     """Refuse (ValueError naming ``owner``) what is not ``gemms`` equally long
-    :func:`pack_delayed_state` results concatenated."""
+    :func:`pack_delayed_state` results concatenated, each of histories with
+    ``columns`` (forward, backward) columns."""
     n = state.numel() if isinstance(state, torch.Tensor) else -1
-    one = n // gemms if n > 0 else n
+    one, width = (n // gemms if n > 0 else n), sum(columns)
     if (n < 0 or state.dim() != 1 or state.dtype != torch.float32
-            or (n and (n % gemms or one < 8 or one % 4))):
+            or (n and (n % gemms or one < 2 * width or one % width))):
         count = "" if gemms == 1 else f"{gemms} x "
         raise ValueError(f"{owner}: the extra state must be the 1-D fp32 tensor of "
-                         f"get_extra_state() ({count}(4 * amax_history_len + 4) values, or "
-                         f"none), got {type(state).__name__} "
+                         f"get_extra_state() ({count}({width} * amax_history_len + {width}) "
+                         f"values, or none), got {type(state).__name__} "
                          f"{tuple(state.shape) if isinstance(state, torch.Tensor) else ''}")
 
 
 @torch.no_grad()
-def unpack_delayed_state(module, names, state, device) -> None:
+def unpack_delayed_state(module, names, state, device, columns: tuple = (2, 2)) -> None:
     """Restore what :func:`pack_delayed_state` saved (checked by
-    :func:`check_extra_state`).  Buffers of the same layout are copied into
-    (so CUDA graphs keep their addresses); an empty state drops them."""
+    :func:`check_extra_state`) into histories of ``columns`` (forward,
+    backward) columns.  Buffers of the same layout are copied into (so CUDA
+    graphs keep their addresses); an empty state drops them."""
     n = state.numel()
     if n == 0:
         for name in names:
             module._buffers.pop(name, None)
         return
-    length = (n - 4) // 4
-    values = state.to(device).split([2 * length, 2, 2 * length, 2])
-    shapes = ((length, 2), (2,), (length, 2), (2,))
+    fwd, bwd = columns
+    length = n // (fwd + bwd) - 1
+    values = state.to(device).split([fwd * length, fwd, bwd * length, bwd])
+    shapes = ((length, fwd), (fwd,), (length, bwd), (bwd,))
     for name, value, shape in zip(names, values, shapes):
         value = value.reshape(shape)
         cur = module._buffers.get(name)

@@ -17,6 +17,11 @@ import torch
 
 from ...quantization.base import Quantizer
 
+try:
+    from torch.distributed import ProcessGroup
+except ImportError:  # pragma: no cover - torch built without distributed
+    ProcessGroup = None
+
 
 @dataclasses.dataclass
 class GroupedLinearFwdArgs:
@@ -31,6 +36,13 @@ class GroupedLinearFwdArgs:
     input_requires_grad: bool = False
     weight_requires_grad: bool = False
     bias_requires_grad: bool = False
+    # DelayedScaling state (module buffers, ``state.py``), one column per
+    # expert and tensor: forward x of experts 0..n-1 then their W, backward dy
+    amax_history_fwd: Optional[torch.Tensor] = None  # (L, 2 n), updated by the forward
+    scale_fwd: Optional[torch.Tensor] = None         # (2 n,)
+    amax_history_bwd: Optional[torch.Tensor] = None  # (L, n), updated by the backward
+    scale_bwd: Optional[torch.Tensor] = None         # (n,)
+    amax_group: Optional[ProcessGroup] = None        # amaxes all-reduced (max) over it
 
 
 @dataclasses.dataclass
@@ -39,8 +51,8 @@ class GroupedLinearBwdArgs:
     m_offsets: Optional[torch.Tensor] = None
     inputmat: Optional[torch.Tensor] = None  # x (FP8 under current scaling), for wgrad
     weightmat: Optional[torch.Tensor] = None  # W (FP8 under current scaling), for dgrad
-    input_scale_inv: Optional[torch.Tensor] = None   # (num_gemms,) fp32, current scaling's x
-    weight_scale_inv: Optional[torch.Tensor] = None  # (num_gemms,) fp32, current scaling's W
+    input_scale_inv: Optional[torch.Tensor] = None   # (num_gemms,) fp32, the FP8 x's
+    weight_scale_inv: Optional[torch.Tensor] = None  # (num_gemms,) fp32, the FP8 W's
     grad_output_quantizer: Optional[Quantizer] = None
     # the block-scaled recipes quantize the saved x and W again (blocked.py)
     input_quantizer: Optional[Quantizer] = None
@@ -50,3 +62,6 @@ class GroupedLinearBwdArgs:
     bias_requires_grad: bool = False
     weight_dtype: torch.dtype = torch.float32
     bias_dtype: Optional[torch.dtype] = None
+    amax_history_bwd: Optional[torch.Tensor] = None
+    scale_bwd: Optional[torch.Tensor] = None
+    amax_group: Optional[ProcessGroup] = None

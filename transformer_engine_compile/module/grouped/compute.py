@@ -16,8 +16,9 @@ zero weight gradient):
 
 Under the block-scaled recipes the GEMMs take dequantized operands of
 groups padded to whole blocks (``blocked.py``).  Under FP8 current scaling
-each expert's x, W and dy are quantized with scales of their own
-(``quantize.py``).  On CUDA the
+and DelayedScaling each expert's x, W and dy are quantized with scales of
+their own (``quantize.py``; DelayedScaling's from each expert's amax
+history, updated by the ops as te.Linear's are: ``delayed_step.py``).  On CUDA the
 GEMMs take the FP8 operands (``fp8_gemm.py``: ``torch._scaled_grouped_mm``).
 Elsewhere they take the dequantized operands in fp32, the bias added in fp32
 before the output's rounding: the numerics of a ``te.Linear`` per expert on
@@ -31,15 +32,26 @@ import torch
 
 from ...dynamo.custom_op import OpResult
 from ...dynamo.tensor_proto import TensorProto
+from ...dynamo.updates import Update
 from ...kernels.reference import FP8_DTYPE
-from ...quantization.float8 import Float8CurrentScalingQuantizer
+from ...quantization.float8 import (Float8CurrentScalingQuantizer,
+                                    Float8DelayedScalingQuantizer)
+from ..delayed_step import delayed_updates, delayed_updates_fake
 from . import blocked, fp8_gemm
 from .args import GroupedLinearBwdArgs, GroupedLinearFwdArgs
-from .quantize import dequantize_experts, dequantize_rows, quantize_experts, quantize_rows
+from .quantize import (dequantize_experts, dequantize_rows, quantize_experts,
+                       quantize_experts_scaled, quantize_rows, quantize_rows_scaled)
 
 # the ones block of the bias gradient: a few columns keep its rows 16-byte
 # aligned, as the CUDA grouped GEMM requires of its operands
 _ONES_COLS = 8
+
+# DelayedScaling's new histories and scales, written into the module buffers
+# right after the ops (dynamo/custom_op.py)
+FORWARD_UPDATES = {"amax_history_fwd": Update("amax_history_fwd"),
+                   "scale_fwd": Update("scale_fwd")}
+BACKWARD_UPDATES = {"amax_history_bwd": Update("amax_history_bwd"),
+                    "scale_bwd": Update("scale_bwd")}
 
 
 def group_ids(m_offsets: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -52,7 +64,9 @@ def _saved(args, x, w, x_scale_inv=None, w_scale_inv=None) -> dict:
     wgrad, dgrad = args.weight_requires_grad, args.input_requires_grad
     return {"inputmat": x if wgrad else None, "weightmat": w if dgrad else None,
             "input_scale_inv": x_scale_inv if wgrad else None,
-            "weight_scale_inv": w_scale_inv if dgrad else None, "m_offsets": args.m_offsets}
+            "weight_scale_inv": w_scale_inv if dgrad else None, "m_offsets": args.m_offsets,
+            # forward arguments the backward writes into (aliases, not copies)
+            "amax_history_bwd": args.amax_history_bwd, "scale_bwd": args.scale_bwd}
 
 
 def grouped_linear_forward(args: GroupedLinearFwdArgs) -> OpResult:
@@ -63,49 +77,68 @@ def grouped_linear_forward(args: GroupedLinearFwdArgs) -> OpResult:
             y = y + args.bias[group_ids(offs, x.shape[0])]
         return OpResult({"out": y}, _saved(args, x, w))
     rows = group_ids(offs, x.shape[0])
-    if not _current_scaling(args.input_quantizer):
+    if not _tensorwise(args.input_quantizer):
         y = blocked.fprop(x, w, args.input_quantizer, args.weight_quantizer, rows, offs)
         if args.bias is not None:
             y = y + args.bias.to(y.dtype)[rows]
         return OpResult({"out": y.to(x.dtype)}, _saved(args, x, w))
-    xq, x_scale_inv = quantize_rows(x, rows, w.shape[0], args.input_quantizer)
-    wq, w_scale_inv = quantize_experts(w, args.weight_quantizer)
+    xq, x_scale_inv, wq, w_scale_inv, state = _quantize_operands(args, rows)
     saved = _saved(args, xq, wq, x_scale_inv, w_scale_inv)
     if x.is_cuda:
         y = fp8_gemm.fprop(xq, x_scale_inv, wq, w_scale_inv, rows, offs)
         if args.bias is not None:
             y = y + args.bias[rows]
-        return OpResult({"out": y}, saved)
+        return OpResult({"out": y, **state}, saved)
     y = torch._grouped_mm(dequantize_rows(xq, x_scale_inv, rows),
                           dequantize_experts(wq, w_scale_inv).transpose(-2, -1), offs=offs)
     if args.bias is not None:
         y = y + args.bias.float()[rows]
-    return OpResult({"out": y.to(x.dtype)}, saved)
+    return OpResult({"out": y.to(x.dtype), **state}, saved)
+
+
+def _quantize_operands(args: GroupedLinearFwdArgs, rows: torch.Tensor) -> tuple:
+    """``(xq, x scale_inv, wq, W scale_inv, state updates)``: each expert's
+    x rows and W in FP8 with a scale of their own, from their amaxes
+    (current scaling) or from the amax history (DelayedScaling, which
+    records this call's amaxes and steps the history)."""
+    x, w, groups = args.inp, args.weight, args.weight.shape[0]
+    if args.amax_history_fwd is None:
+        xq, x_scale_inv = quantize_rows(x, rows, groups, args.input_quantizer)
+        wq, w_scale_inv = quantize_experts(w, args.weight_quantizer)
+        return xq, x_scale_inv, wq, w_scale_inv, {}
+    x_scale, w_scale = args.scale_fwd[:groups], args.scale_fwd[groups:]
+    xq, x_amax = quantize_rows_scaled(x, rows, x_scale, args.input_quantizer)
+    wq, w_amax = quantize_experts_scaled(w, w_scale, args.weight_quantizer)
+    # read before the step moves the scales on
+    x_scale_inv, w_scale_inv = torch.reciprocal(x_scale), torch.reciprocal(w_scale)
+    state = delayed_updates(args.input_quantizer, args.amax_history_fwd, args.scale_fwd,
+                            torch.cat([x_amax, w_amax]), "fwd", args.amax_group)
+    return xq, x_scale_inv, wq, w_scale_inv, state
 
 
 def grouped_linear_forward_fake(args: GroupedLinearFwdArgs) -> OpResult:
     x, w = args.inp, args.weight
     y = TensorProto((x.shape[0], w.shape[1]), x.dtype, device=x.device)
-    if args.input_quantizer is None or not _current_scaling(args.input_quantizer):
+    if args.input_quantizer is None or not _tensorwise(args.input_quantizer):
         return OpResult({"out": y}, _saved(args, x, w))
     groups = (w.shape[0],)
     xq = TensorProto(x.shape, FP8_DTYPE[args.input_quantizer.fp8_format], device=x.device)
     wq = TensorProto(w.shape, FP8_DTYPE[args.weight_quantizer.fp8_format], device=w.device)
-    return OpResult({"out": y}, _saved(args, xq, wq,
-                                       TensorProto(groups, torch.float32, device=x.device),
-                                       TensorProto(groups, torch.float32, device=w.device)))
+    return OpResult({"out": y, **delayed_updates_fake(args.amax_history_fwd, "fwd")},
+                    _saved(args, xq, wq, TensorProto(groups, torch.float32, device=x.device),
+                           TensorProto(groups, torch.float32, device=w.device)))
 
 
-def _current_scaling(q) -> bool:
-    """Per-expert FP8 current scaling (FP8 grouped GEMMs on CUDA); the other
-    recipes take the block-scaled path (``blocked.py``)."""
-    return isinstance(q, Float8CurrentScalingQuantizer)
+def _tensorwise(q) -> bool:
+    """Per-expert FP8 tensor scaling, current or delayed (FP8 grouped GEMMs
+    on CUDA); the other recipes take the block-scaled path (``blocked.py``)."""
+    return isinstance(q, (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer))
 
 
 def grouped_linear_setup_context(args: GroupedLinearFwdArgs) -> dict:
     """Non-tensor fields of GroupedLinearBwdArgs (tensors come from ``saved``)."""
     blocked_recipe = args.input_quantizer is not None and \
-        not _current_scaling(args.input_quantizer)
+        not _tensorwise(args.input_quantizer)
     return {"grad_output_quantizer": args.grad_output_quantizer,
             "input_quantizer": args.input_quantizer if blocked_recipe else None,
             "weight_quantizer": args.weight_quantizer if blocked_recipe else None,
@@ -113,7 +146,8 @@ def grouped_linear_setup_context(args: GroupedLinearFwdArgs) -> dict:
             "weight_requires_grad": args.weight_requires_grad,
             "bias_requires_grad": args.bias_requires_grad,
             "weight_dtype": args.weight.dtype,
-            "bias_dtype": None if args.bias is None else args.bias.dtype}
+            "bias_dtype": None if args.bias is None else args.bias.dtype,
+            "amax_group": args.amax_group}
 
 
 def grouped_linear_backward(args: GroupedLinearBwdArgs) -> dict:
@@ -121,6 +155,7 @@ def grouped_linear_backward(args: GroupedLinearBwdArgs) -> dict:
     # grouped GEMM refuses
     dy, offs = args.grad_output.contiguous(), args.m_offsets
     dgrad = wgrad = dbias = None
+    state = {}
     q = args.grad_output_quantizer
     if q is None:
         if args.input_requires_grad:
@@ -128,8 +163,8 @@ def grouped_linear_backward(args: GroupedLinearBwdArgs) -> dict:
         if args.weight_requires_grad:
             wgrad = torch._grouped_mm(dy.t(), args.inputmat, offs=offs).to(args.weight_dtype)
     elif args.input_requires_grad or args.weight_requires_grad:
-        if _current_scaling(q):
-            dgrad, wgrad = _fp8_grads(args, dy, q)
+        if _tensorwise(q):
+            dgrad, wgrad, state = _fp8_grads(args, dy, q)
         else:
             dgrad, wgrad = blocked.grads(dy, args.inputmat, args.weightmat, q,
                                          args.input_quantizer, args.weight_quantizer,
@@ -140,16 +175,27 @@ def grouped_linear_backward(args: GroupedLinearBwdArgs) -> dict:
     if args.bias_requires_grad:
         ones = torch.ones(dy.shape[0], _ONES_COLS, dtype=dy.dtype, device=dy.device)
         dbias = torch._grouped_mm(dy.t(), ones, offs=offs)[..., 0].to(args.bias_dtype).contiguous()
-    return {"inp": dgrad, "weight": wgrad, "bias": dbias}
+    return {"inp": dgrad, "weight": wgrad, "bias": dbias, **state}
+
+
+def _quantize_grad(args: GroupedLinearBwdArgs, dy: torch.Tensor, rows, q) -> tuple:
+    """``(dyq, scale_inv per expert, state updates)``: each expert's dy rows
+    in FP8 with a scale of their own (as :func:`_quantize_operands`)."""
+    if args.amax_history_bwd is None:
+        return (*quantize_rows(dy, rows, args.m_offsets.shape[0], q), {})
+    dyq, amax = quantize_rows_scaled(dy, rows, args.scale_bwd, q)
+    scale_inv = torch.reciprocal(args.scale_bwd)  # before the step moves it on
+    return dyq, scale_inv, delayed_updates(q, args.amax_history_bwd, args.scale_bwd, amax,
+                                           "bwd", args.amax_group)
 
 
 def _fp8_grads(args: GroupedLinearBwdArgs, dy: torch.Tensor, q) -> tuple:
-    """dgrad and wgrad from the per-expert quantized dy and the saved FP8
-    copies: FP8 GEMMs on CUDA, fp32 GEMMs of the dequantized operands
-    elsewhere."""
+    """dgrad, wgrad and the state updates from the per-expert quantized dy
+    and the saved FP8 copies: FP8 GEMMs on CUDA, fp32 GEMMs of the
+    dequantized operands elsewhere."""
     offs, dgrad, wgrad = args.m_offsets, None, None
     rows = group_ids(offs, dy.shape[0])
-    dyq, dy_scale_inv = quantize_rows(dy, rows, offs.shape[0], q)
+    dyq, dy_scale_inv, state = _quantize_grad(args, dy, rows, q)
     if dy.is_cuda:
         if args.input_requires_grad:
             dgrad = fp8_gemm.dgrad(dyq, dy_scale_inv, args.weightmat, args.weight_scale_inv,
@@ -165,7 +211,7 @@ def _fp8_grads(args: GroupedLinearBwdArgs, dy: torch.Tensor, q) -> tuple:
         if args.weight_requires_grad:
             x = dequantize_rows(args.inputmat, args.input_scale_inv, rows)
             wgrad = torch._grouped_mm(dyd.t(), x, offs=offs)
-    return dgrad, None if wgrad is None else wgrad.to(args.weight_dtype)
+    return dgrad, None if wgrad is None else wgrad.to(args.weight_dtype), state
 
 
 def grouped_linear_backward_fake(args: GroupedLinearBwdArgs) -> dict:
@@ -179,4 +225,8 @@ def grouped_linear_backward_fake(args: GroupedLinearBwdArgs) -> dict:
                             device=dy.device)
     if args.bias_requires_grad:
         dbias = TensorProto((groups, dy.shape[1]), args.bias_dtype, device=dy.device)
-    return {"inp": dgrad, "weight": wgrad, "bias": dbias}
+    state = {}
+    if args.grad_output_quantizer is not None and (args.input_requires_grad
+                                                   or args.weight_requires_grad):
+        state = delayed_updates_fake(args.amax_history_bwd, "bwd")
+    return {"inp": dgrad, "weight": wgrad, "bias": dbias, **state}

@@ -23,7 +23,10 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from ...dynamo.state import register_module
+from ..extra_state import load_without_extra_state
 from .layer import grouped_linear, init_experts_
+from .state import bind_delayed_state, get_grouped_extra_state, set_grouped_extra_state
 
 __all__ = ["GroupedExperts", "permute", "tokens_per_expert", "unpermute"]
 
@@ -67,7 +70,33 @@ class GroupedExperts(torch.nn.Module):
         self.down_proj = torch.nn.Parameter(torch.empty(
             num_experts, hidden_size, ffn_hidden_size, dtype=dtype, device=device))
         self.init_method = init_method
+        self._state_key = register_module(self)  # names it for trace-time buffer allocation
         self.reset_parameters()
+
+    def __setstate__(self, state):
+        """Copies and unpickled modules get their own state key (dynamo/state.py)."""
+        super().__setstate__(state)
+        self._state_key = register_module(self)
+
+    def _gemms(self) -> tuple:
+        return (("gate_up_", self.num_experts), ("down_", self.num_experts))
+
+    def get_extra_state(self) -> torch.Tensor:
+        """The DelayedScaling state of both grouped GEMMs (gate/up, then
+        down), packed as ``te.GroupedLinear.get_extra_state`` packs one."""
+        return get_grouped_extra_state(self, self._gemms(), self.gate_up_proj.device)
+
+    def set_extra_state(self, state) -> None:
+        set_grouped_extra_state(self, "te.GroupedExperts", self._gemms(), state,
+                                self.gate_up_proj.device)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        """A checkpoint without extra state (the Hugging Face model's) loads
+        strictly too."""
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        load_without_extra_state(missing_keys, state_dict, prefix)
 
     def reset_parameters(self) -> None:
         if self.gate_up_proj.is_meta:
@@ -80,7 +109,11 @@ class GroupedExperts(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        gate_up_state, down_state = bind_delayed_state(self, self._gemms(),
+                                                       self.gate_up_proj.device)
         x, perm, counts = permute(hidden_states, top_k_index, self.num_experts)
-        gate, up = grouped_linear(x, self.gate_up_proj, None, counts).chunk(2, dim=-1)
-        y = grouped_linear(self.act_fn(gate) * up, self.down_proj, None, counts)
+        gate, up = grouped_linear(x, self.gate_up_proj, None, counts,
+                                  delayed_state=gate_up_state).chunk(2, dim=-1)
+        y = grouped_linear(self.act_fn(gate) * up, self.down_proj, None, counts,
+                           delayed_state=down_state)
         return unpermute(y, perm, top_k_weights).to(hidden_states.dtype)

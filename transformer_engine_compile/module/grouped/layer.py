@@ -19,12 +19,14 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ... import recipe as R
 from ...autocast import get_autocast_recipe
+from ...dynamo.state import register_module
 from ...quantization import factory
+from ..extra_state import load_without_extra_state
 from ..linear.setup import _torch_autocast_dtype, init_weight_
 from .args import GroupedLinearFwdArgs
 from .ops import GROUPED_LINEAR_OPS
+from .state import bind_delayed_state, get_grouped_extra_state, set_grouped_extra_state
 
 __all__ = ["GroupedLinear"]
 
@@ -49,7 +51,8 @@ class GroupedLinear(torch.nn.Module):
     ``te.Linear`` per expert on its reference path).  The block-scaled
     recipes quantize each expert as its own ``te.Linear`` would and run the
     GEMMs on the dequantized values (``blocked.py``).  ``DelayedScaling``
-    is not implemented yet and raises under ``te.autocast``.
+    keeps an amax history per expert and tensor (``state.py``, saved in
+    ``_extra_state``) and runs the FP8 GEMMs of current scaling.
     """
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True,
@@ -67,7 +70,36 @@ class GroupedLinear(torch.nn.Module):
                                                      dtype=dtype, device=device))
         self.bias = torch.nn.Parameter(torch.zeros(num_gemms, out_features, dtype=dtype,
                                                    device=device)) if bias else None
+        self._state_key = register_module(self)  # names it for trace-time buffer allocation
         self.reset_parameters()
+
+    def __setstate__(self, state):
+        """Copies and unpickled layers get their own state key (dynamo/state.py)."""
+        super().__setstate__(state)
+        self._state_key = register_module(self)
+
+    def _gemms(self) -> tuple:
+        return (("", self.num_gemms),)
+
+    def get_extra_state(self) -> torch.Tensor:
+        """``state_dict()['..._extra_state']``: the DelayedScaling amax
+        histories and scales packed into one 1-D fp32 tensor (history fwd
+        (L, 2 n), scale fwd (2 n,), history bwd (L, n), scale bwd (n,) for
+        ``n = num_gemms``); empty before the layer ran under DelayedScaling."""
+        return get_grouped_extra_state(self, self._gemms(), self.weight.device)
+
+    def set_extra_state(self, state) -> None:
+        """Restore what :meth:`get_extra_state` saved (buffers of the same
+        layout copied into, so CUDA graphs keep their addresses)."""
+        set_grouped_extra_state(self, "te.GroupedLinear", self._gemms(), state,
+                                self.weight.device)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        """A checkpoint without extra state loads strictly too."""
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        load_without_extra_state(missing_keys, state_dict, prefix)
 
     def reset_parameters(self) -> None:
         """Each expert's weight as ``te.Linear`` initialises its own; zero bias."""
@@ -88,7 +120,9 @@ class GroupedLinear(torch.nn.Module):
 
     def forward(self, inp: torch.Tensor, m_splits: Union[Sequence[int], torch.Tensor, None] = None,
                 *, m_offsets: Union[Sequence[int], torch.Tensor, None] = None) -> torch.Tensor:
-        return grouped_linear(inp, self.weight, self.bias, m_splits, m_offsets=m_offsets)
+        state, = bind_delayed_state(self, self._gemms(), self.weight.device)
+        return grouped_linear(inp, self.weight, self.bias, m_splits, m_offsets=m_offsets,
+                              delayed_state=state)
 
 
 def init_experts_(*stacked: torch.Tensor, init_method=None) -> None:
@@ -103,16 +137,19 @@ def init_experts_(*stacked: torch.Tensor, init_method=None) -> None:
 
 def grouped_linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                    m_splits: Union[Sequence[int], torch.Tensor, None] = None, *,
-                   m_offsets: Union[Sequence[int], torch.Tensor, None] = None) -> torch.Tensor:
+                   m_offsets: Union[Sequence[int], torch.Tensor, None] = None,
+                   delayed_state: Optional[dict] = None) -> torch.Tensor:
     """``te.GroupedLinear``'s forward as a function of its parameters
     (``weight`` ``(num_gemms, out, in)``, ``bias`` ``(num_gemms, out)``): for
     modules that hold expert weights under their own names
-    (:class:`~.experts.GroupedExperts`)."""
+    (:class:`~.experts.GroupedExperts`).  Under DelayedScaling
+    ``delayed_state`` holds the GEMM's amax histories and scales
+    (``state.bind_delayed_state``)."""
     groups, out_features, in_features = weight.shape
     if inp.shape[-1] != in_features:
         raise ValueError(f"te.GroupedLinear: the input's last dim is {inp.shape[-1]}, the "
                          f"layer takes in_features={in_features}")
-    quantizers = _quantizers(get_autocast_recipe(), inp)
+    quantizers = _quantizers(get_autocast_recipe(), delayed_state)
     ac_dtype = _torch_autocast_dtype(inp)
     if ac_dtype is not None:  # torch.autocast: compute in its dtype, as te.Linear does
         with torch.autocast(inp.device.type, enabled=False):
@@ -122,17 +159,20 @@ def grouped_linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     return _grouped_linear(inp, weight, bias, m_splits, m_offsets, quantizers)
 
 
-def _quantizers(recipe, inp) -> dict:
-    """The ops' quantizer fields under ``recipe`` (none without one)."""
+def _quantizers(recipe, delayed_state) -> dict:
+    """The ops' quantizer fields under ``recipe`` (none without one), and
+    under DelayedScaling its state fields."""
     if recipe is None:
         return {}
-    if isinstance(recipe, R.DelayedScaling):
-        raise NotImplementedError(
-            "te.GroupedLinear: DelayedScaling is not implemented yet (bf16, "
-            "Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling and "
-            "NVFP4BlockScaling are)")
-    return {f"{role}_quantizer": factory.quantizer_for(recipe, role, internal=True)
-            for role in ("input", "weight", "grad_output")}
+    fields = {f"{role}_quantizer": factory.quantizer_for(recipe, role, internal=True)
+              for role in ("input", "weight", "grad_output")}
+    if recipe.delayed():
+        if delayed_state is None:
+            raise ValueError("te.GroupedLinear: DelayedScaling keeps amax histories in a "
+                             "module: call te.GroupedLinear (or te.GroupedExperts), or pass "
+                             "delayed_state=bind_delayed_state(...)")
+        fields.update(delayed_state)
+    return fields
 
 
 def _grouped_linear(inp, weight, bias, m_splits, m_offsets, quantizers):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ...dynamo.custom_op import register_custom_op
 from .args import GroupedLinearBwdArgs, GroupedLinearFwdArgs
-from .compute import (grouped_linear_backward, grouped_linear_backward_fake,
+from .compute import (BACKWARD_UPDATES, FORWARD_UPDATES, grouped_linear_backward, grouped_linear_backward_fake,
                       grouped_linear_forward, grouped_linear_forward_fake,
                       grouped_linear_setup_context)
 
@@ -17,4 +17,5 @@ GROUPED_LINEAR_OPS = register_custom_op(
     backward=grouped_linear_backward, backward_fake=grouped_linear_backward_fake,
     setup_context=grouped_linear_setup_context,
     grad_fields={"grad_output": "out"},
+    forward_updates=FORWARD_UPDATES, backward_updates=BACKWARD_UPDATES,
 )

@@ -31,7 +31,8 @@ from ..linear.ops import LINEAR_OPS
 from ..linear.args import (LinearBwdArgs, LinearFwdArgs, _input_quantizer,
                            _paired_weight_quantizer, _tp)
 from ..linear.lowering import _lowers_backward, _lowers_forward
-from ..linear.compute import (_zero_amaxes, linear_backward, linear_backward_fake, linear_forward,
+from ..delayed_step import zero_amaxes
+from ..linear.compute import (linear_backward, linear_backward_fake, linear_forward,
                               linear_forward_fake, linear_setup_context)
 
 
@@ -109,7 +110,7 @@ def norm_linear_forward(args, linear_args) -> tuple:
     itself, and ``ln_out`` only when the module returns it (else None)."""
     dq = _fp8_writing_quantizer(linear_args)
     if dq is not None:
-        amaxes = _zero_amaxes(linear_args.amax_history_fwd)
+        amaxes = zero_amaxes(linear_args.amax_history_fwd)
         ln_out, mean, rstd, xq = N.norm_forward_fp8(
             args.inp, args.ln_weight, args.ln_bias, args.eps, args.normalization,
             args.zero_centered_gamma, dq, linear_args.scale_fwd[0], AmaxSlot(amaxes, 0),

@@ -19,8 +19,6 @@ reduce-scatter divides it).
 
 from __future__ import annotations
 
-import torch
-
 from ... import distributed as D
 from ... import kernels
 from ...checkpointing import check_forward_op_in_backward
@@ -30,8 +28,9 @@ from ...dynamo.updates import Update
 from ...dynamo.tensor_proto import TensorProto, to_tensor_proto
 from ...kernels import tracing
 from ...quantization.gemm import gemm
-from ...kernels.reference import STEP_COUNTER, AmaxSlot
+from ...kernels.reference import AmaxSlot
 from ...quantization.base import QuantizedTensorStorage
+from ..delayed_step import delayed_updates, delayed_updates_fake, step_after_last_cast, zero_amaxes
 from .args import (LinearBwdArgs, LinearFwdArgs, _grad_output_quantizer, _input_quantizer,
                    _out_shape, _paired_weight_quantizer, _quantizes_weight, _reuses_workspace, _tp,
                    _weight_quantizer)
@@ -64,57 +63,6 @@ def _record_amax(x, amaxes, index: int) -> None:
     the kernel itself (no copy), for a tensor this op call does not quantize."""
     x2d = x.detach().reshape(-1, x.shape[-1])
     kernels.get("amax", x2d)(x2d, AmaxSlot(amaxes, index))
-
-
-def _zero_amaxes(history):
-    """This step's amaxes, zeroed: one per history column, and at
-    ``STEP_COUNTER`` the counter of a step the last quantization runs
-    (``StepAfter``); None without state."""
-    return None if history is None else torch.zeros(STEP_COUNTER + 1, dtype=torch.float32,
-                                                    device=history.device)
-
-
-def _delayed_updates(q, history, scale, amaxes, prefix: str, group=None, step=None) -> dict:
-    """Outputs that update the delayed-scaling buffers ``history`` and
-    ``scale`` (LINEAR_OPS's ``*_updates``): those of ``step`` when a
-    quantization ran it (``_step_after``), else of a step launched here,
-    with the amaxes reduced over ``group`` first.  New objects (an op
-    returns none of its inputs; inside a lowered trace the step writes over
-    the buffers themselves, see ``step_after``); none in the eager path,
-    where the step wrote the buffers themselves."""
-    if history is None:
-        return {}
-    if step is None:
-        amaxes = amaxes[:history.shape[1]]
-        if group is not None:
-            amaxes = D.all_reduce_max(amaxes, group)
-        step = q.step_after(history, scale)
-        kernels.get("run_step", history)(step, amaxes)
-    if tracing.eager_in_place():
-        return {}
-    return {f"amax_history_{prefix}": step.new_history.view(step.history.shape),
-            f"scale_{prefix}": step.new_scale.view(step.new_scale.shape)}
-
-
-def _delayed_updates_fake(history, prefix: str) -> dict:
-    if history is None:
-        return {}
-    return {f"amax_history_{prefix}": TensorProto(history.shape, history.dtype,
-                                                  device=history.device),
-            f"scale_{prefix}": TensorProto(history.shape[1:], history.dtype,
-                                           device=history.device)}
-
-
-def _step_after(q, history, scale, group):
-    """The delayed-scaling step for the op call's last quantization to run
-    (``StepAfter``, one launch fewer), or None: without state, with an amax
-    group (the amaxes are all-reduced between the two), or while a CUDA
-    graph is captured (a replay costs no launches, and on the GPU the fused
-    step is the slower, measured on an H200)."""
-    if history is None or group is not None or (
-            history.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return None
-    return q.step_after(history, scale)
 
 
 def _input_for_gemm(args: LinearFwdArgs, q, xq, amaxes):
@@ -163,7 +111,7 @@ def linear_forward(args: LinearFwdArgs, xq=None, wq=None, amaxes=None) -> OpResu
     ``_input_quantizer(args)`` (LayerNormLinear's norm kernel gives it the
     amax of its output, or under delayed scaling writes FP8 itself); only
     without a gather of the input.  Under delayed scaling ``xq`` comes with
-    ``amaxes``, this call's zeroed amax vector (``_zero_amaxes``) with x's
+    ``amaxes``, this call's zeroed amax vector (``zero_amaxes``) with x's
     amax recorded in ``amaxes[0]``, and ``args.inp`` may be None (then
     ``save_original_input`` is off: nothing reads it).  ``wq`` (with ``xq``):
     ``args.weight`` quantized by the caller with the quantizer
@@ -194,7 +142,7 @@ def linear_forward(args: LinearFwdArgs, xq=None, wq=None, amaxes=None) -> OpResu
                  and not isinstance(args.weight, QuantizedTensorStorage))
     step = None  # a StepAfter the weight's quantization (or the pair's) runs
     if delayed and (pair is not None or amax_only):
-        step = _step_after(args.input_quantizer, args.amax_history_fwd, args.scale_fwd,
+        step = step_after_last_cast(args.input_quantizer, args.amax_history_fwd, args.scale_fwd,
                            args.amax_group)
         pair = None if step is None else pair
         amax_only = amax_only and step is not None
@@ -209,10 +157,10 @@ def linear_forward(args: LinearFwdArgs, xq=None, wq=None, amaxes=None) -> OpResu
         x_total, w, workspace = x, args.weight_workspace, None
     else:  # under delayed scaling the weight's cast (the last amax) runs the step
         if amaxes is None:
-            amaxes = _zero_amaxes(args.amax_history_fwd)  # delayed scaling: x, W
+            amaxes = zero_amaxes(args.amax_history_fwd)  # delayed scaling: x, W
         x_total, xq = _input_for_gemm(args, q, xq, amaxes)
         if _quantizes_weight(args):
-            step = _step_after(args.input_quantizer, args.amax_history_fwd, args.scale_fwd,
+            step = step_after_last_cast(args.input_quantizer, args.amax_history_fwd, args.scale_fwd,
                                args.amax_group)
         w, workspace = _weight_for_gemm(args, amaxes, step)
     if offer:
@@ -236,7 +184,7 @@ def linear_forward(args: LinearFwdArgs, xq=None, wq=None, amaxes=None) -> OpResu
     saved_w = w if args.input_requires_grad else None
     if saved_w is not None and _fresh_weight_copy(args, w):
         w.update_usage(rowwise_usage=False)  # dgrad reads the columnwise copy only
-    state = _delayed_updates(args.input_quantizer, args.amax_history_fwd, args.scale_fwd,
+    state = delayed_updates(args.input_quantizer, args.amax_history_fwd, args.scale_fwd,
                              amaxes, "fwd", args.amax_group, step)
     return OpResult({"out": y, "weight_workspace": workspace, **state},
                     {"inputmat": saved_x, "weightmat": saved_w, **_saved_for_updates(args)})
@@ -285,7 +233,7 @@ def linear_forward_fake(args: LinearFwdArgs) -> OpResult:
     if saved_w is not None and _fresh_weight_copy(args, w):
         w.update_usage(rowwise=False)
     return OpResult({"out": y, "weight_workspace": workspace,
-                     **_delayed_updates_fake(args.amax_history_fwd, "fwd")},
+                     **delayed_updates_fake(args.amax_history_fwd, "fwd")},
                     {"inputmat": saved_x, "weightmat": saved_w, **_saved_for_updates(args)})
 
 
@@ -354,9 +302,9 @@ def linear_backward(args: LinearBwdArgs) -> dict:
     step = None  # a StepAfter dy's quantization runs
     if delayed and args.grad_input_quantizer is None and not quantized_grad and (
             not (mode == "row" and sp)):  # dy's cast records the last amax
-        step = _step_after(q, args.amax_history_bwd, args.scale_bwd, args.amax_group)
+        step = step_after_last_cast(q, args.amax_history_bwd, args.scale_bwd, args.amax_group)
     # otherwise this call's amaxes: dy, dgrad (fp8_grad)
-    amaxes = _zero_amaxes(args.amax_history_bwd) if delayed and step is None else None
+    amaxes = zero_amaxes(args.amax_history_bwd) if delayed and step is None else None
     if quantized_grad:
         dyq = dy  # its amax (delayed scaling) and bias gradient: from its values
         dy = dy_total = dy.dequantize() if args.bias_requires_grad or delayed else None
@@ -385,7 +333,7 @@ def linear_backward(args: LinearBwdArgs) -> dict:
         if args.grad_input_quantizer is not None:  # fp8_grad: the previous layer's dy
             dgrad = _quantize(args.grad_input_quantizer, dgrad, args.scale_bwd, 1, amaxes)
     state = ({} if not delayed else
-             _delayed_updates(q, args.amax_history_bwd, args.scale_bwd, amaxes, "bwd",
+             delayed_updates(q, args.amax_history_bwd, args.scale_bwd, amaxes, "bwd",
                               args.amax_group, step))
     if args.weight_requires_grad:
         x = args.inputmat
@@ -418,7 +366,7 @@ def linear_backward_fake(args: LinearBwdArgs) -> dict:
         if mode == "column" and sp:
             dgrad_shape = D.scattered_shape(dgrad_shape, args.tp_size)
         dgrad = TensorProto(dgrad_shape, dy.dtype, args.grad_input_quantizer, device=dy.device)
-    state = _delayed_updates_fake(args.amax_history_bwd, "bwd") if q is not None else {}
+    state = delayed_updates_fake(args.amax_history_bwd, "bwd") if q is not None else {}
     if args.weight_requires_grad:
         shape = (dy.shape[-1], args.inputmat.shape[-1])
         if args.main_grad is None:

@@ -125,7 +125,7 @@ def _amax_then_step(w2d, amaxes, step) -> list:
     """The launches a forward reading the FP8 weight cache runs after x's
     cast under DelayedScaling: W's amax into ``amaxes[1]``, then the step
     over the forward history (``linear_ops._weight_for_gemm`` and
-    ``_delayed_updates``: the Python path's own launches)."""
+    ``delayed_step.delayed_updates``: the Python path's own launches)."""
     from ...kernels import triton_quant as tq  # Triton: imported on CUDA only
     return [tq.amax_call(w2d, amaxes, 1),
             tq._step_call(step.history, amaxes, step.new_history, step.new_scale, step.fmt,
