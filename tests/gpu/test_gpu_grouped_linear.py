@@ -17,7 +17,10 @@ RECIPES = {"bf16": None, "fp8_current": te.recipe.Float8CurrentScaling(),
            "fp8_current_e4m3": te.recipe.Float8CurrentScaling(
                fp8_format=te.recipe.Format.E4M3),
            # the block-scaled path (blocked.py): bf16 GEMMs of the dequantized values
-           "fp8_block": te.recipe.Float8BlockScaling(), "mxfp8": te.recipe.MXFP8BlockScaling()}
+           "fp8_block": te.recipe.Float8BlockScaling(), "mxfp8": te.recipe.MXFP8BlockScaling(),
+           # per-expert amax histories; current scaling's GEMMs
+           "delayed_e4m3": te.recipe.DelayedScaling(fp8_format=te.recipe.Format.E4M3,
+                                                    amax_history_len=4)}
 
 
 def _layer(device):
@@ -78,14 +81,16 @@ def test_fp8_is_not_bf16(name):
 def test_compiled_equals_eager(name):
     torch._dynamo.reset()
     rec = RECIPES[name]
-    layer = _layer("cuda")
-    step = torch.compile(layer, fullgraph=True)
-    for seed, sizes in enumerate([(37, 0, 300, 175), (128, 128, 0, 256)]):
+    layer, twin = _layer("cuda"), _layer("cuda")  # DelayedScaling: a state each
+    step = torch.compile(twin, fullgraph=True)
+    for seed, sizes in enumerate([(37, 0, 300, 175), (128, 128, 0, 256), (5, 60, 3, 0)]):
         x, dy = _data(sizes, seed=10 + seed)
         eager = _run(layer, x.cuda(), sizes, dy.cuda(), rec)
-        compiled = _run(layer, x.cuda(), sizes, dy.cuda(), rec, step)
+        compiled = _run(twin, x.cuda(), sizes, dy.cuda(), rec, step)
         for a, b in zip(compiled, eager):
             assert torch.equal(a, b)
+    for name, buf in layer.named_buffers():
+        assert torch.equal(twin.get_buffer(name), buf), name
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -163,3 +168,8 @@ def test_grouped_quantize_kernel_equals_the_reference(fmt, pow2):
         rdata, rscale_inv = ref.quantize_fp8_grouped(x2d, groups, fmt, pow2, 0.0, **kwargs)
         assert torch.equal(data.view(torch.uint8), rdata.view(torch.uint8))
         assert torch.equal(scale_inv, rscale_inv)
+        scale = torch.rand(groups, device="cuda") * 100  # delayed scaling's given scales
+        data, amax = tg.quantize_fp8_grouped_scaled(x2d, scale, fmt, **kwargs)
+        rdata, ramax = ref.quantize_fp8_grouped_scaled(x2d, scale, fmt, **kwargs)
+        assert torch.equal(data.view(torch.uint8), rdata.view(torch.uint8))
+        assert torch.equal(amax.nan_to_num(), ramax.nan_to_num())
