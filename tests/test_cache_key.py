@@ -52,3 +52,19 @@ def test_the_digest_ignores_definition_order(restore):
     cache_key.note_schema("b_op(Tensor x) -> Tensor")
     cache_key.note_schema("a_op(Tensor x) -> Tensor")
     assert config.cache_key_tag == one
+
+
+def test_a_changed_source_changes_the_tag(restore, monkeypatch):
+    """A fake's layout lives in the code, not the schema: another version of
+    the package's source misses the cache too."""
+    config = restore
+    cache_key.note_schema("probe_op(Tensor x) -> Tensor")
+    first = config.cache_key_tag
+    monkeypatch.setattr(cache_key, "_source_digest", lambda: "another version")
+    cache_key.note_schema("probe_op(Tensor x) -> Tensor")
+    assert config.cache_key_tag != first
+
+
+def test_the_source_digest_reads_the_package():
+    digest = cache_key._source_digest.__wrapped__()
+    assert len(digest) == 64 and digest == cache_key._source_digest()

@@ -11,10 +11,10 @@ import torch
 
 from transformer_engine_compile.module.grouped import fp8_gemm
 from transformer_engine_compile.module.grouped.compute import group_ids
-from transformer_engine_compile.module.grouped.padding import padded_offsets
+from transformer_engine_compile.module.grouped.padding import padded_offsets, padded_sources
 from transformer_engine_compile.module.grouped.quantize import (dequantize_experts,
                                                                 dequantize_rows,
-                                                                quantize_experts, quantize_rows)
+                                                                quantize_experts, quantize_tokens)
 
 E, IN, OUT = 4, 48, 32
 
@@ -68,10 +68,11 @@ def _operands(sizes, grad_format="e4m3", seed=0):
     x = (torch.randn(tokens, IN, generator=g) * (rows + 1).unsqueeze(1)).to(torch.bfloat16)
     w = torch.randn(E, OUT, IN, generator=g).to(torch.bfloat16)
     dy = torch.randn(tokens, OUT, generator=g).to(torch.bfloat16)
-    xq, xs = quantize_rows(x, rows, E, _Q("e4m3"))
-    wq, ws = quantize_experts(w, _Q("e4m3"))
-    dyq, dys = quantize_rows(dy, rows, E, _Q(grad_format))
-    return offs, rows, (xq, xs), (wq, ws), (dyq, dys)
+    sources, _, pad_offs = padded_sources(offs, rows, fp8_gemm.ALIGN)
+    xq = quantize_tokens(x, rows, E, _Q("e4m3"), columns_from=sources)
+    wq = quantize_experts(w, _Q("e4m3"), transposed=True)
+    dyq = quantize_tokens(dy, rows, E, _Q(grad_format), columns_from=sources)
+    return offs, pad_offs, rows, xq, wq, dyq
 
 
 def _close(actual, expected):
@@ -87,13 +88,14 @@ SIZES = [(5, 0, 11, 16), (0, 0, 0, 40), (16, 16, 16, 16), (1, 17, 33, 0)]
 @pytest.mark.parametrize("sizes", SIZES, ids=["ragged", "one-expert", "aligned", "odd"])
 @pytest.mark.parametrize("grad_format", ["e4m3", "e5m2"])
 def test_grouped_fp8_gemms_match_the_dequantized_reference(emulated, sizes, grad_format):
-    offs, rows, (xq, xs), (wq, ws), (dyq, dys) = _operands(sizes, grad_format)
-    x, w = dequantize_rows(xq, xs, rows), dequantize_experts(wq, ws)
-    dy = dequantize_rows(dyq, dys, rows)
-    _close(fp8_gemm.fprop(xq, xs, wq, ws, rows, offs),
+    offs, pad_offs, rows, xq, wq, dyq = _operands(sizes, grad_format)
+    x, w = dequantize_rows(xq.data, xq.scale_inv, rows), dequantize_experts(wq.data, wq.scale_inv)
+    dy = dequantize_rows(dyq.data, dyq.scale_inv, rows)
+    _close(fp8_gemm.fprop(xq.data, xq.scale_inv, wq.data, wq.scale_inv, rows, offs),
            torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
-    _close(fp8_gemm.dgrad(dyq, dys, wq, ws, rows, offs), torch._grouped_mm(dy, w, offs=offs))
-    dw = fp8_gemm.wgrad(dyq, dys, xq, xs, rows, offs)
+    _close(fp8_gemm.dgrad(dyq.data, dyq.scale_inv, wq.transposed, wq.scale_inv, rows, offs),
+           torch._grouped_mm(dy, w, offs=offs))
+    dw = fp8_gemm.wgrad(dyq.transposed, dyq.scale_inv, xq.transposed, xq.scale_inv, pad_offs)
     _close(dw, torch._grouped_mm(dy.t(), x, offs=offs))
     for g, n in enumerate(sizes):  # an expert without tokens gets a zero gradient
         assert torch.count_nonzero(dw[g]) == 0 if n == 0 else torch.count_nonzero(dw[g]) > 0
@@ -116,10 +118,27 @@ def test_e5m2_never_reaches_the_fp8_kernel(monkeypatch):
         raise AssertionError("E5M2 sent to the E4M3-only kernel")
 
     monkeypatch.setattr(torch, "_scaled_grouped_mm", refuse)
-    offs, rows, (xq, xs), (wq, ws), (dyq, dys) = _operands((5, 0, 11, 16), "e5m2")
-    assert dyq.dtype == torch.float8_e5m2
-    assert fp8_gemm.dgrad(dyq, dys, wq, ws, rows, offs).shape == (32, IN)
-    assert fp8_gemm.wgrad(dyq, dys, xq, xs, rows, offs).shape == (E, OUT, IN)
+    offs, pad_offs, rows, xq, wq, dyq = _operands((5, 0, 11, 16), "e5m2")
+    assert dyq.data.dtype == torch.float8_e5m2
+    assert fp8_gemm.dgrad(dyq.data, dyq.scale_inv, wq.transposed, wq.scale_inv, rows,
+                          offs).shape == (32, IN)
+    assert fp8_gemm.wgrad(dyq.transposed, dyq.scale_inv, xq.transposed, xq.scale_inv,
+                          pad_offs).shape == (E, OUT, IN)
+
+
+def test_transposed_copies_are_the_rowwise_ones():
+    """The casts' transposed copies (what the backward GEMMs read): x's
+    tokens in 16-aligned groups with zeros between, W per expert."""
+    offs, pad_offs, rows, xq, wq, _ = _operands((5, 0, 11, 16))
+    _, dest, _ = padded_sources(offs, rows, fp8_gemm.ALIGN)
+    xt = xq.transposed.view(torch.uint8)
+    assert xt.shape == (IN, int(pad_offs[-1]))
+    assert torch.equal(xt[:, dest].t(), xq.data.view(torch.uint8))
+    pad = torch.ones(xt.shape[1], dtype=torch.bool)
+    pad[dest] = False
+    assert pad.sum() > 0 and xt[:, pad].count_nonzero() == 0
+    assert torch.equal(wq.transposed.view(torch.uint8),
+                       wq.data.view(torch.uint8).transpose(1, 2))
 
 
 def test_fp8_values_are_exact_in_bfloat16():

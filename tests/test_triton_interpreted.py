@@ -348,36 +348,46 @@ rows = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
 x = (torch.randn(sum(sizes), 300, generator=g) * 4.0 ** rows.unsqueeze(1)).to(torch.bfloat16)
 x[7, 3] = float("inf")  # group 1's amax
 x[50, 0] = float("nan")  # group 2's
-for fmt, pow2 in (("e4m3", False), ("e5m2", True)):
-    for kwargs, x2d in ((dict(group_of_row=rows), x),
-                        (dict(rows_per_group=29), x[:116])):  # stacked weights: 4 x 29 rows
-        n = len(sizes) if "group_of_row" in kwargs else 4
-        data, sinv = tg.quantize_fp8_grouped(x2d, n, fmt, pow2, 0.0, **kwargs)
-        rdata, rsinv = ref.quantize_fp8_grouped(x2d, n, fmt, pow2, 0.0, **kwargs)
-        assert torch.equal(sinv, rsinv) or torch.allclose(sinv, rsinv, equal_nan=True), (sinv, rsinv)
-        assert data.dtype == rdata.dtype and data.shape == rdata.shape
-        # the interpreter's FP8 conversion is not the GPU's (E4M3 NaN, and a
-        # binade lower at some powers of two): finite values within 2x
-        finite = torch.isfinite(rdata.float())
-        a, b = data.float()[finite], rdata.float()[finite]
-        assert ((a - b).abs() <= b.abs() * 0.5 + 2 ** -9).all()
-        # delayed scaling: given scales (4x apart, as the groups), amaxes recorded
-        scale = 448.0 / 4.0 ** torch.arange(n, dtype=torch.float32) / 4
-        data, amax = tg.quantize_fp8_grouped_scaled(x2d, scale, fmt, **kwargs)
-        rdata, ramax = ref.quantize_fp8_grouped_scaled(x2d, scale, fmt, **kwargs)
+# the padded layout of the transposed token copy: groups of 16, -1 between
+from transformer_engine_compile.module.grouped.padding import padded_sources
+sources = padded_sources(torch.tensor(sizes).cumsum(0).to(torch.int32), rows, 16)[0]
+
+
+def close(a, b):
+    # the interpreter's FP8 conversion is not the GPU's (E4M3 NaN, and a
+    # binade lower at some powers of two): finite values within 2x
+    assert a.dtype == b.dtype and a.shape == b.shape
+    finite = torch.isfinite(b.float())
+    u, v = a.float()[finite], b.float()[finite]
+    assert ((u - v).abs() <= v.abs() * 0.5 + 2 ** -9).all()
+
+
+for fmt in ("e4m3", "e5m2"):
+    for kwargs, x2d, n in ((dict(group_of_row=rows), x, len(sizes)),
+                           (dict(rows_per_group=29), x[:116], 4)):  # stacked: 4 x 29 rows
+        amax, ramax = tg.amax_grouped(x2d, n, **kwargs), ref.amax_grouped(x2d, n, **kwargs)
         assert torch.equal(amax.isnan(), ramax.isnan())
         assert torch.equal(amax.nan_to_num(), ramax.nan_to_num()), (amax, ramax)
-        finite = torch.isfinite(rdata.float())
-        a, b = data.float()[finite], rdata.float()[finite]
-        assert ((a - b).abs() <= b.abs() * 0.5 + 2 ** -9).all()
+        scale = 448.0 / 4.0 ** torch.arange(n, dtype=torch.float32) / 4
+        extra = (dict(columns_from=sources) if "group_of_row" in kwargs
+                 else dict(transpose_groups=True))
+        for more in ({}, extra):
+            data, t = tg.cast_fp8_grouped(x2d, scale, fmt, **kwargs, **more)
+            rdata, rt = ref.cast_fp8_grouped(x2d, scale, fmt, **kwargs, **more)
+            close(data, rdata)
+            assert (t is None) == (rt is None) == (not more)
+            if more:
+                close(t, rt)
+                if "columns_from" in more:  # the padding columns: zeros
+                    assert t.view(torch.uint8)[:, sources < 0].count_nonzero() == 0
 print("ok")
 '''
 
 
 def test_grouped_fp8_quantize_in_triton_interpreter():
-    """The per-group kernels (kernels/triton_grouped.py), current scaling and
-    delayed scaling's given scales: every group's scale and amax equal to
-    the reference's (exact amaxes, zero-row groups,
-    Inf and NaN), by row index and by stacked rows; the finite casts within
-    2x (the interpreter's conversion; bit equality is tests/gpu's)."""
+    """The per-group kernels (kernels/triton_grouped.py): every group's amax
+    equal to the reference's, the casts (rowwise, transposed into padded
+    token groups, transposed per stacked group) as the reference's: zero-row
+    groups, Inf and NaN, by row index and by stacked rows; the finite casts
+    within 2x (the interpreter's conversion; bit equality is tests/gpu's)."""
     _interpret(_GROUPED)

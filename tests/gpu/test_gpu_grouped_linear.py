@@ -150,26 +150,31 @@ def test_moe_training_under_cuda_graphs_with_changing_routing(name):
     torch.testing.assert_close(losses["reduce-overhead"], losses["eager"], rtol=5e-2, atol=1e-4)
 
 
-@pytest.mark.parametrize("fmt,pow2", [("e4m3", False), ("e5m2", True)])
-def test_grouped_quantize_kernel_equals_the_reference(fmt, pow2):
-    """kernels/triton_grouped.py against reference.quantize_fp8_grouped, bit
-    for bit: tokens by their group index (empty groups, Inf, NaN) and
-    stacked weights by rows per group."""
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_grouped_quantize_kernels_equal_the_reference(fmt):
+    """kernels/triton_grouped.py against the reference, bit for bit: the
+    amaxes and the casts (rowwise, transposed into padded token groups,
+    transposed per stacked weight) of tokens by their group index (empty
+    groups, Inf, NaN) and of stacked weights by rows per group."""
     from transformer_engine_compile.kernels import reference as ref
     from transformer_engine_compile.kernels import triton_grouped as tg
+    from transformer_engine_compile.module.grouped.padding import padded_sources
 
     sizes = [0, 37, 300, 1, 0, 175]
     rows = torch.repeat_interleave(torch.arange(6), torch.tensor(sizes)).cuda()
     x = (torch.randn(sum(sizes), 520, device="cuda") * 4.0 ** rows.unsqueeze(1)).bfloat16()
     x[40, 3], x[100, 0] = float("inf"), float("nan")
-    for kwargs, x2d, groups in ((dict(group_of_row=rows), x, 6),
-                                (dict(rows_per_group=64), x[:448], 7)):
-        data, scale_inv = tg.quantize_fp8_grouped(x2d, groups, fmt, pow2, 0.0, **kwargs)
-        rdata, rscale_inv = ref.quantize_fp8_grouped(x2d, groups, fmt, pow2, 0.0, **kwargs)
-        assert torch.equal(data.view(torch.uint8), rdata.view(torch.uint8))
-        assert torch.equal(scale_inv, rscale_inv)
-        scale = torch.rand(groups, device="cuda") * 100  # delayed scaling's given scales
-        data, amax = tg.quantize_fp8_grouped_scaled(x2d, scale, fmt, **kwargs)
-        rdata, ramax = ref.quantize_fp8_grouped_scaled(x2d, scale, fmt, **kwargs)
-        assert torch.equal(data.view(torch.uint8), rdata.view(torch.uint8))
-        assert torch.equal(amax.nan_to_num(), ramax.nan_to_num())
+    sources = padded_sources(torch.tensor(sizes).cumsum(0).int().cuda(), rows, 16)[0]
+    for kwargs, x2d, groups, more in (
+            (dict(group_of_row=rows), x, 6, dict(columns_from=sources)),
+            (dict(rows_per_group=64), x[:448], 7, dict(transpose_groups=True))):
+        amax = tg.amax_grouped(x2d, groups, **kwargs)
+        assert torch.equal(amax.nan_to_num(), ref.amax_grouped(x2d, groups, **kwargs).nan_to_num())
+        scale = ref.current_scale(amax, fmt, False, 0.0)
+        for extra in ({}, more):
+            got = tg.cast_fp8_grouped(x2d, scale, fmt, **kwargs, **extra)
+            want = ref.cast_fp8_grouped(x2d, scale, fmt, **kwargs, **extra)
+            for a, b in zip(got, want):
+                assert (a is None) == (b is None)
+                if a is not None:
+                    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))

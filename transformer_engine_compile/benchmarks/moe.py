@@ -182,15 +182,18 @@ def time_block(block, rec, x, steps: int, compiled: bool, profiled: bool = False
     return result
 
 
-RECIPES = ("fp8_current", "fp8_current_e4m3", "fp8_delayed", "fp8_block", "mxfp8", "nvfp4")
+RECIPES = ("fp8_current", "fp8_current_e4m3", "fp8_delayed", "fp8_delayed_e4m3", "fp8_block",
+           "mxfp8", "nvfp4")
 
 
 def recipe(name: str):
-    """A recipe by its short name; ``fp8_current_e4m3`` is current scaling
-    with E4M3 gradients too (the grouped FP8 kernel on Hopper takes E4M3
-    only, so the default HYBRID runs its backward GEMMs in bf16)."""
+    """A recipe by its short name; ``*_e4m3`` has E4M3 gradients too (the
+    grouped FP8 kernel on Hopper takes E4M3 only, so the default HYBRID
+    runs its backward GEMMs in bf16)."""
     if name == "fp8_current_e4m3":
         return R.Float8CurrentScaling(fp8_format=R.Format.E4M3)
+    if name == "fp8_delayed_e4m3":
+        return R.DelayedScaling(fp8_format=R.Format.E4M3)
     return R.DelayedScaling() if name == "fp8_delayed" else R.by_name(name)
 
 

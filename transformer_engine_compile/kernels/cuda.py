@@ -34,7 +34,7 @@ def register() -> None:
         register_fast(name, "cuda", getattr(tc, name))
         _REGISTERED.append(name)
     from . import triton_grouped
-    for name in ("quantize_fp8_grouped", "quantize_fp8_grouped_scaled"):
+    for name in ("amax_grouped", "cast_fp8_grouped"):
         register_fast(name, "cuda", getattr(triton_grouped, name))
         _REGISTERED.append(name)
     from . import triton_block as tbk

@@ -179,34 +179,43 @@ def _rows_group(x2d, group_of_row, rows_per_group: int) -> torch.Tensor:
     return torch.arange(x2d.shape[0], device=x2d.device) // rows_per_group
 
 
-def amax_grouped(x2d, groups: int, group_of_row) -> torch.Tensor:
-    """``(groups,)`` fp32: the amax of each group's rows (0 for none)."""
+def amax_grouped(x2d, groups: int, group_of_row=None, rows_per_group: int = 0) -> torch.Tensor:
+    """``(groups,)`` fp32: the amax of each group of rows (0 for none) of a
+    mixture of experts' tokens or stacked weights.  The group of row ``r``
+    is ``group_of_row[r]``, or ``r // rows_per_group`` (consecutive equal
+    groups)."""
+    group_of_row = _rows_group(x2d, group_of_row, rows_per_group)
     row_amax = x2d.abs().amax(dim=1).float() if x2d.shape[1] else \
         x2d.new_zeros(x2d.shape[0], dtype=torch.float32)
     return torch.zeros(groups, dtype=torch.float32, device=x2d.device).scatter_reduce(
         0, group_of_row, row_amax, "amax")
 
 
-def quantize_fp8_grouped(x2d, groups: int, fmt: str, pow2: bool, eps: float,
-                         group_of_row=None, rows_per_group: int = 0) -> tuple:
-    """Current scaling per group of rows (a mixture of experts' tokens or
-    stacked weights): ``(FP8 rows, fp32 scale_inv per group)``, each group
-    scaled by its own amax.  The group of row ``r`` is ``group_of_row[r]``,
-    or ``r // rows_per_group`` (consecutive equal groups)."""
-    group_of_row = _rows_group(x2d, group_of_row, rows_per_group)
-    scale = current_scale(amax_grouped(x2d, groups, group_of_row), fmt, pow2, eps)
-    return cast_fp8(x2d, scale[group_of_row].unsqueeze(1), fmt), torch.reciprocal(scale)
+def cast_fp8_grouped(x2d, scale, fmt: str, group_of_row=None, rows_per_group: int = 0,
+                     rowwise: bool = True, columns_from=None,
+                     transpose_groups: bool = False) -> tuple:
+    """Each group of rows (as :func:`amax_grouped`) cast to FP8 with its
+    scale (``scale``: ``(groups,)`` fp32): ``(rowwise (M, K) or None,
+    transposed copy or None)``.  The transposed copy, for the GEMM operands
+    that reduce over rows:
 
-
-def quantize_fp8_grouped_scaled(x2d, scale, fmt: str, group_of_row=None,
-                                rows_per_group: int = 0) -> tuple:
-    """Delayed scaling per group of rows: ``(FP8 rows, fp32 amax per
-    group)``, each group cast with its given scale (``scale``: ``(groups,)``
-    fp32) and its amax recorded for the next scales.  Groups as
-    :func:`quantize_fp8_grouped`."""
+    * ``columns_from`` (tokens, an int ``(P,)`` tensor): ``(K, P)`` whose
+      column ``p`` is row ``columns_from[p]``, zeros where it is negative
+      (groups padded apart, ``module/grouped/padding.py``);
+    * ``transpose_groups`` (stacked weights): ``(groups, K, rows_per_group)``,
+      each group's block transposed."""
     group_of_row = _rows_group(x2d, group_of_row, rows_per_group)
-    amax_ = amax_grouped(x2d, scale.shape[0], group_of_row)
-    return cast_fp8(x2d, scale.float()[group_of_row].unsqueeze(1), fmt), amax_
+    data = cast_fp8(x2d, scale.float()[group_of_row].unsqueeze(1), fmt)
+    transposed = None
+    if columns_from is not None:
+        valid = columns_from >= 0
+        transposed = torch.zeros(x2d.shape[1], columns_from.shape[0], dtype=data.dtype,
+                                 device=x2d.device)
+        picked = data.view(torch.uint8)[columns_from.clamp_min(0).long()]
+        transposed.view(torch.uint8).copy_((picked * valid.unsqueeze(1)).t())
+    elif transpose_groups:
+        transposed = data.view(-1, rows_per_group, x2d.shape[1]).transpose(1, 2).contiguous()
+    return (data if rowwise else None), transposed
 
 
 def quantize_fp8_current(x2d, fmt, pow2, eps, rowwise, columnwise, amax=None) -> dict:

@@ -1,15 +1,23 @@
-"""Per-group FP8 scaling in Triton (the registered CUDA kernels of
-``quantize_fp8_grouped``, current scaling, and ``quantize_fp8_grouped_scaled``,
-delayed scaling's given scales): a mixture of experts' tokens, or its stacked
-expert weights, each group of rows scaled by its own amax.
+"""Per-group FP8 casts in Triton, the registered CUDA kernels of
+``amax_grouped`` and ``cast_fp8_grouped``: a mixture of experts' tokens,
+or its stacked expert weights, each group of rows with a scale of its own
+(from its amax under current scaling, from its history under delayed
+scaling; ``reference`` computes the scale from these amaxes, so the values
+are the reference's bit for bit).
 
-Two launches each: the groups' amaxes (each program reduces a band of rows over
-all columns and raises its group's maximum with one atomic when the band
-holds one group, as sorted tokens and stacked weights mostly do), then the
-cast with each row's group scale.  Under current scaling the scale comes from
-``reference.current_scale`` on the ``groups`` amaxes, so the values are the
-reference's bit for bit; eager PyTorch took ~7 full passes with fp32
-temporaries for the same cast.
+``_grouped_amax_kernel``: each program reduces a band of rows over all
+columns and raises its group's maximum with one atomic when the band holds
+one group, as sorted tokens and stacked weights mostly do.
+
+The casts write the rowwise copy and, in the same launch, the transposed
+copy a GEMM that reduces over rows reads (wgrad's x and dy, dgrad's W):
+tokens into ``(K, P)`` with the groups padded apart (a program per tile of
+*padded* columns, so the transposed stores are contiguous; padding columns
+get zeros), stacked weights into ``(groups, K, rows)``.  The transposed
+tile is loaded a second time in its own orientation (from cache), not
+``tl.trans``-ed: see ``triton_quant._tile_t``.  Eager PyTorch took a
+strided copy per operand for the same transposes (a third of the step of a
+Mixtral-sized block, H200).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from .triton_quant import _TL_FP8, _abs_bits, _cast_fp8, _int_slot
 
 _AMAX_BM, _AMAX_BK = 16, 256
 _CAST_BM, _CAST_BK = 32, 128
+_T_BM, _T_BK = 64, 64  # transposing casts: 64 one-byte values stored contiguously
 
 
 @triton.jit
@@ -57,6 +66,7 @@ def _grouped_amax_kernel(x_ptr, M, K, group_ptr, rows_per_group, amax_ptr,
 def _grouped_cast_kernel(x_ptr, M, K, group_ptr, rows_per_group, scale_ptr, out_ptr,
                          FMT_MAX: tl.constexpr, OUT: tl.constexpr, BY_INDEX: tl.constexpr,
                          BM: tl.constexpr, BK: tl.constexpr):
+    """Rowwise only."""
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
     valid = rm < M
@@ -68,46 +78,94 @@ def _grouped_cast_kernel(x_ptr, M, K, group_ptr, rows_per_group, scale_ptr, out_
     tl.store(out_ptr + offs, _cast_fp8(x, s[:, None], FMT_MAX, OUT), mask=mask)
 
 
-def _index(x, groups: int, group_of_row, rows_per_group: int) -> tuple:
-    """``(by_index, group index tensor, rows per group)`` of the kernels'
-    arguments (without an index a pointer never read stands in)."""
-    by_index = group_of_row is not None
-    index = group_of_row.contiguous() if by_index else x
-    return by_index, index, max(int(rows_per_group), 1)
+@triton.jit
+def _token_cast_t_kernel(x_ptr, K, P, src_ptr, group_ptr, scale_ptr, out_ptr, out_t_ptr,
+                         FMT_MAX: tl.constexpr, OUT: tl.constexpr, ROWWISE: tl.constexpr,
+                         BM: tl.constexpr, BK: tl.constexpr):
+    """Tokens over a tile of padded columns ``rp``: row ``src[p]`` of x (none
+    where negative), cast with its group's scale, stored at row ``src[p]``
+    (rowwise) and at column ``p`` of the ``(K, P)`` transposed copy."""
+    rp = tl.program_id(0) * BM + tl.arange(0, BM)
+    rk = tl.program_id(1) * BK + tl.arange(0, BK)
+    in_p = rp < P
+    src = tl.load(src_ptr + rp, mask=in_p, other=-1)
+    valid = src >= 0
+    g = tl.load(group_ptr + src, mask=valid, other=0)
+    s = tl.load(scale_ptr + g, mask=valid, other=1.0)
+    row = src.to(tl.int64) * K
+    if ROWWISE:
+        mask = valid[:, None] & (rk[None, :] < K)
+        x = tl.load(x_ptr + row[:, None] + rk[None, :], mask=mask, other=0.0)
+        tl.store(out_ptr + row[:, None] + rk[None, :], _cast_fp8(x, s[:, None], FMT_MAX, OUT),
+                 mask=mask)
+    mask_t = (rk[:, None] < K) & valid[None, :]
+    xt = tl.load(x_ptr + row[None, :] + rk[:, None], mask=mask_t, other=0.0)
+    tl.store(out_t_ptr + rk[:, None].to(tl.int64) * P + rp[None, :],
+             _cast_fp8(xt, s[None, :], FMT_MAX, OUT), mask=(rk[:, None] < K) & in_p[None, :])
 
 
-def _amax(x, groups: int, by_index: bool, index, per_group: int) -> torch.Tensor:
-    amax = torch.zeros(groups, dtype=torch.float32, device=x.device)
+@triton.jit
+def _stacked_cast_t_kernel(x_ptr, R, K, scale_ptr, out_ptr, out_t_ptr,
+                           FMT_MAX: tl.constexpr, OUT: tl.constexpr,
+                           BM: tl.constexpr, BK: tl.constexpr):
+    """Group ``program_id(2)``'s ``(R, K)`` block: rowwise, and transposed
+    into its ``(K, R)`` block."""
+    e = tl.program_id(2)
+    rn = tl.program_id(0) * BM + tl.arange(0, BM)
+    rk = tl.program_id(1) * BK + tl.arange(0, BK)
+    base = e.to(tl.int64) * R * K
+    s = tl.load(scale_ptr + e)
+    mask = (rn[:, None] < R) & (rk[None, :] < K)
+    offs = base + rn[:, None].to(tl.int64) * K + rk[None, :]
+    tl.store(out_ptr + offs, _cast_fp8(tl.load(x_ptr + offs, mask=mask, other=0.0), s, FMT_MAX,
+                                       OUT), mask=mask)
+    mask_t = (rk[:, None] < K) & (rn[None, :] < R)
+    xt = tl.load(x_ptr + base + rn[None, :].to(tl.int64) * K + rk[:, None], mask=mask_t,
+                 other=0.0)
+    tl.store(out_t_ptr + base + rk[:, None].to(tl.int64) * R + rn[None, :],
+             _cast_fp8(xt, s, FMT_MAX, OUT), mask=mask_t)
+
+
+def amax_grouped(x2d, groups: int, group_of_row=None, rows_per_group: int = 0) -> torch.Tensor:
+    """As ``reference.amax_grouped``."""
+    x = x2d.contiguous()
     M, K = x.shape
+    amax = torch.zeros(groups, dtype=torch.float32, device=x.device)
+    by_index = group_of_row is not None
     if M and K:
         _grouped_amax_kernel[(triton.cdiv(M, _AMAX_BM),)](
-            x, M, K, index, per_group, amax, BY_INDEX=by_index, BM=_AMAX_BM, BK=_AMAX_BK)
+            x, M, K, group_of_row.contiguous() if by_index else x, max(int(rows_per_group), 1),
+            amax, BY_INDEX=by_index, BM=_AMAX_BM, BK=_AMAX_BK)
     return amax
 
 
-def _cast(x, scale, fmt: str, by_index: bool, index, per_group: int) -> torch.Tensor:
+def cast_fp8_grouped(x2d, scale, fmt: str, group_of_row=None, rows_per_group: int = 0,
+                     rowwise: bool = True, columns_from=None,
+                     transpose_groups: bool = False) -> tuple:
+    """As ``reference.cast_fp8_grouped``."""
+    x, scale = x2d.contiguous(), scale.float().contiguous()
     M, K = x.shape
-    out = torch.empty((M, K), dtype=ref.FP8_DTYPE[fmt], device=x.device)
+    dtype, consts = ref.FP8_DTYPE[fmt], dict(FMT_MAX=ref.FP8_MAX[fmt], OUT=_TL_FP8[fmt])
+    out = torch.empty((M, K), dtype=dtype, device=x.device) if rowwise or (
+        columns_from is None) else None
+    if columns_from is not None:
+        P = columns_from.shape[0]
+        out_t = torch.empty((K, P), dtype=dtype, device=x.device)
+        if P and K:
+            _token_cast_t_kernel[(triton.cdiv(P, _T_BM), triton.cdiv(K, _T_BK))](
+                x, K, P, columns_from.contiguous(), group_of_row.contiguous(), scale,
+                out if rowwise else out_t, out_t, ROWWISE=rowwise, BM=_T_BM, BK=_T_BK, **consts)
+        return out, out_t
+    if transpose_groups:
+        R = int(rows_per_group)
+        out_t = torch.empty((M // R, K, R), dtype=dtype, device=x.device)
+        if M and K:
+            _stacked_cast_t_kernel[(triton.cdiv(R, _T_BM), triton.cdiv(K, _T_BK), M // R)](
+                x, R, K, scale, out, out_t, BM=_T_BM, BK=_T_BK, **consts)
+        return (out if rowwise else None), out_t
+    by_index = group_of_row is not None
     if M and K:
         _grouped_cast_kernel[(triton.cdiv(M, _CAST_BM), triton.cdiv(K, _CAST_BK))](
-            x, M, K, index, per_group, scale, out, FMT_MAX=ref.FP8_MAX[fmt], OUT=_TL_FP8[fmt],
-            BY_INDEX=by_index, BM=_CAST_BM, BK=_CAST_BK)
-    return out
-
-
-def quantize_fp8_grouped(x2d, groups: int, fmt: str, pow2: bool, eps: float,
-                         group_of_row=None, rows_per_group: int = 0) -> tuple:
-    """As ``reference.quantize_fp8_grouped``."""
-    x = x2d.contiguous()
-    grouping = _index(x, groups, group_of_row, rows_per_group)
-    scale = ref.current_scale(_amax(x, groups, *grouping), fmt, pow2, eps)
-    return _cast(x, scale, fmt, *grouping), torch.reciprocal(scale)
-
-
-def quantize_fp8_grouped_scaled(x2d, scale, fmt: str, group_of_row=None,
-                                rows_per_group: int = 0) -> tuple:
-    """As ``reference.quantize_fp8_grouped_scaled``."""
-    x = x2d.contiguous()
-    grouping = _index(x, scale.shape[0], group_of_row, rows_per_group)
-    amax = _amax(x, scale.shape[0], *grouping)
-    return _cast(x, scale.float().contiguous(), fmt, *grouping), amax
+            x, M, K, group_of_row.contiguous() if by_index else x, max(int(rows_per_group), 1),
+            scale, out, BY_INDEX=by_index, BM=_CAST_BM, BK=_CAST_BK, **consts)
+    return out, None

@@ -39,8 +39,8 @@ from ...quantization.float8 import (Float8CurrentScalingQuantizer,
 from ..delayed_step import delayed_updates, delayed_updates_fake
 from . import blocked, fp8_gemm
 from .args import GroupedLinearBwdArgs, GroupedLinearFwdArgs
-from .quantize import (dequantize_experts, dequantize_rows, quantize_experts,
-                       quantize_experts_scaled, quantize_rows, quantize_rows_scaled)
+from .padding import padded_rows, padded_sources
+from .quantize import dequantize_experts, dequantize_rows, quantize_experts, quantize_tokens
 
 # the ones block of the bias gradient: a few columns keep its rows 16-byte
 # aligned, as the CUDA grouped GEMM requires of its operands
@@ -82,38 +82,40 @@ def grouped_linear_forward(args: GroupedLinearFwdArgs) -> OpResult:
         if args.bias is not None:
             y = y + args.bias.to(y.dtype)[rows]
         return OpResult({"out": y.to(x.dtype)}, _saved(args, x, w))
-    xq, x_scale_inv, wq, w_scale_inv, state = _quantize_operands(args, rows)
-    saved = _saved(args, xq, wq, x_scale_inv, w_scale_inv)
+    xq, wq, state = _quantize_operands(args, rows)
+    # the backward keeps the transposed copies its GEMMs read
+    saved = _saved(args, xq.transposed, wq.transposed, xq.scale_inv, wq.scale_inv)
     if x.is_cuda:
-        y = fp8_gemm.fprop(xq, x_scale_inv, wq, w_scale_inv, rows, offs)
+        y = fp8_gemm.fprop(xq.data, xq.scale_inv, wq.data, wq.scale_inv, rows, offs)
         if args.bias is not None:
             y = y + args.bias[rows]
         return OpResult({"out": y, **state}, saved)
-    y = torch._grouped_mm(dequantize_rows(xq, x_scale_inv, rows),
-                          dequantize_experts(wq, w_scale_inv).transpose(-2, -1), offs=offs)
+    y = torch._grouped_mm(dequantize_rows(xq.data, xq.scale_inv, rows),
+                          dequantize_experts(wq.data, wq.scale_inv).transpose(-2, -1), offs=offs)
     if args.bias is not None:
         y = y + args.bias.float()[rows]
     return OpResult({"out": y.to(x.dtype), **state}, saved)
 
 
 def _quantize_operands(args: GroupedLinearFwdArgs, rows: torch.Tensor) -> tuple:
-    """``(xq, x scale_inv, wq, W scale_inv, state updates)``: each expert's
-    x rows and W in FP8 with a scale of their own, from their amaxes
+    """``(x, W, state updates)``: each expert's x rows and W in FP8
+    (``quantize.Quantized``) with a scale of their own, from their amaxes
     (current scaling) or from the amax history (DelayedScaling, which
-    records this call's amaxes and steps the history)."""
+    records this call's amaxes and steps the history); with the transposed
+    copies the backward's GEMMs read (x's for wgrad, W's for dgrad)."""
     x, w, groups = args.inp, args.weight, args.weight.shape[0]
+    sources = padded_sources(args.m_offsets, rows, fp8_gemm.ALIGN)[0] \
+        if args.weight_requires_grad else None
+    x_scale = w_scale = None
+    if args.amax_history_fwd is not None:
+        x_scale, w_scale = args.scale_fwd[:groups], args.scale_fwd[groups:]
+    xq = quantize_tokens(x, rows, groups, args.input_quantizer, x_scale, sources)
+    wq = quantize_experts(w, args.weight_quantizer, w_scale, transposed=args.input_requires_grad)
     if args.amax_history_fwd is None:
-        xq, x_scale_inv = quantize_rows(x, rows, groups, args.input_quantizer)
-        wq, w_scale_inv = quantize_experts(w, args.weight_quantizer)
-        return xq, x_scale_inv, wq, w_scale_inv, {}
-    x_scale, w_scale = args.scale_fwd[:groups], args.scale_fwd[groups:]
-    xq, x_amax = quantize_rows_scaled(x, rows, x_scale, args.input_quantizer)
-    wq, w_amax = quantize_experts_scaled(w, w_scale, args.weight_quantizer)
-    # read before the step moves the scales on
-    x_scale_inv, w_scale_inv = torch.reciprocal(x_scale), torch.reciprocal(w_scale)
-    state = delayed_updates(args.input_quantizer, args.amax_history_fwd, args.scale_fwd,
-                            torch.cat([x_amax, w_amax]), "fwd", args.amax_group)
-    return xq, x_scale_inv, wq, w_scale_inv, state
+        return xq, wq, {}
+    # the step moves the scales on after the casts (and the scale_inv) read them
+    return xq, wq, delayed_updates(args.input_quantizer, args.amax_history_fwd, args.scale_fwd,
+                                   torch.cat([xq.amax, wq.amax]), "fwd", args.amax_group)
 
 
 def grouped_linear_forward_fake(args: GroupedLinearFwdArgs) -> OpResult:
@@ -122,8 +124,11 @@ def grouped_linear_forward_fake(args: GroupedLinearFwdArgs) -> OpResult:
     if args.input_quantizer is None or not _tensorwise(args.input_quantizer):
         return OpResult({"out": y}, _saved(args, x, w))
     groups = (w.shape[0],)
-    xq = TensorProto(x.shape, FP8_DTYPE[args.input_quantizer.fp8_format], device=x.device)
-    wq = TensorProto(w.shape, FP8_DTYPE[args.weight_quantizer.fp8_format], device=w.device)
+    # the transposed copies: x's (in, padded tokens), W's (experts, in, out)
+    xq = TensorProto((x.shape[1], padded_rows(x.shape[0], w.shape[0], fp8_gemm.ALIGN)),
+                     FP8_DTYPE[args.input_quantizer.fp8_format], device=x.device)
+    wq = TensorProto((w.shape[0], w.shape[2], w.shape[1]),
+                     FP8_DTYPE[args.weight_quantizer.fp8_format], device=w.device)
     return OpResult({"out": y, **delayed_updates_fake(args.amax_history_fwd, "fwd")},
                     _saved(args, xq, wq, TensorProto(groups, torch.float32, device=x.device),
                            TensorProto(groups, torch.float32, device=w.device)))
@@ -178,38 +183,36 @@ def grouped_linear_backward(args: GroupedLinearBwdArgs) -> dict:
     return {"inp": dgrad, "weight": wgrad, "bias": dbias, **state}
 
 
-def _quantize_grad(args: GroupedLinearBwdArgs, dy: torch.Tensor, rows, q) -> tuple:
-    """``(dyq, scale_inv per expert, state updates)``: each expert's dy rows
-    in FP8 with a scale of their own (as :func:`_quantize_operands`)."""
-    if args.amax_history_bwd is None:
-        return (*quantize_rows(dy, rows, args.m_offsets.shape[0], q), {})
-    dyq, amax = quantize_rows_scaled(dy, rows, args.scale_bwd, q)
-    scale_inv = torch.reciprocal(args.scale_bwd)  # before the step moves it on
-    return dyq, scale_inv, delayed_updates(q, args.amax_history_bwd, args.scale_bwd, amax,
-                                           "bwd", args.amax_group)
-
-
 def _fp8_grads(args: GroupedLinearBwdArgs, dy: torch.Tensor, q) -> tuple:
-    """dgrad, wgrad and the state updates from the per-expert quantized dy
-    and the saved FP8 copies: FP8 GEMMs on CUDA, fp32 GEMMs of the
-    dequantized operands elsewhere."""
+    """dgrad, wgrad and the state updates from dy, quantized per expert as
+    the forward's operands (``_quantize_operands``), and the saved
+    transposed FP8 copies of W and x: FP8 GEMMs on CUDA, fp32 GEMMs of the
+    dequantized operands elsewhere (there x's copy is read back in token
+    order: the GEMM a te.Linear per expert runs, bit for bit)."""
     offs, dgrad, wgrad = args.m_offsets, None, None
     rows = group_ids(offs, dy.shape[0])
-    dyq, dy_scale_inv, state = _quantize_grad(args, dy, rows, q)
+    sources, dest, pad_offs = padded_sources(offs, rows, fp8_gemm.ALIGN)
+    transposed = dy.is_cuda and args.weight_requires_grad
+    dyq = quantize_tokens(dy, rows, offs.shape[0], q, args.scale_bwd,
+                          sources if transposed else None)
+    state = {} if args.amax_history_bwd is None else delayed_updates(
+        q, args.amax_history_bwd, args.scale_bwd, dyq.amax, "bwd", args.amax_group)
     if dy.is_cuda:
         if args.input_requires_grad:
-            dgrad = fp8_gemm.dgrad(dyq, dy_scale_inv, args.weightmat, args.weight_scale_inv,
-                                   rows, offs)
+            dgrad = fp8_gemm.dgrad(dyq.data, dyq.scale_inv, args.weightmat,
+                                   args.weight_scale_inv, rows, offs)
         if args.weight_requires_grad:
-            wgrad = fp8_gemm.wgrad(dyq, dy_scale_inv, args.inputmat, args.input_scale_inv,
-                                   rows, offs)
+            wgrad = fp8_gemm.wgrad(dyq.transposed, dyq.scale_inv, args.inputmat,
+                                   args.input_scale_inv, pad_offs)
     else:
-        dyd = dequantize_rows(dyq, dy_scale_inv, rows)
+        dyd = dequantize_rows(dyq.data, dyq.scale_inv, rows)
         if args.input_requires_grad:
-            w = dequantize_experts(args.weightmat, args.weight_scale_inv)
+            w = dequantize_experts(args.weightmat.transpose(-2, -1).contiguous(),
+                                   args.weight_scale_inv)
             dgrad = torch._grouped_mm(dyd, w, offs=offs).to(dy.dtype)
         if args.weight_requires_grad:
-            x = dequantize_rows(args.inputmat, args.input_scale_inv, rows)
+            xq = args.inputmat.view(torch.uint8)[:, dest].t().contiguous()
+            x = dequantize_rows(xq.view(args.inputmat.dtype), args.input_scale_inv, rows)
             wgrad = torch._grouped_mm(dyd.t(), x, offs=offs)
     return dgrad, None if wgrad is None else wgrad.to(args.weight_dtype), state
 
@@ -218,11 +221,14 @@ def grouped_linear_backward_fake(args: GroupedLinearBwdArgs) -> dict:
     dy = args.grad_output
     groups = args.m_offsets.shape[0]
     dgrad = wgrad = dbias = None
+    # per-expert FP8 keeps the transposed copies (in, tokens) and (experts, in, out)
+    t = args.grad_output_quantizer is not None and _tensorwise(args.grad_output_quantizer)
     if args.input_requires_grad:  # dy's dtype, quantized or not
-        dgrad = TensorProto((dy.shape[0], args.weightmat.shape[2]), dy.dtype, device=dy.device)
-    if args.weight_requires_grad:
-        wgrad = TensorProto((groups, dy.shape[1], args.inputmat.shape[1]), args.weight_dtype,
+        dgrad = TensorProto((dy.shape[0], args.weightmat.shape[1 if t else 2]), dy.dtype,
                             device=dy.device)
+    if args.weight_requires_grad:
+        wgrad = TensorProto((groups, dy.shape[1], args.inputmat.shape[0 if t else 1]),
+                            args.weight_dtype, device=dy.device)
     if args.bias_requires_grad:
         dbias = TensorProto((groups, dy.shape[1]), args.bias_dtype, device=dy.device)
     state = {}

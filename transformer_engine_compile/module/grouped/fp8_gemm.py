@@ -6,13 +6,16 @@ scales: a per-expert tensor scale is a rowwise scale that repeats, so the
 kernel fits the recipe.  Its scales multiply the fp32 accumulator before the
 output's rounding to bf16.
 
-* fprop ``y = x W^T`` and dgrad ``dx = dy W``: 2-D x 3-D, the groups along
-  the rows; any group size works (zero included).
+* fprop ``y = x W^T``: 2-D x 3-D, the groups along the rows; any group
+  size works (zero included).
+* dgrad ``dx = dy W``: the same, W read through its per-expert transposed
+  copy (``(experts, in, out)``, column-major as the kernel wants it).
 * wgrad ``dW_g = dy_g^T x_g``: 2-D x 2-D, the groups along the reduced dim.
   There the kernel asserts on the device that every group is non-empty and,
   but for the last, a multiple of 16 rows long (16-byte TMA alignment), so
-  dy and x are copied into groups padded to 16 rows (``padding.py``: a
-  static buffer, zeros between the groups).
+  it reads dy's and x's transposed copies with the tokens in groups padded
+  to 16 (``padding.py``: a static size, zeros between the groups), which
+  the quantization writes (``quantize.py``).
 
 E5M2 operands (the gradients of ``Format.HYBRID``) have no FP8 grouped
 kernel on Hopper: those GEMMs run ``torch._grouped_mm`` in bf16 on the FP8
@@ -23,10 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from .padding import padded_rows_of, scatter_rows
-
 # the FP8 grouped GEMM's alignment of a group along the reduced dim (16 bytes)
-_ALIGN = 16
+ALIGN = 16
 
 
 def _rowwise(scale_inv: torch.Tensor, n: int) -> torch.Tensor:
@@ -46,29 +47,30 @@ def fprop(xq, x_scale_inv, wq, w_scale_inv, rows, offs) -> torch.Tensor:
                                     out_dtype=torch.bfloat16, use_fast_accum=True)
 
 
-def dgrad(dyq, dy_scale_inv, wq, w_scale_inv, rows, offs) -> torch.Tensor:
-    """``dx_g = dy_g W_g`` (bf16): the weight's transpose made column-major."""
-    if not _e4m3(dyq, wq):
-        return _unscaled(torch._grouped_mm(dyq.to(torch.bfloat16), wq.to(torch.bfloat16),
+def dgrad(dyq, dy_scale_inv, wq_t, w_scale_inv, rows, offs) -> torch.Tensor:
+    """``dx_g = dy_g W_g`` (bf16) from ``wq_t``, W's ``(experts, in, out)``
+    transposed copy."""
+    w_cols = wq_t.transpose(-2, -1)
+    if not _e4m3(dyq, wq_t):
+        return _unscaled(torch._grouped_mm(dyq.to(torch.bfloat16), w_cols.to(torch.bfloat16),
                                            offs=offs),
                          (dy_scale_inv * w_scale_inv)[rows], (-1, 1))
-    w_cols = wq.transpose(-2, -1).contiguous().transpose(-2, -1)
     return torch._scaled_grouped_mm(dyq, w_cols, dy_scale_inv[rows],
-                                    _rowwise(w_scale_inv, wq.shape[2]), offs=offs,
+                                    _rowwise(w_scale_inv, wq_t.shape[1]), offs=offs,
                                     out_dtype=torch.bfloat16, use_fast_accum=False)
 
 
-def wgrad(dyq, dy_scale_inv, xq, x_scale_inv, rows, offs) -> torch.Tensor:
-    """``dW_g = dy_g^T x_g`` (bf16, ``(experts, out, in)``)."""
-    if not _e4m3(dyq, xq):
-        return _unscaled(torch._grouped_mm(dyq.to(torch.bfloat16).t(), xq.to(torch.bfloat16),
-                                           offs=offs),
+def wgrad(dyq_t, dy_scale_inv, xq_t, x_scale_inv, pad_offs) -> torch.Tensor:
+    """``dW_g = dy_g^T x_g`` (bf16, ``(experts, out, in)``) from dy's and x's
+    transposed copies, ``(out, P)`` and ``(in, P)``, the tokens in the
+    padded groups that end at ``pad_offs``."""
+    if not _e4m3(dyq_t, xq_t):
+        return _unscaled(torch._grouped_mm(dyq_t.to(torch.bfloat16),
+                                           xq_t.to(torch.bfloat16).t(), offs=pad_offs),
                          dy_scale_inv * x_scale_inv, (-1, 1, 1))
-    dy_pad, x_pad, pad_offs = _padded_groups(dyq, xq, rows, offs)
     return torch._scaled_grouped_mm(
-        dy_pad.t().contiguous(), x_pad.t().contiguous().t(),
-        _rowwise(dy_scale_inv, dyq.shape[1]).view(-1),
-        _rowwise(x_scale_inv, xq.shape[1]).view(-1), offs=pad_offs,
+        dyq_t, xq_t.t(), _rowwise(dy_scale_inv, dyq_t.shape[0]).view(-1),
+        _rowwise(x_scale_inv, xq_t.shape[0]).view(-1), offs=pad_offs,
         out_dtype=torch.bfloat16, use_fast_accum=False)
 
 
@@ -79,10 +81,3 @@ def _e4m3(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _unscaled(out: torch.Tensor, scale: torch.Tensor, shape) -> torch.Tensor:
     """A bf16 GEMM's output of FP8 values times their scales, per expert."""
     return (out.float() * scale.view(shape)).to(torch.bfloat16)
-
-
-def _padded_groups(dyq, xq, rows, offs):
-    """``dy`` and ``x`` with each expert's rows moved to its padded group,
-    zeros between, and the padded groups' end rows."""
-    dest, pad_offs, size = padded_rows_of(offs, rows, _ALIGN)
-    return scatter_rows(dyq, dest, size), scatter_rows(xq, dest, size), pad_offs

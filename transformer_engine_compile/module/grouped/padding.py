@@ -5,7 +5,8 @@ depends on the token count and the number of groups alone, never on the
 routing, so nothing syncs and CUDA graphs replay it.  Zero rows add
 nothing to a GEMM's sums and leave every block's amax as it is.
 
-Users: the FP8 wgrad GEMM (16-row groups, ``fp8_gemm.py``), the
+Users: the FP8 wgrad GEMM (16-row groups: its operands are cast into the
+padded layout, ``quantize.py``), the
 block-scaled recipes (whole 128-row blocks per expert, ``blocked.py``) and
 the torchao baseline of ``benchmarks.moe``."""
 
@@ -42,6 +43,18 @@ def padded_rows_of(offs: torch.Tensor, rows: torch.Tensor, align: int) -> tuple:
     pad_starts = torch.cat([pad_offs.new_zeros(1), pad_offs[:-1]])
     dest = torch.arange(tokens, device=rows.device) + (pad_starts - starts)[rows]
     return dest, pad_offs, padded_rows(tokens, experts, align)
+
+
+def padded_sources(offs: torch.Tensor, rows: torch.Tensor, align: int) -> tuple:
+    """``(sources, dest, padded offsets)``: the row of the grouped rows each
+    row of the padded buffer takes (int32, -1 for padding), and
+    :func:`padded_rows_of`'s ``dest`` and offsets: what a kernel that writes
+    the padded layout itself reads (``kernels.cast_fp8_grouped``)."""
+    dest, pad_offs, size = padded_rows_of(offs, rows, align)
+    sources = torch.full((size,), -1, dtype=torch.int32, device=rows.device)
+    sources = sources.index_put((dest,), torch.arange(rows.shape[0], dtype=torch.int32,
+                                                      device=rows.device))
+    return sources, dest, pad_offs
 
 
 def scatter_rows(t: torch.Tensor, dest: torch.Tensor, size: int) -> torch.Tensor:

@@ -2,31 +2,63 @@
 dy), and each expert's W, quantized with a scale of their own, the values a
 ``te.Linear`` per expert makes (``kernels/reference.py``'s scale and
 saturating cast, elementwise the same).  Current scaling takes the scale
-from the expert's amax (kernel op ``quantize_fp8_grouped``); DelayedScaling
-casts with the expert's scale from its amax history and records the amax
-(``quantize_fp8_grouped_scaled``).  Two Triton launches each on CUDA
-(``kernels/triton_grouped.py``), the reference elsewhere."""
+from the expert's amax; DelayedScaling passes the expert's scale from its
+amax history, and the amax is recorded for the next.
+
+Two kernel ops, two launches on CUDA (``kernels/triton_grouped.py``):
+``amax_grouped``, then ``cast_fp8_grouped``, which writes the rowwise copy
+and, where a GEMM reduces over the rows, the transposed copy it reads:
+x's and dy's with the experts' tokens in 16-aligned groups (``padding.py``:
+wgrad), W's per expert (dgrad)."""
 
 from __future__ import annotations
+
+from typing import NamedTuple, Optional
 
 import torch
 
 from ...kernels import get
+from ...kernels.reference import current_scale
 
 
-def quantize_rows(x2d: torch.Tensor, group_of_row: torch.Tensor, groups: int, q) -> tuple:
-    """``(FP8 rows, fp32 scale_inv per group)`` of ``x2d``'s row groups."""
-    return get("quantize_fp8_grouped", x2d)(x2d, groups, q.fp8_format, q.force_pow_2_scales,
-                                            q.amax_epsilon, group_of_row=group_of_row)
+class Quantized(NamedTuple):
+    data: Optional[torch.Tensor]        # rowwise FP8, the operand's own shape
+    transposed: Optional[torch.Tensor]  # x, dy: (cols, padded rows); W: (experts, in, out)
+    scale_inv: torch.Tensor             # (groups,) fp32
+    amax: torch.Tensor                  # (groups,) fp32: this call's (DelayedScaling records it)
 
 
-def quantize_experts(w3d: torch.Tensor, q) -> tuple:
-    """``(FP8 weights, fp32 scale_inv per expert)`` of ``(experts, out, in)``."""
+def _scale(amax: torch.Tensor, q, scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """The given (delayed) scale, else current scaling's from ``amax``."""
+    if scale is not None:
+        return scale
+    return current_scale(amax, q.fp8_format, q.force_pow_2_scales, q.amax_epsilon)
+
+
+def quantize_tokens(x2d: torch.Tensor, group_of_row: torch.Tensor, groups: int, q,
+                    scale: Optional[torch.Tensor] = None,
+                    columns_from: Optional[torch.Tensor] = None) -> Quantized:
+    """``x2d``'s row groups in FP8; with ``columns_from`` (``padding.padded_sources``)
+    also the ``(cols, padded rows)`` transposed copy."""
+    amax = get("amax_grouped", x2d)(x2d, groups, group_of_row=group_of_row)
+    s = _scale(amax, q, scale)
+    data, transposed = get("cast_fp8_grouped", x2d)(x2d, s, q.fp8_format,
+                                                   group_of_row=group_of_row,
+                                                   columns_from=columns_from)
+    return Quantized(data, transposed, torch.reciprocal(s), amax)
+
+
+def quantize_experts(w3d: torch.Tensor, q, scale: Optional[torch.Tensor] = None,
+                     transposed: bool = False) -> Quantized:
+    """``(experts, out, in)`` weights in FP8, each expert with its scale;
+    with ``transposed`` also the ``(experts, in, out)`` copy."""
     experts, rows, cols = w3d.shape
-    data, scale_inv = get("quantize_fp8_grouped", w3d)(
-        w3d.reshape(experts * rows, cols), experts, q.fp8_format, q.force_pow_2_scales,
-        q.amax_epsilon, rows_per_group=rows)
-    return data.view(experts, rows, cols), scale_inv
+    w2d = w3d.reshape(experts * rows, cols)
+    amax = get("amax_grouped", w2d)(w2d, experts, rows_per_group=rows)
+    s = _scale(amax, q, scale)
+    data, t = get("cast_fp8_grouped", w2d)(w2d, s, q.fp8_format, rows_per_group=rows,
+                                           transpose_groups=transposed)
+    return Quantized(data.view(experts, rows, cols), t, torch.reciprocal(s), amax)
 
 
 def dequantize_rows(data: torch.Tensor, scale_inv: torch.Tensor, group_of_row) -> torch.Tensor:
@@ -35,20 +67,3 @@ def dequantize_rows(data: torch.Tensor, scale_inv: torch.Tensor, group_of_row) -
 
 def dequantize_experts(data: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     return data.float() * scale_inv.view(-1, 1, 1)
-
-
-def quantize_rows_scaled(x2d: torch.Tensor, group_of_row: torch.Tensor, scale: torch.Tensor,
-                         q) -> tuple:
-    """``(FP8 rows, fp32 amax per group)``: ``x2d``'s row groups cast with
-    the given per-group ``scale`` (DelayedScaling)."""
-    return get("quantize_fp8_grouped_scaled", x2d)(x2d, scale, q.fp8_format,
-                                                   group_of_row=group_of_row)
-
-
-def quantize_experts_scaled(w3d: torch.Tensor, scale: torch.Tensor, q) -> tuple:
-    """``(FP8 weights, fp32 amax per expert)`` of ``(experts, out, in)``,
-    each expert cast with its given ``scale``."""
-    experts, rows, cols = w3d.shape
-    data, amax = get("quantize_fp8_grouped_scaled", w3d)(
-        w3d.reshape(experts * rows, cols), scale, q.fp8_format, rows_per_group=rows)
-    return data.view(experts, rows, cols), amax
