@@ -107,6 +107,14 @@ def test_merge_tables_and_plots_runs_made_apart(tmp_path, capsys):
                                  "device": "cpu", "fsdp": False, "results": {}}))
     with pytest.raises(SystemExit, match="another configuration"):
         C.main(["--merge", str(paths[0]), str(other)])
+    # an FSDP2 run beside the one-GPU run of its recipe, only the recipes asked for
+    sharded = tmp_path / "fsdp.json"
+    sharded.write_text(json.dumps({"config": CFG.__dict__, "torch": "x", "device": "cpu",
+                                   "fsdp": True, "results": {"fp8_current": _run("bf16")}}))
+    assert C.main(["--merge", *map(str, paths), str(sharded), "--recipes", "fp8_current",
+                   "--json", str(merged)]) == 0
+    assert list(json.loads(merged.read_text())["results"]) == ["fp8_current",
+                                                                "fp8_current fsdp2"]
 
 
 def test_decoder_layers_compiled_apart_share_one_graph():

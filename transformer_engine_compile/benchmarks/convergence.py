@@ -263,9 +263,11 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def merge(paths, plot_path=None, json_path=None) -> int:
+def merge(paths, plot_path=None, json_path=None, recipes=None) -> int:
     """One table (and plot, and JSON) of the results of several ``--json``
-    files of the same configuration, in the order given."""
+    files of the same configuration, in the order given (only ``recipes``
+    when given).  A ``--fsdp`` run's recipes are labelled ``<recipe> fsdp2``,
+    so it sits beside the one-GPU run of the same recipe."""
     runs = []
     for path in paths:
         with open(path) as f:
@@ -274,7 +276,8 @@ def merge(paths, plot_path=None, json_path=None) -> int:
     for run, path in zip(runs[1:], paths[1:]):
         if run["config"] != first["config"]:
             raise SystemExit(f"{path}: another configuration than {paths[0]}'s")
-    results = {name: r for run in runs for name, r in run["results"].items()}
+    results = {f"{name} fsdp2" if run.get("fsdp") else name: r for run in runs
+               for name, r in run["results"].items() if recipes is None or name in recipes}
     print(f"{first['device']}, torch {first['torch']}, {first['config']}")
     print(table(results))
     if json_path:
@@ -302,7 +305,8 @@ def main(argv=None) -> int:
                              "--json files, e.g. recipes run on separate GPUs")
     args = parser.parse_args(argv)
     if args.merge:
-        return merge(args.merge, args.plot, args.json)
+        return merge(args.merge, args.plot, args.json,
+                     None if args.recipes == list(RECIPES) else args.recipes)
     cfg = CONFIGS[args.config or ("llama-100m" if args.device == "cuda" else "tiny")]
     if args.steps is not None:
         cfg = dataclasses.replace(cfg, steps=args.steps)
