@@ -1,24 +1,35 @@
 """The mixture-of-experts benchmark's CPU smoke run: every candidate gets a
-row, te.GroupedExperts' output equals the torch baseline's, and a recipe
-the grouped layer does not run yet shows as an error row, not a crash."""
+row, te.GroupedExperts' output equals the torch baseline's, a failing
+candidate shows as an error row, not a crash, and the Hugging Face MoE
+model's training step runs as is and after te.convert."""
 
 import json
 
+import pytest
 import torch
 
+import transformer_engine_compile as te
 from transformer_engine_compile.benchmarks import moe
 
 
-def test_moe_benchmark_rows(tmp_path):
+def test_moe_benchmark_rows(tmp_path, monkeypatch):
     out = tmp_path / "moe.json"
+    real = moe.time_block
+
+    def failing_for_mxfp8(block, rec, *args, **kwargs):
+        if isinstance(rec, te.recipe.MXFP8BlockScaling):
+            raise RuntimeError("a candidate that fails")
+        return real(block, rec, *args, **kwargs)
+
+    monkeypatch.setattr(moe, "time_block", failing_for_mxfp8)
     rc = moe.main(["--configs", "tiny", "--steps", "1", "--eager", "--recipes", "fp8_current",
                    "mxfp8", "fp8_delayed", "--json", str(out)])
     rows = {r["candidate"]: r for r in json.loads(out.read_text())["rows"]}
-    assert rc == 1  # the fp8_delayed row failed
+    assert rc == 1  # the mxfp8 row failed; the others still ran
     assert rows["torch bf16"]["x_bf16"] == 1.0
-    for label in ("te bf16", "te fp8_current", "te mxfp8"):
+    for label in ("te bf16", "te fp8_current", "te fp8_delayed"):
         assert rows[label]["ms"] > 0 and rows[label]["x_bf16"] > 0
-    assert "DelayedScaling is not implemented" in rows["te fp8_delayed"]["error"]
+    assert "a candidate that fails" in rows["te mxfp8"]["error"]
 
 
 def test_te_block_equals_the_torch_block():
@@ -65,3 +76,21 @@ def test_profile_prints_each_rows_kernels(capsys):
     out = capsys.readouterr().out
     for label in ("torch bf16", "te bf16", "te fp8_current"):
         assert f"### tiny {label}\n" in out
+
+
+def test_hf_moe_model_rows(tmp_path):
+    """A Hugging Face MoE model's training step as is and after te.convert:
+    the te rows run te.GroupedExperts, the baseline HF's grouped_mm experts,
+    and both fit the batch to about the same loss."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "hf.json"
+    rc = moe.main(["--configs", "hf-tiny", "--steps", "2", "--eager", "--recipes",
+                   "fp8_current", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert rc == 0, rows
+    by = {r["candidate"]: r for r in rows}
+    assert set(by) == {"torch bf16", "te bf16", "te fp8_current"}
+    assert by["te bf16"]["experts"] == by["te fp8_current"]["experts"] == "te.GroupedExperts"
+    assert by["torch bf16"]["experts"] in ("grouped_mm", "eager")
+    assert all(r["host_ms"] > 0 and r["ms"] >= r["host_ms"] for r in rows)
+    assert abs(by["te bf16"]["loss"] - by["torch bf16"]["loss"]) < 0.05 * by["torch bf16"]["loss"]

@@ -9,7 +9,12 @@ process, compiled.
 
 Configs: ``mixtral`` (hidden 4096, ffn 14336, 8 experts, top-2, 16k
 tokens), ``qwen3`` (hidden 2048, expert ffn 768, 128 experts, top-8, 16k
-tokens), ``tiny`` (the CPU smoke run: its times mean nothing).
+tokens), ``tiny`` (the CPU smoke run: its times mean nothing).  The
+``hf-*`` configs time whole training steps of a Hugging Face MoE model
+(``transformers``' Mixtral or Qwen3-MoE, 2 decoder layers of those sizes,
+2 x 4096 tokens) as is, its experts on ``torch._grouped_mm``, against
+the model after ``te.convert``.  Each row also gives the host time of a
+step (until its launches return).
 """
 
 from __future__ import annotations
@@ -170,13 +175,14 @@ def time_block(block, rec, x, steps: int, compiled: bool, profiled: bool = False
     for _ in range(3):
         run()
     sync()
-    times = []
+    times, host = [], []
     for _ in range(steps):
         start = time.perf_counter()
         run()
+        host.append(time.perf_counter() - start)  # the launches, before waiting on the GPU
         sync()
         times.append(time.perf_counter() - start)
-    result = {"ms": 1e3 * statistics.median(times)}
+    result = {"ms": 1e3 * statistics.median(times), "host_ms": 1e3 * statistics.median(host)}
     if profiled:
         result["profile"] = profile_once(run)
     return result
@@ -227,17 +233,111 @@ def run(configs, recipes, device, steps, compiled, log=print, profiled=False) ->
 
 
 def format_row(row) -> str:
-    head = f"{row['config']:>8} {row['candidate']:>18}"
+    head = f"{row['config']:>12} {row['candidate']:>20}"
     if "error" in row:
         return f"{head}  ERROR {row['error']}"
     ratio = "" if row.get("x_bf16") is None else f"{row['x_bf16']:7.2f}x"
-    return f"{head} {row['ms']:9.2f} ms {ratio}"
+    return f"{head} {row['ms']:9.2f} ms {ratio}   host {row['host_ms']:6.2f} ms"
+
+
+# -- whole training steps of a Hugging Face MoE model after te.convert ------------------
+@dataclasses.dataclass(frozen=True)
+class HFMoEConfig:
+    family: str  # "mixtral" or "qwen3_moe"
+    layers: int
+    hidden: int
+    ffn: int     # each expert's
+    experts: int
+    top_k: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    batch: int
+    seq: int
+
+
+HF_CONFIGS = {
+    "hf-mixtral": HFMoEConfig("mixtral", layers=2, hidden=4096, ffn=14336, experts=8, top_k=2,
+                              heads=32, kv_heads=8, vocab=32000, batch=2, seq=4096),
+    "hf-qwen3-moe": HFMoEConfig("qwen3_moe", layers=2, hidden=2048, ffn=768, experts=128,
+                                top_k=8, heads=32, kv_heads=4, vocab=32000, batch=2, seq=4096),
+    "hf-tiny": HFMoEConfig("qwen3_moe", layers=1, hidden=64, ffn=32, experts=4, top_k=2,
+                           heads=4, kv_heads=2, vocab=256, batch=2, seq=16),
+}
+
+
+def hf_moe_model(cfg: HFMoEConfig, kind: str, device) -> tuple:
+    """``(model, experts implementation)``: Hugging Face's Mixtral or
+    Qwen3-MoE causal LM at ``cfg``'s sizes, bf16, as is ("torch": its
+    experts on ``torch._grouped_mm`` where ``transformers`` has that
+    implementation) or after ``te.convert`` ("te": te.GroupedExperts and
+    te.Linear projections)."""
+    import transformers
+
+    from ..convert import convert
+
+    common = dict(vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
+                  num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
+                  num_experts_per_tok=cfg.top_k, max_position_embeddings=cfg.seq,
+                  attn_implementation="sdpa", use_cache=False)
+    if cfg.family == "mixtral":
+        hf_cfg = transformers.MixtralConfig(intermediate_size=cfg.ffn,
+                                            num_local_experts=cfg.experts, **common)
+        cls = transformers.MixtralForCausalLM
+    else:
+        hf_cfg = transformers.Qwen3MoeConfig(moe_intermediate_size=cfg.ffn,
+                                             num_experts=cfg.experts, **common)
+        cls = transformers.Qwen3MoeForCausalLM
+    impl = "eager"
+    if kind == "torch" and hasattr(hf_cfg, "_experts_implementation"):
+        hf_cfg._experts_implementation, impl = "grouped_mm", "grouped_mm"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = cls(hf_cfg).to(torch.bfloat16)
+    if kind == "te":
+        convert(model)
+        impl = "te.GroupedExperts"
+    return model, impl
+
+
+def run_hf(configs, recipes, device, steps, compiled=True, log=print) -> list:
+    """Whole training steps (fused AdamW, loss read every step, compiled
+    fullgraph) of the Hugging Face model as is, in bf16, and after
+    ``te.convert`` under each recipe, side by side; ``loss``: the loss of
+    one more step (the same data every step: the runs fit it alike)."""
+    from .llama import CausalLMLoss, make_step, time_steps
+
+    rows = []
+    for name in configs:
+        cfg = HF_CONFIGS[name]
+        gen = torch.Generator(device=device).manual_seed(1)
+        tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), device=device, generator=gen)
+        candidates = [("torch bf16", "torch", None), ("te bf16", "te", None)]
+        candidates += [(f"te {r}", "te", recipe(r)) for r in recipes]
+        for label, kind, rec in candidates:
+            row = {"config": name, "candidate": label}
+            try:
+                model, impl = hf_moe_model(cfg, kind, device)
+                step = make_step(CausalLMLoss(model), rec, "default" if compiled else "eager")
+                ms, host_ms = time_steps(step, tokens, tokens, steps=steps)
+                row.update(ms=ms, host_ms=host_ms, experts=impl, loss=step(tokens, tokens))
+                base = next((r for r in rows + [row] if r["config"] == name
+                             and r["candidate"] == "torch bf16" and "ms" in r), None)
+                row["x_bf16"] = None if base is None else base["ms"] / row["ms"]
+                del model, step
+            except Exception as e:  # one failing candidate must not hide the others
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            rows.append(row)
+            log(format_row(row) + (f"   experts: {row['experts']}" if "experts" in row else ""))
+            torch._dynamo.reset()
+    return rows
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=None,
-                        help="default: mixtral qwen3 on a GPU, tiny on a CPU")
+    parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS) + sorted(HF_CONFIGS),
+                        default=None, help="default: mixtral qwen3 on a GPU, tiny on a CPU; "
+                        "hf-*: whole training steps of a Hugging Face MoE model")
     parser.add_argument("--recipes", nargs="+", default=["fp8_current", "fp8_current_e4m3"],
                         choices=RECIPES)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -253,7 +353,10 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
           f"torch {torch.__version__}, {'eager' if args.eager else 'compiled'}, "
           "forward + backward per step")
-    rows = run(configs, args.recipes, device, args.steps, not args.eager, profiled=args.profile)
+    blocks = [c for c in configs if c in CONFIGS]
+    rows = run(blocks, args.recipes, device, args.steps, not args.eager, profiled=args.profile)
+    rows += run_hf([c for c in configs if c in HF_CONFIGS], args.recipes, device, args.steps,
+                   not args.eager)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "device": str(device), "rows": rows}, f,
