@@ -181,7 +181,8 @@ def _grouped_linear(inp, weight, bias, m_splits, m_offsets, quantizers):
         raise TypeError(f"te.GroupedLinear: input dtype {inp.dtype} differs from the "
                         f"weight's {weight.dtype}")
     if inp.is_cuda:
-        _check_cuda_operands(inp.dtype, in_features, out_features, fp8=bool(quantizers))
+        _check_cuda_operands(inp.dtype, in_features, out_features,
+                             fp8="input_quantizer" in quantizers)
     x = inp.reshape(-1, in_features)
     offs = _offsets(groups, m_splits, m_offsets, x.shape[0], x.device)
     grad = torch.is_grad_enabled()
