@@ -388,3 +388,27 @@ def test_block_scaled_opcheck():
     x, dy = _wide_data(sizes)
     saved = _opcheck_both_ops(te.recipe.MXFP8BlockScaling(), _wide_layer(), sizes, x, dy)
     assert saved.dtype == torch.bfloat16  # quantized again in the backward
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_ops_take_the_routing_indices_from_the_caller(monkeypatch, compiled):
+    """Each row's expert and the padded wgrad layout are computed in the
+    traced code (fused kernels under inductor) and shared by the forward
+    and backward ops, which then compute none of their own."""
+    from transformer_engine_compile.module.grouped import compute
+
+    torch._dynamo.reset()
+    layer, sizes = _layer(), (5, 0, 11, 16)
+    x, dy = _data(sizes)
+    with te.autocast(recipe=te.recipe.Float8CurrentScaling()):
+        want = _run(layer, x, torch.tensor(sizes), dy)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an op computed the routing indices itself")
+
+    monkeypatch.setattr(compute, "group_ids", refuse)
+    step = torch.compile(layer, fullgraph=True, backend="aot_eager") if compiled else None
+    with te.autocast(recipe=te.recipe.Float8CurrentScaling()):
+        got = _run(layer, x, torch.tensor(sizes), dy, step)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

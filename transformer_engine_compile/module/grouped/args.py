@@ -36,6 +36,12 @@ class GroupedLinearFwdArgs:
     input_requires_grad: bool = False
     weight_requires_grad: bool = False
     bias_requires_grad: bool = False
+    # the routing's index tensors, computed in the traced code (one fused
+    # kernel under inductor, not host work inside the ops) and shared by the
+    # forward and the backward; None: the ops compute them
+    group_of_row: Optional[torch.Tensor] = None  # (tokens,) int64: each row's expert
+    pad_sources: Optional[torch.Tensor] = None   # (P,) int32: padded layout's source rows, -1 pad
+    pad_offsets: Optional[torch.Tensor] = None   # (num_gemms,) int32: its groups' end rows
     # DelayedScaling state (module buffers, ``state.py``), one column per
     # expert and tensor: forward x of experts 0..n-1 then their W, backward dy
     amax_history_fwd: Optional[torch.Tensor] = None  # (L, 2 n), updated by the forward
@@ -49,6 +55,9 @@ class GroupedLinearFwdArgs:
 class GroupedLinearBwdArgs:
     grad_output: torch.Tensor                # (tokens, out_features)
     m_offsets: Optional[torch.Tensor] = None
+    group_of_row: Optional[torch.Tensor] = None
+    pad_sources: Optional[torch.Tensor] = None
+    pad_offsets: Optional[torch.Tensor] = None
     inputmat: Optional[torch.Tensor] = None  # x (FP8 under current scaling), for wgrad
     weightmat: Optional[torch.Tensor] = None  # W (FP8 under current scaling), for dgrad
     input_scale_inv: Optional[torch.Tensor] = None   # (num_gemms,) fp32, the FP8 x's

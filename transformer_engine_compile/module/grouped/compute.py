@@ -60,11 +60,29 @@ def group_ids(m_offsets: torch.Tensor, tokens: int) -> torch.Tensor:
     return torch.searchsorted(m_offsets, rows, right=True)
 
 
+def _rows(args, tokens: int) -> torch.Tensor:
+    """Each row's expert: the caller's, else computed here."""
+    return args.group_of_row if args.group_of_row is not None else \
+        group_ids(args.m_offsets, tokens)
+
+
+def _padded(args, rows: torch.Tensor) -> tuple:
+    """``(sources, padded offsets)`` of the FP8 wgrad's 16-aligned token
+    groups: the caller's, else computed here."""
+    if args.pad_sources is not None:
+        return args.pad_sources, args.pad_offsets
+    sources, _, pad_offs = padded_sources(args.m_offsets, rows, fp8_gemm.ALIGN)
+    return sources, pad_offs
+
+
 def _saved(args, x, w, x_scale_inv=None, w_scale_inv=None) -> dict:
     wgrad, dgrad = args.weight_requires_grad, args.input_requires_grad
     return {"inputmat": x if wgrad else None, "weightmat": w if dgrad else None,
             "input_scale_inv": x_scale_inv if wgrad else None,
             "weight_scale_inv": w_scale_inv if dgrad else None, "m_offsets": args.m_offsets,
+            # the caller's routing indices (aliases of forward arguments)
+            "group_of_row": args.group_of_row, "pad_sources": args.pad_sources,
+            "pad_offsets": args.pad_offsets,
             # forward arguments the backward writes into (aliases, not copies)
             "amax_history_bwd": args.amax_history_bwd, "scale_bwd": args.scale_bwd}
 
@@ -74,10 +92,10 @@ def grouped_linear_forward(args: GroupedLinearFwdArgs) -> OpResult:
     if args.input_quantizer is None:
         y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
         if args.bias is not None:
-            y = y + args.bias[group_ids(offs, x.shape[0])]
+            y = y + args.bias[_rows(args, x.shape[0])]
         return OpResult({"out": y}, _saved(args, x, w))
-    rows = group_ids(offs, x.shape[0])
-    if not _tensorwise(args.input_quantizer):
+    rows = _rows(args, x.shape[0])
+    if not tensorwise_fp8(args.input_quantizer):
         y = blocked.fprop(x, w, args.input_quantizer, args.weight_quantizer, rows, offs)
         if args.bias is not None:
             y = y + args.bias.to(y.dtype)[rows]
@@ -104,8 +122,7 @@ def _quantize_operands(args: GroupedLinearFwdArgs, rows: torch.Tensor) -> tuple:
     records this call's amaxes and steps the history); with the transposed
     copies the backward's GEMMs read (x's for wgrad, W's for dgrad)."""
     x, w, groups = args.inp, args.weight, args.weight.shape[0]
-    sources = padded_sources(args.m_offsets, rows, fp8_gemm.ALIGN)[0] \
-        if args.weight_requires_grad else None
+    sources = _padded(args, rows)[0] if args.weight_requires_grad else None
     x_scale = w_scale = None
     if args.amax_history_fwd is not None:
         x_scale, w_scale = args.scale_fwd[:groups], args.scale_fwd[groups:]
@@ -121,7 +138,7 @@ def _quantize_operands(args: GroupedLinearFwdArgs, rows: torch.Tensor) -> tuple:
 def grouped_linear_forward_fake(args: GroupedLinearFwdArgs) -> OpResult:
     x, w = args.inp, args.weight
     y = TensorProto((x.shape[0], w.shape[1]), x.dtype, device=x.device)
-    if args.input_quantizer is None or not _tensorwise(args.input_quantizer):
+    if args.input_quantizer is None or not tensorwise_fp8(args.input_quantizer):
         return OpResult({"out": y}, _saved(args, x, w))
     groups = (w.shape[0],)
     # the transposed copies: x's (in, padded tokens), W's (experts, in, out)
@@ -134,7 +151,7 @@ def grouped_linear_forward_fake(args: GroupedLinearFwdArgs) -> OpResult:
                            TensorProto(groups, torch.float32, device=w.device)))
 
 
-def _tensorwise(q) -> bool:
+def tensorwise_fp8(q) -> bool:
     """Per-expert FP8 tensor scaling, current or delayed (FP8 grouped GEMMs
     on CUDA); the other recipes take the block-scaled path (``blocked.py``)."""
     return isinstance(q, (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer))
@@ -143,7 +160,7 @@ def _tensorwise(q) -> bool:
 def grouped_linear_setup_context(args: GroupedLinearFwdArgs) -> dict:
     """Non-tensor fields of GroupedLinearBwdArgs (tensors come from ``saved``)."""
     blocked_recipe = args.input_quantizer is not None and \
-        not _tensorwise(args.input_quantizer)
+        not tensorwise_fp8(args.input_quantizer)
     return {"grad_output_quantizer": args.grad_output_quantizer,
             "input_quantizer": args.input_quantizer if blocked_recipe else None,
             "weight_quantizer": args.weight_quantizer if blocked_recipe else None,
@@ -168,12 +185,12 @@ def grouped_linear_backward(args: GroupedLinearBwdArgs) -> dict:
         if args.weight_requires_grad:
             wgrad = torch._grouped_mm(dy.t(), args.inputmat, offs=offs).to(args.weight_dtype)
     elif args.input_requires_grad or args.weight_requires_grad:
-        if _tensorwise(q):
+        if tensorwise_fp8(q):
             dgrad, wgrad, state = _fp8_grads(args, dy, q)
         else:
             dgrad, wgrad = blocked.grads(dy, args.inputmat, args.weightmat, q,
                                          args.input_quantizer, args.weight_quantizer,
-                                         group_ids(offs, dy.shape[0]), offs,
+                                         _rows(args, dy.shape[0]), offs,
                                          args.input_requires_grad, args.weight_requires_grad)
             dgrad = None if dgrad is None else dgrad.to(dy.dtype)
             wgrad = None if wgrad is None else wgrad.to(args.weight_dtype)
@@ -190,8 +207,8 @@ def _fp8_grads(args: GroupedLinearBwdArgs, dy: torch.Tensor, q) -> tuple:
     dequantized operands elsewhere (there x's copy is read back in token
     order: the GEMM a te.Linear per expert runs, bit for bit)."""
     offs, dgrad, wgrad = args.m_offsets, None, None
-    rows = group_ids(offs, dy.shape[0])
-    sources, dest, pad_offs = padded_sources(offs, rows, fp8_gemm.ALIGN)
+    rows = _rows(args, dy.shape[0])
+    sources, pad_offs = _padded(args, rows)
     transposed = dy.is_cuda and args.weight_requires_grad
     dyq = quantize_tokens(dy, rows, offs.shape[0], q, args.scale_bwd,
                           sources if transposed else None)
@@ -211,6 +228,7 @@ def _fp8_grads(args: GroupedLinearBwdArgs, dy: torch.Tensor, q) -> tuple:
                                    args.weight_scale_inv)
             dgrad = torch._grouped_mm(dyd, w, offs=offs).to(dy.dtype)
         if args.weight_requires_grad:
+            dest = padded_sources(offs, rows, fp8_gemm.ALIGN)[1]
             xq = args.inputmat.view(torch.uint8)[:, dest].t().contiguous()
             x = dequantize_rows(xq.view(args.inputmat.dtype), args.input_scale_inv, rows)
             wgrad = torch._grouped_mm(dyd.t(), x, offs=offs)
@@ -222,7 +240,7 @@ def grouped_linear_backward_fake(args: GroupedLinearBwdArgs) -> dict:
     groups = args.m_offsets.shape[0]
     dgrad = wgrad = dbias = None
     # per-expert FP8 keeps the transposed copies (in, tokens) and (experts, in, out)
-    t = args.grad_output_quantizer is not None and _tensorwise(args.grad_output_quantizer)
+    t = args.grad_output_quantizer is not None and tensorwise_fp8(args.grad_output_quantizer)
     if args.input_requires_grad:  # dy's dtype, quantized or not
         dgrad = TensorProto((dy.shape[0], args.weightmat.shape[1 if t else 2]), dy.dtype,
                             device=dy.device)
