@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Optional
 
 
 class Format(enum.Enum):
@@ -24,8 +25,32 @@ class Format(enum.Enum):
         return self.value[1]
 
 
+@dataclasses.dataclass(frozen=True)
+class MMParams:
+    """How an FP8 GEMM accumulates (Transformer Engine's name).
+    ``use_split_accumulator=True`` promotes the tensor cores' partial sums
+    into full fp32 as it goes (``torch._scaled_mm``'s ``use_fast_accum=False``);
+    False keeps the faster, less precise accumulation."""
+
+    use_split_accumulator: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.use_split_accumulator, bool):
+            raise TypeError("use_split_accumulator must be a bool, got "
+                            f"{self.use_split_accumulator!r}")
+
+
 class Recipe:
     """Base of all recipes; the predicates mirror Transformer Engine's."""
+
+    def fast_accumulation(self) -> tuple:
+        """``(fprop, dgrad, wgrad)``: whether each FP8 GEMM accumulates fast:
+        a recipe's ``fp8_gemm_*`` where given, else Transformer Engine's
+        defaults (fprop only)."""
+        return tuple(default if p is None else not p.use_split_accumulator
+                     for p, default in zip((getattr(self, f"fp8_gemm_{g}", None)
+                                            for g in ("fprop", "dgrad", "wgrad")),
+                                           (True, False, False)))
 
     def delayed(self) -> bool:
         return isinstance(self, DelayedScaling)
@@ -100,10 +125,21 @@ class Float8CurrentScaling(Recipe):
     fp8_format: Format = Format.HYBRID
     use_power_2_scales: bool = False
     amax_epsilon: float = 0.0
+    # each GEMM's accumulation; None: Transformer Engine's default, fast for
+    # fprop (MMParams(use_split_accumulator=False)), split for dgrad and wgrad
+    # (a plain None default, so that compiled code can build the recipe)
+    fp8_gemm_fprop: Optional[MMParams] = None
+    fp8_gemm_dgrad: Optional[MMParams] = None
+    fp8_gemm_wgrad: Optional[MMParams] = None
 
     def __post_init__(self):
         _check_format(self.fp8_format)
         self._keep_texts(amax_epsilon=float)
+        for g in ("fprop", "dgrad", "wgrad"):
+            value = getattr(self, f"fp8_gemm_{g}")
+            if value is not None and not isinstance(value, MMParams):
+                raise TypeError(f"fp8_gemm_{g} must be a recipe.MMParams or None, got "
+                                f"{value!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -188,16 +188,21 @@ def time_block(block, rec, x, steps: int, compiled: bool, profiled: bool = False
     return result
 
 
-RECIPES = ("fp8_current", "fp8_current_e4m3", "fp8_delayed", "fp8_delayed_e4m3", "fp8_block",
-           "mxfp8", "nvfp4")
+RECIPES = ("fp8_current", "fp8_current_e4m3", "fp8_current_e4m3_fast", "fp8_delayed",
+           "fp8_delayed_e4m3", "fp8_block", "mxfp8", "nvfp4")
 
 
 def recipe(name: str):
     """A recipe by its short name; ``*_e4m3`` has E4M3 gradients too (the
     grouped FP8 kernel on Hopper takes E4M3 only, so the default HYBRID
-    runs its backward GEMMs in bf16)."""
+    runs its backward GEMMs in bf16); ``*_fast`` accumulates fast in dgrad
+    and wgrad too."""
     if name == "fp8_current_e4m3":
         return R.Float8CurrentScaling(fp8_format=R.Format.E4M3)
+    if name == "fp8_current_e4m3_fast":
+        fast = R.MMParams(use_split_accumulator=False)
+        return R.Float8CurrentScaling(fp8_format=R.Format.E4M3, fp8_gemm_dgrad=fast,
+                                      fp8_gemm_wgrad=fast)
     if name == "fp8_delayed_e4m3":
         return R.DelayedScaling(fp8_format=R.Format.E4M3)
     return R.DelayedScaling() if name == "fp8_delayed" else R.by_name(name)

@@ -49,6 +49,10 @@ class GroupedLinearFwdArgs:
     amax_history_bwd: Optional[torch.Tensor] = None  # (L, n), updated by the backward
     scale_bwd: Optional[torch.Tensor] = None         # (n,)
     amax_group: Optional[ProcessGroup] = None        # amaxes all-reduced (max) over it
+    # the FP8 GEMMs' fast accumulation (the recipe's fp8_gemm_*)
+    fprop_fast_accum: bool = True
+    dgrad_fast_accum: bool = False
+    wgrad_fast_accum: bool = False
 
 
 @dataclasses.dataclass
@@ -74,3 +78,5 @@ class GroupedLinearBwdArgs:
     amax_history_bwd: Optional[torch.Tensor] = None
     scale_bwd: Optional[torch.Tensor] = None
     amax_group: Optional[ProcessGroup] = None
+    dgrad_fast_accum: bool = False
+    wgrad_fast_accum: bool = False

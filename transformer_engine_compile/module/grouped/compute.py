@@ -104,7 +104,8 @@ def grouped_linear_forward(args: GroupedLinearFwdArgs) -> OpResult:
     # the backward keeps the transposed copies its GEMMs read
     saved = _saved(args, xq.transposed, wq.transposed, xq.scale_inv, wq.scale_inv)
     if x.is_cuda:
-        y = fp8_gemm.fprop(xq.data, xq.scale_inv, wq.data, wq.scale_inv, rows, offs)
+        y = fp8_gemm.fprop(xq.data, xq.scale_inv, wq.data, wq.scale_inv, rows, offs,
+                           args.fprop_fast_accum)
         if args.bias is not None:
             y = y + args.bias[rows]
         return OpResult({"out": y, **state}, saved)
@@ -169,7 +170,8 @@ def grouped_linear_setup_context(args: GroupedLinearFwdArgs) -> dict:
             "bias_requires_grad": args.bias_requires_grad,
             "weight_dtype": args.weight.dtype,
             "bias_dtype": None if args.bias is None else args.bias.dtype,
-            "amax_group": args.amax_group}
+            "amax_group": args.amax_group, "dgrad_fast_accum": args.dgrad_fast_accum,
+            "wgrad_fast_accum": args.wgrad_fast_accum}
 
 
 def grouped_linear_backward(args: GroupedLinearBwdArgs) -> dict:
@@ -217,10 +219,10 @@ def _fp8_grads(args: GroupedLinearBwdArgs, dy: torch.Tensor, q) -> tuple:
     if dy.is_cuda:
         if args.input_requires_grad:
             dgrad = fp8_gemm.dgrad(dyq.data, dyq.scale_inv, args.weightmat,
-                                   args.weight_scale_inv, rows, offs)
+                                   args.weight_scale_inv, rows, offs, args.dgrad_fast_accum)
         if args.weight_requires_grad:
             wgrad = fp8_gemm.wgrad(dyq.transposed, dyq.scale_inv, args.inputmat,
-                                   args.input_scale_inv, pad_offs)
+                                   args.input_scale_inv, pad_offs, args.wgrad_fast_accum)
     else:
         dyd = dequantize_rows(dyq.data, dyq.scale_inv, rows)
         if args.input_requires_grad:

@@ -20,6 +20,9 @@ output's rounding to bf16.
 E5M2 operands (the gradients of ``Format.HYBRID``) have no FP8 grouped
 kernel on Hopper: those GEMMs run ``torch._grouped_mm`` in bf16 on the FP8
 values (exact in bf16) and apply the two scales to its output per expert.
+
+Accumulation: fprop fast, dgrad and wgrad split by default (Transformer
+Engine's), each as the recipe's ``fp8_gemm_*`` says.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ def _rowwise(scale_inv: torch.Tensor, n: int) -> torch.Tensor:
     return scale_inv.unsqueeze(1).expand(-1, n).contiguous()
 
 
-def fprop(xq, x_scale_inv, wq, w_scale_inv, rows, offs) -> torch.Tensor:
+def fprop(xq, x_scale_inv, wq, w_scale_inv, rows, offs, fast_accum: bool = True) -> torch.Tensor:
     """``y_g = x_g W_g^T`` (bf16) from FP8 ``xq`` ``(tokens, in)`` and ``wq``
     ``(experts, out, in)``; ``rows`` is each row's expert."""
     if not _e4m3(xq, wq):
@@ -44,10 +47,11 @@ def fprop(xq, x_scale_inv, wq, w_scale_inv, rows, offs) -> torch.Tensor:
                          (x_scale_inv * w_scale_inv)[rows], (-1, 1))
     return torch._scaled_grouped_mm(xq, wq.transpose(-2, -1), x_scale_inv[rows],
                                     _rowwise(w_scale_inv, wq.shape[1]), offs=offs,
-                                    out_dtype=torch.bfloat16, use_fast_accum=True)
+                                    out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
 
 
-def dgrad(dyq, dy_scale_inv, wq_t, w_scale_inv, rows, offs) -> torch.Tensor:
+def dgrad(dyq, dy_scale_inv, wq_t, w_scale_inv, rows, offs,
+          fast_accum: bool = False) -> torch.Tensor:
     """``dx_g = dy_g W_g`` (bf16) from ``wq_t``, W's ``(experts, in, out)``
     transposed copy."""
     w_cols = wq_t.transpose(-2, -1)
@@ -57,10 +61,11 @@ def dgrad(dyq, dy_scale_inv, wq_t, w_scale_inv, rows, offs) -> torch.Tensor:
                          (dy_scale_inv * w_scale_inv)[rows], (-1, 1))
     return torch._scaled_grouped_mm(dyq, w_cols, dy_scale_inv[rows],
                                     _rowwise(w_scale_inv, wq_t.shape[1]), offs=offs,
-                                    out_dtype=torch.bfloat16, use_fast_accum=False)
+                                    out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
 
 
-def wgrad(dyq_t, dy_scale_inv, xq_t, x_scale_inv, pad_offs) -> torch.Tensor:
+def wgrad(dyq_t, dy_scale_inv, xq_t, x_scale_inv, pad_offs,
+          fast_accum: bool = False) -> torch.Tensor:
     """``dW_g = dy_g^T x_g`` (bf16, ``(experts, out, in)``) from dy's and x's
     transposed copies, ``(out, P)`` and ``(in, P)``, the tokens in the
     padded groups that end at ``pad_offs``."""
@@ -71,7 +76,7 @@ def wgrad(dyq_t, dy_scale_inv, xq_t, x_scale_inv, pad_offs) -> torch.Tensor:
     return torch._scaled_grouped_mm(
         dyq_t, xq_t.t(), _rowwise(dy_scale_inv, dyq_t.shape[0]).view(-1),
         _rowwise(x_scale_inv, xq_t.shape[0]).view(-1), offs=pad_offs,
-        out_dtype=torch.bfloat16, use_fast_accum=False)
+        out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
 
 
 def _e4m3(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -169,6 +169,8 @@ def _quantizers(recipe, delayed_state, inp) -> dict:
         return {}
     fields = {f"{role}_quantizer": factory.quantizer_for(recipe, role, internal=True)
               for role in ("input", "weight", "grad_output")}
+    fields["fprop_fast_accum"], fields["dgrad_fast_accum"], fields["wgrad_fast_accum"] = \
+        recipe.fast_accumulation()
     if recipe.delayed():
         if inp.is_cuda and torch.compiler.is_compiling():
             # found on an H200: the compiled forward's new amax history and

@@ -59,6 +59,11 @@ class LinearFwdArgs:
     # before they enter the history (te.autocast(amax_reduction_group=...)),
     # so data-parallel ranks keep identical scales
     amax_group: Optional[ProcessGroup] = None
+    # FP8 GEMMs' fast accumulation (the recipe's fp8_gemm_*; Transformer
+    # Engine's defaults: fprop only)
+    fprop_fast_accum: bool = True
+    dgrad_fast_accum: bool = False
+    wgrad_fast_accum: bool = False
 
     def quantizers(self) -> tuple:
         return (self.input_quantizer, self.weight_quantizer, self.output_quantizer,
@@ -101,6 +106,15 @@ class LinearBwdArgs:
     tp_size: int = 1
     tp_group: Optional[ProcessGroup] = None
     amax_group: Optional[ProcessGroup] = None
+    dgrad_fast_accum: bool = False
+    wgrad_fast_accum: bool = False
+
+
+def default_accumulation(args) -> bool:
+    """Whether the GEMMs accumulate as Transformer Engine's defaults (fprop
+    fast, dgrad and wgrad split): the only setting the native plans run."""
+    return (getattr(args, "fprop_fast_accum", True) and not args.dgrad_fast_accum
+            and not args.wgrad_fast_accum)
 
 
 def _out_shape(x_shape, weight_shape) -> tuple:

@@ -167,7 +167,7 @@ def linear_forward(args: LinearFwdArgs, xq=None, wq=None, amaxes=None) -> OpResu
         shared_inputs.record(x, q, xq)
     y = gemm(xq, "rowwise", w, "rowwise", (xq if x is None else x).dtype,
              None if mode == "row" else args.bias,
-             fast_accum=True).view(_out_shape(xq.shape, w.shape))
+             fast_accum=args.fprop_fast_accum).view(_out_shape(xq.shape, w.shape))
     if mode == "row":  # partial sums over in_features: reduce, then add the bias once
         y = (D.reduce_scatter_first_dim(y, args.tp_group, args.tp_size) if sp
              else D.all_reduce_sum(y, args.tp_group))
@@ -253,6 +253,8 @@ def linear_setup_context(args: LinearFwdArgs) -> dict:
         "tp_size": args.tp_size,
         "tp_group": args.tp_group,
         "amax_group": args.amax_group,
+        "dgrad_fast_accum": args.dgrad_fast_accum,
+        "wgrad_fast_accum": args.wgrad_fast_accum,
     }
 
 
@@ -325,7 +327,8 @@ def linear_backward(args: LinearBwdArgs) -> dict:
     dgrad = wgrad = dbias = None
     if args.input_requires_grad:
         w = args.weightmat
-        dgrad = gemm(dyq, "rowwise", w, "columnwise", dtype).view(
+        dgrad = gemm(dyq, "rowwise", w, "columnwise", dtype,
+                     fast_accum=args.dgrad_fast_accum).view(
             *dyq.shape[:-1], w.shape[-1])
         if mode == "column":  # partial sums over out_features
             dgrad = (D.reduce_scatter_first_dim(dgrad, args.tp_group, args.tp_size) if sp
@@ -340,9 +343,11 @@ def linear_backward(args: LinearBwdArgs) -> dict:
         if _needs_requantized_input(args, x):
             x = args.input_quantizer.usage_variant(False, True).quantize_unchecked(x)
         if args.main_grad is not None:  # accumulated by the "main_grad" update
-            state["main_grad"] = gemm(dyq, "columnwise", x, "columnwise", args.main_grad.dtype)
+            state["main_grad"] = gemm(dyq, "columnwise", x, "columnwise", args.main_grad.dtype,
+                                      fast_accum=args.wgrad_fast_accum)
         else:
-            wgrad = gemm(dyq, "columnwise", x, "columnwise", args.weight_dtype)
+            wgrad = gemm(dyq, "columnwise", x, "columnwise", args.weight_dtype,
+                         fast_accum=args.wgrad_fast_accum)
     if args.bias_requires_grad:
         if dy_total is not None:
             dy2d = dy_total.reshape(-1, n_out)

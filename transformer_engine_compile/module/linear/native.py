@@ -41,7 +41,7 @@ from ...quantization.float8 import Float8CurrentScalingQuantizer, Float8DelayedS
 from ...quantization.mxfp8 import MXFP8Quantizer
 from ...quantization.nvfp4 import NVFP4Quantizer
 from . import plain as linear_plain_ops
-from .args import (LinearFwdArgs, _grad_output_quantizer, _input_quantizer,
+from .args import (LinearFwdArgs, default_accumulation, _grad_output_quantizer, _input_quantizer,
                    _paired_weight_quantizer, _tp, _weight_quantizer)
 from .native_node import (_DTYPE_NAMES, _GEMM_OUT, NO_CACHE, READ_CACHE, _PythonBackward,
                           _cache_buffers, _cache_mode, _listed_launches, _wgrad_dtype,
@@ -54,6 +54,8 @@ def _eligible(args: LinearFwdArgs, plain: bool = False) -> bool:
             or not x.is_cuda or w.device != x.device or x.dim() < 2
             or x.device.index != torch.cuda.current_device()
             or x.dtype not in _GEMM_OUT or w.dtype not in _GEMM_OUT):
+        return False
+    if not default_accumulation(args):  # the native GEMMs: Transformer Engine's defaults
         return False
     if (not _bias_eligible(args) or _tp(args)[0] is not None or args.output_quantizer is not None
             or args.grad_input_quantizer is not None or args.save_original_input

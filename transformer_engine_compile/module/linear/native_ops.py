@@ -279,4 +279,5 @@ def _forward_args(args, dy, xq, wq) -> LinearFwdArgs:
         amax_history_fwd=args.amax_history_bwd, scale_fwd=args.scale_bwd,
         amax_history_bwd=args.amax_history_bwd, scale_bwd=args.scale_bwd,
         parallel_mode=args.parallel_mode, sequence_parallel=args.sequence_parallel,
-        tp_size=args.tp_size, tp_group=args.tp_group, amax_group=args.amax_group)
+        tp_size=args.tp_size, tp_group=args.tp_group, amax_group=args.amax_group,
+        dgrad_fast_accum=args.dgrad_fast_accum, wgrad_fast_accum=args.wgrad_fast_accum)

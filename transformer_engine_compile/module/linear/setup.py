@@ -74,6 +74,8 @@ def set_quantizers(args: LinearFwdArgs, recipe, fp8_output: bool = False,
     # eager calls share memoized quantizers; traced code builds its own
     make = (factory.quantizer_for if torch.compiler.is_compiling()
             else factory.shared_quantizer_for)
+    args.fprop_fast_accum, args.dgrad_fast_accum, args.wgrad_fast_accum = \
+        recipe.fast_accumulation()
     args.input_quantizer = make(recipe, "input", internal=True)
     args.weight_quantizer = make(recipe, "weight", internal=True)
     args.grad_output_quantizer = make(recipe, "grad_output", internal=True)
