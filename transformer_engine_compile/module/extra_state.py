@@ -64,6 +64,18 @@ def unpack_delayed_state(module, names, state, device, columns: tuple = (2, 2)) 
             module.register_buffer(name, value.clone(), persistent=False)
 
 
+class LoadsWithoutExtraState:
+    """Module mixin: a checkpoint without ``_extra_state`` (older, or the
+    plain torch module's a layer replaced) loads strictly too; the layer's
+    FP8 state is then left as it is."""
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        load_without_extra_state(missing_keys, state_dict, prefix)
+
+
 def load_without_extra_state(missing_keys, state_dict, prefix) -> None:
     """A checkpoint without extra state (older, or a plain torch module's)
     loads strictly too; the layer's FP8 state is then left as it is."""

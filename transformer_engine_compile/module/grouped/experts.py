@@ -24,7 +24,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from ...dynamo.state import register_module
-from ..extra_state import load_without_extra_state
+from ..extra_state import LoadsWithoutExtraState
 from .layer import grouped_linear, init_experts_
 from .state import bind_delayed_state, get_grouped_extra_state, set_grouped_extra_state
 
@@ -56,7 +56,7 @@ def unpermute(y: torch.Tensor, perm: torch.Tensor, top_k_weights: torch.Tensor) 
     return torch.empty_like(y).index_copy(0, perm, y).view(tokens, top_k, -1).sum(dim=1)
 
 
-class GroupedExperts(torch.nn.Module):
+class GroupedExperts(LoadsWithoutExtraState, torch.nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, *,
                  activation: Optional[Callable] = None, params_dtype: Optional[torch.dtype] = None,
                  device: Union[torch.device, str, None] = None, init_method=None):
@@ -90,13 +90,6 @@ class GroupedExperts(torch.nn.Module):
         set_grouped_extra_state(self, "te.GroupedExperts", self._gemms(), state,
                                 self.gate_up_proj.device)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
-        """A checkpoint without extra state (the Hugging Face model's) loads
-        strictly too."""
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
-        load_without_extra_state(missing_keys, state_dict, prefix)
 
     def reset_parameters(self) -> None:
         if self.gate_up_proj.is_meta:

@@ -22,7 +22,7 @@ import torch
 from ...autocast import get_autocast_recipe
 from ...dynamo.state import register_module
 from ...quantization import factory
-from ..extra_state import load_without_extra_state
+from ..extra_state import LoadsWithoutExtraState
 from ..linear.setup import _torch_autocast_dtype, init_weight_
 from . import fp8_gemm
 from .args import GroupedLinearFwdArgs
@@ -34,7 +34,7 @@ from .state import bind_delayed_state, get_grouped_extra_state, set_grouped_extr
 __all__ = ["GroupedLinear"]
 
 
-class GroupedLinear(torch.nn.Module):
+class GroupedLinear(LoadsWithoutExtraState, torch.nn.Module):
     """``y_g = x_g W_g^T + b_g`` for each group ``g`` of rows of ``x``.
 
     ``forward(inp, m_splits)``: ``inp`` is ``(tokens, in_features)`` (or
@@ -97,12 +97,6 @@ class GroupedLinear(torch.nn.Module):
         set_grouped_extra_state(self, "te.GroupedLinear", self._gemms(), state,
                                 self.weight.device)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
-        """A checkpoint without extra state loads strictly too."""
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
-        load_without_extra_state(missing_keys, state_dict, prefix)
 
     def reset_parameters(self) -> None:
         """Each expert's weight as ``te.Linear`` initialises its own; zero bias."""

@@ -25,7 +25,7 @@ from .mlp_native import plan_for_layernorm_mlp
 from .mlp_ops import GATED, GEMMS, LAYERNORM_MLP_OPS, LayerNormMLPFwdArgs
 from ...kernels.reference import ACTIVATIONS
 from ..norm.layer import reset_norm_parameters
-from ..extra_state import (check_extra_state, delayed_state_names, load_without_extra_state,
+from ..extra_state import (LoadsWithoutExtraState, check_extra_state, delayed_state_names,
                            pack_delayed_state, unpack_delayed_state)
 from ..linear.setup import (_PLAIN_TENSORS, _parallel_config, init_weight_, _torch_autocast_dtype,
                             check_gemm_shapes, first_microbatch_flag, gemm_state, main_grad_of,
@@ -49,7 +49,7 @@ class _Gemm(NamedTuple):
     label: str             # in messages
 
 
-class LayerNormMLP(torch.nn.Module):
+class LayerNormMLP(LoadsWithoutExtraState, torch.nn.Module):
     """``fc2(act(fc1(norm(x))))`` with Transformer Engine's argument names.
 
     ``normalization``: ``"LayerNorm"`` (``layer_norm_weight``,
@@ -191,11 +191,6 @@ class LayerNormMLP(torch.nn.Module):
             unpack_delayed_state(self, delayed_state_names(g.prefix), part,
                                  self.fc1_weight.device)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
-        load_without_extra_state(missing_keys, state_dict, prefix)
 
     @torch.no_grad()
     def load_full_weights_(self, fc1_weight, fc2_weight, fc1_bias=None, fc2_bias=None):

@@ -20,7 +20,7 @@ from ..weight_format import check_gathered_weight
 from ...quantization.base import QuantizedTensorStorage
 from .. import args_memo
 from . import plain as linear_plain_ops
-from ..extra_state import (check_extra_state, load_without_extra_state, pack_delayed_state,
+from ..extra_state import (LoadsWithoutExtraState, check_extra_state, pack_delayed_state,
                            unpack_delayed_state)
 from .native import linear_plan
 from .ops import LINEAR_OPS
@@ -36,7 +36,7 @@ __all__ = ["Linear", "LinearFwdArgs", "LinearBwdArgs", "LINEAR_OPS"]
 _MEMO_TENSORS = ("inp", "weight", "bias")  # the fields each memoized call supplies
 
 
-class Linear(torch.nn.Module):
+class Linear(LoadsWithoutExtraState, torch.nn.Module):
     """Linear layer with Transformer Engine's argument names.
 
     Quantization follows the active ``te.autocast`` recipe.  ``forward`` runs
@@ -178,13 +178,6 @@ class Linear(torch.nn.Module):
         check_extra_state("te.Linear", state)
         unpack_delayed_state(self, _DELAYED_STATE, state, self._weights()[0].device)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
-        """A checkpoint without extra state (older, or a ``torch.nn.Linear``'s)
-        loads strictly too; the layer's FP8 state is then left as it is."""
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
-        load_without_extra_state(missing_keys, state_dict, prefix)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
