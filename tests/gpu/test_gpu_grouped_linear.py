@@ -16,6 +16,11 @@ E, IN, OUT = 4, 256, 128
 RECIPES = {"bf16": None, "fp8_current": te.recipe.Float8CurrentScaling(),
            "fp8_current_e4m3": te.recipe.Float8CurrentScaling(
                fp8_format=te.recipe.Format.E4M3),
+           # fast accumulation in all three FP8 GEMMs (recipe.MMParams)
+           "fp8_current_e4m3_fast": te.recipe.Float8CurrentScaling(
+               fp8_format=te.recipe.Format.E4M3,
+               fp8_gemm_dgrad=te.recipe.MMParams(use_split_accumulator=False),
+               fp8_gemm_wgrad=te.recipe.MMParams(use_split_accumulator=False)),
            # the block-scaled path (blocked.py): bf16 GEMMs of the dequantized values
            "fp8_block": te.recipe.Float8BlockScaling(), "mxfp8": te.recipe.MXFP8BlockScaling(),
            # per-expert amax histories; current scaling's GEMMs
