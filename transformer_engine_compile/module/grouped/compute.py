@@ -210,10 +210,10 @@ def _fp8_grads(args: GroupedLinearBwdArgs, dy: torch.Tensor, q) -> tuple:
     order: the GEMM a te.Linear per expert runs, bit for bit)."""
     offs, dgrad, wgrad = args.m_offsets, None, None
     rows = _rows(args, dy.shape[0])
-    sources, pad_offs = _padded(args, rows)
-    transposed = dy.is_cuda and args.weight_requires_grad
-    dyq = quantize_tokens(dy, rows, offs.shape[0], q, args.scale_bwd,
-                          sources if transposed else None)
+    # CUDA's wgrad reads dy's transposed copy in the padded layout
+    sources, pad_offs = (_padded(args, rows) if dy.is_cuda and args.weight_requires_grad
+                         else (None, None))
+    dyq = quantize_tokens(dy, rows, offs.shape[0], q, args.scale_bwd, sources)
     state = {} if args.amax_history_bwd is None else delayed_updates(
         q, args.amax_history_bwd, args.scale_bwd, dyq.amax, "bwd", args.amax_group)
     if dy.is_cuda:

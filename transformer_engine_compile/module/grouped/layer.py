@@ -212,8 +212,10 @@ def _route(args: GroupedLinearFwdArgs) -> None:
     of its wgrad operands.  Computed here, in the traced code, they are a
     few fused kernels under inductor, computed once for the forward and
     the backward op rather than in each."""
-    args.group_of_row = group_ids(args.m_offsets, args.inp.shape[0])
     q = args.input_quantizer
+    if q is None and args.bias is None:  # bf16 without a bias reads none
+        return
+    args.group_of_row = group_ids(args.m_offsets, args.inp.shape[0])
     if q is not None and tensorwise_fp8(q) and args.weight_requires_grad:
         args.pad_sources, _, args.pad_offsets = padded_sources(
             args.m_offsets, args.group_of_row, fp8_gemm.ALIGN)
