@@ -33,6 +33,11 @@ def test_summary_of_a_known_trace(tmp_path):
         {"ph": "X", "cat": "user_annotation", "name": "FSDP::pre_forward", "ts": 50, "dur": 20},
         {"ph": "X", "cat": "user_annotation", "name": "te.fsdp.pre_all_gather", "ts": 5,
          "dur": 10},
+        # the host blocks on the GPU twice (an async copy does not block)
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 60, "dur": 30},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 95, "dur": 20},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 120, "dur": 50},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 130, "dur": 5},
         {"ph": "i", "name": "instant"},  # not a range: ignored
     ]
     path = tmp_path / "trace.json"
@@ -49,8 +54,10 @@ def test_summary_of_a_known_trace(tmp_path):
     assert s["side"] == pytest.approx({"9": 0.020})
     assert s["kernels"][0] == ("sm90_gemm", 2, pytest.approx(0.200))
     assert s["host"][0] == ("FSDP::pre_forward", 2, pytest.approx(0.060))
+    assert s["waits"] == [("cudaStreamSynchronize", 2, pytest.approx(0.050))]
     text = bp.format_summary("case", s)
     assert "compute stream busy 0.21, idle 0.13" in text and "| sm90_gemm | 2 | 0.20 |" in text
+    assert "| cudaStreamSynchronize | 2 | 0.05 |" in text
 
 
 def test_interval_arithmetic():

@@ -16,7 +16,11 @@ Chrome trace (``prof.export_chrome_trace``) and returns, in milliseconds:
 * ``side``: the other streams' busy time (their kernels listed apart);
 * ``kernels``: the compute stream's kernels by total time;
 * ``host``: the CPU ranges (``record_function`` names: FSDP2's
-  ``FSDP::...`` hooks and the ``te.fsdp.*`` extension) by total time.
+  ``FSDP::...`` hooks and the ``te.fsdp.*`` extension) by total time;
+* ``waits``: the CUDA runtime calls that block the host until the GPU
+  catches up (stream, event and device synchronisation, synchronous
+  copies, ``cudaFree``), by total time: where a step whose host time
+  nears its GPU time waits rather than works.
 
 :func:`profile_step` profiles one training step on every rank of a
 distributed benchmark and returns the ranks' summaries.
@@ -74,6 +78,14 @@ def _is_nccl(name: str) -> bool:
     return name.startswith("nccl")
 
 
+# CUDA runtime calls that return only once the GPU has caught up
+_BLOCKING = ("Synchronize", "cudaMemcpy", "cudaFree", "cuMemFree", "cuMemcpyDtoH")
+
+
+def _blocks_host(name: str) -> bool:
+    return any(b in name for b in _BLOCKING) and "Async" not in name
+
+
 def _collective(name: str) -> str:
     for kind in ("AllGather", "ReduceScatter", "AllReduce", "Broadcast", "SendRecv"):
         if kind in name:
@@ -89,6 +101,8 @@ def summarize(trace_path: str, top: int = 12) -> dict:
     by_stream = collections.defaultdict(list)
     host = collections.Counter()
     host_calls = collections.Counter()
+    waits = collections.Counter()
+    wait_calls = collections.Counter()
     for ev in events:
         if ev.get("ph") != "X":
             continue
@@ -100,6 +114,9 @@ def summarize(trace_path: str, top: int = 12) -> dict:
         elif cat == "user_annotation":
             host[ev["name"]] += ev["dur"] / 1e3
             host_calls[ev["name"]] += 1
+        elif cat in ("cuda_runtime", "cuda_driver") and _blocks_host(ev["name"]):
+            waits[ev["name"]] += ev["dur"] / 1e3
+            wait_calls[ev["name"]] += 1
     # a sync collective (async_op=False) runs on the stream that issued it,
     # the compute stream too: NCCL kernels are told apart by name, not stream
     work = {s: [(iv, n) for iv, n in evs if not _is_nccl(n)] for s, evs in by_stream.items()}
@@ -140,6 +157,7 @@ def summarize(trace_path: str, top: int = 12) -> dict:
         "side_kernels": [(n, t) for n, t in side_kernels.most_common(top)],
         "kernels": [(n, counts[n], t) for n, t in kernels.most_common(top)],
         "host": [(n, host_calls[n], t) for n, t in host.most_common(top)],
+        "waits": [(n, wait_calls[n], t) for n, t in waits.most_common(top)],
     }
 
 
@@ -159,6 +177,8 @@ def format_summary(label: str, s: dict) -> str:
     lines += [f"| {n[:90]} | {t:.2f} |" for n, t in s["side_kernels"]]
     lines += ["", "| host range | calls | ms |", "|---|---:|---:|"]
     lines += [f"| {n[:90]} | {c} | {t:.2f} |" for n, c, t in s["host"]]
+    lines += ["", "| host waits for the GPU | calls | ms |", "|---|---:|---:|"]
+    lines += [f"| {n} | {c} | {t:.2f} |" for n, c, t in s.get("waits", [])] or ["| none | | |"]
     return "\n".join(lines) + "\n"
 
 
