@@ -6,6 +6,7 @@ benchmark spawned on CPU processes for the tests."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -40,6 +41,49 @@ def start(device_name: str) -> tuple:
     if own_group:
         dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     return device, own_group
+
+
+@contextlib.contextmanager
+def collection_schedule(every: int):
+    """torchtitan's garbage-collection policy (``training.gc_freq``) over the
+    enclosed steps: yields ``schedule(step) -> step``, whose steps run with
+    Python's automatic collection off and collect generation 1 every
+    ``every`` steps, on every rank at the same step.  Under data or tensor
+    parallelism an automatic collection starts on one rank at a time, mid
+    step, and every collective of the other ranks waits for it (tens of
+    milliseconds once compiled models fill the heap).  ``every <= 0`` leaves
+    Python's automatic collection on."""
+    if every <= 0:
+        yield lambda step: step
+        return
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+
+    def schedule(step):
+        count = [0]
+
+        def scheduled(*args, **kwargs):
+            count[0] += 1
+            if count[0] % every == 0:
+                gc.collect(1)
+            return step(*args, **kwargs)
+        return scheduled
+
+    try:
+        yield schedule
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def add_gc_argument(parser) -> None:
+    """``--gc-every``: :func:`collection_schedule`'s ``every``."""
+    parser.add_argument("--gc-every", type=int, default=50,
+                        help="Python garbage collection as torchtitan schedules it: automatic "
+                             "collection off, generation 1 collected every N steps on every "
+                             "rank (default 50, torchtitan's gc_freq); 0: Python's automatic "
+                             "collection")
 
 
 def rank0_log():

@@ -144,9 +144,11 @@ def count_all_gather_bytes(group=None):
 
 
 def measure(cfg, kind, rec, gather_recipe, mode, device, mesh, *, steps, warmup, backend,
-            profile=False):
+            profile=False, gc_every=50):
     """One candidate in one mode: the row's measured fields (``profile``:
-    also ``row["profile"]``, :func:`profile_step`'s breakdown per rank)."""
+    also ``row["profile"]``, :func:`profile_step`'s breakdown per rank);
+    ``gc_every``: the steps' garbage collection
+    (:func:`.distributed.collection_schedule`)."""
     float8_config = after_step = None
     if kind == "torchao":  # the FP8 all-gather and the scale precompute, as torchao documents
         from torchao.float8 import Float8LinearConfig, precompute_float8_dynamic_scale_for_fsdp
@@ -163,31 +165,33 @@ def measure(cfg, kind, rec, gather_recipe, mode, device, mesh, *, steps, warmup,
     group = dist.group.WORLD if isinstance(rec, R.DelayedScaling) else None
     step = llama.make_step(model, rec, "eager", amax_reduction_group=group,
                                  after_step=after_step)
-    x, target = llama.inputs(cfg, device, seed=1 + dist.get_rank())  # own batch per rank
-    row = {"gather": gather_label(model, kind)}
-    torch._dynamo.utils.counters.clear()
-    t0 = time.perf_counter()
-    step(x, target)
-    row["first_step_s"] = time.perf_counter() - t0  # compile included
-    row["ms"], row["host_ms"] = llama.time_steps(step, x, target, warmup=warmup,
-                                                       steps=steps)
-    row["tokens_per_s"] = cfg.tokens * mesh.size() / row["ms"] * 1e3
-    row["peak_gib"] = llama.peak_gib(step, x, target, device)  # one step, CUDA only
-    with count_all_gather_bytes() as gathered:
-        row["loss"] = step(x, target)
-    row["all_gather_bytes"] = gathered[0]
-    row["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # compiles, all steps
-    if profile:
-        from .step_profile import profile_step
-        row["profile"] = profile_step(step, x, target)
-    return row
+    with D.collection_schedule(gc_every) as schedule:
+        step = schedule(step)
+        x, target = llama.inputs(cfg, device, seed=1 + dist.get_rank())  # own batch per rank
+        row = {"gather": gather_label(model, kind)}
+        torch._dynamo.utils.counters.clear()
+        t0 = time.perf_counter()
+        step(x, target)
+        row["first_step_s"] = time.perf_counter() - t0  # compile included
+        row["ms"], row["host_ms"] = llama.time_steps(step, x, target, warmup=warmup,
+                                                           steps=steps)
+        row["tokens_per_s"] = cfg.tokens * mesh.size() / row["ms"] * 1e3
+        row["peak_gib"] = llama.peak_gib(step, x, target, device)  # one step, CUDA only
+        with count_all_gather_bytes() as gathered:
+            row["loss"] = step(x, target)
+        row["all_gather_bytes"] = gathered[0]
+        row["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # compiles, all steps
+        if profile:
+            from .step_profile import profile_step
+            row["profile"] = profile_step(step, x, target)
+        return row
 
 
 def run(configs, recipe_names, modes, device, *, steps=10, warmup=3, backend="inductor",
-        with_torchao=True, only=None, log=print, profile=False):
+        with_torchao=True, only=None, log=print, profile=False, gc_every=50):
     """All rows (every rank computes them; rank 0 logs them); ``only``: these
     candidate labels alone; ``profile``: each row also profiles a step and
-    logs its breakdown after the table."""
+    logs its breakdown after the table; ``gc_every``: :func:`measure`'s."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -201,7 +205,8 @@ def run(configs, recipe_names, modes, device, *, steps=10, warmup=3, backend="in
     def measure_row(cname, candidate, mode):
         _, kind, rec, gather_recipe = candidate
         return measure(CONFIGS[cname], kind, rec, gather_recipe, mode, device, mesh,
-                       steps=steps, warmup=warmup, backend=backend, profile=profile)
+                       steps=steps, warmup=warmup, backend=backend, profile=profile,
+                       gc_every=gc_every)
 
     rows = D.run_rows(configs, candidates(recipe_names, with_torchao), modes, only, measure_row,
                       BASELINE, HEADER, format_row, log, device)
@@ -268,6 +273,7 @@ def main(argv=None):
     p.add_argument("--profile", action="store_true",
                    help="also profile one step per candidate and print where its time goes "
                         "per CUDA stream (every rank; rank 0's kernels and host ranges)")
+    D.add_gc_argument(p)
     args = p.parse_args(argv)
     configs = args.configs or (["llama-b"] if args.device == "cuda" else ["llama-tiny"])
     # the root's te layers run eagerly: run_main builds the native extension first
@@ -278,7 +284,7 @@ def main(argv=None):
                                               backend=args.backend,
                                               with_torchao=not args.no_torchao,
                                               only=args.candidates, profile=args.profile,
-                                              log=log))
+                                              gc_every=args.gc_every, log=log))
 
 
 def cpu_run(argv=(), nprocs=2):

@@ -280,7 +280,8 @@ def build(cfg, kind, device, float8_config=None):
 
 def make_step(model, rec, mode, lr=1e-4, amax_reduction_group=None, after_step=None,
               backend="inductor"):
-    """``step(x, target) -> loss float``: forward, loss, backward, fused AdamW.
+    """``step(x, target) -> loss float``: forward, loss, backward, fused AdamW
+    (:func:`param_groups`).
     ``amax_reduction_group`` goes to ``te.autocast`` (DelayedScaling under
     data parallelism); ``after_step()`` runs after the optimizer step (e.g.
     torchao's ``precompute_float8_dynamic_scale_for_fsdp``); ``backend``:
@@ -297,8 +298,9 @@ def make_step(model, rec, mode, lr=1e-4, amax_reduction_group=None, after_step=N
 
     f = loss_fn if mode == "eager" else torch.compile(
         loss_fn, fullgraph=True, backend=backend, mode=None if mode == "default" else mode)
-    fused = next(model.parameters()).is_cuda
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=fused)
+    # fused on every device (torch's CPU build has the kernel too), so the CPU
+    # tests run the optimizer path the GPU runs
+    opt = torch.optim.AdamW(param_groups(model), lr=lr, fused=True)
 
     def step(x, target, timings=None):
         t0 = time.perf_counter()
@@ -317,6 +319,20 @@ def make_step(model, rec, mode, lr=1e-4, amax_reduction_group=None, after_step=N
         return value
 
     return step
+
+
+def param_groups(model) -> list:
+    """The optimizer's parameter groups: DTensor parameters (torch's tensor
+    parallelism, FSDP2) apart from plain ones, since fused AdamW takes one
+    kind per group."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return [{"params": list(model.parameters())}]
+    groups: dict = {}
+    for p in model.parameters():
+        groups.setdefault(isinstance(p, DTensor), []).append(p)
+    return [{"params": params} for params in groups.values()]
 
 
 def time_steps(step, x, target, warmup=3, steps=10):

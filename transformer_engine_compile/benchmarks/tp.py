@@ -132,42 +132,47 @@ def inputs(cfg, sp: bool, group, device):
     return x, target
 
 
-def measure(cfg, kind, rec, sp, mode, group, device, *, steps, warmup, profile, backend):
-    """One candidate in one mode: the row's measured fields."""
+def measure(cfg, kind, rec, sp, mode, group, device, *, steps, warmup, profile, backend,
+            gc_every=50):
+    """One candidate in one mode: the row's measured fields; ``gc_every``:
+    the steps' garbage collection (:func:`.distributed.collection_schedule`)."""
     from .step_profile import profile_step
 
     model = build(cfg, kind, rec, sp, group, device)
     step = llama.make_step(model, rec, mode if mode == "eager" else "default",
                                  backend=backend)
-    x, target = inputs(cfg, sp, group, device)
-    row = {}
-    torch._dynamo.utils.counters.clear()
-    t0 = time.perf_counter()
-    loss = step(x, target)
-    row["first_step_s"] = time.perf_counter() - t0  # compile included
-    # the ranks' mean: under SP each rank's loss covers its share of the tokens
-    losses = [None] * dist.get_world_size(group)
-    dist.all_gather_object(losses, loss, group=group)
-    row["first_loss"] = sum(losses) / len(losses)
-    row["ms"], row["host_ms"] = llama.time_steps(step, x, target, warmup=warmup,
-                                                       steps=steps)
-    row["tokens_per_s"] = cfg.tokens / row["ms"] * 1e3
-    row["peak_gib"] = llama.peak_gib(step, x, target, device)
-    row["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    if profile:
-        row["profile"] = profile_step(step, x, target)
-    return row
+    with D.collection_schedule(gc_every) as schedule:
+        step = schedule(step)
+        x, target = inputs(cfg, sp, group, device)
+        row = {}
+        torch._dynamo.utils.counters.clear()
+        t0 = time.perf_counter()
+        loss = step(x, target)
+        row["first_step_s"] = time.perf_counter() - t0  # compile included
+        # the ranks' mean: under SP each rank's loss covers its share of the tokens
+        losses = [None] * dist.get_world_size(group)
+        dist.all_gather_object(losses, loss, group=group)
+        row["first_loss"] = sum(losses) / len(losses)
+        row["ms"], row["host_ms"] = llama.time_steps(step, x, target, warmup=warmup,
+                                                           steps=steps)
+        row["tokens_per_s"] = cfg.tokens / row["ms"] * 1e3
+        row["peak_gib"] = llama.peak_gib(step, x, target, device)
+        row["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        if profile:
+            row["profile"] = profile_step(step, x, target)
+        return row
 
 
 def run(configs, recipe_names, sp_modes, modes, device, *, steps=10, warmup=3, only=None,
-        log=print, profile=False, backend="inductor"):
-    """All rows (every rank computes them; rank 0 logs them)."""
+        log=print, profile=False, backend="inductor", gc_every=50):
+    """All rows (every rank computes them; rank 0 logs them); ``gc_every``:
+    :func:`measure`'s."""
     group = dist.group.WORLD
 
     def measure_row(cname, candidate, mode):
         _, kind, rec, sp = candidate
         return measure(CONFIGS[cname], kind, rec, sp, mode, group, device, steps=steps,
-                       warmup=warmup, profile=profile, backend=backend)
+                       warmup=warmup, profile=profile, backend=backend, gc_every=gc_every)
 
     rows = D.run_rows(configs, candidates(recipe_names, sp_modes), modes, only, measure_row,
                       BASELINE, HEADER, format_row, log, device)
@@ -225,6 +230,7 @@ def main(argv=None):
     p.add_argument("--profile", action="store_true",
                    help="also profile one step per candidate: the collectives' share")
     p.add_argument("--json", help="rank 0 writes the rows here")
+    D.add_gc_argument(p)
     args = p.parse_args(argv)
     configs = args.configs or (["llama-b"] if args.device == "cuda" else ["llama-tiny"])
     llama.keep_compiled_entries()
@@ -233,7 +239,8 @@ def main(argv=None):
                                               [s == "1" for s in args.sp], args.modes, device,
                                               steps=args.steps, warmup=args.warmup,
                                               only=args.candidates, profile=args.profile,
-                                              backend=args.backend, log=log))
+                                              backend=args.backend, gc_every=args.gc_every,
+                                              log=log))
 
 
 def cpu_run(argv=(), nprocs=2):
