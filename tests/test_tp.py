@@ -6,6 +6,7 @@ in qa/L1_distributed).  Worker functions here are module level so that
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -45,6 +46,78 @@ def test_tp_sp_ragged_token_count(parallel_mode):
 def test_tp_inductor():
     H.spawn(H.cases_worker, [("column", True, "bf16"), ("row", True, "fp8_current")],
             "default")
+
+
+def lowered_worker(group):
+    """Lowering on for the CPU (as CUDA has it): the harness's cases compiled
+    with inductor equal eager bit for bit, and a layer without a bias
+    (whose calls lower on the CPU) leaves no te op in the generated code,
+    its collectives there as torch's functional ones."""
+    from torch._inductor.utils import run_and_get_code
+
+    from transformer_engine_compile.dynamo import lowering
+
+    previous = lowering.set_lowered_devices({"cpu"})
+    torch._dynamo.reset()
+    try:
+        H.cases_worker(group, [("column", True, "bf16"), ("column", True, "fp8_current"),
+                               ("row", True, "fp8_current"), ("row", False, "fp8_current")],
+                       "default")
+        rank, tp = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+        for parallel_mode in ("column", "row"):
+            torch.manual_seed(0)
+            layer = te.Linear(64, 64, bias=False, params_dtype=torch.bfloat16,
+                              parallel_mode=parallel_mode, sequence_parallel=True,
+                              tp_group=group)
+            rec = te.recipe.Float8CurrentScaling()
+            x_full = torch.randn(32, 64, dtype=torch.bfloat16)
+            x_in = x_full.chunk(tp)[rank] if parallel_mode == "column" else \
+                x_full[:, rank * 32:(rank + 1) * 32]
+
+            def fwd(x):
+                with te.autocast(recipe=rec):
+                    return layer(x)
+
+            compiled = torch.compile(fwd, fullgraph=True, backend="inductor")
+
+            def step(x):
+                y = compiled(x)
+                y.float().square().sum().backward()  # the backward compiles here too
+
+            _, code = run_and_get_code(step, x_in.clone().requires_grad_())
+            text = "\n".join(code)
+            left = re.findall(r"torch\.ops\.te_compile\.linear_\w+\.default\(", text)
+            assert not left, (parallel_mode, left)
+            wanted = ("all_gather_into_tensor", "reduce_scatter_tensor")
+            assert all(f"_c10d_functional.{c}" in text for c in wanted), parallel_mode
+    finally:
+        lowering.set_lowered_devices(previous)
+        torch._dynamo.reset()
+
+
+def test_tp_lowered_into_inductor():
+    H.spawn(lowered_worker)
+
+
+def test_tp_calls_stay_ops_for_cuda_graphs(monkeypatch):
+    """Under ``mode="reduce-overhead"`` a call with a process group stays an
+    op (its collectives inside it); without one it lowers as before."""
+    from transformer_engine_compile import compat
+    from transformer_engine_compile.dynamo import lowering
+
+    previous = lowering.set_lowered_devices({"cpu"})
+    try:
+        group = object()  # only its presence is read
+        with_group = LinearFwdArgs(inp=torch.zeros(2, 4), weight=torch.zeros(4, 4),
+                                   parallel_mode="column", tp_size=2, tp_group=group)
+        plain = LinearFwdArgs(inp=torch.zeros(2, 4), weight=torch.zeros(4, 4))
+        op, plan = LINEAR_OPS.fwd_op, LINEAR_OPS.fwd_plan
+        for graphs, expected in ((False, True), (True, False)):
+            monkeypatch.setattr(compat, "compiling_for_cuda_graphs", lambda: graphs)
+            assert lowering.lowerable(op, with_group, plan, lambda a: True) is expected
+            assert lowering.lowerable(op, plain, plan, lambda a: True)
+    finally:
+        lowering.set_lowered_devices(previous)
 
 
 def delayed_worker(group):

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from . import kernels
 from . import compat
+from .kernels import tracing
 from .quantization.base import flat_2d
 
 PARALLEL_MODES = (None, "column", "row")
@@ -46,8 +47,12 @@ def gather_first_dim(x: torch.Tensor, group, tp_size: int) -> torch.Tensor:
     """All ranks' ``x`` concatenated along dim 0, in rank order (not
     differentiable: the ops' backward does the matching collective)."""
     x = x.detach().contiguous()
+    fp8 = x.dtype in _FLOAT8  # gather the bytes: gloo and older NCCL have no float8
+    if traced_collectives():
+        out = _funcol().all_gather_tensor(x.view(torch.uint8) if fp8 else x, 0, group)
+        return out.view(x.dtype) if fp8 else out
     out = x.new_empty((x.shape[0] * tp_size, *x.shape[1:]))
-    if x.dtype in _FLOAT8:  # gather the bytes: gloo and older NCCL have no float8
+    if fp8:
         compat.all_gather_single(out.view(torch.uint8), x.view(torch.uint8), group)
     else:
         compat.all_gather_single(out, x, group)
@@ -57,22 +62,46 @@ def gather_first_dim(x: torch.Tensor, group, tp_size: int) -> torch.Tensor:
 def reduce_scatter_first_dim(x: torch.Tensor, group, tp_size: int) -> torch.Tensor:
     """Sum of all ranks' ``x``, this rank's chunk of dim 0."""
     x = x.detach().contiguous()
+    if traced_collectives():
+        return _funcol().reduce_scatter_tensor(x, "sum", 0, group)
     out = x.new_empty((x.shape[0] // tp_size, *x.shape[1:]))
     compat.reduce_scatter_single(out, x, group)
     return out
 
 
 def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
-    """Sum over ranks, in place on a fresh contiguous tensor."""
+    """Sum over ranks: a fresh contiguous tensor (``x`` itself where it was
+    one, summed in place)."""
     x = x.contiguous()
+    if traced_collectives():
+        return _funcol().all_reduce(x, "sum", group)
     dist.all_reduce(x, group=group)
     return x
 
 
 def all_reduce_max(x: torch.Tensor, group) -> torch.Tensor:
-    """Max over ranks, in place."""
+    """Max over ranks: ``x`` in place, or a new tensor inside a lowered
+    trace (callers use the result)."""
+    if traced_collectives():
+        return _funcol().all_reduce(x, "max", group)
     dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
     return x
+
+
+def traced_collectives() -> bool:
+    """Whether an op's impl is being traced into inductor's graph
+    (``dynamo/lowering.py``): the collectives are then torch's functional
+    collectives, which inductor schedules and launches from its generated
+    code as it does for torch's own tensor parallelism, instead of c10d
+    calls from the op's Python at run time.  Same NCCL collectives on the
+    same buffers, so the results are the eager op's."""
+    return tracing.active
+
+
+def _funcol():
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol
 
 
 def gather_and_quantize(x: torch.Tensor, quantizer, group, tp_size: int, *,
@@ -105,7 +134,7 @@ def _gather_fp8_current(x, quantizer, group, tp_size):
     and transpose them locally for the columnwise copy (same scale)."""
     x2d = x.detach().reshape(flat_2d(x.shape))
     amax = kernels.get("amax", x2d)(x2d).reshape(1).float()
-    all_reduce_max(amax, group)
+    amax = all_reduce_max(amax, group)
     local = quantizer.with_usage(rowwise=True, columnwise=False).quantize_with_amax(x, amax)
     data = gather_first_dim(local._data, group, tp_size)
     buffers = {"scale_inv": local._scale_inv}

@@ -20,7 +20,11 @@ runs its impl at run time, as before):
   bias where no kernel adds it and sums its gradient (as torch ops,
   inductor would round and order them otherwise than eager; the full
   list: docs/linear.md, "What runs where");
-* no process group is given (collectives stay inside the op);
+* a call with a process group (tensor parallelism, DelayedScaling's
+  amax reduction) traces its collectives as torch's functional
+  collectives (``distributed.traced_collectives``), which inductor
+  launches as it does torch's own tensor parallelism, but for
+  ``mode="reduce-overhead"``, where such calls stay ops;
 * the tensors live on a device in :func:`lowered_devices` (CUDA by default:
   elsewhere the impl would be traced through the reference kernels, which
   inductor is free to fuse and reorder);
@@ -116,9 +120,10 @@ def lowerable(op, args, plan, predicate) -> bool:
     device = plan.device_of(args)
     if device is None or device.type not in _DEVICES:
         return False
-    for name, bucket in plan.fields:
-        if bucket.kind == "process_group" and getattr(args, name) is not None:
-            return False
+    if compat.compiling_for_cuda_graphs():
+        for name, bucket in plan.fields:
+            if bucket.kind == "process_group" and getattr(args, name) is not None:
+                return False
     return bool(predicate(args))
 
 
