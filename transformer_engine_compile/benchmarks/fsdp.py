@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import statistics
 import sys
 import time
 
@@ -143,12 +144,9 @@ def count_all_gather_bytes(group=None):
             setattr(dist, name, fn)
 
 
-def measure(cfg, kind, rec, gather_recipe, mode, device, mesh, *, steps, warmup, backend,
-            profile=False, gc_every=50):
-    """One candidate in one mode: the row's measured fields (``profile``:
-    also ``row["profile"]``, :func:`profile_step`'s breakdown per rank);
-    ``gc_every``: the steps' garbage collection
-    (:func:`.distributed.collection_schedule`)."""
+def prepare(cfg, kind, rec, gather_recipe, mode, device, mesh, backend):
+    """One candidate built, sharded (and its blocks compiled): ``(model,
+    step, x, target)``, this rank's own batch."""
     float8_config = after_step = None
     if kind == "torchao":  # the FP8 all-gather and the scale precompute, as torchao documents
         from torchao.float8 import Float8LinearConfig, precompute_float8_dynamic_scale_for_fsdp
@@ -164,34 +162,113 @@ def measure(cfg, kind, rec, gather_recipe, mode, device, mesh, *, steps, warmup,
     # only DelayedScaling reads the group: its amaxes are all-reduced over the ranks
     group = dist.group.WORLD if isinstance(rec, R.DelayedScaling) else None
     step = llama.make_step(model, rec, "eager", amax_reduction_group=group,
-                                 after_step=after_step)
+                           after_step=after_step)
+    x, target = llama.inputs(cfg, device, seed=1 + dist.get_rank())  # own batch per rank
+    return model, step, x, target
+
+
+def first_steps(model, kind, step, x, target, device) -> dict:
+    """The fields of a row measured on a fresh candidate's first steps: its
+    gather format, first step (compile included), peak memory over one
+    step, all-gather bytes over one step, graphs compiled."""
+    row = {"gather": gather_label(model, kind)}
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    t0 = time.perf_counter()
+    step(x, target)
+    row["first_step_s"] = time.perf_counter() - t0  # compile included
+    row["peak_gib"] = llama.peak_gib(step, x, target, device)  # one step, CUDA only
+    with count_all_gather_bytes() as gathered:
+        row["loss"] = step(x, target)
+    row["all_gather_bytes"] = gathered[0]
+    row["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+    return row
+
+
+def measure(cfg, kind, rec, gather_recipe, mode, device, mesh, *, steps, warmup, backend,
+            profile=False, gc_every=50):
+    """One candidate in one mode: the row's measured fields (``profile``:
+    also ``row["profile"]``, :func:`profile_step`'s breakdown per rank);
+    ``gc_every``: the steps' garbage collection
+    (:func:`.distributed.collection_schedule`)."""
+    model, step, x, target = prepare(cfg, kind, rec, gather_recipe, mode, device, mesh, backend)
     with D.collection_schedule(gc_every) as schedule:
         step = schedule(step)
-        x, target = llama.inputs(cfg, device, seed=1 + dist.get_rank())  # own batch per rank
-        row = {"gather": gather_label(model, kind)}
-        torch._dynamo.utils.counters.clear()
-        t0 = time.perf_counter()
-        step(x, target)
-        row["first_step_s"] = time.perf_counter() - t0  # compile included
+        row = first_steps(model, kind, step, x, target, device)
         row["ms"], row["host_ms"] = llama.time_steps(step, x, target, warmup=warmup,
-                                                           steps=steps)
+                                                     steps=steps)
         row["tokens_per_s"] = cfg.tokens * mesh.size() / row["ms"] * 1e3
-        row["peak_gib"] = llama.peak_gib(step, x, target, device)  # one step, CUDA only
-        with count_all_gather_bytes() as gathered:
-            row["loss"] = step(x, target)
-        row["all_gather_bytes"] = gathered[0]
-        row["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # compiles, all steps
         if profile:
             from .step_profile import profile_step
             row["profile"] = profile_step(step, x, target)
         return row
 
 
+def run_interleaved(configs, cands, modes, device, mesh, *, steps, backend, rounds, gc_every,
+                    only, log) -> list:
+    """:func:`run`'s rows timed in ``rounds`` rounds that take turns (as
+    ``benchmarks.llama``'s ``--rounds``): every candidate is built, compiled
+    and measured on its first steps, all stay resident, then each round
+    times ``steps`` steps of each in turn and the medians are over all
+    rounds.  Candidates timed one after the other on these machines moved
+    by 10-15% between runs (the hosts' speed drifts, and one slow host
+    holds up every rank); taking turns shares the drift.  Peak memory is
+    each candidate's own (less what the candidates built before it hold)."""
+    rows, live = [], []
+    with D.collection_schedule(gc_every) as schedule:
+        for cname in configs:
+            for cand in cands:
+                if only and cand[0] not in only:
+                    continue
+                _, kind, rec, gather_recipe = cand
+                for mode in modes:
+                    row = {"config": cname, "candidate": cand[0], "mode": mode, "rounds": rounds}
+                    rows.append(row)
+                    try:
+                        base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+                        model, step, x, target = prepare(CONFIGS[cname], kind, rec,
+                                                         gather_recipe, mode, device, mesh,
+                                                         backend)
+                        step = schedule(step)
+                        row.update(first_steps(model, kind, step, x, target, device))
+                        row["peak_gib"] -= base / 2 ** 30
+                        live.append((row, step, x, target))
+                    except Exception as e:  # one failing candidate must not hide the others
+                        row["error"] = llama.error_text(e)
+        timings = {id(row): [] for row, *_ in live}
+        for _ in range(rounds):
+            for row, step, x, target in live:
+                if "error" in row:
+                    continue
+                try:
+                    for _ in range(2):  # warm-up after the other candidates ran
+                        step(x, target)
+                    for _ in range(steps):
+                        step(x, target, timings[id(row)])
+                except Exception as e:
+                    row["error"] = llama.error_text(e)
+    for row, *_ in live:
+        if "error" not in row:
+            t = timings[id(row)]
+            row["ms"] = statistics.median(a for _, a in t) * 1e3
+            row["host_ms"] = statistics.median(h for h, _ in t) * 1e3
+            row["tokens_per_s"] = CONFIGS[row["config"]].tokens * mesh.size() / row["ms"] * 1e3
+    live.clear()
+    for cname in configs:
+        log(HEADER)
+        for row in rows:
+            if row["config"] == cname:
+                row["x_bf16"] = llama._ratio(rows, row, BASELINE, row["mode"])
+                log(format_row(row))
+        log("")
+    return rows
+
+
 def run(configs, recipe_names, modes, device, *, steps=10, warmup=3, backend="inductor",
-        with_torchao=True, only=None, log=print, profile=False, gc_every=50):
+        with_torchao=True, only=None, log=print, profile=False, gc_every=50, rounds=1):
     """All rows (every rank computes them; rank 0 logs them); ``only``: these
     candidate labels alone; ``profile``: each row also profiles a step and
-    logs its breakdown after the table; ``gc_every``: :func:`measure`'s."""
+    logs its breakdown after the table; ``gc_every``: :func:`measure`'s;
+    ``rounds > 1``: interleaved (:func:`run_interleaved`, no profile)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -201,6 +278,11 @@ def run(configs, recipe_names, modes, device, *, steps=10, warmup=3, backend="in
     elif with_torchao:
         import torchao
         log(f"torchao {torchao.__version__}\n")
+
+    if rounds > 1:
+        return run_interleaved(configs, candidates(recipe_names, with_torchao), modes, device,
+                               mesh, steps=steps, backend=backend, rounds=rounds,
+                               gc_every=gc_every, only=only, log=log)
 
     def measure_row(cname, candidate, mode):
         _, kind, rec, gather_recipe = candidate
@@ -274,6 +356,9 @@ def main(argv=None):
                    help="also profile one step per candidate and print where its time goes "
                         "per CUDA stream (every rank; rank 0's kernels and host ranges)")
     D.add_gc_argument(p)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time the candidates in N interleaved rounds of --steps steps each "
+                        "(all resident; medians over the rounds; no --profile)")
     args = p.parse_args(argv)
     configs = args.configs or (["llama-b"] if args.device == "cuda" else ["llama-tiny"])
     # the root's te layers run eagerly: run_main builds the native extension first
@@ -284,7 +369,8 @@ def main(argv=None):
                                               backend=args.backend,
                                               with_torchao=not args.no_torchao,
                                               only=args.candidates, profile=args.profile,
-                                              gc_every=args.gc_every, log=log))
+                                              gc_every=args.gc_every, rounds=args.rounds,
+                                              log=log))
 
 
 def cpu_run(argv=(), nprocs=2):
