@@ -390,6 +390,53 @@ def spawn(fn, *args, world_size=2):
                  nprocs=world_size, join=True)
 
 
+def shared_gather_case(group, device, name, exact=True) -> None:
+    """Two column-parallel SP layers reading one input (q and k), compiled
+    with inductor (lowered): the second takes the first's gathered
+    quantized input, so the forward holds one all-gather (and for FP8
+    current scaling one amax all-reduce); the outputs and gradients equal
+    eager's, bit for bit where ``exact`` (CUDA), else within FP8 rounding."""
+    from torch._inductor.utils import run_and_get_code
+
+    rank, tp = dist.get_rank(group), dist.get_world_size(group)
+    n, rec = 128 * tp, recipe_of(name)
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.ModuleList(
+            te.Linear(n, n, bias=False, params_dtype=torch.bfloat16, parallel_mode="column",
+                      sequence_parallel=True, tp_group=group, device=device) for _ in range(2))
+
+    layers, copies = build(), build()
+    torch.manual_seed(1)
+    x_in = torch.randn(64, n, dtype=torch.bfloat16, device=device).chunk(tp)[rank]
+
+    def fwd(mods, x):
+        with te.autocast(recipe=rec):
+            return mods[0](x) + mods[1](x)
+
+    def step(mods, f):
+        x = x_in.clone().requires_grad_()
+        y = f(mods, x)
+        y.float().square().sum().backward()
+        return [y, x.grad, *[p.grad for p in mods.parameters()]]
+
+    want = step(layers, fwd)
+    compiled = torch.compile(fwd, fullgraph=True, backend="inductor")
+    got, code = run_and_get_code(step, copies, compiled)
+    for i, (a, b) in enumerate(zip(want, got)):
+        if exact:
+            assert torch.equal(a, b), f"{name} shared gather: compiled != eager (tensor {i})"
+        else:
+            assert rel_err(b, a) < 0.1, f"{name} shared gather: tensor {i} off by {rel_err(b, a)}"
+    forward = code[0]
+    assert forward.count("_c10d_functional.all_gather_into_tensor.default(") == 1, name
+    # inductor runs the functional all-reduce in place where it may
+    reduces = sum(forward.count(f"_c10d_functional.{op}.default(")
+                  for op in ("all_reduce", "all_reduce_"))
+    assert reduces == (1 if name == "fp8_current" else 0), (name, reduces)
+
+
 def cases_worker(group, cases, compile_mode, seq=SEQ):
     run_cases(group, torch.device("cpu"), cases, compile_mode, seq=seq)
 
@@ -434,6 +481,19 @@ def main(argv=None):
                 m, sp, r = case
                 print(f"rank {dist.get_rank()} {mode:16s} seq={seq:<4d} {m:6s} sp={int(sp)} "
                       f"{r:12s} {status}",
+                      flush=True)
+    if "default" in args.modes and ("column", True) in parallel:
+        for name in ("fp8_current", "fp8_block"):
+            if name not in args.recipes:
+                continue
+            try:
+                shared_gather_case(group, device, name, exact=device.type == "cuda")
+                status = "ok"
+            except AssertionError as e:
+                failures += 1
+                status = f"FAIL {e}"
+            if dist.get_rank() == 0 or status.startswith("FAIL"):
+                print(f"rank {dist.get_rank()} default shared gather {name:12s} {status}",
                       flush=True)
     _log(f"rank {dist.get_rank()}: cases done")
     # drop the compiled functions and their CUDA graphs (which hold captured

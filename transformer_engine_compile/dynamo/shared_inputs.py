@@ -8,7 +8,10 @@ first call records its quantized input's buffers here, keyed by the traced
 value (the graph node, seen through its functionalization and the layout
 fix ``lowering.py`` adds) and the quantizer.  A later call of the same
 trace takes them and quantizes only its weight, in as many launches as
-before.  The backwards then share one saved columnwise copy too.
+before.  The backwards then share one saved columnwise copy too.  Under
+column-parallel sequence parallelism the value shared is the input
+gathered over the group and quantized (tagged with the group): the later
+layers skip the gather and its amax all-reduce as well.
 
 Eager calls quantize their input each, to the same bytes (the format
 depends on the values only), so compiled still equals eager bit for bit.
@@ -35,9 +38,10 @@ def _shareable(quantizer) -> bool:
             and not getattr(quantizer, "stochastic_rounding", False))
 
 
-def _slot(x, quantizer):
-    """(memo of the trace, key) for ``x`` quantized with ``quantizer``, or
-    None outside a lowered trace or for a quantizer that must not share."""
+def _slot(x, quantizer, tag):
+    """(memo of the trace, key) for ``x`` quantized with ``quantizer`` (and
+    ``tag``: what else made the value, e.g. a gather over a process group),
+    or None outside a lowered trace or for a quantizer that must not share."""
     if not (tracing.functional(x) and _shareable(quantizer)):  # functional: traced first
         return None
     traced = compat.traced_node(x)
@@ -47,13 +51,14 @@ def _slot(x, quantizer):
     memo = _MEMO.get(tracer)
     if memo is None:
         memo = _MEMO[tracer] = {}
-    return memo, (compat.unfixed_node(node), quantizer)
+    return memo, (compat.unfixed_node(node), quantizer, tag)
 
 
-def lookup(x, quantizer) -> Optional[dict]:
+def lookup(x, quantizer, tag=None) -> Optional[dict]:
     """Buffers (of the functionalization session in progress) of ``x``
-    quantized with ``quantizer`` by an earlier call of this trace, else None."""
-    slot = _slot(x, quantizer)
+    quantized with ``quantizer`` by an earlier call of this trace (recorded
+    with the same ``tag``), else None."""
+    slot = _slot(x, quantizer, tag)
     if slot is None:
         return None
     memo, key = slot
@@ -63,11 +68,12 @@ def lookup(x, quantizer) -> Optional[dict]:
     return {name: compat.functional_of_plain(t) for name, t in plain.items()}
 
 
-def record(x, quantizer, quantized) -> None:
+def record(x, quantizer, quantized, tag=None) -> None:
     """Offer ``quantized`` (``x`` quantized with ``quantizer``, in this
-    session) to the later calls of this trace; a no-op outside one.  Call
-    it before dropping any of its copies."""
-    slot = _slot(x, quantizer)
+    session; ``tag``: what else made it from ``x``) to the later calls of
+    this trace; a no-op outside one.  Call it before dropping any of its
+    copies."""
+    slot = _slot(x, quantizer, tag)
     if slot is None:
         return
     memo, key = slot

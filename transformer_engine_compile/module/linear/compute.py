@@ -72,6 +72,8 @@ def _input_for_gemm(args: LinearFwdArgs, q, xq, amaxes):
     x = args.inp
     mode, sp = _tp(args)
     if mode == "column" and sp:
+        if xq is not None:  # gathered and quantized by an earlier call (shared_inputs.py)
+            return None, xq
         return D.gather_and_quantize(x, q, args.tp_group, args.tp_size,
                                      quantized_gather=not args.save_original_input,
                                      quantize=lambda t: _quantize(q, t, args.scale_fwd, 0, amaxes))
@@ -128,13 +130,17 @@ def linear_forward(args: LinearFwdArgs, xq=None, wq=None, amaxes=None) -> OpResu
                          "with its amaxes exactly under delayed scaling")
     if wq is not None and xq is None:
         raise ValueError("linear_forward: a pre-quantized weight comes with the input's")
-    # a lowered trace quantizes an input read by several layers once (shared_inputs.py)
+    # a lowered trace quantizes (and under column SP gathers) an input read
+    # by several layers once (shared_inputs.py); a gathered one is shared
+    # where only its quantized copy is used (not with save_original_input)
     offer = (tracing.active and xq is None and q is not None and args.scale_fwd is None
-             and not gathers)
+             and not (gathers and args.save_original_input))
+    tag = ("gathered", args.tp_group) if gathers else None
     if offer:
-        shared = shared_inputs.lookup(x, q)
+        shared = shared_inputs.lookup(x, q, tag)
         if shared is not None:
-            xq, offer = q.from_buffers(x.shape, x.dtype, shared), False
+            shape = D.gathered_shape(x.shape, args.tp_size) if gathers else x.shape
+            xq, offer = q.from_buffers(shape, x.dtype, shared), False
     pair = None if xq is not None or gathers else _paired_weight_quantizer(args, q)
     # delayed scaling, W's FP8 copy cached: x's cast and W's amax in one launch too
     amax_only = (delayed and pair is None and xq is None and not gathers
@@ -164,7 +170,7 @@ def linear_forward(args: LinearFwdArgs, xq=None, wq=None, amaxes=None) -> OpResu
                                args.amax_group)
         w, workspace = _weight_for_gemm(args, amaxes, step)
     if offer:
-        shared_inputs.record(x, q, xq)
+        shared_inputs.record(x, q, xq, tag)
     y = gemm(xq, "rowwise", w, "rowwise", (xq if x is None else x).dtype,
              None if mode == "row" else args.bias,
              fast_accum=args.fprop_fast_accum).view(_out_shape(xq.shape, w.shape))
