@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# 2-GPU tensor/sequence-parallel run (NCCL).  Every column/row x SP case of
+# 2- or 4-GPU tensor/sequence-parallel run (NCCL).  Every column/row x SP case of
 # tests/tp_harness.py, bf16 and every recipe (DelayedScaling included), compiled fullgraph in default
 # and reduce-overhead mode: compiled == eager TP bit for bit, one graph, no
 # graph break, and TP == the single-device layer (bf16 exactly, quantized
