@@ -1,8 +1,11 @@
 """Tensor and sequence parallelism for ``te.Linear`` (Megatron layout).
 
 The collectives here run *inside* te.Linear's custom ops (the real impls),
-so a compiled graph holds one opaque op per layer and direction, never a
-collective of its own; the fakes only model shapes (see module/linear/ops.py).
+so Dynamo's and AOTAutograd's graphs hold one opaque op per layer and
+direction, never a collective of their own; the fakes only model shapes
+(see module/linear/ops.py).  Inductor lowers the op calls into their
+kernels, and these functions then trace torch's functional collectives
+(:func:`traced_collectives`).
 
 Column parallel splits ``out_features``; row parallel splits ``in_features``
 and sums the partial outputs over the group.  With sequence parallelism the
