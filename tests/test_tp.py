@@ -63,6 +63,9 @@ def lowered_worker(group):
         H.cases_worker(group, [("column", True, "bf16"), ("column", True, "fp8_current"),
                                ("row", True, "fp8_current"), ("row", False, "fp8_current")],
                        "default")
+        # te.LayerNormMLP's ops (the norm's weight-gradient all-reduce too)
+        H.mlp_worker(group, [(True, "fp8_current", "swiglu"), (False, "bf16", "gelu")],
+                     "default")
         rank, tp = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
         for parallel_mode in ("column", "row"):
             torch.manual_seed(0)
