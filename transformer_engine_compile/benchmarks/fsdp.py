@@ -170,7 +170,7 @@ def prepare(cfg, kind, rec, gather_recipe, mode, device, mesh, backend):
 def first_steps(model, kind, step, x, target, device) -> dict:
     """The fields of a row measured on a fresh candidate's first steps: its
     gather format, first step (compile included), peak memory over one
-    step, all-gather bytes over one step, graphs compiled."""
+    step, all-gather bytes over one step, graphs compiled over these steps."""
     row = {"gather": gather_label(model, kind)}
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     t0 = time.perf_counter()
@@ -191,11 +191,14 @@ def measure(cfg, kind, rec, gather_recipe, mode, device, mesh, *, steps, warmup,
     ``gc_every``: the steps' garbage collection
     (:func:`.distributed.collection_schedule`)."""
     model, step, x, target = prepare(cfg, kind, rec, gather_recipe, mode, device, mesh, backend)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     with D.collection_schedule(gc_every) as schedule:
         step = schedule(step)
         row = first_steps(model, kind, step, x, target, device)
         row["ms"], row["host_ms"] = llama.time_steps(step, x, target, warmup=warmup,
                                                      steps=steps)
+        # compiles over all its steps: one per block unless something recompiled
+        row["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
         row["tokens_per_s"] = cfg.tokens * mesh.size() / row["ms"] * 1e3
         if profile:
             from .step_profile import profile_step
@@ -235,6 +238,7 @@ def run_interleaved(configs, cands, modes, device, mesh, *, steps, backend, roun
                     except Exception as e:  # one failing candidate must not hide the others
                         row["error"] = llama.error_text(e)
         timings = {id(row): [] for row, *_ in live}
+        built = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         for _ in range(rounds):
             for row, step, x, target in live:
                 if "error" in row:
@@ -246,6 +250,11 @@ def run_interleaved(configs, cands, modes, device, mesh, *, steps, backend, roun
                         step(x, target, timings[id(row)])
                 except Exception as e:
                     row["error"] = llama.error_text(e)
+    recompiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] - built
+    if recompiled:  # not attributable to one candidate: every row says so
+        for row, *_ in live:
+            row["recompiled_in_rounds"] = recompiled
+        log(f"{recompiled} graph(s) compiled during the timed rounds")
     for row, *_ in live:
         if "error" not in row:
             t = timings[id(row)]
