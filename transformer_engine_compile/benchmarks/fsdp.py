@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import statistics
 import sys
 import time
 
@@ -237,19 +236,8 @@ def run_interleaved(configs, cands, modes, device, mesh, *, steps, backend, roun
                         live.append((row, step, x, target))
                     except Exception as e:  # one failing candidate must not hide the others
                         row["error"] = llama.error_text(e)
-        timings = {id(row): [] for row, *_ in live}
         built = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        for _ in range(rounds):
-            for row, step, x, target in live:
-                if "error" in row:
-                    continue
-                try:
-                    for _ in range(2):  # warm-up after the other candidates ran
-                        step(x, target)
-                    for _ in range(steps):
-                        step(x, target, timings[id(row)])
-                except Exception as e:
-                    row["error"] = llama.error_text(e)
+        llama.time_in_rounds(live, rounds, steps)
     recompiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] - built
     if recompiled:  # not attributable to one candidate: every row says so
         for row, *_ in live:
@@ -257,9 +245,6 @@ def run_interleaved(configs, cands, modes, device, mesh, *, steps, backend, roun
         log(f"{recompiled} graph(s) compiled during the timed rounds")
     for row, *_ in live:
         if "error" not in row:
-            t = timings[id(row)]
-            row["ms"] = statistics.median(a for _, a in t) * 1e3
-            row["host_ms"] = statistics.median(h for h, _ in t) * 1e3
             row["tokens_per_s"] = CONFIGS[row["config"]].tokens * mesh.size() / row["ms"] * 1e3
     live.clear()
     for cname in configs:

@@ -509,23 +509,9 @@ def run_interleaved(configs, recipes, modes, device, with_torchao, only=None, st
         except Exception as e:  # one failing candidate must not hide the others
             row["error"] = error_text(e)
             log(format_row(row, rows))
-    timings = {id(row): [] for row, *_ in live}
-    for _ in range(rounds):
-        for row, step, x, target in live:
-            if "error" in row:  # failed in an earlier round: no more of its steps
-                continue
-            try:
-                for _ in range(2):  # warm-up after the other candidates ran
-                    step(x, target)
-                for _ in range(steps):
-                    step(x, target, timings[id(row)])
-            except Exception as e:
-                row["error"] = error_text(e)
+    time_in_rounds(live, rounds, steps)
     for row, step, x, target in live:
         if "error" not in row:
-            t = timings[id(row)]
-            row["ms"] = statistics.median(a for _, a in t) * 1e3
-            row["host_ms"] = statistics.median(h for h, _ in t) * 1e3
             row["tokens_per_s"] = configs[row["config"]].tokens / row["ms"] * 1e3
             row["loss"] = step(x, target)
     for row in rows:
@@ -534,6 +520,31 @@ def run_interleaved(configs, recipes, modes, device, with_torchao, only=None, st
     live.clear()
     gc.collect()
     return rows
+
+
+def time_in_rounds(live, rounds: int, steps: int) -> None:
+    """``live``: ``(row, step, x, target)`` per built candidate.  Each round
+    times ``steps`` steps of every candidate in turn (after two warm-up
+    steps: the others ran in between); then each row's ``ms`` and
+    ``host_ms`` are its medians over all rounds.  A candidate that raises
+    gets the row's ``error`` and no more steps."""
+    timings = {id(row): [] for row, *_ in live}
+    for _ in range(rounds):
+        for row, step, x, target in live:
+            if "error" in row:  # failed in an earlier round: no more of its steps
+                continue
+            try:
+                for _ in range(2):
+                    step(x, target)
+                for _ in range(steps):
+                    step(x, target, timings[id(row)])
+            except Exception as e:
+                row["error"] = error_text(e)
+    for row, *_ in live:
+        if "error" not in row:
+            t = timings[id(row)]
+            row["ms"] = statistics.median(a for _, a in t) * 1e3
+            row["host_ms"] = statistics.median(h for h, _ in t) * 1e3
 
 
 def _ratio(rows, row, candidate, mode):
