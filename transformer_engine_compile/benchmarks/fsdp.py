@@ -169,9 +169,8 @@ def prepare(cfg, kind, rec, gather_recipe, mode, device, mesh, backend):
 def first_steps(model, kind, step, x, target, device) -> dict:
     """The fields of a row measured on a fresh candidate's first steps: its
     gather format, first step (compile included), peak memory over one
-    step, all-gather bytes over one step, graphs compiled over these steps."""
+    step, all-gather bytes over one step."""
     row = {"gather": gather_label(model, kind)}
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     t0 = time.perf_counter()
     step(x, target)
     row["first_step_s"] = time.perf_counter() - t0  # compile included
@@ -179,7 +178,6 @@ def first_steps(model, kind, step, x, target, device) -> dict:
     with count_all_gather_bytes() as gathered:
         row["loss"] = step(x, target)
     row["all_gather_bytes"] = gathered[0]
-    row["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
     return row
 
 
@@ -227,11 +225,14 @@ def run_interleaved(configs, cands, modes, device, mesh, *, steps, backend, roun
                     rows.append(row)
                     try:
                         base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+                        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
                         model, step, x, target = prepare(CONFIGS[cname], kind, rec,
                                                          gather_recipe, mode, device, mesh,
                                                          backend)
                         step = schedule(step)
                         row.update(first_steps(model, kind, step, x, target, device))
+                        row["graphs"] = (torch._dynamo.utils.counters["stats"]["unique_graphs"]
+                                         - graphs)
                         row["peak_gib"] -= base / 2 ** 30
                         live.append((row, step, x, target))
                     except Exception as e:  # one failing candidate must not hide the others
