@@ -120,22 +120,26 @@ class QuantizedAllGatherWeight(torch.Tensor):
         """This rank's shard quantized: (bytes to gather, metadata)."""
         with _profiled("te.fsdp.pre_all_gather"):
             dtype = mp_policy.param_dtype if mp_policy.param_dtype is not None else self.dtype
-            inputs = self._shard_inputs(mesh.get_group(), dtype)
+            inputs, scale = self._shard_inputs(mesh.get_group(), dtype)
             if inputs[0].is_cuda:  # read on FSDP2's copy-in stream, kept past it
                 stream = torch.cuda.current_stream(inputs[0].device)
                 if self._gather_input[3] != stream:
                     for t in inputs:
                         t.record_stream(stream)
                     self._gather_input = (*self._gather_input[:3], stream)
-            return inputs, (dtype,)
+            return inputs, (dtype, scale)
 
     # FSDP2 reads this method's signature on every gather (inspect.signature,
     # tens of microseconds of host time per weight): a stored one is read back
     fsdp_pre_all_gather.__signature__ = inspect.signature(fsdp_pre_all_gather)
 
     def _shard_inputs(self, group, dtype) -> tuple:
-        """(FP8 bytes, scales) of this shard quantized from ``dtype``, made
-        once per weight update."""
+        """``(gather inputs, scale)`` of this shard quantized from ``dtype``,
+        made once per weight update: FP8 current scaling gathers the bytes
+        alone (its scale, the whole weight's, is the same on every rank and
+        rides in the metadata: one gather input per weight, which is
+        FSDP2's host work per weight), 128x128 blocks gather the bytes and
+        the block scales (scale None)."""
         state = self._state()
         cached = self._gather_input
         if cached is not None and cached[0] == state and cached[1] == dtype:
@@ -151,12 +155,11 @@ class QuantizedAllGatherWeight(torch.Tensor):
             # FSDP2 hands over a 2-D shard of the weight: the cast kernel alone
             buffers = kernels.get("quantize_fp8_current", x)(
                 x, q.fp8_format, q.force_pow_2_scales, q.amax_epsilon, True, False, amax)
-            # the scale (the same on every rank) travels with the bytes: FSDP2
-            # then owns every buffer the gathered weight reads, on its streams
-            inputs = (buffers["data"].view(torch.uint8), buffers["scale_inv"])
+            inputs = ((buffers["data"].view(torch.uint8),), buffers["scale_inv"])
         else:  # fp8_block: whole 128-row blocks
             buffers = q._quantize_rows(x)
-            inputs = (buffers["rowwise_data"].view(torch.uint8), buffers["rowwise_scale_inv"])
+            inputs = ((buffers["rowwise_data"].view(torch.uint8),
+                       buffers["rowwise_scale_inv"]), None)
         self._gather_input = (state, dtype, inputs, None)  # None: no stream recorded yet
         return inputs
 
@@ -177,13 +180,17 @@ class QuantizedAllGatherWeight(torch.Tensor):
             return self._post_all_gather(all_gather_outputs, metadata, out)
 
     def _post_all_gather(self, all_gather_outputs, metadata, out):
-        (dtype,) = metadata
+        dtype, scale = metadata
         q = self._quantizer(rowwise=True, columnwise=True)
         fp8 = ref.FP8_DTYPE[q.fp8_format]
         if self._format == "fp8_current":
-            data, scales = all_gather_outputs
+            (data,) = all_gather_outputs
             data = data.view(fp8)
-            buffers = {"data": data, "transpose": None, "scale_inv": scales[:1]}
+            if scale.is_cuda:  # made on another stream, read on this one from now on
+                scale.record_stream(torch.cuda.current_stream(scale.device))
+            if out is not None:  # the scale of the weight just gathered
+                out._scale_inv = scale
+            buffers = {"data": data, "transpose": None, "scale_inv": scale}
             derived = {"transpose": data}
         else:
             data, scales = all_gather_outputs
