@@ -214,6 +214,7 @@ def run_interleaved(configs, cands, modes, device, mesh, *, steps, backend, roun
     holds up every rank); taking turns shares the drift.  Peak memory is
     each candidate's own (less what the candidates built before it hold)."""
     rows, live = [], []
+    llama.keep_compiled_entries()  # every candidate's compiled blocks stay resident
     with D.collection_schedule(gc_every) as schedule:
         for cname in configs:
             for cand in cands:
