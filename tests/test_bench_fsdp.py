@@ -58,6 +58,19 @@ def test_fsdp_bench_cpu_every_candidate_and_gather_bytes(capfd):
     assert out.count("| llama-tiny | te fp8_current (bf16 gather) |") == 2
 
 
+def test_fsdp_bench_hugging_face_layers_share_one_graph():
+    """The Hugging Face model trains without a KV cache, as training does:
+    its compiled decoder layers share one graph (with the cache each layer
+    would compile its own, every call checking the guards of those before)."""
+    pytest.importorskip("transformers")
+    rows = bench_fsdp.cpu_run(["--configs", "hf-llama-tiny", "--recipes", "fp8_current",
+                               "--modes", "compiled", "--backend", "aot_eager", "--no-torchao",
+                               "--candidates", "torch bf16,te fp8_current"])
+    for r in rows:
+        assert "error" not in r, r
+        assert r["graphs"] == 1, r
+
+
 def test_fsdp_bench_hugging_face_model_and_profile(capfd):
     """The Hugging Face model after te.convert, sharded per decoder layer,
     and ``--profile``: every rank's step summary comes back (on CPU the

@@ -242,7 +242,11 @@ def hf_model(cfg: LlamaConfig, kind: str, device, float8_config=None) -> CausalL
         vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
         num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
         num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.seq,
-        attn_implementation="sdpa")
+        attn_implementation="sdpa",
+        # training keeps no KV cache: with one, each decoder layer writes its
+        # own slot (its layer_idx), so a compiled layer recompiles per layer
+        # and every call checks the guards of the layers before it
+        use_cache=False)
     torch.manual_seed(0)
     with torch.device(device):
         model = transformers.LlamaForCausalLM(hf_cfg)
