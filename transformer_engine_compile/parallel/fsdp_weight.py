@@ -36,6 +36,34 @@ _KEEP_WRAPPER = {
 }
 
 
+class _SignedMethod:
+    """A method whose bound form carries its signature: ``inspect.signature``
+    reads the stored ``__signature__`` instead of building the bound
+    method's anew at each call."""
+
+    def __init__(self, fn):
+        self._fn = fn
+        params = list(inspect.signature(fn).parameters.values())[1:]  # without self
+        self._bound_signature = inspect.Signature(params)
+
+    def __get__(self, obj, objtype=None):
+        if obj is None:
+            return self._fn
+        return _SignedBound(self._fn, obj, self._bound_signature)
+
+
+class _SignedBound:
+    """``obj.method`` as :class:`_SignedMethod` binds it."""
+
+    __slots__ = ("_fn", "_obj", "__signature__")
+
+    def __init__(self, fn, obj, signature):
+        self._fn, self._obj, self.__signature__ = fn, obj, signature
+
+    def __call__(self, *args, **kwargs):
+        return self._fn(self._obj, *args, **kwargs)
+
+
 class QuantizedAllGatherWeight(torch.Tensor):
     """A sharded high-precision GEMM weight that FSDP2 all-gathers quantized.
 
@@ -66,8 +94,10 @@ class QuantizedAllGatherWeight(torch.Tensor):
         # shares: writes through any of them, the FSDP2 unit that gathers it
         self._shared = _SharedState() if shared is None else shared
         self._amax = None  # (state, amax over the shard group): see _group_amax
-        # (state, param dtype, gather inputs, the stream they were recorded on)
+        # (state, param dtype, (gather inputs, scale), the raw stream they were recorded on)
         self._gather_input = None
+        self._scale_recorded = None  # (scale, raw stream) it was last recorded on
+        self._mesh_group = None  # (FSDP2's shard mesh, its process group)
         self._quantizers = {}  # usages -> quantizer (value objects: made once)
 
     def __repr__(self, *, tensor_contents=None):
@@ -77,23 +107,31 @@ class QuantizedAllGatherWeight(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        template = None
         wrapped = []
 
         def unwrap(t):
-            nonlocal template
             if isinstance(t, cls):
-                template = t if template is None else template
                 wrapped.append(t)
                 return t._inner
+            if type(t) is list or type(t) is tuple:  # Tensor[] (the optimizer's lists)
+                items = []
+                for u in t:
+                    if isinstance(u, cls):
+                        wrapped.append(u)
+                        u = u._inner
+                    items.append(u)
+                return type(t)(items)
             return t
 
-        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        # an aten schema nests tensors one list deep at most: no pytree walk
+        out = func(*(unwrap(a) for a in args),
+                   **({k: unwrap(v) for k, v in kwargs.items()} if kwargs else {}))
         if func._schema.is_mutable:  # e.g. the optimizer's in-place update
             for t in wrapped:
                 t._shared.updates += 1
         if func not in _KEEP_WRAPPER:
             return out
+        template = wrapped[0]
         return tree_map(lambda t: cls(t, template._recipe, template._format, template._shared)
                         if type(t) is torch.Tensor else t, out)
 
@@ -116,22 +154,33 @@ class QuantizedAllGatherWeight(torch.Tensor):
         return q
 
     # -- FSDP2's all-gather extension ---------------------------------------------------
+    # Both hooks run for every gathered weight at every gather, on the step's
+    # critical host path: they do attribute reads and cached lookups only.
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """This rank's shard quantized: (bytes to gather, metadata)."""
-        with _profiled("te.fsdp.pre_all_gather"):
-            dtype = mp_policy.param_dtype if mp_policy.param_dtype is not None else self.dtype
-            inputs, scale = self._shard_inputs(mesh.get_group(), dtype)
-            if inputs[0].is_cuda:  # read on FSDP2's copy-in stream, kept past it
-                stream = torch.cuda.current_stream(inputs[0].device)
-                if self._gather_input[3] != stream:
-                    for t in inputs:
-                        t.record_stream(stream)
-                    self._gather_input = (*self._gather_input[:3], stream)
-            return inputs, (dtype, scale)
+        if torch.autograd.profiler._is_profiler_enabled:
+            with torch.profiler.record_function("te.fsdp.pre_all_gather"):
+                return self._pre_all_gather(mesh, mp_policy)
+        return self._pre_all_gather(mesh, mp_policy)
 
-    # FSDP2 reads this method's signature on every gather (inspect.signature,
-    # tens of microseconds of host time per weight): a stored one is read back
-    fsdp_pre_all_gather.__signature__ = inspect.signature(fsdp_pre_all_gather)
+    # FSDP2 reads this method's signature at every gather (inspect.signature of
+    # the bound method: tens of microseconds per weight when built anew)
+    fsdp_pre_all_gather = _SignedMethod(fsdp_pre_all_gather)
+
+    def _pre_all_gather(self, mesh, mp_policy):
+        dtype = mp_policy.param_dtype if mp_policy.param_dtype is not None else self.dtype
+        if self._mesh_group is None or self._mesh_group[0] is not mesh:
+            self._mesh_group = (mesh, mesh.get_group())
+        inputs, scale = self._shard_inputs(self._mesh_group[1], dtype)
+        index = inputs[0].get_device()
+        if index >= 0:  # read on FSDP2's copy-in stream, kept past it: recorded there once
+            raw = torch._C._cuda_getCurrentRawStream(index)
+            if self._gather_input[3] != raw:
+                stream = torch.cuda.current_stream(index)
+                for t in inputs:
+                    t.record_stream(stream)
+                self._gather_input = (*self._gather_input[:3], raw)
+        return inputs, (dtype, scale)
 
     def _shard_inputs(self, group, dtype) -> tuple:
         """``(gather inputs, scale)`` of this shard quantized from ``dtype``,
@@ -176,8 +225,22 @@ class QuantizedAllGatherWeight(torch.Tensor):
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """The gathered bytes as the recipe's quantized weight (both copies:
         the transposed one is built here, as a cast-transpose would)."""
-        with _profiled("te.fsdp.post_all_gather"):
-            return self._post_all_gather(all_gather_outputs, metadata, out)
+        if torch.autograd.profiler._is_profiler_enabled:
+            with torch.profiler.record_function("te.fsdp.post_all_gather"):
+                return self._post_all_gather(all_gather_outputs, metadata, out)
+        return self._post_all_gather(all_gather_outputs, metadata, out)
+
+    def _record_scale(self, scale: torch.Tensor) -> None:
+        """The gathered weight's scale is read on the stream the gather ends
+        on (the layer's): recorded there, once per scale and stream."""
+        index = scale.get_device()
+        if index < 0:
+            return
+        raw = torch._C._cuda_getCurrentRawStream(index)
+        recorded = self._scale_recorded
+        if recorded is None or recorded[0] is not scale or recorded[1] != raw:
+            scale.record_stream(torch.cuda.current_stream(index))
+            self._scale_recorded = (scale, raw)
 
     def _post_all_gather(self, all_gather_outputs, metadata, out):
         dtype, scale = metadata
@@ -186,8 +249,7 @@ class QuantizedAllGatherWeight(torch.Tensor):
         if self._format == "fp8_current":
             (data,) = all_gather_outputs
             data = data.view(fp8)
-            if scale.is_cuda:  # made on another stream, read on this one from now on
-                scale.record_stream(torch.cuda.current_stream(scale.device))
+            self._record_scale(scale)
             if out is not None:  # the scale of the weight just gathered
                 out._scale_inv = scale
             buffers = {"data": data, "transpose": None, "scale_inv": scale}

@@ -19,6 +19,7 @@ Rules this module enforces (see docs/value_opaque.md):
 
 from __future__ import annotations
 
+import operator
 import warnings
 
 from .. import compat
@@ -28,11 +29,24 @@ _unavailable_reported = False
 
 
 def _config_key(obj) -> tuple:
-    return tuple(getattr(obj, name) for name in obj._CONFIG_FIELDS)
+    # one C call (operator.attrgetter, made at registration): Dynamo's guards
+    # compare the quantizers of every quantized tensor a compiled call takes
+    fields, get = obj._te_config_key
+    if fields is not obj._CONFIG_FIELDS:  # a subclass with fields of its own
+        return tuple(getattr(obj, name) for name in obj._CONFIG_FIELDS)
+    return get(obj)
+
+
+def _key_getter(fields):
+    """``obj -> tuple of obj's fields``."""
+    if len(fields) == 1:
+        get = operator.attrgetter(fields[0])
+        return lambda obj: (get(obj),)
+    return operator.attrgetter(*fields)
 
 
 def _value_eq(self, other) -> bool:
-    return type(self) is type(other) and _config_key(self) == _config_key(other)
+    return self is other or (type(self) is type(other) and _config_key(self) == _config_key(other))
 
 
 def _value_hash(self) -> int:
@@ -84,6 +98,7 @@ def register_value_opaque_quantizer(cls):
                 f"{cls.__name__}.{name} is a @property; torch 2.13 cannot read properties "
                 "of opaque objects, use a plain attribute or method"
             )
+    cls._te_config_key = (cls._CONFIG_FIELDS, _key_getter(tuple(cls._CONFIG_FIELDS)))
     cls.__eq__ = _value_eq
     cls.__hash__ = _value_hash
     cls.__fx_repr__ = _fx_repr
