@@ -94,9 +94,9 @@ class QuantizedAllGatherWeight(torch.Tensor):
         # shares: writes through any of them, the FSDP2 unit that gathers it
         self._shared = _SharedState() if shared is None else shared
         self._amax = None  # (state, amax over the shard group): see _group_amax
-        # (state, param dtype, (gather inputs, scale), the raw stream they were recorded on)
+        # (state, param dtype, (gather inputs, scale), the raw streams they were recorded on)
         self._gather_input = None
-        self._scale_recorded = None  # (scale, raw stream) it was last recorded on
+        self._scale_recorded = None  # (scale, the raw streams it was recorded on)
         self._mesh_group = None  # (FSDP2's shard mesh, its process group)
         self._quantizers = {}  # usages -> quantizer (value objects: made once)
 
@@ -173,13 +173,14 @@ class QuantizedAllGatherWeight(torch.Tensor):
             self._mesh_group = (mesh, mesh.get_group())
         inputs, scale = self._shard_inputs(self._mesh_group[1], dtype)
         index = inputs[0].get_device()
-        if index >= 0:  # read on FSDP2's copy-in stream, kept past it: recorded there once
+        if index >= 0:  # read on FSDP2's copy-in streams, kept past them: recorded once on each
             raw = torch._C._cuda_getCurrentRawStream(index)
-            if self._gather_input[3] != raw:
+            recorded = self._gather_input[3]
+            if raw not in recorded:
                 stream = torch.cuda.current_stream(index)
                 for t in inputs:
                     t.record_stream(stream)
-                self._gather_input = (*self._gather_input[:3], raw)
+                self._gather_input = (*self._gather_input[:3], recorded + (raw,))
         return inputs, (dtype, scale)
 
     def _shard_inputs(self, group, dtype) -> tuple:
@@ -209,7 +210,7 @@ class QuantizedAllGatherWeight(torch.Tensor):
             buffers = q._quantize_rows(x)
             inputs = ((buffers["rowwise_data"].view(torch.uint8),
                        buffers["rowwise_scale_inv"]), None)
-        self._gather_input = (state, dtype, inputs, None)  # None: no stream recorded yet
+        self._gather_input = (state, dtype, inputs, ())  # no stream recorded yet
         return inputs
 
     def _group_amax(self, group) -> torch.Tensor:
@@ -231,16 +232,19 @@ class QuantizedAllGatherWeight(torch.Tensor):
         return self._post_all_gather(all_gather_outputs, metadata, out)
 
     def _record_scale(self, scale: torch.Tensor) -> None:
-        """The gathered weight's scale is read on the stream the gather ends
-        on (the layer's): recorded there, once per scale and stream."""
+        """The gathered weight's scale is read on the streams the gathers end
+        on (the layers'): recorded on each, once per scale."""
         index = scale.get_device()
         if index < 0:
             return
         raw = torch._C._cuda_getCurrentRawStream(index)
         recorded = self._scale_recorded
-        if recorded is None or recorded[0] is not scale or recorded[1] != raw:
+        if recorded is None or recorded[0] is not scale:
+            recorded = (scale, ())
+        if raw not in recorded[1]:
             scale.record_stream(torch.cuda.current_stream(index))
-            self._scale_recorded = (scale, raw)
+            recorded = (scale, recorded[1] + (raw,))
+        self._scale_recorded = recorded
 
     def _post_all_gather(self, all_gather_outputs, metadata, out):
         dtype, scale = metadata
