@@ -18,7 +18,8 @@ def test_fsdp_bench_cpu_every_candidate_and_gather_bytes(capfd):
     # aot_eager: the same Dynamo capture (fullgraph) as inductor, without its CPU codegen time
     rows = bench_fsdp.cpu_run(["--recipes", "bf16,fp8_current,fp8_block",
                                "--modes", "eager,compiled", "--backend", "aot_eager"])
-    labels = ["torch bf16", *(["torchao fp8 tensorwise"] if torchao_available() else []),
+    labels = ["torch bf16", *(["torchao fp8 tensorwise", "torchao fp8 tensorwise (bf16 gather)"]
+                              if torchao_available() else []),
               "te bf16", "te fp8_current", "te fp8_current (bf16 gather)", "te fp8_block",
               "te fp8_block (bf16 gather)"]
     assert [(r["candidate"], r["mode"]) for r in rows] == [
@@ -44,6 +45,11 @@ def test_fsdp_bench_cpu_every_candidate_and_gather_bytes(capfd):
         assert by["te fp8_block"]["gather"] == "fp8_block 10/14"
         assert by["te fp8_block"]["all_gather_bytes"] < by["te bf16"]["all_gather_bytes"]
         assert by["te fp8_block (bf16 gather)"]["gather"] == "bf16"
+        if torchao_available():  # torchao's FP8 all-gather, and its bf16 gather
+            ao, ao_plain = by["torchao fp8 tensorwise"], by["torchao fp8 tensorwise (bf16 gather)"]
+            assert ao["gather"] == "fp8 (torchao)" and ao_plain["gather"] == "bf16"
+            assert ao["all_gather_bytes"] < ao_plain["all_gather_bytes"]
+            assert ao_plain["all_gather_bytes"] == by["torch bf16"]["all_gather_bytes"]
 
         # the ratio column: the baseline's ms over the row's, in the same mode
         base = by["torch bf16"]

@@ -9,7 +9,7 @@ torch's ``fully_shard`` (the baseline), ``te.Linear`` in bf16 and under each
 recipe with its weights gathered quantized (``te.fsdp.fully_shard(...,
 recipe=rec)``), FP8 current and blockwise scaling also with the plain bf16
 gather (so the gather format's effect shows), and torchao's ``Float8Linear`` tensorwise with
-its FP8 all-gather when torchao imports.
+its FP8 all-gather and with the bf16 gather when torchao imports.
 
 Sharding as torchtitan does it: ``fully_shard`` on each decoder block, then
 on the root.  "compiled" compiles each block after sharding it
@@ -70,7 +70,8 @@ def candidates(recipe_names, with_torchao):
     recipes = {name: RECIPES[name] for name in recipe_names if name != "bf16"}
     out = []
     for label, kind, rec in llama.candidates(recipes, with_torchao):
-        out.append((label, kind, rec, rec))
+        # torchao's gather is set by its own config: True for its FP8 all-gather
+        out.append((label, kind, rec, True if kind == "torchao" else rec))
         if label in HP_GATHER_TOO:
             out.append((f"{label} (bf16 gather)", kind, rec, None))
     return out
@@ -78,7 +79,7 @@ def candidates(recipe_names, with_torchao):
 
 # the recipes whose weights FSDP2 can gather quantized: each also runs with
 # the plain bf16 gather, so the gather format's effect shows
-HP_GATHER_TOO = ("te fp8_current", "te fp8_block")
+HP_GATHER_TOO = ("te fp8_current", "te fp8_block", "torchao fp8 tensorwise")
 
 
 def shard(model, gather_recipe, mesh, compiled, backend):
@@ -101,7 +102,9 @@ def gather_label(model, kind):
     from ..parallel.fsdp import QuantizedAllGatherWeight, gemm_weight_names
 
     if kind == "torchao":
-        return "fp8 (torchao)"
+        fp8 = any(getattr(getattr(m, "config", None), "enable_fsdp_float8_all_gather", False)
+                  for m in model.modules())
+        return "fp8 (torchao)" if fp8 else "bf16"
     total = sum(len(gemm_weight_names(m)) for m in model.modules())
     formats = [p._local_tensor._format for p in model.parameters()
                if isinstance(getattr(p, "_local_tensor", None), QuantizedAllGatherWeight)]
@@ -147,14 +150,15 @@ def prepare(cfg, kind, rec, gather_recipe, mode, device, mesh, backend):
     """One candidate built, sharded (and its blocks compiled): ``(model,
     step, x, target)``, this rank's own batch."""
     float8_config = after_step = None
-    if kind == "torchao":  # the FP8 all-gather and the scale precompute, as torchao documents
+    if kind == "torchao":  # its FP8 all-gather and scale precompute as torchao documents, or bf16
         from torchao.float8 import Float8LinearConfig, precompute_float8_dynamic_scale_for_fsdp
-        float8_config = Float8LinearConfig(enable_fsdp_float8_all_gather=True,
+        float8_config = Float8LinearConfig(enable_fsdp_float8_all_gather=bool(gather_recipe),
                                            emulate=device.type != "cuda")
     model = llama.build(cfg, kind, device, float8_config=float8_config)
-    shard(model, gather_recipe, mesh, mode == "compiled", backend)
+    shard(model, None if kind == "torchao" else gather_recipe, mesh, mode == "compiled", backend)
     if kind == "torchao":
-        after_step = lambda: precompute_float8_dynamic_scale_for_fsdp(model)  # noqa: E731
+        if gather_recipe:
+            after_step = lambda: precompute_float8_dynamic_scale_for_fsdp(model)  # noqa: E731
     elif gather_recipe is not None:  # te: the weights' amaxes in one all-reduce
         from ..parallel import fsdp
         after_step = lambda: fsdp.precompute_scales(model)  # noqa: E731
