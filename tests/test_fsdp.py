@@ -309,3 +309,33 @@ def test_wrapped_weight_copies_forget_the_fsdp_unit():
     clone = copy.deepcopy(layer)
     assert clone.weight._shared is not w._shared and clone.weight._shared.unit() is None
     assert clone.weight._shared.updates == 1
+
+
+def test_gather_inputs_recorded_once_per_stream(monkeypatch):
+    """The gather hooks record a CUDA tensor on each stream that reads it
+    once (raw stream ids: no stream object per call); CPU tensors never."""
+    from transformer_engine_compile.parallel import fsdp_weight
+
+    class Cuda:  # what _record_once reads of a CUDA tensor
+        def __init__(self):
+            self.streams = []
+
+        def get_device(self):
+            return 0
+
+        def record_stream(self, stream):
+            self.streams.append(stream)
+
+    current = ["a"]
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: current[0],
+                        raising=False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index: f"stream {current[0]}")
+    t, u = Cuda(), Cuda()
+    recorded = fsdp_weight._record_once((t, u), ())
+    assert recorded == ("a",) and t.streams == u.streams == ["stream a"]
+    assert fsdp_weight._record_once((t, u), recorded) is recorded  # again: nothing
+    current[0] = "b"  # the backward's gather runs on another stream
+    assert fsdp_weight._record_once((t, u), recorded) == ("a", "b")
+    assert t.streams == ["stream a", "stream b"]
+    cpu = torch.zeros(2)
+    assert fsdp_weight._record_once((cpu,), ()) == ()

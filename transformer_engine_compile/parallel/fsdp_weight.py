@@ -172,15 +172,10 @@ class QuantizedAllGatherWeight(torch.Tensor):
         if self._mesh_group is None or self._mesh_group[0] is not mesh:
             self._mesh_group = (mesh, mesh.get_group())
         inputs, scale = self._shard_inputs(self._mesh_group[1], dtype)
-        index = inputs[0].get_device()
-        if index >= 0:  # read on FSDP2's copy-in streams, kept past them: recorded once on each
-            raw = torch._C._cuda_getCurrentRawStream(index)
-            recorded = self._gather_input[3]
-            if raw not in recorded:
-                stream = torch.cuda.current_stream(index)
-                for t in inputs:
-                    t.record_stream(stream)
-                self._gather_input = (*self._gather_input[:3], recorded + (raw,))
+        # read on FSDP2's copy-in streams, kept past them
+        recorded = _record_once(inputs, self._gather_input[3])
+        if recorded is not self._gather_input[3]:
+            self._gather_input = (*self._gather_input[:3], recorded)
         return inputs, (dtype, scale)
 
     def _shard_inputs(self, group, dtype) -> tuple:
@@ -234,17 +229,9 @@ class QuantizedAllGatherWeight(torch.Tensor):
     def _record_scale(self, scale: torch.Tensor) -> None:
         """The gathered weight's scale is read on the streams the gathers end
         on (the layers'): recorded on each, once per scale."""
-        index = scale.get_device()
-        if index < 0:
-            return
-        raw = torch._C._cuda_getCurrentRawStream(index)
         recorded = self._scale_recorded
-        if recorded is None or recorded[0] is not scale:
-            recorded = (scale, ())
-        if raw not in recorded[1]:
-            scale.record_stream(torch.cuda.current_stream(index))
-            recorded = (scale, recorded[1] + (raw,))
-        self._scale_recorded = recorded
+        streams = recorded[1] if recorded is not None and recorded[0] is scale else ()
+        self._scale_recorded = (scale, _record_once((scale,), streams))
 
     def _post_all_gather(self, all_gather_outputs, metadata, out):
         dtype, scale = metadata
@@ -310,6 +297,23 @@ class _SharedState:
         copied = _SharedState()
         copied.updates = self.updates
         return copied
+
+
+def _record_once(tensors, recorded: tuple) -> tuple:
+    """Record ``tensors`` (of one device) on the current CUDA stream unless
+    its raw id is in ``recorded``; returns the ids recorded on (``recorded``
+    itself when nothing was).  Raw ids, not stream objects: the gather hooks
+    run per weight on the step's critical host path."""
+    index = tensors[0].get_device()
+    if index < 0:
+        return recorded
+    raw = torch._C._cuda_getCurrentRawStream(index)
+    if raw in recorded:
+        return recorded
+    stream = torch.cuda.current_stream(index)
+    for t in tensors:
+        t.record_stream(stream)
+    return recorded + (raw,)
 
 
 def _profiled(name: str):
