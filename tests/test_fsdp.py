@@ -122,6 +122,13 @@ def other_recipe_worker(group):
     # the gathers hand the same tensors over
     inputs = local._gather_input[2]
     assert local._shard_inputs(group, torch.bfloat16) is inputs
+    # precompute cast every FP8-current shard in one call: the bytes (the
+    # shard's shape) and scale this weight's own cast makes
+    saved, local._gather_input = local._gather_input, None
+    own = local._shard_inputs(group, torch.bfloat16)
+    assert own[0][0].shape == inputs[0][0].shape == local._inner.shape
+    assert torch.equal(own[0][0], inputs[0][0]) and torch.equal(own[1], inputs[1])
+    local._gather_input = saved
     # an optimizer step writes through the wrapper (below autograd, where the
     # inner version counter does not move): the amax and the shard follow it
     opt = torch.optim.SGD([param], lr=1.0, foreach=True)

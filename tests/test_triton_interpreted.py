@@ -391,3 +391,42 @@ def test_grouped_fp8_quantize_in_triton_interpreter():
     groups, Inf and NaN, by row index and by stacked rows; the finite casts
     within 2x (the interpreter's conversion; bit equality is tests/gpu's)."""
     _interpret(_GROUPED)
+
+
+_CAST_MANY = r'''
+import torch
+from unittest import mock
+from transformer_engine_compile.kernels import reference as ref, triton_launch
+from transformer_engine_compile.kernels import triton_quant as tq, triton_cast_many as tm
+g = torch.Generator().manual_seed(0)
+for dtype in (torch.bfloat16, torch.float32):
+    for fmt, pow2, eps in (("e4m3", False, 0.0), ("e5m2", True, 1e-3)):
+        shapes = [(64, 128), (7, 300), (1, 1), (257, 33), (3, 5000)]
+        xs = [(torch.randn(*s, generator=g) * 3).to(dtype) for s in shapes]
+        xs[2].zero_()  # amax 0: scale 1
+        amaxes = torch.stack([x.abs().max().float() for x in xs])
+        amaxes[1] = amaxes[1] * 2  # a given amax above the tensor's own (another rank's)
+        outs = tm.quantize_fp8_many(xs, amaxes, fmt, pow2, eps)
+        for i, (x, (d, si)) in enumerate(zip(xs, outs)):
+            one = tq.quantize_fp8_current(x, fmt, pow2, eps, True, False, amax=amaxes[i:i + 1].clone())
+            assert d.shape == x.shape and si.shape == (1,), (d.shape, si.shape)
+            assert torch.equal(d.view(torch.uint8), one["data"].view(torch.uint8)), (dtype, fmt, i)
+            assert torch.equal(si, one["scale_inv"].reshape(1)), (si, one["scale_inv"])
+            r = ref.quantize_fp8_many([x], amaxes[i:i + 1], fmt, pow2, eps)[0]
+            assert torch.equal(r[1], si)
+        # an empty tensor among them: the reference, the same results
+        e = tm.quantize_fp8_many([xs[0], xs[0][:0]], amaxes[:2], fmt, pow2, eps)
+        assert e[1][0].numel() == 0 and torch.equal(e[1][1], e[0][1] * 0 + e[1][1])
+print("ok")
+'''
+
+
+def test_fp8_cast_many_equals_one_tensor_casts_in_triton_interpreter():
+    """kernels/triton_cast_many.py (``te.fsdp.precompute_scales``' one launch
+    for every FP8-current shard): each tensor's bytes and ``scale_inv``
+    equal the one-tensor cast's with the same given amax (both cast by the
+    interpreter), bf16 and fp32 sources, both formats, power-of-two scales
+    with an epsilon, a zero tensor, sizes off the program's block, a
+    given amax above the tensor's own; an empty tensor goes through the
+    reference."""
+    _interpret(_CAST_MANY)

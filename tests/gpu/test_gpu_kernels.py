@@ -492,3 +492,22 @@ def test_prepare_cuda_graphs_then_manual_capture():
         expected2 = layer(x)
     assert not torch.equal(expected, expected2)
     assert torch.equal(out, expected2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fmt,pow2,eps", [("e4m3", False, 0.0), ("e5m2", True, 1e-3)])
+def test_cast_many_equals_one_cast_per_tensor(dtype, fmt, pow2, eps):
+    """``quantize_fp8_many`` (precompute_scales' one launch for FSDP2's FP8
+    shards) writes each tensor's bytes and scale_inv as the one-tensor
+    current-scaling cast with the same amax does, bit for bit."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(1024, 4096), (7, 300), (1, 1), (257, 33), (3584, 4096)]
+    xs = [(torch.randn(*s, device="cuda", generator=g) * 3).to(dtype) for s in shapes]
+    amaxes = torch.stack([x.abs().max().float() for x in xs])
+    amaxes[1] *= 2  # another rank's larger amax
+    outs = kernels.get("quantize_fp8_many", xs[0])(xs, amaxes, fmt, pow2, eps)
+    for i, (x, (data, sinv)) in enumerate(zip(xs, outs)):
+        one = kernels.get("quantize_fp8_current", x)(x, fmt, pow2, eps, True, False,
+                                                     amaxes[i:i + 1].clone())
+        assert torch.equal(data.view(torch.uint8), one["data"].view(torch.uint8))
+        assert torch.equal(sinv, one["scale_inv"].reshape(1))

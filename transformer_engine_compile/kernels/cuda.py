@@ -33,6 +33,9 @@ def register() -> None:
     for name in ("quantize_fp8_current", "quantize_fp8_current_pair"):
         register_fast(name, "cuda", getattr(tc, name))
         _REGISTERED.append(name)
+    from . import triton_cast_many  # FSDP2's FP8 shards after the optimizer step
+    register_fast("quantize_fp8_many", "cuda", triton_cast_many.quantize_fp8_many)
+    _REGISTERED.append("quantize_fp8_many")
     from . import triton_grouped
     for name in ("amax_grouped", "cast_fp8_grouped"):
         register_fast(name, "cuda", getattr(triton_grouped, name))

@@ -228,6 +228,18 @@ def quantize_fp8_current(x2d, fmt, pow2, eps, rowwise, columnwise, amax=None) ->
                                    rowwise, columnwise)
 
 
+def quantize_fp8_many(tensors: list, amaxes: torch.Tensor, fmt, pow2, eps) -> list:
+    """``[(data, scale_inv)]``: each tensor cast rowwise with the current
+    scale of its amax ``amaxes[i]`` (e.g. weights whose amaxes were reduced
+    over the ranks together)."""
+    out = []
+    for i, x in enumerate(tensors):
+        buffers = quantize_fp8_current(x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1),
+                                       fmt, pow2, eps, True, False, amax=amaxes[i:i + 1])
+        out.append((buffers["data"].view(x.shape), buffers["scale_inv"]))
+    return out
+
+
 def quantize_fp8_delayed(a2d, b2d, scales, fmt, a_usage, b_usage, step) -> tuple:
     """Delayed scaling's casts of one op call: ``a2d`` with ``scales[0]``
     (and ``b2d``, or None, with ``scales[1]``), their amaxes this step's

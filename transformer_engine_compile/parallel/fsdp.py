@@ -61,6 +61,7 @@ import torch
 
 from . import fsdp_tp
 from .. import recipe as R
+from .. import kernels
 from .fsdp_weight import QuantizedAllGatherWeight, _plain, _profiled
 from ..module.weight_format import check_gathered_weight  # noqa: F401  (te.fsdp's name)
 
@@ -133,8 +134,33 @@ def _precompute_scales(module):
             torch.distributed.all_reduce(amaxes, torch.distributed.ReduceOp.MAX, group=group)
             for w, amax in zip(current, amaxes.split(1)):
                 w._amax = (w._state(), amax)
-        for w in weights:
+            _cast_current_together(current, amaxes)
+        for w in weights:  # whatever is not made yet (blockwise), one by one
             w._shard_inputs(group, _gather_dtype(w))
+
+
+def _cast_current_together(weights: list, amaxes: torch.Tensor) -> None:
+    """The FP8-current gather inputs of ``weights`` (``amaxes``: their
+    reduced amaxes, in order), one launch for each set of weights that
+    share a dtype, device and quantizer configuration: a launch per weight
+    would cost the step's critical host path tens of microseconds each."""
+    batches: dict = {}
+    for i, w in enumerate(weights):
+        if not w._inner.is_contiguous():
+            continue  # cast on its own by _shard_inputs
+        q = w._quantizer()
+        key = (_gather_dtype(w), w._inner.dtype, w._inner.device, q.fp8_format,
+               q.force_pow_2_scales, q.amax_epsilon)
+        batches.setdefault(key, []).append(i)
+    for (dtype, inner_dtype, _, fmt, pow2, eps), index in batches.items():
+        xs = [weights[i]._inner.detach() for i in index]
+        batch_amaxes = amaxes if len(index) == len(weights) else amaxes[index]
+        if dtype != inner_dtype:  # the layer would quantize the param_dtype weight
+            xs = [x.to(dtype) for x in xs]
+            batch_amaxes = batch_amaxes.to(dtype).float()
+        outs = kernels.get("quantize_fp8_many", xs[0])(xs, batch_amaxes, fmt, pow2, eps)
+        for i, (data, scale_inv) in zip(index, outs):
+            weights[i]._set_current_inputs(dtype, data, scale_inv)
 
 
 def _gather_dtype(weight: QuantizedAllGatherWeight) -> torch.dtype:

@@ -208,6 +208,12 @@ class QuantizedAllGatherWeight(torch.Tensor):
         self._gather_input = (state, dtype, inputs, ())  # no stream recorded yet
         return inputs
 
+    def _set_current_inputs(self, dtype, data: torch.Tensor, scale_inv: torch.Tensor) -> None:
+        """Keep FP8 current scaling's gather inputs made elsewhere (one cast
+        of many weights, ``te.fsdp.precompute_scales``) for this weight as it
+        is now, quantized from ``dtype``."""
+        self._gather_input = (self._state(), dtype, ((data.view(torch.uint8),), scale_inv), ())
+
     def _group_amax(self, group) -> torch.Tensor:
         """The whole weight's amax (fp32, shape (1,)): this shard's, all-reduced
         (max) over ``group``; kept until the weight changes."""
