@@ -124,6 +124,29 @@ def test_hugging_face_llama_config_trains_every_candidate(tmp_path):
     assert all(0 < r["loss"] < 2 * math.log(512) for r in rows.values())
 
 
+def test_unshared_candidate_trains_to_the_same_losses(tmp_path, monkeypatch):
+    """``--unshared``: the te model with eager input sharing off, for an A/B
+    in one run.  Sharing changes no bits, so both candidates' losses are
+    equal; each candidate's layer calls run with its own setting."""
+    pytest.importorskip("transformers")
+    from transformer_engine_compile.dynamo import shared_inputs
+    offered = []
+    real = shared_inputs.record
+    monkeypatch.setattr(shared_inputs, "record",
+                        lambda x, q, xq, tag=None: (offered.append(shared_inputs.EAGER),
+                                                    real(x, q, xq, tag))[1])
+    out = tmp_path / "rows.json"
+    assert bench.main(["--device", "cpu", "--configs", "hf-llama-tiny", "--recipes",
+                       "fp8_current", "--modes", "eager", "--steps", "2", "--unshared",
+                       "--candidates", "te fp8_current", "te fp8_current unshared",
+                       "--json", str(out)]) == 0
+    rows = {r["candidate"]: r for r in json.loads(out.read_text())["llama"]}
+    assert set(rows) == {"te fp8_current", "te fp8_current unshared"}
+    assert rows["te fp8_current"]["loss"] == rows["te fp8_current unshared"]["loss"]
+    assert True in offered and False in offered  # each candidate ran with its own setting
+    assert shared_inputs.EAGER  # restored after the run
+
+
 def test_hugging_face_model_refuses_packed_kinds():
     pytest.importorskip("transformers")
     from transformer_engine_compile.benchmarks import llama as bl

@@ -586,3 +586,43 @@ def test_native_node_as_the_engine_threads_first_cuda_work():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("rec", [REC, BLOCK], ids=["fp8_current", "fp8_block"])
+def test_native_layers_reading_one_input_quantize_it_once(ext, calls, monkeypatch, rec):
+    """q, k and v on one input, natively: the first call's x copies serve
+    the other two (native_linear.cpp's shared_x), which quantize W alone.
+    Outputs and gradients equal those of native calls that each quantize
+    x, and of the Python path, bit for bit; the forward keeps one x's
+    copies instead of three."""
+    from transformer_engine_compile.dynamo import shared_inputs
+    _skip_block(rec)
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(te.Linear(512, 256, bias=False, params_dtype=torch.bfloat16,
+                                           device="cuda") for _ in range(3))
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    dys = [torch.randn(256, 256, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+
+    def step(model, share, no_native=False):
+        monkeypatch.setattr(shared_inputs, "EAGER", share)
+        with _NoNative() if no_native else _Null():
+            for _ in range(3):  # the third call: memo and plans made
+                model.zero_grad(set_to_none=True)
+                h = x.clone().requires_grad_()
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_allocated()
+                with te.autocast(recipe=rec):
+                    ys = [layer(h) for layer in model]
+                held = torch.cuda.memory_allocated() - before
+                names = [y.grad_fn.name() for y in ys]
+                torch.autograd.backward(ys, dys)
+        return [*(y.detach() for y in ys), h.grad, *(l.weight.grad for l in model)], names, held
+
+    shared, names, held = step(layers, True)
+    assert calls["native"] == 6 and names == ["TeLinearFp8Backward"] * 3
+    apart, _, held_apart = step(copy.deepcopy(layers), False)
+    python, names_py, _ = step(_python_only(layers), True, no_native=True)
+    assert "TeLinearFp8Backward" not in names_py
+    for a, b, c in zip(shared, apart, python):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert held_apart - held >= 256 * 512  # at least one x-sized FP8 copy fewer

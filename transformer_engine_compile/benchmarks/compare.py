@@ -335,6 +335,9 @@ def main(argv=None):
                         "+ te.LayerNormMLP ('fused'), from separate norms + te.Linear "
                         "('unfused') and the same with q/k/v and gate/up as parameters of "
                         "their own ('split': parameters_split)")
+    p.add_argument("--unshared", action="store_true",
+                   help="llama configs: also each te recipe with eager input sharing off "
+                        "('unshared': q/k/v and gate/up each quantize their input)")
     p.add_argument("--bias", action="store_true",
                    help="single-layer configs: layers with a bias (te.Linear's default)")
     p.add_argument("--autograd-threads", choices=("on", "off"), default="on",
@@ -385,7 +388,8 @@ def _main(args) -> int:
         print("\n" + llama.HEADER)
         llama_rows = llama.run(llama_cfgs, {r: RECIPES[r] for r in args.recipes}, modes,
                                      device, with_torchao, only=args.candidates,
-                                     steps=args.steps, fused=args.fused, rounds=args.rounds)
+                                     steps=args.steps, fused=args.fused, rounds=args.rounds,
+                                     unshared=args.unshared)
         print("\n" + llama.HEADER)
         for row in llama_rows:
             print(llama.format_row(row, llama_rows))

@@ -265,7 +265,10 @@ def build(cfg, kind, device, float8_config=None):
     packed-projection models "te-fused" / "te-unfused" / "te-split"
     (:class:`PackedBlock`);
     for an ``hf-*`` config (``cfg.vocab``) :func:`hf_model`'s.
+    "te-unshared" is "te"'s model (its step turns eager input sharing off).
     ``float8_config``: torchao's ``Float8LinearConfig`` (its default when None)."""
+    if kind == "te-unshared":
+        kind = "te"
     if cfg.vocab:
         return hf_model(cfg, kind, device, float8_config)
     torch.manual_seed(0)
@@ -283,14 +286,17 @@ def build(cfg, kind, device, float8_config=None):
 
 
 def make_step(model, rec, mode, lr=1e-4, amax_reduction_group=None, after_step=None,
-              backend="inductor"):
+              backend="inductor", share_inputs=True):
     """``step(x, target) -> loss float``: forward, loss, backward, fused AdamW
-    (:func:`param_groups`).
+    (:func:`param_groups`).  ``share_inputs=False``: eager layers that read
+    one input quantize it each (``dynamo/shared_inputs.py``'s ``EAGER``,
+    set for this step's calls).
     ``amax_reduction_group`` goes to ``te.autocast`` (DelayedScaling under
     data parallelism); ``after_step()`` runs after the optimizer step (e.g.
     torchao's ``precompute_float8_dynamic_scale_for_fsdp``); ``backend``:
     ``torch.compile``'s, for the compiled modes."""
     from ..autocast import autocast
+    from ..dynamo import shared_inputs
 
     def loss_fn(x, target):
         with autocast(enabled=rec is not None, recipe=rec,
@@ -307,6 +313,7 @@ def make_step(model, rec, mode, lr=1e-4, amax_reduction_group=None, after_step=N
     opt = torch.optim.AdamW(param_groups(model), lr=lr, fused=True)
 
     def step(x, target, timings=None):
+        shared_inputs.EAGER = share_inputs  # read by eager calls and new native plans
         t0 = time.perf_counter()
         if mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()
@@ -318,6 +325,7 @@ def make_step(model, rec, mode, lr=1e-4, amax_reduction_group=None, after_step=N
             after_step()
         t1 = time.perf_counter()
         value = loss.item()
+        shared_inputs.EAGER = True
         if timings is not None:
             timings.append((t1 - t0, time.perf_counter() - t0))
         return value
@@ -364,16 +372,19 @@ def inputs(cfg, device, seed=1):
     return x, target
 
 
-def candidates(recipes, with_torchao, fused=False):
+def candidates(recipes, with_torchao, fused=False, unshared=False):
     """(label, model kind, recipe) in table order; ``fused`` adds the
     packed-projection model built from separate norms + te.Linear
     ("unfused"; "split": the same with ``parameters_split``) and from
-    te.LayerNormLinear + te.LayerNormMLP ("fused")."""
+    te.LayerNormLinear + te.LayerNormMLP ("fused"); ``unshared`` the te
+    model whose eager layers quantize a shared input each ("unshared")."""
     out = [("torch bf16", "torch", None)]
     if with_torchao:
         out.append(("torchao fp8 tensorwise", "torchao", None))
     out.append(("te bf16", "te", None))
     out += [(f"te {name}", "te", rec) for name, rec in recipes.items()]
+    if unshared:
+        out += [(f"te {name} unshared", "te-unshared", rec) for name, rec in recipes.items()]
     if fused:
         for name, rec in {"bf16": None, **recipes}.items():
             out += [(f"te {name} {kind}", f"te-{kind}", rec)
@@ -424,21 +435,21 @@ def peak_gib(step, x, target, device):
 
 
 def run(configs, recipes, modes, device, with_torchao, only=None, steps=10, log=print,
-        fused=False, rounds=1):
+        fused=False, rounds=1, unshared=False):
     """One row per (config, candidate, mode); a failing candidate gets an
     ``error`` entry and the others still run.  ``rounds > 1``: interleaved
     (:func:`run_interleaved`)."""
     if rounds > 1:
         return run_interleaved(configs, recipes, modes, device, with_torchao, only, steps, log,
-                               fused, rounds)
+                               fused, rounds, unshared)
     import gc
 
     rows = []
     for cfg, x, target, kind, rec, row in _entries(configs, recipes, modes, device,
-                                                   with_torchao, only, fused):
+                                                   with_torchao, only, fused, unshared):
         try:
             model = build(cfg, kind, device)
-            step = make_step(model, rec, row["mode"])
+            step = make_step(model, rec, row["mode"], share_inputs=kind != "te-unshared")
             t0 = time.perf_counter()
             step(x, target)
             row["first_step_s"] = time.perf_counter() - t0  # compile included
@@ -458,13 +469,14 @@ def run(configs, recipes, modes, device, with_torchao, only=None, steps=10, log=
     return rows
 
 
-def _entries(configs, recipes, modes, device, with_torchao, only, fused):
+def _entries(configs, recipes, modes, device, with_torchao, only, fused, unshared=False):
     """(config, x, target, model kind, recipe, row) for each timed
     (config, candidate, mode), in table order."""
     for cname, cfg in configs.items():
         x, target = inputs(cfg, device)
         # the Hugging Face model has no packed-projection variant
-        for label, kind, rec in candidates(recipes, with_torchao, fused and not cfg.vocab):
+        for label, kind, rec in candidates(recipes, with_torchao, fused and not cfg.vocab,
+                                           unshared):
             if only and not any(label == o for o in only):
                 continue
             for mode in modes:
@@ -483,7 +495,7 @@ def keep_compiled_entries() -> None:
 
 
 def run_interleaved(configs, recipes, modes, device, with_torchao, only=None, steps=10,
-                    log=print, fused=False, rounds=5):
+                    log=print, fused=False, rounds=5, unshared=False):
     """:func:`run`'s rows, timed in ``rounds`` rounds that take turns.
 
     The host's speed drifts over minutes (the H200 machines' host time per
@@ -499,12 +511,13 @@ def run_interleaved(configs, recipes, modes, device, with_torchao, only=None, st
     keep_compiled_entries()
     rows, live = [], []
     for cfg, x, target, kind, rec, row in _entries(configs, recipes, modes, device,
-                                                   with_torchao, only, fused):
+                                                   with_torchao, only, fused, unshared):
         row["rounds"] = rounds
         rows.append(row)
         try:
             base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-            step = make_step(build(cfg, kind, device), rec, row["mode"])
+            step = make_step(build(cfg, kind, device), rec, row["mode"],
+                             share_inputs=kind != "te-unshared")
             t0 = time.perf_counter()
             step(x, target)
             row["first_step_s"] = time.perf_counter() - t0  # compile included

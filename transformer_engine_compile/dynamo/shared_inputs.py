@@ -1,4 +1,4 @@
-"""One input quantized once for every lowered call that reads it (q, k, v; gate, up).
+"""One input quantized once for every call that reads it (q, k, v; gate, up).
 
 In a lowered trace (``lowering.py``) each te.Linear forward runs its impl on
 traced tensors.  Layers that read one activation with equal quantizers (q,
@@ -13,24 +13,47 @@ column-parallel sequence parallelism the value shared is the input
 gathered over the group and quantized (tagged with the group): the later
 layers skip the gather and its amax all-reduce as well.
 
-Eager calls quantize their input each, to the same bytes (the format
-depends on the values only), so compiled still equals eager bit for bit.
-Stateful quantizers (delayed scaling: each layer has its own scale) and
-stochastic rounding never share.
+Eager calls share too, by one entry per thread: the last input an eager
+call quantized, held weakly, with its version counter and quantizer.  The
+next call that reads that same tensor, unwritten, with an equal quantizer
+takes its buffers.  q, k and v (gate and up) run one after another on one
+tensor, so one entry catches them; it is replaced by the next quantizing
+call and dropped with its input.  The native eager path keeps the same
+entry in C++ (``kernels/native_linear.cpp``, ``shared_x``).  The format
+depends on the values only, so a shared copy is the bytes the call would
+have made, and compiled equals eager bit for bit either way.
 
-The memo is held per make_fx tracer, weakly: it lives as long as the
-trace, and no two traces see each other's values.
+Stateful quantizers (delayed scaling: each layer has its own scale) and
+stochastic rounding never share.  ``TE_COMPILE_SHARE_INPUTS=0`` (or
+``EAGER = False`` before a layer's first call) turns eager sharing off.
+
+The traced memo is held per make_fx tracer, weakly: it lives as long as
+the trace, and no two traces see each other's values.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 import weakref
 from typing import Optional
+
+import torch
 
 from ..kernels import tracing
 from .. import compat
 
 _MEMO: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tracer -> {key: buffers}
+EAGER = os.environ.get("TE_COMPILE_SHARE_INPUTS", "1") != "0"
+
+
+class _LastInput(threading.local):
+    """The last input an eager call offered: (weakref to it, its version,
+    quantizer, tag, buffers), or None."""
+    entry = None
+
+
+_LAST = _LastInput()
 
 
 def _shareable(quantizer) -> bool:
@@ -54,10 +77,28 @@ def _slot(x, quantizer, tag):
     return memo, (compat.unfixed_node(node), quantizer, tag)
 
 
+def _eager(x, quantizer) -> bool:
+    """Whether an eager call (the ops' impls under their autograd.Function)
+    shares ``x``'s quantization: a plain tensor with a version counter, a
+    quantizer that may share, no functorch transform, no CUDA graph capture."""
+    return (EAGER and tracing.eager_in_place() and type(x) is torch.Tensor
+            and _shareable(quantizer) and not x.is_inference()
+            and not torch._C._are_functorch_transforms_active()
+            and not (x.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+
 def lookup(x, quantizer, tag=None) -> Optional[dict]:
-    """Buffers (of the functionalization session in progress) of ``x``
-    quantized with ``quantizer`` by an earlier call of this trace (recorded
-    with the same ``tag``), else None."""
+    """Buffers of ``x`` quantized with ``quantizer`` (and ``tag``) by an
+    earlier call: of this trace (in its functionalization session), or the
+    eager call just before on this thread; else None."""
+    if not tracing.active:
+        entry = _LAST.entry
+        if entry is None or not _eager(x, quantizer):
+            return None
+        ref, version, q, entry_tag, buffers = entry
+        if ref() is not x or version != x._version or entry_tag != tag or q != quantizer:
+            return None
+        return dict(buffers)
     slot = _slot(x, quantizer, tag)
     if slot is None:
         return None
@@ -71,11 +112,24 @@ def lookup(x, quantizer, tag=None) -> Optional[dict]:
 def record(x, quantizer, quantized, tag=None) -> None:
     """Offer ``quantized`` (``x`` quantized with ``quantizer``, in this
     session; ``tag``: what else made it from ``x``) to the later calls of
-    this trace; a no-op outside one.  Call it before dropping any of its
-    copies."""
+    this trace, or to the next eager call on this thread.  Call it before
+    dropping any of its copies."""
+    if not tracing.active:
+        if _eager(x, quantizer):
+            _LAST.entry = (weakref.ref(x, _drop), x._version, quantizer, tag,
+                           dict(quantized.buffers()))
+        return
     slot = _slot(x, quantizer, tag)
     if slot is None:
         return
     memo, key = slot
     memo.setdefault(key, {name: compat.plain_of_functional(t)
                           for name, t in quantized.buffers().items()})
+
+
+def _drop(ref) -> None:
+    """``x`` was freed: its copies go with it (a callback may run on another
+    thread, which has its own entry)."""
+    entry = _LAST.entry
+    if entry is not None and entry[0] is ref:
+        _LAST.entry = None

@@ -106,15 +106,24 @@ using torch::autograd::variable_list;
 // `state`: the weight cache's rowwise data and scales, columnwise data and
 // scales where the plan has one (then main_grad where it has one).
 Forward forward_block(const Plan& p, const at::Tensor& x, const at::Tensor& w,
-                      const c10::optional<at::Tensor>& bias, const std::vector<at::Tensor>& state) {
+                      const c10::optional<at::Tensor>& bias, const std::vector<at::Tensor>& state,
+                      const std::vector<at::Tensor>* shared) {
   constexpr int64_t B = 128;
   at::NoGradGuard no_grad;
-  at::Tensor x2d = operand(x, p.m, p.k);
   auto f32 = x.options().dtype(at::kFloat);
-  at::Tensor x_rd = fp8_empty(p.m, p.k, p.fp8_fwd, x);
-  at::Tensor x_rs = at::empty({p.k / B, p.m}, f32);
-  at::Tensor x_cd = p.x_col ? fp8_empty(p.k, p.m, p.fp8_fwd, x) : x2d;
-  at::Tensor x_cs = p.x_col ? at::empty({p.m / B * p.k}, f32) : x2d;
+  at::Tensor x2d, x_rd, x_rs, x_cd, x_cs;
+  if (shared) {  // x's copies made by an earlier call (shared_x_for)
+    x2d = x_rd = (*shared)[0];
+    x_rs = (*shared)[1];
+    x_cd = p.x_col ? (*shared)[2] : x2d;
+    x_cs = p.x_col ? (*shared)[3] : x2d;
+  } else {
+    x2d = operand(x, p.m, p.k);
+    x_rd = fp8_empty(p.m, p.k, p.fp8_fwd, x);
+    x_rs = at::empty({p.k / B, p.m}, f32);
+    x_cd = p.x_col ? fp8_empty(p.k, p.m, p.fp8_fwd, x) : x2d;
+    x_cs = p.x_col ? at::empty({p.m / B * p.k}, f32) : x2d;
+  }
   auto stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
   at::Tensor w_rd, w_rs, w_cd, w_cs;
   if (p.cache == kReadCache) {  // x's launch alone
@@ -129,7 +138,11 @@ Forward forward_block(const Plan& p, const at::Tensor& x, const at::Tensor& w,
     w_rs = at::empty({p.n / B, padded_blocks(p.k / B)}, f32);
     w_cd = p.w_col ? fp8_empty(p.k, p.n, p.fp8_fwd, x) : w2d;
     w_cs = p.w_col ? at::empty({p.k / B, padded_blocks(p.n / B)}, f32) : w2d;
-    p.fwd.run({x2d, x_rd, x_rs, x_cd, x_cs, w2d, w_rd, w_rs, w_cd, w_cs}, 0, 0, stream);
+    if (shared) {  // W's launch alone
+      p.fwd_w.run({w2d, w_rd, w_rs, w_cd, w_cs}, 0, 0, stream);
+    } else {
+      p.fwd.run({x2d, x_rd, x_rs, x_cd, x_cs, w2d, w_rd, w_rs, w_cd, w_cs}, 0, 0, stream);
+    }
   }
   at::Tensor y = at::empty(p.out_shape, x.options());
   at::Tensor y2d = y.view({p.m, p.n});
@@ -142,8 +155,10 @@ Forward forward_block(const Plan& p, const at::Tensor& x, const at::Tensor& w,
     state[3].copy_(w_cs);
   }
   bool w_col = p.w_col || p.cache == kReadCache;
-  return {y, p.x_col ? x_cd : at::Tensor(), p.x_col ? x_cs : at::Tensor(),
-          w_col ? w_cd : at::Tensor(), w_col ? w_cs : at::Tensor()};
+  Forward f{y, p.x_col ? x_cd : at::Tensor(), p.x_col ? x_cs : at::Tensor(),
+            w_col ? w_cd : at::Tensor(), w_col ? w_cs : at::Tensor()};
+  if (p.share) f.x_copies = {x_rd, x_rs, f.x_t, f.x_sinv};
+  return f;
 }
 
 // The forward's casts of x and W (current scaling: one launch; delayed: the
@@ -210,8 +225,12 @@ Forward forward_current(const Plan& p, const at::Tensor& x, const at::Tensor& w,
     w_sinv = at::empty({1}, f32);
     w_data = fp8_empty(p.n, p.k, p.fp8_fwd, x);
     w_t = p.w_col ? fp8_empty(p.k, p.n, p.fp8_fwd, x) : w2d;
-    forward_casts(p, x2d, w2d, x_data, x_t, x_sinv, w_data, w_t, w_sinv, lo, hi, state, given,
-                  new_h, new_s, stream);
+    if (given && p.recipe == kCurrent) {  // x's copies shared: W's launch alone
+      p.fwd_w.run({w2d, w_data, w_t, w_sinv}, lo, hi, stream);
+    } else {
+      forward_casts(p, x2d, w2d, x_data, x_t, x_sinv, w_data, w_t, w_sinv, lo, hi, state, given,
+                    new_h, new_s, stream);
+    }
   }
   at::Tensor y = at::empty(p.out_shape, x.options());
   at::Tensor y2d = y.view({p.m, p.n});
@@ -223,7 +242,9 @@ Forward forward_current(const Plan& p, const at::Tensor& x, const at::Tensor& w,
     state[c + 2].copy_(w_sinv);
   }
   bool w_col = p.w_col || p.cache == kReadCache;
-  return {y, p.x_col ? x_t : at::Tensor(), x_sinv, w_col ? w_t : at::Tensor(), w_sinv};
+  Forward f{y, p.x_col ? x_t : at::Tensor(), x_sinv, w_col ? w_t : at::Tensor(), w_sinv};
+  if (p.share) f.x_copies = {x_data, f.x_t, x_sinv};
+  return f;
 }
 
 Forward forward_mx(const Plan& p, const at::Tensor& x, const at::Tensor& w,
@@ -306,7 +327,7 @@ Forward forward_of(const Plan& p, const at::Tensor& x, const at::Tensor& w,
                    const std::vector<at::Tensor>& state, const GivenX* given,
                    const at::Tensor& new_history, const at::Tensor& new_scale) {
   return p.recipe == kPlain   ? forward_plain(p, x, w, bias)
-         : p.recipe == kBlock ? forward_block(p, x, w, bias, state)
+         : p.recipe == kBlock ? forward_block(p, x, w, bias, state, nullptr)
          : p.recipe == kMx    ? forward_mx(p, x, w, bias)
          : p.recipe == kNvfp4 ? forward_nvfp4(p, x, w, bias)
                               : forward_current(p, x, w, bias, lo, hi, state, given, new_history,
@@ -471,14 +492,63 @@ int fits(const Plan& p, bool x_req, int64_t x_device, const at::Tensor& w,
   return record ? 1 : 0;
 }
 
+// -- one quantization of an x that several eager calls read ---------------------
+// The last x an eager call with a sharing plan quantized, and its copies, per
+// thread.  The weak pointer keeps the TensorImpl's memory (not the tensor) so
+// its address names that x until the entry is replaced; the version counter
+// says x has not been written since.  The entry holds the copies (one x's
+// FP8 bytes) until the next sharing call replaces it.
+struct SharedX {
+  c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> x{
+      c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>()};
+  uint32_t version = 0;
+  int64_t share = 0;
+  std::vector<at::Tensor> copies;
+};
+thread_local SharedX shared_x;
+
+bool shares_x(const Plan& p, const at::Tensor& x, const GivenX* given) {
+  return p.share != 0 && p.cache == kNoCache && !given && !x.is_inference();
+}
+
+// x's copies made by the previous sharing call when it quantized this x, as
+// it is now, the same way (and with the columnwise copy where `p` needs it).
+const std::vector<at::Tensor>* shared_x_for(const Plan& p, const at::Tensor& x) {
+  const SharedX& s = shared_x;
+  if (s.share != p.share || s.x._unsafe_get_target() != x.unsafeGetTensorImpl() ||
+      s.version != x.unsafeGetTensorImpl()->version_counter().current_version() ||
+      (p.x_col && !s.copies[s.copies.size() - 2].defined()))
+    return nullptr;
+  return &s.copies;
+}
+
+void offer_x(const Plan& p, const at::Tensor& x, std::vector<at::Tensor> copies) {
+  SharedX& s = shared_x;
+  s.x = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(x.getIntrusivePtr());
+  s.version = x.unsafeGetTensorImpl()->version_counter().current_version();
+  s.share = p.share;
+  s.copies = std::move(copies);
+}
+
 // The forward, and its node where `record`.
 at::Tensor run(const std::shared_ptr<Plan>& plan, const at::Tensor& x, const at::Tensor& w,
                const c10::optional<at::Tensor>& bias, int64_t lo, int64_t hi,
                const std::vector<at::Tensor>& state, bool record, const GivenX* given) {
   const Plan& p = *plan;
   c10::cuda::CUDAGuard guard(x.device());
-  // delayed scaling: the step updates the layer's buffers in place
-  Forward f = forward_of(p, x, w, bias, lo, hi, state, given, at::Tensor(), at::Tensor());
+  bool share = shares_x(p, x, given);
+  const std::vector<at::Tensor>* shared = share ? shared_x_for(p, x) : nullptr;
+  Forward f;
+  if (shared && p.recipe == kBlock) {
+    f = forward_block(p, x, w, bias, state, shared);
+  } else if (shared) {
+    GivenX copies{(*shared)[0], (*shared)[1], (*shared)[2], at::Tensor()};
+    f = forward_current(p, x, w, bias, lo, hi, state, &copies, at::Tensor(), at::Tensor());
+  } else {
+    // delayed scaling: the step updates the layer's buffers in place
+    f = forward_of(p, x, w, bias, lo, hi, state, given, at::Tensor(), at::Tensor());
+    if (share) offer_x(p, x, std::move(f.x_copies));
+  }
   if (!record) return f.y;
   auto node = NodeMaker<LinearFp8Backward, NodeHolder>::make();
   node->plan = plan;
@@ -700,6 +770,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                          "te native: a plain plan takes no weight cache and a weight of the "
                          "activations' dtype");
              p.recipe = kPlain;
+           })
+      .def("set_share",
+           [](Plan& p, int64_t share, Launch fwd_w) {
+             TORCH_CHECK((p.recipe == kCurrent || p.recipe == kBlock) && !p.given_x && share != 0,
+                         "te native: x's quantization is shared under current or blockwise "
+                         "scaling, by a nonzero key");
+             p.share = share;
+             p.fwd_w = std::move(fwd_w);
            })
       .def("set_cache",
            [](Plan& p, int64_t cache) {

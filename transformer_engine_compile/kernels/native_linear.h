@@ -106,6 +106,14 @@ struct Plan {
   // delayed scaling in a fused module: x comes quantized by its norm's
   // kernel (norm_linear), the forward list holds W's launches alone
   bool given_x = false;
+  // eager calls that read one x (q, k, v; gate, up) quantize it once: a
+  // nonzero `share` names x's quantization (format and scaling: equal values
+  // make equal bytes), and `fwd_w` quantizes W alone for a call that found
+  // x's copies made (current scaling: slots 0 W, 1 data, 2 transpose,
+  // 3 scale_inv; blockwise: 0 W, 1-4 its rowwise and columnwise data and
+  // scales).  Current and blockwise scaling without the weight cache.
+  int64_t share = 0;
+  Launch fwd_w;
   std::vector<int64_t> out_shape, in_shape;
   // the linear ops' real impls (native_linear_op.cpp): each flat output's
   // shape in the op's fake, forward and backward (empty: as made)
@@ -154,6 +162,10 @@ inline bool bias_fits(const Plan& p, const at::Tensor& b) {
 struct Forward {
   at::Tensor y, x_t, x_sinv, w_t, w_sinv;
   at::Tensor x_amax, w_amax;  // NVFP4: the columnwise copies' amaxes
+  // a plan with `share`: all of x's copies (current: data, transpose,
+  // scale_inv; blockwise: rowwise data, scales, columnwise data, scales;
+  // an absent columnwise copy undefined)
+  std::vector<at::Tensor> x_copies;
 };
 
 // The stored length of a row of 128x128 scales: `blocks` padded to a

@@ -130,11 +130,12 @@ def linear_forward(args: LinearFwdArgs, xq=None, wq=None, amaxes=None) -> OpResu
                          "with its amaxes exactly under delayed scaling")
     if wq is not None and xq is None:
         raise ValueError("linear_forward: a pre-quantized weight comes with the input's")
-    # a lowered trace quantizes (and under column SP gathers) an input read
-    # by several layers once (shared_inputs.py); a gathered one is shared
-    # where only its quantized copy is used (not with save_original_input)
-    offer = (tracing.active and xq is None and q is not None and args.scale_fwd is None
-             and not (gathers and args.save_original_input))
+    # an input read by several layers is quantized (and under column SP
+    # gathered) once, in a lowered trace and eagerly (shared_inputs.py); a
+    # gathered one is shared where only its quantized copy is used (not with
+    # save_original_input)
+    offer = ((tracing.active or tracing.eager_in_place()) and xq is None and q is not None
+             and args.scale_fwd is None and not (gathers and args.save_original_input))
     tag = ("gathered", args.tp_group) if gathers else None
     if offer:
         shared = shared_inputs.lookup(x, q, tag)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from ... import kernels
+from ...dynamo import shared_inputs
 from ...kernels import grid_state, native
 from ...kernels.reference import FP8_DTYPE
 from ...quantization.blockwise import Float8BlockQuantizer
@@ -221,7 +222,31 @@ def plan_for(args: LinearFwdArgs, given_x: bool = False, plain: bool = False):
                     q.columnwise_usage, wq.columnwise_usage, dgrad, wgrad,
                     args.bias is not None, list(x.shape[:-1]) + [n], list(x.shape))
     plan.set_cache(cache)
+    if cache == NO_CACHE and _shares_input(args, q, wq):
+        with torch.no_grad():
+            w2d = torch.zeros((n, k), dtype=w.dtype, device=x.device)
+            fwd_w = _launch(ext, w2d, None, wq, (wq.rowwise_usage, wq.columnwise_usage), None,
+                            slot)
+        if fwd_w is not None:
+            plan.set_share(_share_key(q), fwd_w)
     return _with_bias_grad(ext, plan, args, slot, _cache_buffers(args) if cache else ())
+
+
+_SHARE_KEYS: dict = {}  # quantizer (by value) -> the nonzero int the plans compare
+
+
+def _share_key(q) -> int:
+    """The int a plan names x's quantization by (native_linear.cpp's
+    ``shared_x``): equal for equal quantizers, which make equal bytes."""
+    return _SHARE_KEYS.setdefault(q, len(_SHARE_KEYS) + 1)
+
+
+def _shares_input(args: LinearFwdArgs, q, wq) -> bool:
+    """Whether the plan offers x's copies to, and takes them from, the eager
+    calls that read the same x (dynamo/shared_inputs.py's rules): W then
+    quantized by a launch of its own."""
+    return (shared_inputs.EAGER and shared_inputs._shareable(q) and wq is not None
+            and args.scale_fwd is None)
 
 
 def linear_plan(args: LinearFwdArgs):
@@ -460,6 +485,11 @@ def _block_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
     plan.set_block(F.ScalingType.BlockWise1x128.value, F.ScalingType.BlockWise128x128.value,
                    bias_add)
     plan.set_cache(cache)
+    if cache == NO_CACHE and _shares_input(args, q, wq):
+        with torch.no_grad():
+            fwd_w = _block_launch(ext, torch.zeros((n, k), dtype=w.dtype, device=x.device), wq)
+        if fwd_w is not None:
+            plan.set_share(_share_key(q), fwd_w)
     return _with_bias_grad(ext, plan, args, slot, _cache_buffers(args) if cache else ())
 
 
