@@ -25,6 +25,7 @@ OPS = (
     "quantize_fp8_current",
     "quantize_fp8_current_pair",
     "quantize_fp8_current_pair_from_parts",
+    "quantize_fp8_many",
     "amax_grouped",
     "cast_fp8_grouped",
     "quantize_mxfp8",
