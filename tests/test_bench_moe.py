@@ -32,6 +32,22 @@ def test_moe_benchmark_rows(tmp_path, monkeypatch):
     assert "a candidate that fails" in rows["te mxfp8"]["error"]
 
 
+def test_moe_benchmark_compiles_in_the_mode_asked(tmp_path, monkeypatch):
+    """``--mode reduce-overhead`` reaches torch.compile (CUDA graphs on a GPU;
+    on a CPU inductor runs without them) and the result file says so."""
+    out = tmp_path / "moe.json"
+    modes = []
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: (modes.append(kw.get("mode")),
+                                                            real(fn, **kw))[1])
+    rc = moe.main(["--configs", "tiny", "--steps", "1", "--recipes", "fp8_current",
+                   "--mode", "reduce-overhead", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert rc == 0 and result["mode"] == "reduce-overhead"
+    assert modes and set(modes) == {"reduce-overhead"}
+    assert all(r["ms"] > 0 for r in result["rows"])
+
+
 def test_te_block_equals_the_torch_block():
     cfg = moe.CONFIGS["tiny"]
     x = torch.randn(cfg.tokens, cfg.hidden, dtype=torch.bfloat16)

@@ -5,7 +5,8 @@ the same block on ``torch._grouped_mm`` in bf16, side by side in one
 process, compiled.
 
     python -m transformer_engine_compile.benchmarks.moe [--configs mixtral qwen3] \\
-        [--recipes fp8_current fp8_current_e4m3] [--steps 20] [--json out.json] [--profile]
+        [--recipes fp8_current fp8_current_e4m3] [--steps 20] [--json out.json] [--profile] \\
+        [--mode reduce-overhead]
 
 Configs: ``mixtral`` (hidden 4096, ffn 14336, 8 experts, top-2, 16k
 tokens), ``qwen3`` (hidden 2048, expert ffn 768, 128 experts, top-8, 16k
@@ -160,9 +161,11 @@ def profile_once(run) -> dict:
         return summarize(path, top=20)
 
 
-def time_block(block, rec, x, steps: int, compiled: bool, profiled: bool = False) -> dict:
+def time_block(block, rec, x, steps: int, compiled: bool, profiled: bool = False,
+               mode: str = "default") -> dict:
     """Median ms of forward + backward (synchronised per step); with
-    ``profiled``, the kernels of one more step under ``"profile"``."""
+    ``profiled``, the kernels of one more step under ``"profile"``;
+    ``mode``: ``torch.compile``'s (``"reduce-overhead"``: CUDA graphs)."""
     from ..autocast import autocast
 
     def step():
@@ -170,7 +173,14 @@ def time_block(block, rec, x, steps: int, compiled: bool, profiled: bool = False
             y = block(x)
         y.float().pow(2).mean().backward()
 
-    run = torch.compile(step) if compiled else step
+    run = step
+    if compiled:
+        compiled_step = torch.compile(step, mode=None if mode == "default" else mode)
+
+        def run():
+            if mode == "reduce-overhead":
+                torch.compiler.cudagraph_mark_step_begin()
+            compiled_step()
     sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     for _ in range(3):
         run()
@@ -208,7 +218,8 @@ def recipe(name: str):
     return R.DelayedScaling() if name == "fp8_delayed" else R.by_name(name)
 
 
-def run(configs, recipes, device, steps, compiled, log=print, profiled=False) -> list:
+def run(configs, recipes, device, steps, compiled, log=print, profiled=False,
+        mode="default") -> list:
     rows = []
     for name in configs:
         cfg = CONFIGS[name]
@@ -222,7 +233,7 @@ def run(configs, recipes, device, steps, compiled, log=print, profiled=False) ->
             row = {"config": name, "candidate": label}
             try:
                 row.update(time_block(build(cfg, kind, device), rec, x.requires_grad_(),
-                                      steps, compiled, profiled))
+                                      steps, compiled, profiled, mode))
                 base = next((r for r in rows + [row] if r["config"] == name
                              and r["candidate"] == "torch bf16" and "ms" in r), None)
                 row["x_bf16"] = None if base is None else base["ms"] / row["ms"]
@@ -305,7 +316,7 @@ def hf_moe_model(cfg: HFMoEConfig, kind: str, device) -> tuple:
     return model, impl
 
 
-def run_hf(configs, recipes, device, steps, compiled=True, log=print) -> list:
+def run_hf(configs, recipes, device, steps, compiled=True, log=print, mode="default") -> list:
     """Whole training steps (fused AdamW, loss read every step, compiled
     fullgraph) of the Hugging Face model as is, in bf16, and after
     ``te.convert`` under each recipe, side by side; ``loss``: the loss of
@@ -323,7 +334,7 @@ def run_hf(configs, recipes, device, steps, compiled=True, log=print) -> list:
             row = {"config": name, "candidate": label}
             try:
                 model, impl = hf_moe_model(cfg, kind, device)
-                step = make_step(CausalLMLoss(model), rec, "default" if compiled else "eager")
+                step = make_step(CausalLMLoss(model), rec, mode if compiled else "eager")
                 ms, host_ms = time_steps(step, tokens, tokens, steps=steps)
                 row.update(ms=ms, host_ms=host_ms, experts=impl, loss=step(tokens, tokens))
                 base = next((r for r in rows + [row] if r["config"] == name
@@ -348,6 +359,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--eager", action="store_true")
+    parser.add_argument("--mode", choices=("default", "reduce-overhead"), default="default",
+                        help="torch.compile's mode (reduce-overhead: CUDA graphs)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile", action="store_true",
                         help="after timing, one step of each row under torch.profiler: "
@@ -356,15 +369,17 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     configs = args.configs or (["mixtral", "qwen3"] if device.type == "cuda" else ["tiny"])
     print(f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
-          f"torch {torch.__version__}, {'eager' if args.eager else 'compiled'}, "
+          f"torch {torch.__version__}, {'eager' if args.eager else 'compiled ' + args.mode}, "
           "forward + backward per step")
     blocks = [c for c in configs if c in CONFIGS]
-    rows = run(blocks, args.recipes, device, args.steps, not args.eager, profiled=args.profile)
+    rows = run(blocks, args.recipes, device, args.steps, not args.eager, profiled=args.profile,
+               mode=args.mode)
     rows += run_hf([c for c in configs if c in HF_CONFIGS], args.recipes, device, args.steps,
-                   not args.eager)
+                   not args.eager, mode=args.mode)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "device": str(device), "rows": rows}, f,
+            json.dump({"torch": torch.__version__, "device": str(device),
+                       "mode": "eager" if args.eager else args.mode, "rows": rows}, f,
                       indent=1)
     return 0 if all("error" not in r for r in rows) else 1
 
