@@ -102,7 +102,24 @@ def test_eager_entry_goes_with_its_input(monkeypatch):
     h = torch.randn(64, 128, dtype=torch.bfloat16)
     with te.autocast(recipe=RECIPES["fp8_current"]()), torch.no_grad():
         layer(h)
-    assert shared_inputs._LAST.entry is not None and shared_inputs._LAST.entry[0]() is h
+    assert shared_inputs._LAST.cell and shared_inputs._LAST.cell[0][0]() is h
     del h
     gc.collect()
-    assert shared_inputs._LAST.entry is None
+    assert not shared_inputs._LAST.cell
+
+
+def test_eager_entry_goes_with_an_input_freed_on_another_thread(monkeypatch):
+    """A saved input is often freed by the autograd engine's thread: the
+    forward thread's entry still goes with it."""
+    import threading
+    monkeypatch.setattr(shared_inputs, "EAGER", True)
+    layer = te.Linear(128, 64, bias=False, params_dtype=torch.bfloat16)
+    holder = [torch.randn(64, 128, dtype=torch.bfloat16)]
+    with te.autocast(recipe=RECIPES["fp8_current"]()), torch.no_grad():
+        layer(holder[0])
+    assert shared_inputs._LAST.cell
+    thread = threading.Thread(target=holder.clear)  # the last reference goes there
+    thread.start()
+    thread.join()
+    gc.collect()
+    assert not shared_inputs._LAST.cell

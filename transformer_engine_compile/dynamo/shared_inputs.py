@@ -48,9 +48,11 @@ EAGER = os.environ.get("TE_COMPILE_SHARE_INPUTS", "1") != "0"
 
 
 class _LastInput(threading.local):
-    """The last input an eager call offered: (weakref to it, its version,
-    quantizer, tag, buffers), or None."""
-    entry = None
+    """The last input an eager call offered on this thread: ``cell`` holds
+    (weakref to it, its version, quantizer, tag, buffers), or nothing.  The
+    weakref's callback empties the cell from whichever thread frees the
+    input (the autograd engine's, when a saved input goes)."""
+    cell: list = []
 
 
 _LAST = _LastInput()
@@ -92,10 +94,10 @@ def lookup(x, quantizer, tag=None) -> Optional[dict]:
     earlier call: of this trace (in its functionalization session), or the
     eager call just before on this thread; else None."""
     if not tracing.active:
-        entry = _LAST.entry
-        if entry is None or not _eager(x, quantizer):
+        cell = _LAST.cell
+        if not cell or not _eager(x, quantizer):
             return None
-        ref, version, q, entry_tag, buffers = entry
+        ref, version, q, entry_tag, buffers = cell[0]
         if ref() is not x or version != x._version or entry_tag != tag or q != quantizer:
             return None
         return dict(buffers)
@@ -116,8 +118,10 @@ def record(x, quantizer, quantized, tag=None) -> None:
     dropping any of its copies."""
     if not tracing.active:
         if _eager(x, quantizer):
-            _LAST.entry = (weakref.ref(x, _drop), x._version, quantizer, tag,
-                           dict(quantized.buffers()))
+            cell: list = []
+            cell.append((weakref.ref(x, lambda _, cell=cell: cell.clear()), x._version,
+                         quantizer, tag, dict(quantized.buffers())))
+            _LAST.cell = cell
         return
     slot = _slot(x, quantizer, tag)
     if slot is None:
@@ -126,10 +130,3 @@ def record(x, quantizer, quantized, tag=None) -> None:
     memo.setdefault(key, {name: compat.plain_of_functional(t)
                           for name, t in quantized.buffers().items()})
 
-
-def _drop(ref) -> None:
-    """``x`` was freed: its copies go with it (a callback may run on another
-    thread, which has its own entry)."""
-    entry = _LAST.entry
-    if entry is not None and entry[0] is ref:
-        _LAST.entry = None
