@@ -179,9 +179,10 @@ def time_block(block, rec, x, steps: int, compiled: bool, profiled: bool = False
 
         def run():
             if mode == "reduce-overhead":
-                # the last replay's gradient would be read (accumulated into)
-                # after the next replay overwrote it
+                # the last replay's gradients would be read (accumulated into)
+                # after the next replay overwrote them
                 x.grad = None
+                block.zero_grad(set_to_none=True)
                 torch.compiler.cudagraph_mark_step_begin()
             compiled_step()
     sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
