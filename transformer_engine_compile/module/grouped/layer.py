@@ -167,9 +167,10 @@ def _quantizers(recipe, delayed_state, inp) -> dict:
         recipe.fast_accumulation()
     if recipe.delayed():
         if inp.is_cuda and torch.compiler.is_compiling():
-            # found on an H200: the compiled forward's new amax history and
-            # scale are not written back on CUDA (they are on CPU, and in
-            # eager mode on both), so the scales would silently stay put
+            # found on an H200: the compiled forward graph on CUDA holds no
+            # write of the forward op's new amax history and scale into the
+            # buffers (aot_eager and inductor alike; on CPU, and in eager
+            # mode on both, it does), so the scales would silently stay put
             raise NotImplementedError(
                 "te.GroupedLinear: DelayedScaling under torch.compile on CUDA is not "
                 "supported yet (run the grouped layers eagerly, or use "
