@@ -155,7 +155,12 @@ def grouped_linear_forward_fake(args: GroupedLinearFwdArgs) -> OpResult:
 def tensorwise_fp8(q) -> bool:
     """Per-expert FP8 tensor scaling, current or delayed (FP8 grouped GEMMs
     on CUDA); the other recipes take the block-scaled path (``blocked.py``)."""
-    return isinstance(q, (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer))
+    # one class per isinstance: Dynamo on torch 2.11 answers an isinstance
+    # of a value-opaque object against a tuple of classes by the first alone
+    # (a DelayedScaling quantizer then took the block-scaled path's layout
+    # in the trace, and the forward's state updates were lost)
+    return (isinstance(q, Float8CurrentScalingQuantizer)
+            or isinstance(q, Float8DelayedScalingQuantizer))
 
 
 def grouped_linear_setup_context(args: GroupedLinearFwdArgs) -> dict:

@@ -166,15 +166,6 @@ def _quantizers(recipe, delayed_state, inp) -> dict:
     fields["fprop_fast_accum"], fields["dgrad_fast_accum"], fields["wgrad_fast_accum"] = \
         recipe.fast_accumulation()
     if recipe.delayed():
-        if inp.is_cuda and torch.compiler.is_compiling():
-            # found on an H200: the compiled forward graph on CUDA holds no
-            # write of the forward op's new amax history and scale into the
-            # buffers (aot_eager and inductor alike; on CPU, and in eager
-            # mode on both, it does), so the scales would silently stay put
-            raise NotImplementedError(
-                "te.GroupedLinear: DelayedScaling under torch.compile on CUDA is not "
-                "supported yet (run the grouped layers eagerly, or use "
-                "Float8CurrentScaling)")
         if delayed_state is None:
             raise ValueError("te.GroupedLinear: DelayedScaling keeps amax histories in a "
                              "module: call te.GroupedLinear (or te.GroupedExperts), or pass "
