@@ -173,18 +173,19 @@ def time_block(block, rec, x, steps: int, compiled: bool, profiled: bool = False
             y = block(x)
         y.float().pow(2).mean().backward()
 
-    run = step
-    if compiled:
-        compiled_step = torch.compile(step, mode=None if mode == "default" else mode)
+    compiled_step = torch.compile(step, mode=None if mode == "default" else mode) \
+        if compiled else None
 
-        def run():
-            if mode == "reduce-overhead":
-                # the last replay's gradients would be read (accumulated into)
-                # after the next replay overwrote them
-                x.grad = None
-                block.zero_grad(set_to_none=True)
-                torch.compiler.cudagraph_mark_step_begin()
-            compiled_step()
+    def run():
+        if compiled_step is None:
+            return step()
+        if mode == "reduce-overhead":
+            # the last replay's gradients would be read (accumulated into)
+            # after the next replay overwrote them
+            x.grad = None
+            block.zero_grad(set_to_none=True)
+            torch.compiler.cudagraph_mark_step_begin()
+        return compiled_step()
     sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     for _ in range(3):
         run()
