@@ -157,8 +157,6 @@ def tensorwise_fp8(q) -> bool:
     on CUDA); the other recipes take the block-scaled path (``blocked.py``)."""
     # one class per isinstance: Dynamo on torch 2.11 answers an isinstance
     # of a value-opaque object against a tuple of classes by the first alone
-    # (a DelayedScaling quantizer then took the block-scaled path's layout
-    # in the trace, and the forward's state updates were lost)
     return (isinstance(q, Float8CurrentScalingQuantizer)
             or isinstance(q, Float8DelayedScalingQuantizer))
 

@@ -222,13 +222,9 @@ def plan_for(args: LinearFwdArgs, given_x: bool = False, plain: bool = False):
                     q.columnwise_usage, wq.columnwise_usage, dgrad, wgrad,
                     args.bias is not None, list(x.shape[:-1]) + [n], list(x.shape))
     plan.set_cache(cache)
-    if cache == NO_CACHE and _shares_input(args, q, wq):
-        with torch.no_grad():
-            w2d = torch.zeros((n, k), dtype=w.dtype, device=x.device)
-            fwd_w = _launch(ext, w2d, None, wq, (wq.rowwise_usage, wq.columnwise_usage), None,
-                            slot)
-        if fwd_w is not None:
-            plan.set_share(_share_key(q), fwd_w)
+    if cache == NO_CACHE:
+        _set_share(plan, args, q, wq, lambda w2d: _launch(
+            ext, w2d, None, wq, (wq.rowwise_usage, wq.columnwise_usage), None, slot))
     return _with_bias_grad(ext, plan, args, slot, _cache_buffers(args) if cache else ())
 
 
@@ -241,12 +237,18 @@ def _share_key(q) -> int:
     return _SHARE_KEYS.setdefault(q, len(_SHARE_KEYS) + 1)
 
 
-def _shares_input(args: LinearFwdArgs, q, wq) -> bool:
-    """Whether the plan offers x's copies to, and takes them from, the eager
-    calls that read the same x (dynamo/shared_inputs.py's rules): W then
-    quantized by a launch of its own."""
-    return (shared_inputs.EAGER and shared_inputs._shareable(q) and wq is not None
-            and args.scale_fwd is None)
+def _set_share(plan, args: LinearFwdArgs, q, wq, weight_launch) -> None:
+    """Make ``plan`` offer x's copies to, and take them from, the eager
+    calls that read the same x (dynamo/shared_inputs.py's rules), where
+    they apply: W is then quantized by ``weight_launch(w2d)``'s launch."""
+    if not (shared_inputs.EAGER and shared_inputs._shareable(q) and wq is not None
+            and args.scale_fwd is None):
+        return
+    w = args.weight
+    with torch.no_grad():
+        fwd_w = weight_launch(torch.zeros(w.shape, dtype=w.dtype, device=args.inp.device))
+    if fwd_w is not None:
+        plan.set_share(_share_key(q), fwd_w)
 
 
 def linear_plan(args: LinearFwdArgs):
@@ -485,11 +487,8 @@ def _block_plan(ext, args: LinearFwdArgs, m: int, k: int, n: int, slot):
     plan.set_block(F.ScalingType.BlockWise1x128.value, F.ScalingType.BlockWise128x128.value,
                    bias_add)
     plan.set_cache(cache)
-    if cache == NO_CACHE and _shares_input(args, q, wq):
-        with torch.no_grad():
-            fwd_w = _block_launch(ext, torch.zeros((n, k), dtype=w.dtype, device=x.device), wq)
-        if fwd_w is not None:
-            plan.set_share(_share_key(q), fwd_w)
+    if cache == NO_CACHE:
+        _set_share(plan, args, q, wq, lambda w2d: _block_launch(ext, w2d, wq))
     return _with_bias_grad(ext, plan, args, slot, _cache_buffers(args) if cache else ())
 
 
