@@ -230,6 +230,23 @@ def test_host_benchmark_times_the_real_ops():
         assert torch.equal(LINEAR_OPS.fwd_op(*flat)[0], expected)
 
 
+def test_host_benchmark_times_layers_quantizing_their_own_input(monkeypatch):
+    """The eager rows call one layer on the same input again and again:
+    input sharing is off while timing (each call quantizes its input), and
+    back on after."""
+    from transformer_engine_compile.benchmarks import host as bench_host
+    from transformer_engine_compile.dynamo import shared_inputs
+    offered = []
+    real = shared_inputs.record
+    monkeypatch.setattr(shared_inputs, "record",
+                        lambda x, q, xq, tag=None: (offered.append(shared_inputs.EAGER),
+                                                    real(x, q, xq, tag))[1])
+    bench_host.measure(["fp8_current"], "cpu", n=1, size=128, tokens=128, rounds=1,
+                       log=lambda *_: None)
+    assert offered and not any(offered)
+    assert shared_inputs.EAGER
+
+
 def test_bench_error_text_names_the_layers_error_under_compile():
     """A candidate failing inside torch.compile is reported with the layer's
     own error (Dynamo raises "Observed exception" with it as the cause),

@@ -121,7 +121,18 @@ def measure(recipes=HOST_RECIPES, device="cuda", n=200, size=256, tokens=256, ro
     then time each in turn and each figure is the median over the rounds
     (a ratio: the median of its per-round ratios), since these hosts' speed
     drifts within seconds by more than the recipes differ (seen on the lent
-    H200 hosts)."""
+    H200 hosts).  Eager input sharing is off while timing: a layer called
+    again on the same input would otherwise reuse its quantization, and
+    each figure is a call that quantizes its own input."""
+    from ..dynamo import shared_inputs
+    previous, shared_inputs.EAGER = shared_inputs.EAGER, False
+    try:
+        return _measure(recipes, device, n, size, tokens, rounds, log)
+    finally:
+        shared_inputs.EAGER = previous
+
+
+def _measure(recipes, device, n, size, tokens, rounds, log) -> dict:
     device = torch.device(device)
     dt = torch.bfloat16
     gen = torch.Generator(device=device).manual_seed(0)
