@@ -247,6 +247,21 @@ def test_host_benchmark_times_layers_quantizing_their_own_input(monkeypatch):
     assert shared_inputs.EAGER
 
 
+def test_layer_benchmark_quantizes_the_input_at_every_step(monkeypatch):
+    """The single-layer configs feed the same input at every step: eager
+    input sharing is off while they run, and back on after."""
+    from transformer_engine_compile.dynamo import shared_inputs
+    offered = []
+    real = shared_inputs.record
+    monkeypatch.setattr(shared_inputs, "record",
+                        lambda x, q, xq, tag=None: (offered.append(shared_inputs.EAGER),
+                                                    real(x, q, xq, tag))[1])
+    assert bench.main(["--device", "cpu", "--configs", "tiny", "--recipes", "fp8_current",
+                       "--modes", "eager", "--iters", "1"]) == 0
+    assert offered and not any(offered)
+    assert shared_inputs.EAGER
+
+
 def test_bench_error_text_names_the_layers_error_under_compile():
     """A candidate failing inside torch.compile is reported with the layer's
     own error (Dynamo raises "Observed exception" with it as the cause),

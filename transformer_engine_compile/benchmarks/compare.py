@@ -208,7 +208,16 @@ def run(configs, recipes, modes, device, iters=None, repeats=5, with_torchao=Fal
     steps each) and ``ms`` is the median over the rounds, so a GPU or host
     that drifts over minutes skews no ratio (eager against default
     included); ``peak_gib`` is then each candidate's own, less what the
-    candidates built before it hold."""
+    candidates built before it hold.  Eager input sharing is off: every
+    step feeds the same input, and each step's first layer quantizes it."""
+    from ..dynamo import shared_inputs
+    with shared_inputs.eager_sharing(False):
+        return _run_layers(configs, recipes, modes, device, iters, repeats, with_torchao, log,
+                           fp8_grad, sync, bias, rounds)
+
+
+def _run_layers(configs, recipes, modes, device, iters, repeats, with_torchao, log, fp8_grad,
+                sync, bias, rounds) -> list:
     rows = []
     if rounds > 1:
         llama.keep_compiled_entries()

@@ -125,11 +125,8 @@ def measure(recipes=HOST_RECIPES, device="cuda", n=200, size=256, tokens=256, ro
     again on the same input would otherwise reuse its quantization, and
     each figure is a call that quantizes its own input."""
     from ..dynamo import shared_inputs
-    previous, shared_inputs.EAGER = shared_inputs.EAGER, False
-    try:
+    with shared_inputs.eager_sharing(False):
         return _measure(recipes, device, n, size, tokens, rounds, log)
-    finally:
-        shared_inputs.EAGER = previous
 
 
 def _measure(recipes, device, n, size, tokens, rounds, log) -> dict:

@@ -33,6 +33,7 @@ the trace, and no two traces see each other's values.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import weakref
@@ -56,6 +57,19 @@ class _LastInput(threading.local):
 
 
 _LAST = _LastInput()
+
+
+@contextlib.contextmanager
+def eager_sharing(enabled: bool):
+    """Eager input sharing on or off (``EAGER``) for the block: a benchmark
+    that calls a layer on the same input again and again times each call
+    quantizing its own input with it off."""
+    global EAGER
+    previous, EAGER = EAGER, enabled
+    try:
+        yield
+    finally:
+        EAGER = previous
 
 
 def _shareable(quantizer) -> bool:
