@@ -313,19 +313,19 @@ def make_step(model, rec, mode, lr=1e-4, amax_reduction_group=None, after_step=N
     opt = torch.optim.AdamW(param_groups(model), lr=lr, fused=True)
 
     def step(x, target, timings=None):
-        shared_inputs.EAGER = share_inputs  # read by eager calls and new native plans
-        t0 = time.perf_counter()
-        if mode == "reduce-overhead":
-            torch.compiler.cudagraph_mark_step_begin()
-        loss = f(x, target)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if after_step is not None:
-            after_step()
-        t1 = time.perf_counter()
-        value = loss.item()
-        shared_inputs.EAGER = True
+        # read by the eager calls and by native plans made in this step
+        with shared_inputs.eager_sharing(share_inputs):
+            t0 = time.perf_counter()
+            if mode == "reduce-overhead":
+                torch.compiler.cudagraph_mark_step_begin()
+            loss = f(x, target)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if after_step is not None:
+                after_step()
+            t1 = time.perf_counter()
+            value = loss.item()
         if timings is not None:
             timings.append((t1 - t0, time.perf_counter() - t0))
         return value
