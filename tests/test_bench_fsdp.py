@@ -119,3 +119,20 @@ def test_fsdp_bench_interleaved_rounds(capfd):
     out = capfd.readouterr().out
     assert out.count("| config | candidate |") == 1
     assert out.count("| llama-tiny | te fp8_current |") == 1
+
+
+def test_fsdp_bench_kept_copies_equal_the_requantized_backward():
+    """``--kept-copies``: each te recipe's bf16 gather also runs with the
+    layers keeping their FP8 weight copies for the backward; its losses
+    equal those of the default (the backward quantizing the gathered weight
+    again) bit for bit, step after step."""
+    rows = bench_fsdp.cpu_run(["--recipes", "fp8_current", "--modes", "compiled",
+                               "--backend", "aot_eager", "--no-torchao", "--kept-copies",
+                               "--candidates", "te fp8_current (bf16 gather),"
+                               "te fp8_current (bf16 gather + FP8 copy kept)"])
+    assert [r["candidate"] for r in rows] == [
+        "te fp8_current (bf16 gather)", "te fp8_current (bf16 gather + FP8 copy kept)"]
+    for r in rows:
+        assert "error" not in r, r
+        assert r["gather"] == "bf16" and r["graphs"] == 2
+    assert rows[0]["loss"] == rows[1]["loss"]

@@ -244,6 +244,56 @@ def test_fsdp_transposed_copy_made_once_where_the_backward_reads_it():
     H.spawn(transpose_worker)
 
 
+# -- the high-precision gather keeps no quantized weight copy ------------------------------
+def saved_weight_worker(group):
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    rec = F.recipe_of("fp8_current")
+    x = torch.randn(8, F.IN, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    weight_shapes = {(F.HID, F.IN), (F.IN, F.HID), (2 * F.HID, F.IN)}
+    grads = []
+    for keep_copy in (False, True):
+        model = F.build("cpu")
+        mesh = F.world_mesh()
+        for layer in model:
+            if any(True for _ in layer.parameters()):
+                te.fsdp.fully_shard(layer, recipe=rec, mesh=mesh, quantized_gather=False)
+        torch_fully_shard(model, mesh=mesh)
+        layers = [m for m in model.modules() if te.fsdp.gemm_weight_names(m)]
+        assert len(layers) == 3 and all(m.save_original_weight for m in layers)
+        for m in layers:
+            m.save_original_weight = not keep_copy
+        saved = []
+
+        def pack(t):
+            saved.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with te.autocast(recipe=rec):
+                y = model(x)
+        fp8_weights = [t for t in saved if t.dtype == torch.float8_e4m3fn
+                       and (tuple(t.shape) in weight_shapes or tuple(t.shape[::-1]) in weight_shapes)]
+        originals = [t for t in saved if t.dtype == torch.bfloat16 and tuple(t.shape) in weight_shapes]
+        if keep_copy:  # the FP8 columnwise copies, held until the backward
+            assert len(fp8_weights) == 4 and not originals, (len(fp8_weights), len(originals))
+        else:  # the gathered weights themselves, their storage freed by FSDP2 after the forward
+            assert not fp8_weights and len(originals) == 4, (len(fp8_weights), len(originals))
+            assert all(t.untyped_storage().size() == 0 for t in originals)
+        y.float().pow(2).mean().backward()
+        grads.append([p.grad.full_tensor() for p in model.parameters()])
+    for a, b in zip(*grads):  # the backward's quantization equals the forward's copy
+        assert torch.equal(a, b)
+
+
+def test_fsdp_high_precision_gather_saves_no_quantized_weight_copy():
+    """Under ``te.fsdp.fully_shard``'s high-precision gather the layers save
+    the gathered weight for the backward (freed by FSDP2 after the forward,
+    gathered again for the backward) instead of an FP8 copy of it, with the
+    gradients bit for bit those of the kept copy."""
+    H.spawn(saved_weight_worker)
+
+
 # -- choosing the gather ------------------------------------------------------------------
 def gather_choice_worker(group):
     import logging

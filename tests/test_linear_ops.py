@@ -84,7 +84,7 @@ def opcheck(op, flat, quantized):
 
 
 def _fwd_args(rec, *, bias=True, input_rg=True, weight_rg=True, save_original_input=False,
-              cache_weight=False, fp8_output=False, fp8_weight=False, workspace=False,
+              save_original_weight=False, cache_weight=False, fp8_output=False, fp8_weight=False, workspace=False,
               main_grad=False, fp8_grad=False, lead=(2, 64)):
     torch.manual_seed(0)
     x = torch.randn(*lead, 128, dtype=torch.bfloat16)
@@ -93,7 +93,8 @@ def _fwd_args(rec, *, bias=True, input_rg=True, weight_rg=True, save_original_in
     args = LinearFwdArgs(
         inp=x, weight=w, bias=torch.randn(128, dtype=torch.bfloat16) if bias else None,
         input_requires_grad=input_rg, weight_requires_grad=weight_rg, bias_requires_grad=bias,
-        save_original_input=save_original_input, cache_weight=cache_weight and rec is not None)
+        save_original_input=save_original_input, save_original_weight=save_original_weight,
+        cache_weight=cache_weight and rec is not None)
     if rec is not None:
         args.input_quantizer = q("input", internal=True)
         args.weight_quantizer = q("weight", internal=True)
@@ -156,7 +157,16 @@ FLAG_COMBOS = [dict(zip(("bias", "input_rg", "weight_rg", "save_original_input",
 EXTRA_COMBOS = [dict(fp8_output=True, input_rg=False, weight_rg=False),
                 dict(fp8_weight=True), dict(fp8_weight=True, input_rg=False),
                 dict(workspace=True), dict(workspace=True, weight_rg=False),
-                dict(workspace=True, cache_weight=True)]
+                dict(workspace=True, cache_weight=True),
+                # W saved as it is for the backward to quantize (DelayedScaling,
+                # a cache or a workspace keep the forward's copy instead)
+                dict(save_original_weight=True), dict(save_original_weight=True, bias=False),
+                dict(save_original_weight=True, weight_rg=False),
+                dict(save_original_weight=True, input_rg=False),
+                dict(save_original_weight=True, save_original_input=True),
+                dict(save_original_weight=True, cache_weight=True),
+                dict(save_original_weight=True, workspace=True),
+                dict(save_original_weight=True, fp8_weight=True)]
 STATE_COMBOS = [dict(main_grad=True), dict(main_grad=True, input_rg=False)]
 # fp8_grad (quantized dgrad) and quantized incoming dy: the FP8 recipes only
 FP8_GRAD_RECIPES = ("fp8_current", "fp8_block", "mxfp8", "delayed")
@@ -193,6 +203,8 @@ def test_layout_parity_forward_and_backward(name, lead):
         combos = combos + FP8_GRAD_COMBOS
     if name == "delayed":  # te.Linear refuses these two with DelayedScaling
         combos = [c for c in combos if not (c.get("save_original_input") or c.get("fp8_output"))]
+    if name in FP8_GRAD_RECIPES:
+        combos = combos + [dict(fp8_grad=True, save_original_weight=True)]
     for flags in combos:
         args = _fwd_args(rec, **flags, lead=lead)
         protos = OPS.fwd_plan.to_protos(args)
@@ -238,6 +250,43 @@ def test_parity_counts_what_the_flags_promise():
         assert saved_w.get_usages() == both, kept
     args = _fwd_args(RECIPES["mxfp8"], save_original_input=True)
     assert L.linear_forward(args).saved["inputmat"] is args.inp
+
+
+@pytest.mark.parametrize("name", [n for n in OP_RECIPES if n != "bf16"])
+def test_saved_original_weight_is_requantized_bit_for_bit(name):
+    """``save_original_weight``: the forward saves W itself and quantizes
+    only its rowwise copy, the backward quantizes the columnwise copy from
+    it, and every output and gradient equals the saved-copy run bit for bit.
+    Not under DelayedScaling (the forward moves its scale): there the
+    forward's copy is saved as before.  A weight the layer caches or holds
+    quantized is saved as before too."""
+    rec = OP_RECIPES[name]
+    runs = []
+    for sow in (False, True):
+        args = _fwd_args(rec, save_original_weight=sow)
+        real = L.linear_forward(args)
+        ctx = L.linear_setup_context(args)
+        saved_w = real.saved["weightmat"]
+        if sow and name != "delayed":
+            assert saved_w is args.weight and ctx["weight_quantizer"] is args.weight_quantizer
+        else:
+            assert isinstance(saved_w, te.QuantizedTensorStorage)
+            assert saved_w.get_usages() == {"rowwise": False, "columnwise": True}
+            assert ctx["weight_quantizer"] is None
+        dy = _grad_outputs(name)[0]
+        bwd = L.linear_backward(OPS.make_bwd_args(real.saved, ctx, {"grad_output": dy}))
+        runs.append([real.outputs["out"], bwd["inp"], bwd["weight"], bwd["bias"]])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    for kept in (dict(cache_weight=True), dict(workspace=True), dict(fp8_weight=True)):
+        args = _fwd_args(rec, save_original_weight=True, **kept)
+        if kept.get("cache_weight"):
+            q = args.weight_quantizer
+            args.weight_workspace = (q.quantize_with_scale(args.weight, torch.ones(1))
+                                     if rec.delayed() else q.quantize(args.weight))
+        saved_w = L.linear_forward(args).saved["weightmat"]
+        assert isinstance(saved_w, te.QuantizedTensorStorage), kept
+        assert L.linear_setup_context(args)["weight_quantizer"] is None, kept
     args = _fwd_args(None)
     result = L.linear_forward(args)
     assert result.saved["inputmat"] is args.inp and result.saved["weightmat"] is args.weight
@@ -247,14 +296,16 @@ def test_parity_counts_what_the_flags_promise():
 @pytest.mark.parametrize("name", OP_RECIPES)
 def test_opcheck_forward_and_backward_ops(name, lead):
     rec = OP_RECIPES[name]
-    args = _fwd_args(rec, main_grad=name in ("bf16", "delayed"), lead=lead)
-    args.inp.requires_grad_()
-    opcheck(OPS.fwd_op, OPS.fwd_plan.encode(args), rec is not None)
-    real = L.linear_forward(args)
-    args.inp.requires_grad_(False)  # the backward op runs with grad mode off
-    dy = torch.randn(*lead, 128, dtype=torch.bfloat16)
-    bwd = OPS.make_bwd_args(real.saved, L.linear_setup_context(args), {"grad_output": dy})
-    opcheck(OPS.bwd_op, OPS.bwd_plan.encode(bwd), rec is not None)
+    for sow in (False, True):  # the backward quantizing the saved W
+        args = _fwd_args(rec, main_grad=name in ("bf16", "delayed"), lead=lead,
+                         save_original_weight=sow)
+        args.inp.requires_grad_()
+        opcheck(OPS.fwd_op, OPS.fwd_plan.encode(args), rec is not None)
+        real = L.linear_forward(args)
+        args.inp.requires_grad_(False)  # the backward op runs with grad mode off
+        dy = torch.randn(*lead, 128, dtype=torch.bfloat16)
+        bwd = OPS.make_bwd_args(real.saved, L.linear_setup_context(args), {"grad_output": dy})
+        opcheck(OPS.bwd_op, OPS.bwd_plan.encode(bwd), rec is not None)
 
 
 @pytest.mark.parametrize("name", FP8_GRAD_RECIPES)

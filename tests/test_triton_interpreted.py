@@ -410,6 +410,8 @@ for dtype in (torch.bfloat16, torch.float32):
         for i, (x, (d, si)) in enumerate(zip(xs, outs)):
             one = tq.quantize_fp8_current(x, fmt, pow2, eps, True, False, amax=amaxes[i:i + 1].clone())
             assert d.shape == x.shape and si.shape == (1,), (d.shape, si.shape)
+            # as a tensor of its own: the FP8 GEMMs refuse unaligned operands and scales
+            assert d.data_ptr() % 16 == 0 and si.data_ptr() % 16 == 0, i
             assert torch.equal(d.view(torch.uint8), one["data"].view(torch.uint8)), (dtype, fmt, i)
             assert torch.equal(si, one["scale_inv"].reshape(1)), (si, one["scale_inv"])
             r = ref.quantize_fp8_many([x], amaxes[i:i + 1], fmt, pow2, eps)[0]

@@ -511,3 +511,14 @@ def test_cast_many_equals_one_cast_per_tensor(dtype, fmt, pow2, eps):
                                                      amaxes[i:i + 1].clone())
         assert torch.equal(data.view(torch.uint8), one["data"].view(torch.uint8))
         assert torch.equal(sinv, one["scale_inv"].reshape(1))
+        assert data.data_ptr() % 16 == 0 and sinv.data_ptr() % 16 == 0
+    # FSDP2 hands the scales to the FP8 GEMMs as they are: cuBLASLt takes them
+    data = outs[4][0]
+    a, b = data[:32], data[16:32]
+    if fmt == "e4m3":  # _scaled_mm takes E4M3 x E4M3
+        for i in range(len(outs)):
+            si = outs[i][1]
+            out = torch._scaled_mm(a, b.t(), scale_a=si, scale_b=si, out_dtype=torch.bfloat16)
+            ref = torch._scaled_mm(a, b.t(), scale_a=si.clone(), scale_b=si.clone(),
+                                   out_dtype=torch.bfloat16)
+            assert torch.equal(out, ref)

@@ -56,3 +56,39 @@ def test_cuda_fp8_primary_weight_and_fp8_output(backend):
     q_eager, q_comp = infer(x0), torch.compile(infer, fullgraph=True, backend=backend)(x0)
     assert type(q_comp) is te.Float8Tensor
     assert torch.equal(q_eager.dequantize(), q_comp.dequantize())
+
+
+@pytest.mark.parametrize("name", [n for n in RECIPES if RECIPES[n] is not None])
+def test_cuda_saved_original_weight_requantized_bit_for_bit(name):
+    """``save_original_weight`` (te.fsdp.fully_shard's high-precision
+    gather): eager (native plans decline it: the Python path runs) and
+    compiled with inductor, the backward quantizing W again gives the
+    outputs and gradients of the layer that keeps the forward's copy,
+    bit for bit, and the layer holds no FP8 copy of W between its
+    forward and backward."""
+    rec = RECIPES[name]
+    results, kept = {}, {}
+    for compiled in (False, True):
+        for sow in (False, True):
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            layer = te.Linear(1024, 2048, params_dtype=torch.bfloat16, device="cuda")
+            layer.save_original_weight = sow
+            x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            f = torch.compile(layer, fullgraph=True, backend="inductor") if compiled else layer
+            held = []
+            for _ in range(2):  # the second call: compiled, the native plans made
+                x.grad = layer.weight.grad = None
+                before = torch.cuda.memory_allocated()
+                with te.autocast(recipe=rec):
+                    y = f(x)
+                held.append(torch.cuda.memory_allocated() - before - y.numel() * y.element_size())
+                y.float().pow(2).sum().backward()
+            results[compiled, sow] = (y.detach(), x.grad, layer.weight.grad)
+            kept[compiled, sow] = held[-1]
+    copy = layer.weight.numel() // (2 if name == "nvfp4" else 1)  # the quantized W's data
+    for compiled in (False, True):
+        assert kept[compiled, False] - kept[compiled, True] >= copy, kept
+    for key, got in results.items():
+        for a, b in zip(results[False, False], got):
+            assert torch.equal(a, b), key

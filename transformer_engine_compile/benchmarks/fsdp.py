@@ -63,10 +63,13 @@ CONFIGS = {**llama.LLAMA_CONFIGS, **llama.TINY_LLAMA, **llama.HF_CONFIGS,
                                               batch=2, vocab=32000)}
 
 
-def candidates(recipe_names, with_torchao):
+def candidates(recipe_names, with_torchao, kept_copies=False):
     """(label, model kind, recipe, gather recipe) in table order: benchmarks.llama's
     candidates (te bf16 always; "bf16" in ``recipe_names`` adds nothing), each
-    recipe gathering in its own format, fp8_current also gathering bf16."""
+    recipe gathering in its own format, fp8_current and fp8_block also
+    gathering bf16; ``kept_copies``: those also with the bf16 gather and each
+    layer keeping its FP8 weight copy for the backward (gather recipe
+    :data:`KEPT`), the memory-for-time trade te.fsdp.fully_shard does not make."""
     recipes = {name: RECIPES[name] for name in recipe_names if name != "bf16"}
     out = []
     for label, kind, rec in llama.candidates(recipes, with_torchao):
@@ -74,7 +77,14 @@ def candidates(recipe_names, with_torchao):
         out.append((label, kind, rec, True if kind == "torchao" else rec))
         if label in HP_GATHER_TOO:
             out.append((f"{label} (bf16 gather)", kind, rec, None))
+            if kept_copies and kind != "torchao":
+                out.append((f"{label} (bf16 gather + FP8 copy kept)", kind, rec, KEPT))
     return out
+
+
+# the gather recipe of a candidate that gathers bf16 and keeps the forward's
+# FP8 weight copies for the backward (save_original_weight off)
+KEPT = "kept"
 
 
 # the recipes whose weights FSDP2 can gather quantized: each also runs with
@@ -82,18 +92,27 @@ def candidates(recipe_names, with_torchao):
 HP_GATHER_TOO = ("te fp8_current", "te fp8_block", "torchao fp8 tensorwise")
 
 
-def shard(model, gather_recipe, mesh, compiled, backend):
+def shard(model, gather_recipe, mesh, compiled, backend, save_original_weight=True):
     """torchtitan's layout: each block its own FSDP2 unit (compiled when
     asked), the root the rest.  ``te.fsdp.fully_shard`` with ``recipe=None``
     is torch's ``fully_shard`` (nothing is wrapped), so the baseline and
-    torchao go through it too."""
+    torchao go through it too.  ``save_original_weight=False``: the te
+    layers keep their FP8 weight copies for the backward instead (what
+    te.fsdp.fully_shard sets undone before the blocks compile)."""
     from ..parallel import fsdp
 
+    def sharded(module, **kwargs):
+        fsdp.fully_shard(module, mesh=mesh, **kwargs)
+        if not save_original_weight:
+            for layer in module.modules():
+                if hasattr(layer, "save_original_weight"):
+                    layer.save_original_weight = False
+
     for block in llama.decoder_blocks(model):
-        fsdp.fully_shard(block, recipe=gather_recipe, mesh=mesh, quantized_gather=True)
+        sharded(block, recipe=gather_recipe, quantized_gather=True)
         if compiled:
             block.compile(fullgraph=True, backend=backend)
-    fsdp.fully_shard(model, mesh=mesh)
+    sharded(model)
 
 
 def gather_label(model, kind):
@@ -155,7 +174,10 @@ def prepare(cfg, kind, rec, gather_recipe, mode, device, mesh, backend):
         float8_config = Float8LinearConfig(enable_fsdp_float8_all_gather=bool(gather_recipe),
                                            emulate=device.type != "cuda")
     model = llama.build(cfg, kind, device, float8_config=float8_config)
-    shard(model, None if kind == "torchao" else gather_recipe, mesh, mode == "compiled", backend)
+    kept = gather_recipe == KEPT
+    gather_recipe = None if kept else gather_recipe
+    shard(model, None if kind == "torchao" else gather_recipe, mesh, mode == "compiled", backend,
+          save_original_weight=not kept)
     if kind == "torchao":
         if gather_recipe:
             after_step = lambda: precompute_float8_dynamic_scale_for_fsdp(model)  # noqa: E731
@@ -264,11 +286,13 @@ def run_interleaved(configs, cands, modes, device, mesh, *, steps, backend, roun
 
 
 def run(configs, recipe_names, modes, device, *, steps=10, warmup=3, backend="inductor",
-        with_torchao=True, only=None, log=print, profile=False, gc_every=50, rounds=1):
+        with_torchao=True, only=None, log=print, profile=False, gc_every=50, rounds=1,
+        kept_copies=False):
     """All rows (every rank computes them; rank 0 logs them); ``only``: these
     candidate labels alone; ``profile``: each row also profiles a step and
     logs its breakdown after the table; ``gc_every``: :func:`measure`'s;
-    ``rounds > 1``: interleaved (:func:`run_interleaved`, no profile)."""
+    ``rounds > 1``: interleaved (:func:`run_interleaved`, no profile);
+    ``kept_copies``: :func:`candidates`'."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -279,10 +303,11 @@ def run(configs, recipe_names, modes, device, *, steps=10, warmup=3, backend="in
         import torchao
         log(f"torchao {torchao.__version__}\n")
 
+    cands = candidates(recipe_names, with_torchao, kept_copies)
     if rounds > 1:
-        return run_interleaved(configs, candidates(recipe_names, with_torchao), modes, device,
-                               mesh, steps=steps, backend=backend, rounds=rounds,
-                               gc_every=gc_every, only=only, log=log)
+        return run_interleaved(configs, cands, modes, device, mesh, steps=steps,
+                               backend=backend, rounds=rounds, gc_every=gc_every, only=only,
+                               log=log)
 
     def measure_row(cname, candidate, mode):
         _, kind, rec, gather_recipe = candidate
@@ -290,8 +315,8 @@ def run(configs, recipe_names, modes, device, *, steps=10, warmup=3, backend="in
                        steps=steps, warmup=warmup, backend=backend, profile=profile,
                        gc_every=gc_every)
 
-    rows = D.run_rows(configs, candidates(recipe_names, with_torchao), modes, only, measure_row,
-                      BASELINE, HEADER, format_row, log, device)
+    rows = D.run_rows(configs, cands, modes, only, measure_row, BASELINE, HEADER, format_row,
+                      log, device)
     if profile:
         log(format_profiles(rows))
     return rows
@@ -356,6 +381,9 @@ def main(argv=None):
                    help="also profile one step per candidate and print where its time goes "
                         "per CUDA stream (every rank; rank 0's kernels and host ranges)")
     D.add_gc_argument(p)
+    p.add_argument("--kept-copies", action="store_true",
+                   help="also run each te recipe's bf16 gather with the layers keeping their "
+                        "FP8 weight copies for the backward (more memory, no re-quantization)")
     p.add_argument("--rounds", type=int, default=1,
                    help="time the candidates in N interleaved rounds of --steps steps each "
                         "(all resident; medians over the rounds; no --profile)")
@@ -370,7 +398,7 @@ def main(argv=None):
                                               with_torchao=not args.no_torchao,
                                               only=args.candidates, profile=args.profile,
                                               gc_every=args.gc_every, rounds=args.rounds,
-                                              log=log))
+                                              kept_copies=args.kept_copies, log=log))
 
 
 def cpu_run(argv=(), nprocs=2):

@@ -23,6 +23,12 @@ from .triton_launch import Launcher, cdiv, int_key, next_pow2, ptr_key
 from .triton_quant import _MAX_PARTS, _TL_FP8, _cast_fp8, _recip, _scale_from_parts
 
 _BLOCK = 4096  # elements a program casts
+# every output starts on a 16-byte boundary, as a tensor of its own would: the
+# FP8 GEMMs (cuBLASLt) refuse a scale or an operand that does not
+# (CUBLAS_STATUS_NOT_SUPPORTED), so the scale_inv are 4 floats apart and
+# each tensor's bytes start at a multiple of 16
+_ALIGN = 16
+_SINV_STRIDE = _ALIGN // 4
 _TL_SRC = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -50,7 +56,7 @@ def _cast_many_kernel(table_ptr, amax_ptr, sinv_ptr, N, FMT_MAX: tl.constexpr,
     x = tl.load(src + offs, mask=mask, other=0.0)
     tl.store(dst + offs, _cast_fp8(x, s, FMT_MAX, OUT), mask=mask)
     if b == 0:
-        tl.store(sinv_ptr + i, _recip(s))
+        tl.store(sinv_ptr + i * _SINV_STRIDE, _recip(s))
 
 
 _cast_many_launch = Launcher(_cast_many_kernel)
@@ -62,7 +68,8 @@ def quantize_fp8_many(tensors: list, amaxes: torch.Tensor, fmt: str, pow2: bool,
     dtype, one device) cast to FP8 with the scale of its fp32 amax in
     ``amaxes`` (shape ``(len(tensors),)``), as ``quantize_fp8_current(x,
     ..., amax=amaxes[i:i + 1])`` would; the data keep each tensor's shape
-    (views of one buffer), ``scale_inv`` has shape (1,)."""
+    (views of one buffer, each 16-byte aligned), ``scale_inv`` has shape
+    (1,) (16-byte aligned too)."""
     if not tensors:
         return []
     dtype, device = tensors[0].dtype, tensors[0].device
@@ -73,14 +80,15 @@ def quantize_fp8_many(tensors: list, amaxes: torch.Tensor, fmt: str, pow2: bool,
     if 0 in numels:  # an empty tensor has no program to write its scale_inv
         return ref.quantize_fp8_many(tensors, amaxes, fmt, pow2, eps)
     blocks = [cdiv(n, _BLOCK) for n in numels]
-    data = torch.empty(sum(numels), dtype=ref.FP8_DTYPE[fmt], device=device)
-    sinv = torch.empty(len(tensors), dtype=torch.float32, device=device)
+    spans = [cdiv(n, _ALIGN) * _ALIGN for n in numels]  # FP8: one byte an element
+    data = torch.empty(sum(spans), dtype=ref.FP8_DTYPE[fmt], device=device)
+    sinv = torch.empty((len(tensors), _SINV_STRIDE), dtype=torch.float32, device=device)
     outs, firsts, starts, first, start = [], [], [], 0, 0
-    for t, n, nb in zip(tensors, numels, blocks):
+    for t, n, nb, span in zip(tensors, numels, blocks, spans):
         outs.append(data[start:start + n].view(t.shape))
         firsts.append(first)
         starts.append(start)
-        first, start = first + nb, start + n
+        first, start = first + nb, start + span
     base = data.data_ptr()
     table = torch.tensor([t.data_ptr() for t in tensors]
                          + [base + s * data.element_size() for s in starts]
@@ -92,4 +100,4 @@ def quantize_fp8_many(tensors: list, amaxes: torch.Tensor, fmt: str, pow2: bool,
     _cast_many_launch((first,), key, table, amax_bits, sinv, n, ref.FP8_MAX[fmt], float(eps),
                       bool(pow2), _TL_SRC[dtype], _TL_FP8[fmt], _BLOCK, next_pow2(n),
                       _MAX_PARTS)
-    return [(out, sinv[i:i + 1]) for i, out in enumerate(outs)]
+    return [(out, sinv[i, :1]) for i, out in enumerate(outs)]

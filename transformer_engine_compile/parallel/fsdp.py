@@ -68,7 +68,7 @@ from ..module.weight_format import check_gathered_weight  # noqa: F401  (te.fsdp
 log = logging.getLogger("transformer_engine_compile.fsdp")  # te.fsdp, its public name
 
 __all__ = ["QuantizedAllGatherWeight", "fully_shard", "choose_gather", "spans_hosts",
-           "gather_format", "gathered_formats",
+           "gather_format", "gathered_formats", "save_original_weights",
            "quantized_all_gather", "gemm_weight_names", "check_gathered_weight", "fit_extra_state",
            "precompute_scales"]
 
@@ -214,6 +214,22 @@ def quantized_all_gather(module: torch.nn.Module, recipe: Optional[R.Recipe], *,
     return module
 
 
+def save_original_weights(module: torch.nn.Module) -> torch.nn.Module:
+    """Set ``save_original_weight`` on every te layer in ``module`` with
+    GEMM weights: a weight FSDP2 gathers in high precision is then saved
+    for the backward as the gathered parameter itself, whose storage FSDP2
+    frees after the forward and gathers again for the backward, and the
+    backward quantizes its columnwise copy again (bit for bit the forward's).
+    Without it each layer would keep its quantized weight copy from the
+    forward to the backward: 1 byte per parameter of the whole unsharded
+    model, on every rank.  Weights gathered quantized are unaffected (their
+    gathered copy is what FSDP2 frees and gathers again).  Returns ``module``."""
+    for layer in module.modules():
+        if gemm_weight_names(layer):
+            layer.save_original_weight = True
+    return module
+
+
 def gathered_formats(module: torch.nn.Module) -> dict:
     """``{name: format}`` for every GEMM weight inside ``module``: how FSDP2
     gathers it, ``"fp8_current"`` / ``"fp8_block"`` or ``"high precision"``."""
@@ -321,6 +337,7 @@ def fully_shard(module: torch.nn.Module, *, recipe: Optional[R.Recipe] = None, m
     quantize, why = choose_gather(quantized_gather, mesh)
     if quantize:
         quantized_all_gather(module, recipe, world_size=_world_size(mesh))
+    save_original_weights(module)
     _log_gather(module, why)
     fsdp_tp.register(module)
     return torch_fully_shard(module, mesh=mesh, **kwargs)

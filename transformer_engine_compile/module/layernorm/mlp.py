@@ -137,6 +137,8 @@ class LayerNormMLP(LoadsWithoutExtraState, torch.nn.Module):
         self._state_key = register_module(self)  # names it for trace-time buffer allocation
 
     _native_plan = staticmethod(plan_for_layernorm_mlp)  # module/args_memo.py
+    # as te.Linear's: the backward quantizes each weight's columnwise copy
+    save_original_weight = False
 
     def __getstate__(self):
         """Pickles and copies leave the eager-arguments memo behind (it keys
@@ -237,6 +239,8 @@ class LayerNormMLP(LoadsWithoutExtraState, torch.nn.Module):
         tp = self._tp_active()
         return LinearFwdArgs(
             inp=None, weight=weight, bias=bias, input_requires_grad=input_rg,
+            save_original_weight=self.save_original_weight and any(
+                weight is p for p in (self.fc1_weight, self.fc2_weight)),  # not a cast copy
             weight_requires_grad=grad and weight.requires_grad,
             bias_requires_grad=grad and bias is not None and bias.requires_grad,
             parallel_mode=g.parallel_mode if tp else None,
@@ -261,7 +265,7 @@ class LayerNormMLP(LoadsWithoutExtraState, torch.nn.Module):
                     self.return_layernorm_output, self.set_parallel_mode, self.sequence_parallel,
                     self.tp_size, get_amax_reduction_group(), is_first_microbatch,
                     self.normalization, self.eps, self.zero_centered_gamma, self.activation,
-                    self.fuse_wgrad_accumulation)
+                    self.fuse_wgrad_accumulation, self.save_original_weight)
         return None
 
     def _make_args(self, inp, params, is_first_microbatch, key=None) -> LayerNormMLPFwdArgs:

@@ -16,6 +16,7 @@ import torch
 
 from ... import compat
 from ...dynamo.buckets import TensorOrQuantized
+from ...dynamo.tensor_proto import TensorProto
 from ...quantization.opaque import is_value_opaque
 from ...quantization.base import QuantizedTensorStorage, Quantizer
 
@@ -43,6 +44,7 @@ class LinearFwdArgs:
     weight_requires_grad: bool = False
     bias_requires_grad: bool = False
     save_original_input: bool = False      # save x, re-quantize it in backward
+    save_original_weight: bool = False     # save W itself, re-quantize it in backward
     cache_weight: bool = False             # quantize the weight into weight_workspace
     main_grad: Optional[torch.Tensor] = None  # fuse_wgrad_accumulation target (fp32)
     # DelayedScaling state (module buffers): columns input, weight /
@@ -91,6 +93,7 @@ class LinearBwdArgs:
     inputmat: TensorOrQuantized = None     # x (columnwise copy if quantized), for wgrad
     weightmat: TensorOrQuantized = None    # W (columnwise copy if quantized), for dgrad
     input_quantizer: Optional[Quantizer] = None  # re-quantizes x if save_original_input
+    weight_quantizer: Optional[Quantizer] = None  # re-quantizes W if save_original_weight
     grad_output_quantizer: Optional[Quantizer] = None
     grad_input_quantizer: Optional[Quantizer] = None  # dgrad leaves quantized (fp8_grad)
     input_requires_grad: bool = False
@@ -141,9 +144,27 @@ def _quantizes_weight(args: LinearFwdArgs) -> bool:
                 or isinstance(args.weight, QuantizedTensorStorage))
 
 
+def _saves_original_weight(args: LinearFwdArgs) -> bool:
+    """Whether the backward gets W itself and quantizes its columnwise copy
+    there (``save_original_weight``), instead of a copy the forward keeps:
+    only where this call quantizes W, caches nothing, and the copy depends
+    on W's values alone (not under DelayedScaling, whose scale the forward
+    moves).  Under FSDP2 the saved W is the gathered parameter, whose
+    storage is freed after the forward and gathered again for the backward,
+    so nothing weight-sized is held in between.  Real or fake arguments."""
+    w = args.weight
+    quantized = (isinstance(w, QuantizedTensorStorage)
+                 or (isinstance(w, TensorProto) and w.is_quantized))
+    return (args.save_original_weight and args.input_requires_grad and not quantized
+            and args.weight_quantizer is not None and not args.cache_weight
+            and args.weight_workspace is None and args.amax_history_fwd is None)
+
+
 def _weight_quantizer(args):
-    """The weight's quantizer: the columnwise copy for dgrad or the cache too."""
-    return args.weight_quantizer.usage_variant(True, args.input_requires_grad or args.cache_weight)
+    """The weight's quantizer: the columnwise copy for dgrad (unless the
+    backward makes it) or the cache too."""
+    dgrad = args.input_requires_grad and not _saves_original_weight(args)
+    return args.weight_quantizer.usage_variant(True, dgrad or args.cache_weight)
 
 
 def _paired_weight_quantizer(args, q):

@@ -32,8 +32,8 @@ from ...kernels.reference import AmaxSlot
 from ...quantization.base import QuantizedTensorStorage
 from ..delayed_step import delayed_updates, delayed_updates_fake, step_after_last_cast, zero_amaxes
 from .args import (LinearBwdArgs, LinearFwdArgs, _grad_output_quantizer, _input_quantizer,
-                   _out_shape, _paired_weight_quantizer, _quantizes_weight, _reuses_workspace, _tp,
-                   _weight_quantizer)
+                   _out_shape, _paired_weight_quantizer, _quantizes_weight, _reuses_workspace,
+                   _saves_original_weight, _tp, _weight_quantizer)
 
 
 # state written right after the ops, visible to PyTorch (dynamo/custom_op.py):
@@ -188,8 +188,8 @@ def linear_forward(args: LinearFwdArgs, xq=None, wq=None, amaxes=None) -> OpResu
         if xq is not x_total and not args.save_original_input:
             xq.update_usage(rowwise_usage=False)  # wgrad reads the columnwise copy only
             saved_x = xq
-    saved_w = w if args.input_requires_grad else None
-    if saved_w is not None and _fresh_weight_copy(args, w):
+    saved_w = _saved_weight(args, w)
+    if saved_w is not None and saved_w is not args.weight and _fresh_weight_copy(args, w):
         w.update_usage(rowwise_usage=False)  # dgrad reads the columnwise copy only
     state = delayed_updates(args.input_quantizer, args.amax_history_fwd, args.scale_fwd,
                              amaxes, "fwd", args.amax_group, step)
@@ -204,6 +204,15 @@ def _fresh_weight_copy(args: LinearFwdArgs, w) -> bool:
     or unquantized weight) or the cached workspace, written
     (``cache_weight``) or reused.  Real or fake alike."""
     return not args.cache_weight and w is not args.weight and w is not args.weight_workspace
+
+
+def _saved_weight(args: LinearFwdArgs, w):
+    """What dgrad reads in the backward: W itself where the backward
+    quantizes it (``save_original_weight``), else ``w``, the forward GEMM's
+    operand; None without dgrad.  Real or fake alike."""
+    if not args.input_requires_grad:
+        return None
+    return args.weight if _saves_original_weight(args) else w
 
 
 def _saved_for_updates(args: LinearFwdArgs) -> dict:
@@ -236,8 +245,8 @@ def linear_forward_fake(args: LinearFwdArgs) -> OpResult:
         if xq is not x_total and not args.save_original_input:
             xq.update_usage(rowwise=False)
             saved_x = xq
-    saved_w = w if args.input_requires_grad else None
-    if saved_w is not None and _fresh_weight_copy(args, w):
+    saved_w = _saved_weight(args, w)
+    if saved_w is not None and saved_w is not args.weight and _fresh_weight_copy(args, w):
         w.update_usage(rowwise=False)
     return OpResult({"out": y, "weight_workspace": workspace,
                      **delayed_updates_fake(args.amax_history_fwd, "fwd")},
@@ -248,6 +257,7 @@ def linear_setup_context(args: LinearFwdArgs) -> dict:
     """Non-tensor fields of LinearBwdArgs (tensors come from ``saved``)."""
     return {
         "input_quantizer": args.input_quantizer if args.save_original_input else None,
+        "weight_quantizer": args.weight_quantizer if _saves_original_weight(args) else None,
         "grad_output_quantizer": args.grad_output_quantizer,
         "grad_input_quantizer": args.grad_input_quantizer,
         "input_requires_grad": args.input_requires_grad,
@@ -334,6 +344,8 @@ def linear_backward(args: LinearBwdArgs) -> dict:
     dgrad = wgrad = dbias = None
     if args.input_requires_grad:
         w = args.weightmat
+        if args.weight_quantizer is not None and not isinstance(w, QuantizedTensorStorage):
+            w = args.weight_quantizer.usage_variant(False, True).quantize_unchecked(w)
         dgrad = gemm(dyq, "rowwise", w, "columnwise", dtype,
                      fast_accum=args.dgrad_fast_accum).view(
             *dyq.shape[:-1], w.shape[-1])

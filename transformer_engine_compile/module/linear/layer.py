@@ -57,6 +57,9 @@ class Linear(LoadsWithoutExtraState, torch.nn.Module):
     # says how its native plans are made (module/layernorm/linear_native.py)
     _MEMO = True
     _native_plan = staticmethod(linear_plan)
+    # the backward quantizes W's columnwise copy from W itself instead of
+    # keeping the forward's (set by te.fsdp.fully_shard's high-precision gather)
+    save_original_weight = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  params_dtype: Optional[torch.dtype] = None, device=None, init_method=None,
@@ -149,6 +152,13 @@ class Linear(LoadsWithoutExtraState, torch.nn.Module):
     def _weights(self) -> list:
         """The weight's parameters (one, or the ``parameters_split`` parts)."""
         return [self._parameters[n] for n in self._weight_names]
+
+    def _is_parameter(self, weight) -> bool:
+        """Whether ``weight`` is the layer's own weight parameter, which a
+        backward may read again (``save_original_weight``), not a copy made
+        for this call (torch.autocast's cast, ``parameters_split``'s joined
+        parts: such a copy is larger than the quantized one it would replace)."""
+        return self.parameters_split is None and weight is self._parameters["weight"]
 
     def _gemm_parameters(self) -> tuple:
         """``(weight, bias)`` as the GEMM takes them: the parameters, or
@@ -292,7 +302,8 @@ class Linear(LoadsWithoutExtraState, torch.nn.Module):
             return (recipe, grad, inp.shape, inp.dtype, type(inp), inp.requires_grad,
                     weight.dtype, weight.requires_grad,
                     None if bias is None else bias.requires_grad, self.return_bias,
-                    self.save_original_input, self.parallel_mode, self.sequence_parallel,
+                    self.save_original_input, self.save_original_weight, self.parallel_mode,
+                    self.sequence_parallel,
                     self.tp_size, cast and self._weights()[0].dtype, get_amax_reduction_group(),
                     is_first_microbatch, self.fuse_wgrad_accumulation, self._memo_extra())
         return None
@@ -318,6 +329,7 @@ class Linear(LoadsWithoutExtraState, torch.nn.Module):
             bias_requires_grad=grad and bias is not None and bias.requires_grad
             and not self.return_bias,
             save_original_input=self.save_original_input,
+            save_original_weight=self.save_original_weight and self._is_parameter(weight),
             parallel_mode=self.parallel_mode, sequence_parallel=self.sequence_parallel,
             tp_size=self.tp_size, tp_group=self.tp_group,
         )

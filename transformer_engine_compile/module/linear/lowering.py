@@ -52,7 +52,8 @@ def _lowers_backward(args: LinearBwdArgs) -> bool:
     if args.weight_requires_grad:
         wgrad_dtype = args.weight_dtype if args.main_grad is None else args.main_grad.dtype
     dgrad_dtype = None if args.grad_output is None else args.grad_output.dtype
-    backward_quantizers = (args.input_quantizer, q, args.grad_input_quantizer)
+    backward_quantizers = (args.input_quantizer, args.weight_quantizer, q,
+                           args.grad_input_quantizer)
     return (bias_ok and _delayed_lowers(args.amax_history_bwd, args)
             and _lowerable_formats(backward_quantizers, args)
             and not mxfp8_converted_output(q, wgrad_dtype)

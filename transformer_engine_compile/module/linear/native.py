@@ -17,7 +17,8 @@ does), False quantizes x alone and reads W from the cache (delayed: then
 W's amax and the step).  Under current, delayed and blockwise scaling
 ``fuse_wgrad_accumulation``: W's gradient is added into its ``main_grad``
 by the node.  Nothing else: no tensor parallelism, no ``fp8_output`` /
-``fp8_grad``, no FP8 weight, no ``save_original_input``, a CUDA input.
+``fp8_grad``, no FP8 weight, no ``save_original_input`` (nor a weight saved for the
+backward to quantize), a CUDA input.
 te.Linear's calls without a recipe (``plain=True``: a bf16 or fp16 layer
 with a bias, eagerly; the backward op's calls with a bias gradient) get
 a plain plan: ``F.linear``'s GEMMs called from C++ on the operands the
@@ -43,7 +44,7 @@ from ...quantization.mxfp8 import MXFP8Quantizer
 from ...quantization.nvfp4 import NVFP4Quantizer
 from . import plain as linear_plain_ops
 from .args import (LinearFwdArgs, default_accumulation, _grad_output_quantizer, _input_quantizer,
-                   _paired_weight_quantizer, _tp, _weight_quantizer)
+                   _paired_weight_quantizer, _saves_original_weight, _tp, _weight_quantizer)
 from .native_node import (_DTYPE_NAMES, _GEMM_OUT, NO_CACHE, READ_CACHE, _PythonBackward,
                           _cache_buffers, _cache_mode, _listed_launches, _wgrad_dtype,
                           _with_bias_grad)
@@ -60,6 +61,7 @@ def _eligible(args: LinearFwdArgs, plain: bool = False) -> bool:
         return False
     if (not _bias_eligible(args) or _tp(args)[0] is not None or args.output_quantizer is not None
             or args.grad_input_quantizer is not None or args.save_original_input
+            or _saves_original_weight(args)
             or args.amax_group is not None):
         return False
     m, k, n = x.numel() // x.shape[-1], x.shape[-1], w.shape[0]
