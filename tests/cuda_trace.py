@@ -37,6 +37,32 @@ class _Hopper:
         return torch.device("cuda")
 
 
+@contextlib.contextmanager
+def ttir_launches():
+    """Every ``triton_launch.Launcher`` call builds its kernel's TTIR for
+    an sm_90 target instead of launching (no driver, any tensors): what
+    Triton's frontend refuses on a GPU (a global that is not a constexpr,
+    a type error) fails here too, where the interpreter would accept it.
+    Yields the kernels' names, one per call."""
+    import inspect
+
+    import triton
+    from torch._higher_order_ops.triton_kernel_wrap import generate_ttir
+
+    from transformer_engine_compile.kernels import triton_launch
+
+    built = []
+
+    def build(self, grid, key, *args):
+        names = list(inspect.signature(self.fn.fn).parameters)
+        generate_ttir(self.fn, dict(zip(names, args)), {})
+        built.append(self.fn.fn.__name__)
+
+    with mock.patch.object(triton.runtime.driver, "_active", _Hopper()), \
+            mock.patch.object(triton_launch.Launcher, "__call__", build):
+        yield built
+
+
 _SLOT = (1 << 20, 0)  # a counter slot's address halves (never dereferenced: nothing launches)
 
 

@@ -36,7 +36,7 @@ _TL_SRC = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32
 def _cast_many_kernel(table_ptr, amax_ptr, sinv_ptr, N, FMT_MAX: tl.constexpr,
                       EPS: tl.constexpr, POW2: tl.constexpr, SRC: tl.constexpr,
                       OUT: tl.constexpr, BLOCK: tl.constexpr, NT: tl.constexpr,
-                      NP: tl.constexpr):
+                      NP: tl.constexpr, SINV_STRIDE: tl.constexpr):
     """Program p casts block p - first[i] of tensor i, the last i with
     first[i] <= p.  ``table_ptr``: int64 [4, N] (source addresses,
     destination addresses, element counts, first programs); ``amax_ptr``:
@@ -56,7 +56,7 @@ def _cast_many_kernel(table_ptr, amax_ptr, sinv_ptr, N, FMT_MAX: tl.constexpr,
     x = tl.load(src + offs, mask=mask, other=0.0)
     tl.store(dst + offs, _cast_fp8(x, s, FMT_MAX, OUT), mask=mask)
     if b == 0:
-        tl.store(sinv_ptr + i * _SINV_STRIDE, _recip(s))
+        tl.store(sinv_ptr + i * SINV_STRIDE, _recip(s))
 
 
 _cast_many_launch = Launcher(_cast_many_kernel)
@@ -99,5 +99,5 @@ def quantize_fp8_many(tensors: list, amaxes: torch.Tensor, fmt: str, pow2: bool,
     key = (dtype, fmt, float(eps), bool(pow2), int_key(n), ptr_key(amax_bits))
     _cast_many_launch((first,), key, table, amax_bits, sinv, n, ref.FP8_MAX[fmt], float(eps),
                       bool(pow2), _TL_SRC[dtype], _TL_FP8[fmt], _BLOCK, next_pow2(n),
-                      _MAX_PARTS)
+                      _MAX_PARTS, _SINV_STRIDE)
     return [(out, sinv[i, :1]) for i, out in enumerate(outs)]

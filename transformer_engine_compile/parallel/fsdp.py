@@ -308,12 +308,13 @@ def fully_shard(module: torch.nn.Module, *, recipe: Optional[R.Recipe] = None, m
     gathers in, and why, is logged (logger ``transformer_engine_compile.fsdp``,
     INFO) and :func:`gathered_formats` tells.
 
-    The quantized gather moves half of bf16's bytes and keeps peak memory
-    at or below bf16 FSDP2's; the high-precision gather costs less host
-    time per step (no all-gather extension per weight) but each layer then
-    saves its quantized weight copy for the backward, so peak memory grows
-    by the FP8 size of every gathered layer's weights.  docs/parallel.md
-    measures both.
+    The quantized gather moves half of bf16's bytes; the high-precision
+    gather costs less host time per step (no all-gather extension per
+    weight).  Neither holds a weight copy from the forward to the backward:
+    with the high-precision gather the layers save the gathered weight
+    itself, which FSDP2 frees and gathers again, and quantize it again in
+    the backward (:func:`save_original_weights`, set here for every te
+    layer in ``module``).  docs/parallel.md measures both.
 
     ``mesh`` is the data-parallel mesh, as for torch's: with tensor
     parallelism on a ``(dp, tp)`` mesh pass ``mesh["dp"]`` (the layers hold
