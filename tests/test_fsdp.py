@@ -336,7 +336,7 @@ def gather_choice_worker(group):
     assert said == [head + "fp8_block 4/4 (quantized_gather=True)",
                     head + "high precision 4/4 (quantized_gather=False)",
                     head + "high precision 4/4 (quantized_gather='auto': one host, where the "
-                    "high-precision gather is faster; quantized_gather=True saves memory)",
+                    "high-precision gather is faster; quantized_gather=True halves its bytes)",
                     head + "fp8_block 4/4 (quantized_gather='auto': the shard group spans "
                     "hosts)"], said
     with pytest.raises(TypeError, match="quantized_gather must be True, False or 'auto'"):

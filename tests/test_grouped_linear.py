@@ -242,7 +242,7 @@ def test_fp8_current_compiled_equals_eager(backend):
             torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
-def _opcheck_both_ops(rec, layer, sizes, x, dy):
+def _opcheck_both_ops(rec, layer, sizes, x, dy, save_original_weight=False):
     """opcheck of the forward op and of the backward op on the forward's
     saved tensors; returns the saved x."""
     from test_linear_ops import opcheck
@@ -252,7 +252,8 @@ def _opcheck_both_ops(rec, layer, sizes, x, dy):
     args = GroupedLinearFwdArgs(
         inp=x.requires_grad_(), weight=layer.weight.detach(),
         m_offsets=torch.tensor(sizes).cumsum(0).to(torch.int32), bias=layer.bias.detach(),
-        input_requires_grad=True, weight_requires_grad=True, bias_requires_grad=True, **q)
+        input_requires_grad=True, weight_requires_grad=True, bias_requires_grad=True,
+        save_original_weight=save_original_weight, **q)
     opcheck(OPS.fwd_op, OPS.fwd_plan.encode(args), True)
     with torch.no_grad():  # as the op runs its impl
         real = grouped_linear_forward(args)
@@ -262,11 +263,49 @@ def _opcheck_both_ops(rec, layer, sizes, x, dy):
     return real.saved["inputmat"]
 
 
-def test_fp8_opcheck_forward_and_backward_ops():
+@pytest.mark.parametrize("save_original_weight", [False, True])
+def test_fp8_opcheck_forward_and_backward_ops(save_original_weight):
     sizes = (5, 0, 11, 16)
     x, dy = _data(sizes)
-    saved = _opcheck_both_ops(te.recipe.Float8CurrentScaling(), _layer(), sizes, x, dy)
+    saved = _opcheck_both_ops(te.recipe.Float8CurrentScaling(), _layer(), sizes, x, dy,
+                              save_original_weight)
     assert saved.dtype == torch.float8_e4m3fn  # the backward keeps FP8
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
+@pytest.mark.parametrize("name", ["fp8_current", "delayed", "fp8_block"])
+def test_saved_original_weight_requantized_bit_for_bit(name, compiled):
+    """``save_original_weight`` (te.fsdp.fully_shard's high-precision
+    gather): under current scaling the forward keeps W itself, not its
+    transposed FP8 copy, and the backward quantizes it again, with outputs
+    and gradients bit for bit the kept copy's; DelayedScaling keeps its
+    copy, the block-scaled recipes keep W itself either way."""
+    rec = {"fp8_current": te.recipe.Float8CurrentScaling(),
+           "delayed": te.recipe.DelayedScaling(),
+           "fp8_block": te.recipe.Float8BlockScaling()}[name]
+    sizes = (5, 0, 11, 16) if name != "fp8_block" else (128, 0, 128, 256)
+    runs = []
+    for sow in (False, True):
+        torch._dynamo.reset()
+        layer = _layer() if name != "fp8_block" else _wide_layer()
+        layer.save_original_weight = sow
+        x, dy = _data(sizes) if name != "fp8_block" else _wide_data(sizes)
+        f = torch.compile(layer, fullgraph=True, backend="aot_eager") if compiled else layer
+        saved = []
+
+        def pack(t):
+            saved.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with te.autocast(recipe=rec):
+                run = _run(layer, x, torch.tensor(sizes), dy, f)
+        runs.append(run)
+        fp8_w = [t for t in saved if t.dtype == torch.float8_e4m3fn and t.dim() == 3]
+        kept = sow is False and name != "fp8_block"
+        assert len(fp8_w) == (1 if kept or name == "delayed" else 0), (sow, len(fp8_w))
+    for a, b in zip(*runs):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
 def test_cuda_operand_rules_are_checked_before_any_kernel():

@@ -186,3 +186,22 @@ def test_grouped_quantize_kernels_equal_the_reference(fmt):
                 assert (a is None) == (b is None)
                 if a is not None:
                     assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+@pytest.mark.parametrize("name", ["fp8_current", "fp8_current_e4m3"])
+def test_saved_original_weight_requantized_on_cuda(name, compiled):
+    """``save_original_weight`` (te.fsdp.fully_shard's high-precision
+    gather) on the FP8 grouped GEMMs: the backward quantizes the experts'
+    transposed copies again from W, bit for bit the kept copies' results."""
+    rec, sizes = RECIPES[name], (40, 0, 88, 128)
+    x, dy = _data(sizes)
+    runs = []
+    for sow in (False, True):
+        torch._dynamo.reset()
+        layer = _layer("cuda")
+        layer.save_original_weight = sow
+        step = torch.compile(layer, fullgraph=True) if compiled else None
+        runs.append(_run(layer, x.cuda(), sizes, dy.cuda(), rec, step))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)

@@ -223,9 +223,11 @@ def save_original_weights(module: torch.nn.Module) -> torch.nn.Module:
     Without it each layer would keep its quantized weight copy from the
     forward to the backward: 1 byte per parameter of the whole unsharded
     model, on every rank.  Weights gathered quantized are unaffected (their
-    gathered copy is what FSDP2 frees and gathers again).  Returns ``module``."""
+    gathered copy is what FSDP2 frees and gathers again).  Includes the
+    grouped expert layers (``te.GroupedLinear``, ``te.GroupedExperts``).
+    Returns ``module``."""
     for layer in module.modules():
-        if gemm_weight_names(layer):
+        if hasattr(type(layer), "save_original_weight"):
             layer.save_original_weight = True
     return module
 
@@ -294,7 +296,7 @@ def choose_gather(quantized_gather: Union[bool, str], mesh=None) -> tuple:
     if spans_hosts(mesh):
         return True, "quantized_gather='auto': the shard group spans hosts"
     return False, ("quantized_gather='auto': one host, where the high-precision gather is "
-                   "faster; quantized_gather=True saves memory")
+                   "faster; quantized_gather=True halves its bytes")
 
 
 def fully_shard(module: torch.nn.Module, *, recipe: Optional[R.Recipe] = None, mesh=None,

@@ -53,6 +53,9 @@ class GroupedLinearFwdArgs:
     fprop_fast_accum: bool = True
     dgrad_fast_accum: bool = False
     wgrad_fast_accum: bool = False
+    # per-expert FP8 current scaling: the backward gets W itself and quantizes
+    # its transposed copy again (te.Linear's save_original_weight)
+    save_original_weight: bool = False
 
 
 @dataclasses.dataclass
@@ -67,7 +70,8 @@ class GroupedLinearBwdArgs:
     input_scale_inv: Optional[torch.Tensor] = None   # (num_gemms,) fp32, the FP8 x's
     weight_scale_inv: Optional[torch.Tensor] = None  # (num_gemms,) fp32, the FP8 W's
     grad_output_quantizer: Optional[Quantizer] = None
-    # the block-scaled recipes quantize the saved x and W again (blocked.py)
+    # the block-scaled recipes quantize the saved x and W again (blocked.py);
+    # per-expert FP8 the saved W, with save_original_weight
     input_quantizer: Optional[Quantizer] = None
     weight_quantizer: Optional[Quantizer] = None
     input_requires_grad: bool = False

@@ -101,8 +101,9 @@ def grouped_linear_forward(args: GroupedLinearFwdArgs) -> OpResult:
             y = y + args.bias.to(y.dtype)[rows]
         return OpResult({"out": y.to(x.dtype)}, _saved(args, x, w))
     xq, wq, state = _quantize_operands(args, rows)
-    # the backward keeps the transposed copies its GEMMs read
-    saved = _saved(args, xq.transposed, wq.transposed, xq.scale_inv, wq.scale_inv)
+    # the backward keeps the transposed copies its GEMMs read (or W itself)
+    saved = (_saved(args, xq.transposed, w, xq.scale_inv) if saves_original_weight(args) else
+             _saved(args, xq.transposed, wq.transposed, xq.scale_inv, wq.scale_inv))
     if x.is_cuda:
         y = fp8_gemm.fprop(xq.data, xq.scale_inv, wq.data, wq.scale_inv, rows, offs,
                            args.fprop_fast_accum)
@@ -128,7 +129,8 @@ def _quantize_operands(args: GroupedLinearFwdArgs, rows: torch.Tensor) -> tuple:
     if args.amax_history_fwd is not None:
         x_scale, w_scale = args.scale_fwd[:groups], args.scale_fwd[groups:]
     xq = quantize_tokens(x, rows, groups, args.input_quantizer, x_scale, sources)
-    wq = quantize_experts(w, args.weight_quantizer, w_scale, transposed=args.input_requires_grad)
+    wq = quantize_experts(w, args.weight_quantizer, w_scale,
+                          transposed=args.input_requires_grad and not saves_original_weight(args))
     if args.amax_history_fwd is None:
         return xq, wq, {}
     # the step moves the scales on after the casts (and the scale_inv) read them
@@ -145,11 +147,25 @@ def grouped_linear_forward_fake(args: GroupedLinearFwdArgs) -> OpResult:
     # the transposed copies: x's (in, padded tokens), W's (experts, in, out)
     xq = TensorProto((x.shape[1], padded_rows(x.shape[0], w.shape[0], fp8_gemm.ALIGN)),
                      FP8_DTYPE[args.input_quantizer.fp8_format], device=x.device)
-    wq = TensorProto((w.shape[0], w.shape[2], w.shape[1]),
-                     FP8_DTYPE[args.weight_quantizer.fp8_format], device=w.device)
-    return OpResult({"out": y, **delayed_updates_fake(args.amax_history_fwd, "fwd")},
-                    _saved(args, xq, wq, TensorProto(groups, torch.float32, device=x.device),
-                           TensorProto(groups, torch.float32, device=w.device)))
+    x_scale_inv = TensorProto(groups, torch.float32, device=x.device)
+    if saves_original_weight(args):
+        saved = _saved(args, xq, w, x_scale_inv)
+    else:
+        wq = TensorProto((w.shape[0], w.shape[2], w.shape[1]),
+                         FP8_DTYPE[args.weight_quantizer.fp8_format], device=w.device)
+        saved = _saved(args, xq, wq, x_scale_inv, TensorProto(groups, torch.float32,
+                                                              device=w.device))
+    return OpResult({"out": y, **delayed_updates_fake(args.amax_history_fwd, "fwd")}, saved)
+
+
+def saves_original_weight(args: GroupedLinearFwdArgs) -> bool:
+    """Whether the backward quantizes W's transposed FP8 copy from W itself
+    (``save_original_weight``): asked for, with dgrad, under current scaling
+    (DelayedScaling's forward moves the scale; the block-scaled recipes keep
+    W itself anyway).  Real or fake arguments."""
+    return (args.save_original_weight and args.input_requires_grad
+            and args.weight_quantizer is not None and args.amax_history_fwd is None
+            and tensorwise_fp8(args.weight_quantizer))
 
 
 def tensorwise_fp8(q) -> bool:
@@ -167,7 +183,8 @@ def grouped_linear_setup_context(args: GroupedLinearFwdArgs) -> dict:
         not tensorwise_fp8(args.input_quantizer)
     return {"grad_output_quantizer": args.grad_output_quantizer,
             "input_quantizer": args.input_quantizer if blocked_recipe else None,
-            "weight_quantizer": args.weight_quantizer if blocked_recipe else None,
+            "weight_quantizer": (args.weight_quantizer
+                                 if blocked_recipe or saves_original_weight(args) else None),
             "input_requires_grad": args.input_requires_grad,
             "weight_requires_grad": args.weight_requires_grad,
             "bias_requires_grad": args.bias_requires_grad,
@@ -219,18 +236,21 @@ def _fp8_grads(args: GroupedLinearBwdArgs, dy: torch.Tensor, q) -> tuple:
     dyq = quantize_tokens(dy, rows, offs.shape[0], q, args.scale_bwd, sources)
     state = {} if args.amax_history_bwd is None else delayed_updates(
         q, args.amax_history_bwd, args.scale_bwd, dyq.amax, "bwd", args.amax_group)
+    w_t, w_scale_inv = args.weightmat, args.weight_scale_inv
+    if args.input_requires_grad and args.weight_quantizer is not None:  # W itself was saved
+        wq = quantize_experts(w_t, args.weight_quantizer, transposed=True)
+        w_t, w_scale_inv = wq.transposed, wq.scale_inv
     if dy.is_cuda:
         if args.input_requires_grad:
-            dgrad = fp8_gemm.dgrad(dyq.data, dyq.scale_inv, args.weightmat,
-                                   args.weight_scale_inv, rows, offs, args.dgrad_fast_accum)
+            dgrad = fp8_gemm.dgrad(dyq.data, dyq.scale_inv, w_t, w_scale_inv, rows, offs,
+                                   args.dgrad_fast_accum)
         if args.weight_requires_grad:
             wgrad = fp8_gemm.wgrad(dyq.transposed, dyq.scale_inv, args.inputmat,
                                    args.input_scale_inv, pad_offs, args.wgrad_fast_accum)
     else:
         dyd = dequantize_rows(dyq.data, dyq.scale_inv, rows)
         if args.input_requires_grad:
-            w = dequantize_experts(args.weightmat.transpose(-2, -1).contiguous(),
-                                   args.weight_scale_inv)
+            w = dequantize_experts(w_t.transpose(-2, -1).contiguous(), w_scale_inv)
             dgrad = torch._grouped_mm(dyd, w, offs=offs).to(dy.dtype)
         if args.weight_requires_grad:
             dest = padded_sources(offs, rows, fp8_gemm.ALIGN)[1]
@@ -246,8 +266,9 @@ def grouped_linear_backward_fake(args: GroupedLinearBwdArgs) -> dict:
     dgrad = wgrad = dbias = None
     # per-expert FP8 keeps the transposed copies (in, tokens) and (experts, in, out)
     t = args.grad_output_quantizer is not None and tensorwise_fp8(args.grad_output_quantizer)
-    if args.input_requires_grad:  # dy's dtype, quantized or not
-        dgrad = TensorProto((dy.shape[0], args.weightmat.shape[1 if t else 2]), dy.dtype,
+    if args.input_requires_grad:  # dy's dtype, quantized or not; W itself when it is requantized
+        w_t = t and args.weight_quantizer is None
+        dgrad = TensorProto((dy.shape[0], args.weightmat.shape[1 if w_t else 2]), dy.dtype,
                             device=dy.device)
     if args.weight_requires_grad:
         wgrad = TensorProto((groups, dy.shape[1], args.inputmat.shape[0 if t else 1]),

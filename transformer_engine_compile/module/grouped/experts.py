@@ -57,6 +57,9 @@ def unpermute(y: torch.Tensor, perm: torch.Tensor, top_k_weights: torch.Tensor) 
 
 
 class GroupedExperts(LoadsWithoutExtraState, torch.nn.Module):
+    # as te.GroupedLinear's: the backward quantizes the saved weights again
+    save_original_weight = False
+
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, *,
                  activation: Optional[Callable] = None, params_dtype: Optional[torch.dtype] = None,
                  device: Union[torch.device, str, None] = None, init_method=None):
@@ -105,8 +108,9 @@ class GroupedExperts(LoadsWithoutExtraState, torch.nn.Module):
         gate_up_state, down_state = bind_delayed_state(self, self._gemms(),
                                                        self.gate_up_proj.device)
         x, perm, counts = permute(hidden_states, top_k_index, self.num_experts)
-        gate, up = grouped_linear(x, self.gate_up_proj, None, counts,
-                                  delayed_state=gate_up_state).chunk(2, dim=-1)
+        keep = self.save_original_weight
+        gate, up = grouped_linear(x, self.gate_up_proj, None, counts, delayed_state=gate_up_state,
+                                  save_original_weight=keep).chunk(2, dim=-1)
         y = grouped_linear(self.act_fn(gate) * up, self.down_proj, None, counts,
-                           delayed_state=down_state)
+                           delayed_state=down_state, save_original_weight=keep)
         return unpermute(y, perm, top_k_weights).to(hidden_states.dtype)

@@ -56,7 +56,15 @@ class GroupedLinear(LoadsWithoutExtraState, torch.nn.Module):
     GEMMs on the dequantized values (``blocked.py``).  ``DelayedScaling``
     keeps an amax history per expert and tensor (``state.py``, saved in
     ``_extra_state``) and runs the FP8 GEMMs of current scaling.
+
+    ``save_original_weight`` (attribute, default False; set by
+    ``te.fsdp.fully_shard``): under current scaling the backward gets the
+    weight itself and quantizes its transposed FP8 copy again, bit for bit
+    the forward's, instead of keeping the forward's copy (te.Linear's
+    attribute of the same name).
     """
+
+    save_original_weight = False
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True,
                  *, init_method=None, params_dtype: Optional[torch.dtype] = None,
@@ -119,7 +127,8 @@ class GroupedLinear(LoadsWithoutExtraState, torch.nn.Module):
                 *, m_offsets: Union[Sequence[int], torch.Tensor, None] = None) -> torch.Tensor:
         state, = bind_delayed_state(self, self._gemms(), self.weight.device)
         return grouped_linear(inp, self.weight, self.bias, m_splits, m_offsets=m_offsets,
-                              delayed_state=state)
+                              delayed_state=state,
+                              save_original_weight=self.save_original_weight)
 
 
 def init_experts_(*stacked: torch.Tensor, init_method=None) -> None:
@@ -135,22 +144,29 @@ def init_experts_(*stacked: torch.Tensor, init_method=None) -> None:
 def grouped_linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                    m_splits: Union[Sequence[int], torch.Tensor, None] = None, *,
                    m_offsets: Union[Sequence[int], torch.Tensor, None] = None,
-                   delayed_state: Optional[dict] = None) -> torch.Tensor:
+                   delayed_state: Optional[dict] = None,
+                   save_original_weight: bool = False) -> torch.Tensor:
     """``te.GroupedLinear``'s forward as a function of its parameters
     (``weight`` ``(num_gemms, out, in)``, ``bias`` ``(num_gemms, out)``): for
     modules that hold expert weights under their own names
     (:class:`~.experts.GroupedExperts`).  Under DelayedScaling
     ``delayed_state`` holds the GEMM's amax histories and scales
-    (``state.bind_delayed_state``)."""
+    (``state.bind_delayed_state``).  ``save_original_weight``: as the
+    modules' attribute (:class:`GroupedLinear`)."""
     groups, out_features, in_features = weight.shape
     if inp.shape[-1] != in_features:
         raise ValueError(f"te.GroupedLinear: the input's last dim is {inp.shape[-1]}, the "
                          f"layer takes in_features={in_features}")
     quantizers = _quantizers(get_autocast_recipe(), delayed_state, inp)
     ac_dtype = _torch_autocast_dtype(inp)
+    if save_original_weight:
+        quantizers["save_original_weight"] = True
     if ac_dtype is not None:  # torch.autocast: compute in its dtype, as te.Linear does
+        cast = weight.to(ac_dtype)
+        if cast is not weight:  # a copy made for this call: keep the smaller FP8 one
+            quantizers.pop("save_original_weight", None)
         with torch.autocast(inp.device.type, enabled=False):
-            return _grouped_linear(inp.to(ac_dtype), weight.to(ac_dtype),
+            return _grouped_linear(inp.to(ac_dtype), cast,
                                    None if bias is None else bias.to(ac_dtype), m_splits,
                                    m_offsets, quantizers)
     return _grouped_linear(inp, weight, bias, m_splits, m_offsets, quantizers)
