@@ -264,17 +264,14 @@ def saved_weight_worker(group):
         for m in layers:
             m.save_original_weight = not keep_copy
         saved = []
-
-        def pack(t):
-            saved.append(t)
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
             with te.autocast(recipe=rec):
                 y = model(x)
-        fp8_weights = [t for t in saved if t.dtype == torch.float8_e4m3fn
-                       and (tuple(t.shape) in weight_shapes or tuple(t.shape[::-1]) in weight_shapes)]
-        originals = [t for t in saved if t.dtype == torch.bfloat16 and tuple(t.shape) in weight_shapes]
+        shapes = [(t.dtype, tuple(t.shape)) for t in saved]
+        fp8_weights = [s for d, s in shapes if d == torch.float8_e4m3fn
+                       and (s in weight_shapes or s[::-1] in weight_shapes)]
+        originals = [t for t, (d, s) in zip(saved, shapes)
+                     if d == torch.bfloat16 and s in weight_shapes]
         if keep_copy:  # the FP8 columnwise copies, held until the backward
             assert len(fp8_weights) == 4 and not originals, (len(fp8_weights), len(originals))
         else:  # the gathered weights themselves, their storage freed by FSDP2 after the forward

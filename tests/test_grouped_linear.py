@@ -292,12 +292,7 @@ def test_saved_original_weight_requantized_bit_for_bit(name, compiled):
         x, dy = _data(sizes) if name != "fp8_block" else _wide_data(sizes)
         f = torch.compile(layer, fullgraph=True, backend="aot_eager") if compiled else layer
         saved = []
-
-        def pack(t):
-            saved.append(t)
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
             with te.autocast(recipe=rec):
                 run = _run(layer, x, torch.tensor(sizes), dy, f)
         runs.append(run)
