@@ -26,6 +26,9 @@ import sys
 import tempfile
 import time
 
+# this module's import name, also when run with ``python -m`` (as ``__main__``)
+_MODULE = __spec__.name if __spec__ is not None else __name__
+
 # the phases printed (torch's compile_times names) and their column labels
 PHASES = (("bytecode_tracing", "Dynamo trace s"),
           ("OutputGraph.call_user_compiler", "AOT + inductor s"),
@@ -63,7 +66,7 @@ def measure(config: str, recipe: str, device: str, backend: str) -> dict:
     with tempfile.TemporaryDirectory() as d:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(d, "inductor"),
                    TRITON_CACHE_DIR=os.path.join(d, "triton"))
-        code = (f"import json; from {__name__} import child; "
+        code = (f"import json; from {_MODULE} import child; "
                 f"print('ROW ' + json.dumps(child({config!r}, {recipe!r}, {device!r}, "
                 f"{backend!r})))")
         p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
