@@ -108,6 +108,31 @@ def test_eager_entry_goes_with_its_input(monkeypatch):
     assert not shared_inputs._LAST.cell
 
 
+def test_a_replaced_entry_frees_its_copies_at_once(monkeypatch):
+    """The next quantizing call's entry replaces the last one, whose copies go
+    at once, without Python's cyclic collection (off between a training
+    loop's scheduled collections); an entry whose input goes is freed at once
+    too."""
+    import weakref
+    monkeypatch.setattr(shared_inputs, "EAGER", True)
+    layer = te.Linear(128, 64, bias=False, params_dtype=torch.bfloat16)
+    h1, h2 = (torch.randn(64, 128, dtype=torch.bfloat16) for _ in range(2))
+    gc.collect()
+    gc.disable()
+    try:
+        with te.autocast(recipe=RECIPES["fp8_current"]()), torch.no_grad():
+            layer(h1)
+            copies = [weakref.ref(t) for t in shared_inputs._LAST.cell[0][4].values()]
+            assert copies and all(r() is not None for r in copies)
+            layer(h2)
+        assert all(r() is None for r in copies), "the replaced entry's copies are still held"
+        copies = [weakref.ref(t) for t in shared_inputs._LAST.cell[0][4].values()]
+        del h2
+        assert not shared_inputs._LAST.cell and all(r() is None for r in copies)
+    finally:
+        gc.enable()
+
+
 def test_eager_entry_goes_with_an_input_freed_on_another_thread(monkeypatch):
     """A saved input is often freed by the autograd engine's thread: the
     forward thread's entry still goes with it."""

@@ -132,6 +132,10 @@ def record(x, quantizer, quantized, tag=None) -> None:
     dropping any of its copies."""
     if not tracing.active:
         if _eager(x, quantizer):
+            # the replaced entry goes now: its list, weakref and callback form
+            # a cycle, which would hold its buffers until Python's cyclic
+            # collection (that training loops schedule rarely)
+            _LAST.cell.clear()
             cell: list = []
             cell.append((weakref.ref(x, lambda _, cell=cell: cell.clear()), x._version,
                          quantizer, tag, dict(quantized.buffers())))
