@@ -97,22 +97,20 @@ def shard(model, gather_recipe, mesh, compiled, backend, save_original_weight=Tr
     asked), the root the rest.  ``te.fsdp.fully_shard`` with ``recipe=None``
     is torch's ``fully_shard`` (nothing is wrapped), so the baseline and
     torchao go through it too.  ``save_original_weight=False``: the te
-    layers keep their FP8 weight copies for the backward instead (what
-    te.fsdp.fully_shard sets undone before the blocks compile)."""
+    layers keep their FP8 weight copies for the backward instead
+    (te.fsdp.fully_shard's setting undone; the blocks compile at their
+    first call, after it)."""
     from ..parallel import fsdp
 
-    def sharded(module, **kwargs):
-        fsdp.fully_shard(module, mesh=mesh, **kwargs)
-        if not save_original_weight:
-            for layer in module.modules():
-                if hasattr(layer, "save_original_weight"):
-                    layer.save_original_weight = False
-
     for block in llama.decoder_blocks(model):
-        sharded(block, recipe=gather_recipe, quantized_gather=True)
+        fsdp.fully_shard(block, recipe=gather_recipe, mesh=mesh, quantized_gather=True)
         if compiled:
             block.compile(fullgraph=True, backend=backend)
-    sharded(model)
+    fsdp.fully_shard(model, mesh=mesh)
+    if not save_original_weight:
+        for layer in model.modules():
+            if hasattr(type(layer), "save_original_weight"):
+                layer.save_original_weight = False
 
 
 def gather_label(model, kind):
