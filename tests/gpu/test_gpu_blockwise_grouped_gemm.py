@@ -1,0 +1,126 @@
+"""The CuTeDSL FP8 blockwise grouped GEMM (kernels/blockwise_grouped.py) on
+a Hopper GPU against the fp32 GEMMs of its dequantized operands: groups
+along the rows (fprop, dgrad; padding-only tiles skipped) and along the
+reduced dim (wgrad; an empty group gives zeros), through the opaque op
+eager and under torch.compile, and the runner compiled once per
+configuration.  Skips without CUDA, a Hopper GPU or nvidia-cutlass-dsl."""
+
+import pytest
+import torch
+
+from transformer_engine_compile.kernels import blockwise_grouped as bg
+from transformer_engine_compile.kernels.runner import RUNNERS
+
+pytestmark = pytest.mark.skipif(bg.unavailable_reason() is not None,
+                                reason=str(bg.unavailable_reason()))
+
+T = bg.TILE
+
+
+def _fp8(shape, gen, dtype=torch.float8_e4m3fn):
+    return (torch.randn(shape, generator=gen, device="cuda") * 2).to(dtype)
+
+
+def _scales(shape, gen):
+    """Powers of two in [2^-4, 2^3] (the recipe's power-of-two scales)."""
+    return torch.exp2(torch.randint(-4, 4, shape, generator=gen, device="cuda").float())
+
+
+def _rows_dequantized(q, s):
+    """``(rows, K)`` FP8 with ``(rows, K/128)`` scales, in fp32."""
+    return q.float() * s.repeat_interleave(T, dim=1)[:, :q.shape[1]]
+
+
+def _blocks_dequantized(q, s):
+    """``(N, K)`` FP8 with ``(N/128, >= K/128)`` block scales, in fp32."""
+    n, k = q.shape
+    return q.float() * s[:, :k // T].repeat_interleave(T, 0).repeat_interleave(T, 1)
+
+
+def _row_groups_case(gen, groups=3, k=384, n=256, b_dtype=torch.float8_e4m3fn):
+    """A: 6 row tiles, tile 3 padding only (sched -1); B per group, its block
+    scales padded along K to a multiple of 4 (as stored)."""
+    sched = torch.tensor([0, 0, 1, -1, 2, 2], dtype=torch.int32, device="cuda")
+    rows = T * sched.numel()
+    a = _fp8((rows, k), gen)
+    # the 1-D scales' layout: blocks outer, (rows, K/128) a transposed view
+    sa = _scales((k // T, rows), gen).t()
+    b = _fp8((groups, n, k), gen, b_dtype)
+    sb = torch.zeros(groups, n // T, 4, device="cuda")
+    sb[..., :k // T] = _scales((groups, n // T, k // T), gen)
+    return a, b, sa, sb, sched
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("b_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_groups_along_rows(out_dtype, b_dtype):
+    gen = torch.Generator("cuda").manual_seed(0)
+    a, b, sa, sb, sched = _row_groups_case(gen, b_dtype=b_dtype)
+    out = bg.grouped_gemm(a, b, sa, sb, sched, False, out_dtype)
+    assert out.shape == (a.shape[0], b.shape[1]) and out.dtype == out_dtype
+    ad = _rows_dequantized(a, sa)
+    for t, g in enumerate(sched.tolist()):
+        if g < 0:
+            continue
+        rows = slice(t * T, (t + 1) * T)
+        ref = ad[rows] @ _blocks_dequantized(b[g], sb[g]).t()
+        torch.testing.assert_close(out[rows].float(), ref.to(out_dtype).float(),
+                                   rtol=1e-2 if out_dtype == torch.bfloat16 else 1e-4, atol=1e-2)
+
+
+def test_groups_along_rows_strided_weight():
+    """dgrad's B: each group's transposed weight read as a view of one
+    ``(K, groups * N)`` buffer (the stacked weight's columnwise copy)."""
+    gen = torch.Generator("cuda").manual_seed(1)
+    a, b, sa, sb, sched = _row_groups_case(gen)
+    groups, n, k = b.shape
+    wide = torch.empty(n, groups * k, dtype=b.dtype, device="cuda")
+    view = wide.as_strided((groups, n, k), (k, groups * k, 1))
+    view.copy_(b)
+    out = bg.grouped_gemm(a, view, sa, sb, sched, False, torch.float32)
+    ref = bg.grouped_gemm(a, b.contiguous(), sa, sb, sched, False, torch.float32)
+    valid = (sched >= 0).repeat_interleave(T)
+    assert torch.equal(out[valid], ref[valid])
+
+
+def test_groups_along_k():
+    gen = torch.Generator("cuda").manual_seed(2)
+    m, n, tiles = 256, 384, 7
+    a, b = _fp8((m, tiles * T), gen), _fp8((n, tiles * T), gen)
+    sa = _scales((tiles, m), gen).t()
+    sb = _scales((tiles, n), gen).t()
+    # group 1 has no tokens; the others' tiles, the last one unused
+    sched = torch.tensor([[0, 2], [2, 2], [2, 3], [3, 6]], dtype=torch.int32, device="cuda")
+    out = bg.grouped_gemm(a, b, sa, sb, sched, True, torch.float32)
+    assert out.shape == (4, m, n)
+    ad, bd = _rows_dequantized(a, sa), _rows_dequantized(b, sb)
+    for g, (lo, hi) in enumerate(sched.tolist()):
+        cols = slice(lo * T, hi * T)
+        torch.testing.assert_close(out[g], ad[:, cols] @ bd[:, cols].t(), rtol=1e-4, atol=1e-3)
+    assert torch.count_nonzero(out[1]) == 0
+
+
+def test_compiled_equals_eager_and_builds_once():
+    gen = torch.Generator("cuda").manual_seed(3)
+    a, b, sa, sb, sched = _row_groups_case(gen)
+    eager = bg.grouped_gemm(a, b, sa, sb, sched, False, torch.bfloat16)
+    before = len(RUNNERS.runners)
+    fn = torch.compile(lambda *t: bg.grouped_gemm(*t, False, torch.bfloat16), fullgraph=True)
+    compiled = fn(a, b, sa, sb, sched)
+    valid = (sched >= 0).repeat_interleave(T)
+    assert torch.equal(compiled[valid], eager[valid])
+    assert len(RUNNERS.runners) == before  # the configuration's runner was reused
+
+
+def test_cuda_graph_replay_follows_the_schedule():
+    gen = torch.Generator("cuda").manual_seed(4)
+    a, b, sa, sb, sched = _row_groups_case(gen)
+    bg.grouped_gemm(a, b, sa, sb, sched, False, torch.float32)  # built before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = bg.grouped_gemm(a, b, sa, sb, sched, False, torch.float32)
+    sched.copy_(torch.tensor([2, 1, 0, 0, -1, 1], dtype=torch.int32))
+    graph.replay()
+    ref = bg.grouped_gemm(a, b, sa, sb, sched, False, torch.float32)
+    valid = (sched >= 0).repeat_interleave(T)
+    assert torch.equal(out[valid], ref[valid])

@@ -1,0 +1,91 @@
+"""FP8 blockwise grouped GEMM (CuTeDSL on Hopper) as a ``run_kernel`` family.
+
+``torch._scaled_grouped_mm`` takes rowwise scales only on Hopper, so the
+GEMMs of ``te.GroupedLinear`` under ``Float8BlockScaling`` (1x128 tiles
+for activations and gradients, 128x128 blocks for weights) run this
+kernel (``cutedsl/blockwise_grouped_gemm.py``) when
+``nvidia-cutlass-dsl`` imports and the GPU is a Hopper; elsewhere the
+dequantized path runs (``module/grouped/blocked.py``).
+
+:func:`grouped_gemm` takes torch tensors:
+
+* ``grouped_k=False`` (fprop, dgrad): ``a (rows, K)``, ``b (groups, N, K)``
+  (any strides, K contiguous), ``scale_a (rows, K/128)``, ``scale_b
+  (groups, N/128, >= K/128)``, ``sched (rows/128,)`` int32: each row
+  tile's group, -1 for a tile of padding only (its rows of the output are
+  left unwritten).  Returns ``(rows, N)``.
+* ``grouped_k=True`` (wgrad): ``a (M, T)``, ``b (N, T)``, ``scale_a (M,
+  T/128)``, ``scale_b (N, T/128)``, ``sched (groups, 2)`` int32: each
+  group's first and end 128-tile along T.  Returns ``(groups, M, N)``.
+
+The operands are FP8 (E4M3 or E5M2), rows and N multiples of 128, K
+(T) a multiple of 128.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from .runner import RUNNERS, KernelConfig, RunnerKind, run_kernel
+
+KIND = "fp8_blockwise_grouped_gemm"
+TILE = 128
+
+_DSL_DTYPES = {torch.float8_e4m3fn: "Float8E4M3FN", torch.float8_e5m2: "Float8E5M2",
+               torch.bfloat16: "BFloat16", torch.float32: "Float32", torch.int32: "Int32"}
+
+
+def config(grouped_k: bool, a_dtype: torch.dtype, b_dtype: torch.dtype,
+           out_dtype: torch.dtype) -> KernelConfig:
+    return KernelConfig.make(KIND, grouped_k=bool(grouped_k), a_dtype=str(a_dtype),
+                             b_dtype=str(b_dtype), out_dtype=str(out_dtype))
+
+
+def grouped_gemm(a, b, scale_a, scale_b, sched, grouped_k: bool,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    """The grouped GEMM through ``te_compile::run_kernel`` (shapes: module
+    docstring)."""
+    cfg = config(grouped_k, a.dtype, b.dtype, out_dtype)
+    return run_kernel(cfg, [a, b, scale_a, scale_b, sched])[0]
+
+
+@functools.lru_cache(maxsize=None)
+def unavailable_reason() -> Optional[str]:
+    """Why the kernel cannot run in this process, or None."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if torch.cuda.get_device_capability() != (9, 0):
+        return f"the kernel is built for Hopper (sm_90a), not sm_{''.join(map(str, torch.cuda.get_device_capability()))}"
+    try:
+        import cutlass.cute  # noqa: F401
+    except Exception as e:  # ImportError, or a DSL that cannot load its libraries
+        return f"nvidia-cutlass-dsl does not import ({type(e).__name__}: {e}); pip install -e '.[cutedsl]'"
+    return None
+
+
+def _out_shape(config: KernelConfig, inputs: list) -> tuple:
+    a, b, _, _, sched = inputs
+    if config.as_dict()["grouped_k"]:
+        return (sched.shape[0], a.shape[0], b.shape[0])
+    return (a.shape[0], b.shape[1])
+
+
+class BlockwiseGroupedGemmKind(RunnerKind):
+    name = KIND
+
+    def unavailable(self) -> Optional[str]:
+        return unavailable_reason()
+
+    def fake(self, config: KernelConfig, inputs: list) -> list:
+        dtype = getattr(torch, config.as_dict()["out_dtype"].replace("torch.", ""))
+        return [inputs[0].new_empty(_out_shape(config, inputs), dtype=dtype)]
+
+    def build(self, config: KernelConfig):
+        from .cutedsl.blockwise_grouped_gemm import build
+        return build(config, _out_shape)
+
+
+RUNNERS.register(BlockwiseGroupedGemmKind())

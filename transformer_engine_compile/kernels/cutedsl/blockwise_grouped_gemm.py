@@ -1,0 +1,261 @@
+"""FP8 blockwise grouped GEMM for Hopper, written with NVIDIA's CuTe DSL.
+
+``C[l] = A_l B_l^T`` with E4M3 operands, both K-major, and fp32 block
+scales along K every 128 elements (DeepSeek-style scaling):
+
+* A is ``(rows, K)``, one scale per row and 128-block of K (1x128);
+* B is ``(N, K, groups)``: under ``grouped_k=False`` one scale per
+  128x128 block (a weight), under ``grouped_k=True`` one per row and
+  128-block (a transposed activation, as A).
+
+Two ways to group, one kernel:
+
+* ``grouped_k=False`` (fprop, dgrad): A's rows come in groups padded to
+  whole 128-row tiles; ``sched[t, 0]`` is the group of row tile ``t`` (its
+  B), or -1 for a tile of padding alone (skipped, its C rows unwritten).
+  C is ``(rows, N, 1)``.
+* ``grouped_k=True`` (wgrad): group ``g`` reduces over K tiles
+  ``sched[g, 0] .. sched[g, 1]`` (its tokens, padded to 128); C is
+  ``(M, N, groups)``, a group with no tiles gets zeros.
+
+Each CTA computes a 128x128 tile with two consumer warpgroups (64 rows
+each).  Warp 0 streams A/B tiles of 128x128x128 through TMA into a
+multi-stage shared-memory ring; per K tile the warpgroups run four WGMMAs
+(K=32 each) into a temporary accumulator, then add it, scaled by
+``scale_a[row] * scale_b``, into the fp32 accumulator (the promotion
+that keeps FP8 products' sums in fp32 across blocks).  The epilogue
+converts to C's dtype and stores from registers.
+
+Imported only when the runner is built (``kernels/blockwise_grouped.py``):
+nothing here runs on a machine without the DSL or a GPU.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+TILE_M = 128
+TILE_N = 128
+TILE_K = 128          # one scale block along K per tile
+_WARPGROUPS = 2       # consumers, 64 rows each
+_THREADS = 128 * _WARPGROUPS
+
+
+class BlockwiseGroupedGemm:
+    """The kernel for one configuration (``grouped_k``, C's dtype)."""
+
+    def __init__(self, grouped_k: bool, stages: int = 0):
+        self.grouped_k = grouped_k
+        self.tile_mnk = (TILE_M, TILE_N, TILE_K)
+        smem = utils.get_smem_capacity_in_bytes("sm_90")
+        per_stage = (TILE_M + TILE_N) * TILE_K  # bytes: two FP8 tiles
+        self.stages = stages or min(8, (smem - 2048) // per_stage)
+
+    @cute.jit
+    def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, scale_a: cute.Tensor,
+                 scale_b: cute.Tensor, sched: cute.Tensor, stream):
+        a_major = utils.LayoutEnum.from_tensor(a)
+        b_major = utils.LayoutEnum.from_tensor(b)
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            a.element_type, b.element_type, a_major.sm90_mma_major_mode(),
+            b_major.sm90_mma_major_mode(), cutlass.Float32, (_WARPGROUPS, 1, 1),
+            tiler_mn=(64, TILE_N))
+        a_smem = sm90_utils.make_smem_layout_a(a_major, self.tile_mnk, a.element_type,
+                                               self.stages)
+        b_smem = sm90_utils.make_smem_layout_b(b_major, self.tile_mnk, b.element_type,
+                                               self.stages)
+        tma_a, tma_ta = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), a, cute.slice_(a_smem, (None, None, 0)),
+            (TILE_M, TILE_K))
+        tma_b, tma_tb = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), b, cute.slice_(b_smem, (None, None, 0)),
+            (TILE_N, TILE_K))
+
+        @cute.struct
+        class SharedStorage:
+            barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            sa: cute.struct.Align[cute.struct.MemRange[a.element_type, cute.cosize(a_smem)],
+                                  1024]
+            sb: cute.struct.Align[cute.struct.MemRange[b.element_type, cute.cosize(b_smem)],
+                                  1024]
+
+        self.shared_storage = SharedStorage
+        self.tx_bytes = (cute.size_in_bytes(a.element_type, cute.slice_(a_smem, (None, None, 0)))
+                         + cute.size_in_bytes(b.element_type,
+                                              cute.slice_(b_smem, (None, None, 0))))
+        grid = ((cute.size(c, mode=[0]) + TILE_M - 1) // TILE_M,
+                (cute.size(c, mode=[1]) + TILE_N - 1) // TILE_N,
+                cute.size(c, mode=[2]))
+        self.kernel(tma_a, tma_ta, tma_b, tma_tb, c, scale_a, scale_b, sched, tiled_mma,
+                    a_smem, b_smem).launch(grid=grid, block=[_THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom,
+               mB: cute.Tensor, mC: cute.Tensor, mSA: cute.Tensor, mSB: cute.Tensor,
+               mSched: cute.Tensor, tiled_mma: cute.TiledMma, a_smem: cute.ComposedLayout,
+               b_smem: cute.ComposedLayout):
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        tile_m, tile_n, tile_l = cute.arch.block_idx()
+        if warp == 0:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+
+        # which B, which C, which K tiles
+        b_l = cutlass.Int32(0)
+        c_l = cutlass.Int32(0)
+        k_begin = cutlass.Int32(0)
+        k_tiles = cutlass.Int32(0)
+        store = cutlass.Boolean(True)
+        if cutlass.const_expr(self.grouped_k):
+            c_l = tile_l
+            k_begin = mSched[tile_l, 0]
+            k_tiles = mSched[tile_l, 1] - k_begin
+        else:
+            group = mSched[tile_m, 0]
+            store = group >= 0
+            b_l = cutlass.max(group, 0)
+            if store:
+                k_tiles = (cute.size(mA, mode=[1]) + TILE_K - 1) // TILE_K
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        ring = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.barriers.data_ptr(), num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, _THREADS // 32),
+            tx_count=self.tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+        sA = storage.sa.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        sB = storage.sb.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+
+        # (128, 128, k tiles) views of this CTA's A rows and B rows
+        gA = cute.local_tile(mA, self.tile_mnk, (tile_m, tile_n, None, 0), proj=(1, None, 1))
+        gB = cute.local_tile(mB, self.tile_mnk, (tile_m, tile_n, None, b_l), proj=(None, 1, 1))
+        gC = cute.local_tile(mC, self.tile_mnk, (tile_m, tile_n, None, c_l), proj=(1, 1, None))
+        tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
+                                           cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+        tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
+                                           cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        thr_mma = tiled_mma.get_slice(wg * 128)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        tCgC = thr_mma.partition_C(gC)
+        # each accumulator element's (row, column) in the tile
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
+        acc = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
+        part = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
+        scale = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
+        acc.fill(0.0)
+        k_blocks = cute.size(tCrA, mode=[2])
+
+        loads = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        if warp == 0:
+            for _ in cutlass.range(cutlass.min(self.stages, k_tiles), unroll=1):
+                self._load(ring, loads, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, k_begin)
+                loads.advance()
+
+        reads = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        row0 = tile_m * TILE_M
+        col0 = tile_n * TILE_N
+        for kt in cutlass.range(k_tiles, unroll=1):
+            kb = k_begin + kt
+            # this K block's scales, loaded while the tiles arrive
+            if cutlass.const_expr(self.grouped_k):
+                for i in cutlass.range_constexpr(cute.size(scale)):
+                    r, n = tCcC[i]
+                    scale[i] = mSA[row0 + r, kb] * mSB[col0 + n, kb, 0]
+            else:
+                sb = mSB[tile_n, kb, b_l]
+                for i in cutlass.range_constexpr(cute.size(scale)):
+                    r, _n = tCcC[i]
+                    scale[i] = mSA[row0 + r, kb] * sb
+            ring.consumer_wait(reads)
+            warpgroup.fence()
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+            for k in cutlass.range_constexpr(k_blocks):
+                cute.gemm(tiled_mma, part, tCrA[None, None, k, reads.index],
+                          tCrB[None, None, k, reads.index], part)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            ring.consumer_release(reads)
+            reads.advance()
+            acc.store(acc.load() + part.load() * scale.load())
+            if warp == 0:
+                if loads.count < k_tiles:
+                    self._load(ring, loads, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, k_begin)
+                    loads.advance()
+
+        if store:
+            out = cute.make_rmem_tensor(tCgC.shape, mC.element_type)
+            out.store(acc.load().to(mC.element_type))
+            cute.autovec_copy(out, tCgC)
+
+    @cute.jit
+    def _load(self, ring, state, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, k_begin):
+        ring.producer_acquire(state)
+        barrier = ring.producer_get_barrier(state)
+        k = k_begin + state.count
+        cute.copy(tma_a, tAgA[None, k], tAsA[None, state.index], tma_bar_ptr=barrier)
+        cute.copy(tma_b, tBgB[None, k], tBsB[None, state.index], tma_bar_ptr=barrier)
+        ring.producer_commit(state)
+
+
+def _views(grouped_k: bool, a, b, out, scale_a, scale_b, sched) -> list:
+    """The kernel's arguments from ``kernels/blockwise_grouped.py``'s torch
+    tensors: A ``(rows, K, 1)``, B ``(N, K, groups)``, C ``(rows, N, l)``,
+    the scales with their blocks along K second, ``sched`` 2-D."""
+    from .tensors import to_cute
+    if grouped_k:
+        views = [(a.unsqueeze(-1), 1, 16), (b.unsqueeze(-1), 1, 16),
+                 (out.permute(1, 2, 0), 1, 16), (scale_a, 0, 4),
+                 (scale_b.unsqueeze(-1), 0, 4), (sched, 1, 4)]
+    else:
+        views = [(a.unsqueeze(-1), 1, 16), (b.permute(1, 2, 0), 1, 16),
+                 (out.unsqueeze(-1), 1, 16), (scale_a, 0, 4),
+                 (scale_b.permute(1, 2, 0), 1, 4), (sched.view(-1, 1), 0, 4)]
+    return [to_cute(t, lead, align) for t, lead, align in views]
+
+
+def _example(grouped_k: bool, a_dtype, b_dtype, out_dtype, device="cuda") -> list:
+    """Small CUDA tensors of the runtime layouts, to compile against."""
+    import torch
+    dev, g, t = device, 2, 2 * TILE_K
+    zeros = lambda *s, dtype=torch.float32: torch.zeros(*s, device=dev).to(dtype)  # noqa: E731
+    if grouped_k:
+        return [zeros(TILE_M, t, dtype=a_dtype), zeros(TILE_N, t, dtype=b_dtype),
+                zeros(g, TILE_M, TILE_N, dtype=out_dtype), zeros(t // TILE_K, TILE_M).t(),
+                zeros(t // TILE_K, TILE_N).t(), zeros(g, 2, dtype=torch.int32)]
+    return [zeros(TILE_M, t, dtype=a_dtype), zeros(g, TILE_N, t, dtype=b_dtype),
+            zeros(TILE_M, TILE_N, dtype=out_dtype), zeros(t // TILE_K, TILE_M).t(),
+            zeros(g, 1, 4), zeros(1, dtype=torch.int32)]
+
+
+def build(config, out_shape):
+    """The runner of one configuration (``kernels/blockwise_grouped.py``):
+    compiled here, once, for any shapes of its layouts."""
+    import torch
+    from .tensors import current_stream
+    values = config.as_dict()
+    dtype = lambda name: getattr(torch, name.replace("torch.", ""))  # noqa: E731
+    grouped_k = values["grouped_k"]
+    out_dtype = dtype(values["out_dtype"])
+    a, b, out, sa, sb, sched = _example(grouped_k, dtype(values["a_dtype"]),
+                                        dtype(values["b_dtype"]), out_dtype)
+    compiled = cute.compile(BlockwiseGroupedGemm(grouped_k),
+                            *_views(grouped_k, a, b, out, sa, sb, sched), current_stream())
+
+    def run(inputs):
+        a, b, scale_a, scale_b, sched = inputs
+        out = torch.empty(out_shape(config, inputs), dtype=out_dtype, device=a.device)
+        compiled(*_views(grouped_k, a, b, out, scale_a, scale_b, sched), current_stream())
+        return [out]
+
+    return run
