@@ -52,6 +52,30 @@ def grouped_gemm(a, b, scale_a, scale_b, sched, grouped_k: bool,
     return run_kernel(cfg, [a, b, scale_a, scale_b, sched])[0]
 
 
+def reference(a, b, scale_a, scale_b, sched, grouped_k: bool,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """The kernel's result on any device: fp32 GEMMs of the dequantized
+    operands (the kernel differs by its accumulation's rounding alone);
+    the rows of skipped tiles are zero here."""
+    def rows(q, s):  # (R, K) with (R, >= K/128) scales
+        return q.float() * s[:, :q.shape[1] // TILE].float().repeat_interleave(TILE, 1)
+
+    if grouped_k:
+        ad, bd = rows(a, scale_a), rows(b, scale_b)
+        out = a.new_zeros((sched.shape[0], a.shape[0], b.shape[0]), dtype=torch.float32)
+        for g, (lo, hi) in enumerate(sched.tolist()):
+            out[g] = ad[:, lo * TILE:hi * TILE] @ bd[:, lo * TILE:hi * TILE].t()
+        return out.to(out_dtype)
+    ad = rows(a, scale_a)
+    out = a.new_zeros((a.shape[0], b.shape[1]), dtype=torch.float32)
+    for t, g in enumerate(sched.tolist()):
+        if g >= 0:
+            bs = scale_b[g][:, :b.shape[2] // TILE].float()
+            bd = b[g].float() * bs.repeat_interleave(TILE, 0).repeat_interleave(TILE, 1)
+            out[t * TILE:(t + 1) * TILE] = ad[t * TILE:(t + 1) * TILE] @ bd.t()
+    return out.to(out_dtype)
+
+
 @functools.lru_cache(maxsize=None)
 def unavailable_reason() -> Optional[str]:
     """Why the kernel cannot run in this process, or None."""

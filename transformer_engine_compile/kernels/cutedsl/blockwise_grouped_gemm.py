@@ -233,9 +233,9 @@ def _example(grouped_k: bool, a_dtype, b_dtype, out_dtype, device="cuda") -> lis
         return [zeros(TILE_M, t, dtype=a_dtype), zeros(TILE_N, t, dtype=b_dtype),
                 zeros(g, TILE_M, TILE_N, dtype=out_dtype), zeros(t // TILE_K, TILE_M).t(),
                 zeros(t // TILE_K, TILE_N).t(), zeros(g, 2, dtype=torch.int32)]
-    return [zeros(TILE_M, t, dtype=a_dtype), zeros(g, TILE_N, t, dtype=b_dtype),
-            zeros(TILE_M, TILE_N, dtype=out_dtype), zeros(t // TILE_K, TILE_M).t(),
-            zeros(g, 1, 4), zeros(1, dtype=torch.int32)]
+    return [zeros(2 * TILE_M, t, dtype=a_dtype), zeros(g, 2 * TILE_N, t, dtype=b_dtype),
+            zeros(2 * TILE_M, 2 * TILE_N, dtype=out_dtype), zeros(t // TILE_K, 2 * TILE_M).t(),
+            zeros(g, 2, 4), zeros(2, dtype=torch.int32)]
 
 
 def build(config, out_shape):

@@ -12,18 +12,21 @@ padded with zeros the same way); each expert's weight is quantized on its
 own.  NVFP4's second-level (per-tensor) scale is the one exception: it
 comes from the amax of all experts' tokens together.
 
-No grouped kernel takes these block scales on Hopper, so the GEMMs run
-on the dequantized values: fp32 on the CPU (the reference numerics of a
-``te.Linear`` per expert), bf16 ``torch._grouped_mm`` on CUDA (exact for
-the power-of-two scales of blockwise and MXFP8).  Correct and slower than
-bf16: the forward saves the high-precision x and W, and the backward
-quantizes them again for its columnwise copies.
+Under ``Float8BlockScaling`` on Hopper the GEMMs run the CuTeDSL FP8
+blockwise grouped GEMM on these operands (``blockwise_gemm.py``, with
+``nvidia-cutlass-dsl`` installed).  Otherwise no grouped kernel takes
+these block scales, so the GEMMs run on the dequantized values: fp32 on
+the CPU (the reference numerics of a ``te.Linear`` per expert), bf16
+``torch._grouped_mm`` on CUDA (exact for the power-of-two scales of
+blockwise and MXFP8).  Either way the forward saves the high-precision x
+and W, and the backward quantizes them again for its columnwise copies.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import blockwise_gemm
 from .padding import padded_rows_of, scatter_rows
 
 # a multiple of every format's block along the tokens
@@ -50,7 +53,10 @@ def fprop(x, w, q_x, q_w, rows, offs) -> torch.Tensor:
     """``y_g = x_g W_g^T`` in the GEMM dtype (fp32 on CPU, bf16 on CUDA)."""
     dtype = _gemm_dtype(x)
     dest, pad_offs, size = padded_rows_of(offs, rows, _BLOCK_ROWS)
-    y = torch._grouped_mm(_operand(q_x, scatter_rows(x, dest, size), "rowwise", dtype),
+    xs = scatter_rows(x, dest, size)
+    if blockwise_gemm.applies(x, w, q_x, q_w):
+        return blockwise_gemm.fprop(x, w, q_x, q_w, xs, offs, pad_offs, dest)
+    y = torch._grouped_mm(_operand(q_x, xs, "rowwise", dtype),
                           _experts(q_w, w, "rowwise", dtype).transpose(-2, -1), offs=pad_offs)
     return y[dest]
 
@@ -60,6 +66,8 @@ def grads(dy, x, w, q_dy, q_x, q_w, rows, offs, dgrad: bool, wgrad: bool) -> tup
     copies the two GEMMs read; ``dx_g = dy_g W_g`` (dy rowwise, W
     columnwise ``(K, N)`` per expert), ``dW_g = dy_g^T x_g`` (both
     columnwise, their 128-row blocks within one expert)."""
+    if blockwise_gemm.applies(dy, w, q_x, q_w, q_dy):
+        return blockwise_gemm.grads(dy, x, w, q_dy, q_x, q_w, rows, offs, dgrad, wgrad)
     dtype = _gemm_dtype(dy)
     dest, pad_offs, size = padded_rows_of(offs, rows, _BLOCK_ROWS)
     dyq = q_dy.usage_variant(dgrad, wgrad).quantize(scatter_rows(dy, dest, size))

@@ -1,0 +1,129 @@
+"""The operands te.GroupedLinear hands the FP8 blockwise grouped GEMM
+(module/grouped/blockwise_gemm.py) on CPU, with the kernel's reference
+(kernels/blockwise_grouped.reference) standing in for the CuTeDSL kernel:
+the tile schedules, the stacked weight's views against each expert
+quantized alone, and whole training steps equal to the dequantized path
+the layer takes without the kernel, eager and compiled.  The kernel
+itself runs in tests/gpu/test_gpu_blockwise_grouped_gemm.py."""
+
+import pytest
+import torch
+
+import transformer_engine_compile as te
+from transformer_engine_compile.kernels import blockwise_grouped as kernel
+from transformer_engine_compile.kernels.reference import FP8_BLOCK
+from transformer_engine_compile.module.grouped import blocked, blockwise_gemm
+from transformer_engine_compile.module.grouped.padding import padded_offsets
+from transformer_engine_compile.quantization.factory import quantizer_for
+
+T = FP8_BLOCK
+SIZES = [(5, 0, 130, 16), (128, 128, 0, 256), (0, 0, 0, 7)]
+
+
+@pytest.mark.parametrize("sizes", SIZES)
+def test_tile_schedules(sizes):
+    offs = torch.cumsum(torch.tensor(sizes), 0).to(torch.int32)
+    tokens = sum(sizes)
+    pad_offs = padded_offsets(offs, tokens, T)
+    size = int(pad_offs[-1])
+    tiles = blockwise_gemm._row_tiles(offs, pad_offs, size).tolist()
+    k_tiles = blockwise_gemm._k_tiles(offs, pad_offs).tolist()
+    start, want, want_k = 0, [], []
+    for g, n in enumerate(sizes):
+        used = -(-n // T)
+        span = (int(pad_offs[g]) - start) // T
+        want += [g] * used + [-1] * (span - used)
+        want_k.append([start // T, start // T + used])
+        start = int(pad_offs[g])
+    assert tiles == want and k_tiles == want_k
+
+
+@pytest.mark.parametrize("usage", ["rowwise", "columnwise"])
+def test_stacked_weight_views_equal_each_expert_quantized_alone(usage):
+    w = torch.randn(3, 256, 384) * torch.tensor([1.0, 30.0, 0.01]).view(3, 1, 1)
+    quantizers = _quantizers(te.recipe.Float8BlockScaling())
+    data, scales = blockwise_gemm._weight(quantizers["weight"], w.bfloat16(), usage)
+    for g in range(3):
+        alone = quantizers["weight"].usage_variant(usage == "rowwise", usage == "columnwise") \
+            .quantize(w[g].bfloat16()).fp8_operand(usage)
+        assert torch.equal(data[g].view(torch.uint8), alone[0].view(torch.uint8))
+        blocks = alone[1][:, :data.shape[2] // T]
+        assert torch.equal(scales[g][:, :blocks.shape[1]], blocks)
+
+
+def _quantizers(rec):
+    return {role: quantizer_for(rec, role) for role in ("input", "weight", "grad_output")}
+
+
+def _layer():
+    torch.manual_seed(0)
+    layer = te.GroupedLinear(4, 256, 384, params_dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.bias.normal_()
+    return layer
+
+
+def _step(layer, x, sizes, dy, step=None):
+    x = x.detach().requires_grad_()
+    layer.zero_grad(set_to_none=True)
+    y = (layer if step is None else step)(x, torch.tensor(sizes))
+    y.backward(dy)
+    return y, x.grad, layer.weight.grad, layer.bias.grad
+
+
+@pytest.fixture
+def stand_in_kernel(monkeypatch):
+    """The kernel path taken on CPU, the reference computing the GEMMs."""
+    calls = []
+
+    def gemm(*args):
+        calls.append(args[5])
+        return kernel.reference(*args)
+
+    monkeypatch.setattr(blockwise_gemm, "applies", lambda *a: True)
+    monkeypatch.setattr(kernel, "grouped_gemm", gemm)
+    return calls
+
+
+@pytest.mark.parametrize("sizes", SIZES[:2])
+def test_training_step_equals_the_dequantized_path(stand_in_kernel, sizes):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(sum(sizes), 256, generator=g).bfloat16()
+    dy = torch.randn(sum(sizes), 384, generator=g).bfloat16()
+    layer = _layer()
+    with te.autocast(recipe=te.recipe.Float8BlockScaling()):
+        got = _step(layer, x, sizes, dy)
+    assert stand_in_kernel == [False, False, True]  # fprop, dgrad, wgrad
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(blockwise_gemm, "applies", lambda *a: False)
+        with te.autocast(recipe=te.recipe.Float8BlockScaling()):
+            want = _step(layer, x, sizes, dy)
+    for a, b in zip(got, want):
+        # the same FP8 operands and scales; fp32 sums in another order
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_compiled_equals_eager_on_the_kernel_path(stand_in_kernel):
+    torch._dynamo.reset()
+    layer = _layer()
+    step = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    for seed, sizes in enumerate(SIZES[:2]):
+        g = torch.Generator().manual_seed(10 + seed)
+        x = torch.randn(sum(sizes), 256, generator=g).bfloat16()
+        dy = torch.randn(sum(sizes), 384, generator=g).bfloat16()
+        with te.autocast(recipe=te.recipe.Float8BlockScaling()):
+            eager = _step(layer, x, sizes, dy)
+            compiled = _step(layer, x, sizes, dy, step)
+        for a, b in zip(eager, compiled):
+            assert torch.equal(a, b)
+
+
+def test_the_kernel_path_needs_whole_blocks_and_the_default_tiles():
+    x = torch.zeros(4, 256)
+    w = torch.zeros(2, 384, 256)
+    q = _quantizers(te.recipe.Float8BlockScaling())
+    # never on CPU tensors
+    assert not blockwise_gemm.applies(x, w, q["input"], q["weight"], q["grad_output"])
+    other = _quantizers(te.recipe.Float8BlockScaling(x_block_scaling_dim=2))
+    assert not blockwise_gemm._is_blockwise(other["input"], 1)
+    assert blocked.blockwise_gemm is blockwise_gemm
