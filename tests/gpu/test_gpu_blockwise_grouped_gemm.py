@@ -124,3 +124,38 @@ def test_cuda_graph_replay_follows_the_schedule():
     ref = bg.grouped_gemm(a, b, sa, sb, sched, False, torch.float32)
     valid = (sched >= 0).repeat_interleave(T)
     assert torch.equal(out[valid], ref[valid])
+
+
+def test_grouped_linear_runs_the_kernel_and_matches_the_dequantized_path(monkeypatch):
+    import transformer_engine_compile as te
+    from transformer_engine_compile.module.grouped import blockwise_gemm
+    calls = []
+    real = bg.grouped_gemm
+
+    def spy(*args):
+        calls.append(args[5])
+        return real(*args)
+
+    torch.manual_seed(0)
+    layer = te.GroupedLinear(4, 256, 384, params_dtype=torch.bfloat16).cuda()
+    sizes = (37, 0, 300, 175)
+    x = torch.randn(sum(sizes), 256, device="cuda").bfloat16()
+    dy = torch.randn(sum(sizes), 384, device="cuda").bfloat16()
+
+    def step():
+        xg = x.detach().requires_grad_()
+        layer.zero_grad(set_to_none=True)
+        with te.autocast(recipe=te.recipe.Float8BlockScaling()):
+            y = layer(xg, torch.tensor(sizes, device="cuda"))
+        y.backward(dy)
+        return y, xg.grad, layer.weight.grad
+
+    monkeypatch.setattr(bg, "grouped_gemm", spy)
+    got = step()
+    assert calls == [False, False, True]
+    monkeypatch.setattr(blockwise_gemm, "applies", lambda *a: False)
+    want = step()
+    for a, b in zip(got, want):
+        rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        assert rel < 1e-2
+    assert torch.count_nonzero(got[2][1]) == 0  # the expert without tokens

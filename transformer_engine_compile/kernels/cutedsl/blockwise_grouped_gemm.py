@@ -19,8 +19,10 @@ Two ways to group, one kernel:
   ``(M, N, groups)``, a group with no tiles gets zeros.
 
 Each CTA computes a 128x128 tile with two consumer warpgroups (64 rows
-each).  Warp 0 streams A/B tiles of 128x128x128 through TMA into a
-multi-stage shared-memory ring; per K tile the warpgroups run four WGMMAs
+each) and one producer warpgroup, whose first warp streams A/B tiles of
+128x128x128 through TMA into a multi-stage shared-memory ring (the
+producer gives its registers to the consumers); per K tile the consumer
+warpgroups run four WGMMAs
 (K=32 each) into a temporary accumulator, then add it, scaled by
 ``scale_a[row] * scale_b``, into the fp32 accumulator (the promotion
 that keeps FP8 products' sums in fp32 across blocks).  The epilogue
@@ -43,7 +45,10 @@ TILE_M = 128
 TILE_N = 128
 TILE_K = 128          # one scale block along K per tile
 _WARPGROUPS = 2       # consumers, 64 rows each
-_THREADS = 128 * _WARPGROUPS
+_MMA_THREADS = 128 * _WARPGROUPS
+_THREADS = 128 + _MMA_THREADS   # one producer warpgroup first
+_PRODUCER_REGS = 40
+_MMA_REGS = 232
 
 
 class BlockwiseGroupedGemm:
@@ -91,6 +96,12 @@ class BlockwiseGroupedGemm:
         grid = ((cute.size(c, mode=[0]) + TILE_M - 1) // TILE_M,
                 (cute.size(c, mode=[1]) + TILE_N - 1) // TILE_N,
                 cute.size(c, mode=[2]))
+        # C's row and batch strides are multiples of 8 elements (N is whole
+        # 128-tiles): said, so the epilogue stores each thread's adjacent
+        # columns together
+        c = cute.make_tensor(c.iterator, cute.make_layout(
+            c.shape, stride=(cute.assume(c.stride[0], divby=8), 1,
+                             cute.assume(c.stride[2], divby=8))))
         self.kernel(tma_a, tma_ta, tma_b, tma_tb, c, scale_a, scale_b, sched, tiled_mma,
                     a_smem, b_smem).launch(grid=grid, block=[_THREADS, 1, 1], stream=stream)
 
@@ -128,85 +139,86 @@ class BlockwiseGroupedGemm:
         ring = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.barriers.data_ptr(), num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, _THREADS // 32),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, _MMA_THREADS // 32),
             tx_count=self.tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
         sA = storage.sa.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         sB = storage.sb.get_tensor(b_smem.outer, swizzle=b_smem.inner)
 
-        # (128, 128, k tiles) views of this CTA's A rows and B rows
-        gA = cute.local_tile(mA, self.tile_mnk, (tile_m, tile_n, None, 0), proj=(1, None, 1))
-        gB = cute.local_tile(mB, self.tile_mnk, (tile_m, tile_n, None, b_l), proj=(None, 1, 1))
-        gC = cute.local_tile(mC, self.tile_mnk, (tile_m, tile_n, None, c_l), proj=(1, 1, None))
-        tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
-                                           cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
-        tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
-                                           cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
-
         wg = cute.arch.make_warp_uniform(tidx // 128)
-        thr_mma = tiled_mma.get_slice(wg * 128)
-        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-        tCgC = thr_mma.partition_C(gC)
-        # each accumulator element's (row, column) in the tile
-        tCcC = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
-        acc = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
-        part = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
-        scale = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
-        acc.fill(0.0)
-        k_blocks = cute.size(tCrA, mode=[2])
-
-        loads = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        if warp == 0:
-            for _ in cutlass.range(cutlass.min(self.stages, k_tiles), unroll=1):
-                self._load(ring, loads, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, k_begin)
-                loads.advance()
-
-        reads = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        row0 = tile_m * TILE_M
-        col0 = tile_n * TILE_N
-        for kt in cutlass.range(k_tiles, unroll=1):
-            kb = k_begin + kt
-            # this K block's scales, loaded while the tiles arrive
-            if cutlass.const_expr(self.grouped_k):
-                for i in cutlass.range_constexpr(cute.size(scale)):
-                    r, n = tCcC[i]
-                    scale[i] = mSA[row0 + r, kb] * mSB[col0 + n, kb, 0]
-            else:
-                sb = mSB[tile_n, kb, b_l]
-                for i in cutlass.range_constexpr(cute.size(scale)):
-                    r, _n = tCcC[i]
-                    scale[i] = mSA[row0 + r, kb] * sb
-            ring.consumer_wait(reads)
-            warpgroup.fence()
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-            for k in cutlass.range_constexpr(k_blocks):
-                cute.gemm(tiled_mma, part, tCrA[None, None, k, reads.index],
-                          tCrB[None, None, k, reads.index], part)
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            ring.consumer_release(reads)
-            reads.advance()
-            acc.store(acc.load() + part.load() * scale.load())
+        if wg == 0:
+            # the producer warpgroup: warp 0 streams the K tiles through TMA
+            cute.arch.warpgroup_reg_dealloc(_PRODUCER_REGS)
             if warp == 0:
-                if loads.count < k_tiles:
-                    self._load(ring, loads, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, k_begin)
+                gA = cute.local_tile(mA, self.tile_mnk, (tile_m, tile_n, None, 0),
+                                     proj=(1, None, 1))
+                gB = cute.local_tile(mB, self.tile_mnk, (tile_m, tile_n, None, b_l),
+                                     proj=(None, 1, 1))
+                tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
+                                                   cute.group_modes(sA, 0, 2),
+                                                   cute.group_modes(gA, 0, 2))
+                tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
+                                                   cute.group_modes(sB, 0, 2),
+                                                   cute.group_modes(gB, 0, 2))
+                loads = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                     self.stages)
+                for kt in cutlass.range(k_tiles, unroll=1):
+                    ring.producer_acquire(loads)
+                    barrier = ring.producer_get_barrier(loads)
+                    cute.copy(tma_a, tAgA[None, k_begin + kt], tAsA[None, loads.index],
+                              tma_bar_ptr=barrier)
+                    cute.copy(tma_b, tBgB[None, k_begin + kt], tBsB[None, loads.index],
+                              tma_bar_ptr=barrier)
+                    ring.producer_commit(loads)
                     loads.advance()
+                ring.producer_tail(loads)
+        else:
+            cute.arch.warpgroup_reg_alloc(_MMA_REGS)
+            mma_tidx = tidx - 128
+            # A/B fragments per warpgroup, C per thread
+            thr_mma = tiled_mma.get_slice((wg - 1) * 128)
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+            thr_c = tiled_mma.get_slice(mma_tidx)
+            gC = cute.local_tile(mC, self.tile_mnk, (tile_m, tile_n, None, c_l),
+                                 proj=(1, 1, None))
+            tCgC = thr_c.partition_C(gC)
+            # each accumulator element's (row, column) in the tile
+            tCcC = thr_c.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
+            acc = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
+            part = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
+            acc.fill(0.0)
+            k_blocks = cute.size(tCrA, mode=[2])
+            reads = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            row0 = tile_m * TILE_M
+            col0 = tile_n * TILE_N
+            for kt in cutlass.range(k_tiles, unroll=1):
+                kb = k_begin + kt
+                sb = cutlass.Float32(1.0)
+                if cutlass.const_expr(not self.grouped_k):
+                    sb = mSB[tile_n, kb, b_l]
+                ring.consumer_wait(reads)
+                warpgroup.fence()
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+                for k in cutlass.range_constexpr(k_blocks):
+                    cute.gemm(tiled_mma, part, tCrA[None, None, k, reads.index],
+                              tCrB[None, None, k, reads.index], part)
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                ring.consumer_release(reads)
+                reads.advance()
+                # add this K block's sums, scaled, to the fp32 accumulator
+                for i in cutlass.range(cute.size(acc), unroll_full=True):
+                    r, n = tCcC[i]
+                    s = mSA[row0 + r, kb] * sb
+                    if cutlass.const_expr(self.grouped_k):
+                        s = s * mSB[col0 + n, kb, 0]
+                    acc[i] = acc[i] + part[i] * s
 
-        if store:
-            out = cute.make_rmem_tensor(tCgC.shape, mC.element_type)
-            out.store(acc.load().to(mC.element_type))
-            cute.autovec_copy(out, tCgC)
-
-    @cute.jit
-    def _load(self, ring, state, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, k_begin):
-        ring.producer_acquire(state)
-        barrier = ring.producer_get_barrier(state)
-        k = k_begin + state.count
-        cute.copy(tma_a, tAgA[None, k], tAsA[None, state.index], tma_bar_ptr=barrier)
-        cute.copy(tma_b, tBgB[None, k], tBsB[None, state.index], tma_bar_ptr=barrier)
-        ring.producer_commit(state)
-
+            if store:
+                out = cute.make_rmem_tensor(tCgC.shape, mC.element_type)
+                out.store(acc.load().to(mC.element_type))
+                cute.autovec_copy(out, tCgC)
 
 def _views(grouped_k: bool, a, b, out, scale_a, scale_b, sched) -> list:
     """The kernel's arguments from ``kernels/blockwise_grouped.py``'s torch
@@ -219,7 +231,8 @@ def _views(grouped_k: bool, a, b, out, scale_a, scale_b, sched) -> list:
                  (scale_b.unsqueeze(-1), 0, 4), (sched, 1, 4)]
     else:
         views = [(a.unsqueeze(-1), 1, 16), (b.permute(1, 2, 0), 1, 16),
-                 (out.unsqueeze(-1), 1, 16), (scale_a, 0, 4),
+                 (out.as_strided((*out.shape, 1), (out.shape[1], 1, out.numel())), 1, 16),
+                 (scale_a, 0, 4),
                  (scale_b.permute(1, 2, 0), 1, 4), (sched.view(-1, 1), 0, 4)]
     return [to_cute(t, lead, align) for t, lead, align in views]
 
