@@ -120,10 +120,9 @@ def test_compiled_equals_eager_on_the_kernel_path(stand_in_kernel):
 
 def test_the_kernel_path_needs_whole_blocks_and_the_default_tiles():
     x = torch.zeros(4, 256)
-    w = torch.zeros(2, 384, 256)
     q = _quantizers(te.recipe.Float8BlockScaling())
     # never on CPU tensors
-    assert not blockwise_gemm.applies(x, w, q["input"], q["weight"], q["grad_output"])
+    assert not blockwise_gemm.applies(x, 256, 384, q["input"], q["weight"], q["grad_output"])
     other = _quantizers(te.recipe.Float8BlockScaling(x_block_scaling_dim=2))
     assert not blockwise_gemm._is_blockwise(other["input"], 1)
     assert blocked.blockwise_gemm is blockwise_gemm

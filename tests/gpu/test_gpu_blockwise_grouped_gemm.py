@@ -37,6 +37,19 @@ def _blocks_dequantized(q, s):
     return q.float() * s[:, :k // T].repeat_interleave(T, 0).repeat_interleave(T, 1)
 
 
+def _assert_within_accumulation_error(out, ad, bd):
+    """``out`` against ``ad @ bd^T``: the tensor cores sum each 128-long block
+    of FP8 products with fewer mantissa bits than fp32, so an element may
+    differ by a small fraction of the sum of its products' magnitudes (plus
+    the output's rounding)."""
+    ref = ad @ bd.t()
+    bound = 2.0 ** -11 * (ad.abs() @ bd.abs().t()) + 2.0 ** -7 * ref.abs() + 1e-6
+    err = (out.float() - ref).abs()
+    assert bool((err <= bound).all()), (err - bound).max()
+    # and not as loose as the bound allows everywhere
+    assert (err.norm() / ref.norm()).item() < 2e-3
+
+
 def _row_groups_case(gen, groups=3, k=384, n=256, b_dtype=torch.float8_e4m3fn):
     """A: 6 row tiles, tile 3 padding only (sched -1); B per group, its block
     scales padded along K to a multiple of 4 (as stored)."""
@@ -63,9 +76,7 @@ def test_groups_along_rows(out_dtype, b_dtype):
         if g < 0:
             continue
         rows = slice(t * T, (t + 1) * T)
-        ref = ad[rows] @ _blocks_dequantized(b[g], sb[g]).t()
-        torch.testing.assert_close(out[rows].float(), ref.to(out_dtype).float(),
-                                   rtol=1e-2 if out_dtype == torch.bfloat16 else 1e-4, atol=1e-2)
+        _assert_within_accumulation_error(out[rows], ad[rows], _blocks_dequantized(b[g], sb[g]))
 
 
 def test_groups_along_rows_strided_weight():
@@ -96,7 +107,8 @@ def test_groups_along_k():
     ad, bd = _rows_dequantized(a, sa), _rows_dequantized(b, sb)
     for g, (lo, hi) in enumerate(sched.tolist()):
         cols = slice(lo * T, hi * T)
-        torch.testing.assert_close(out[g], ad[:, cols] @ bd[:, cols].t(), rtol=1e-4, atol=1e-3)
+        if hi > lo:
+            _assert_within_accumulation_error(out[g], ad[:, cols], bd[:, cols])
     assert torch.count_nonzero(out[1]) == 0
 
 

@@ -38,10 +38,22 @@ _DSL_DTYPES = {torch.float8_e4m3fn: "Float8E4M3FN", torch.float8_e5m2: "Float8E5
                torch.bfloat16: "BFloat16", torch.float32: "Float32", torch.int32: "Int32"}
 
 
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_OUT = (torch.bfloat16, torch.float16, torch.float32)
+# every configuration, made once: a dict lookup is what torch.compile traces
+# (it does not trace the opaque class's constructor)
+_CONFIGS = {(k, a, b, o): KernelConfig.make(KIND, grouped_k=k, a_dtype=str(a), b_dtype=str(b),
+                                            out_dtype=str(o))
+            for k in (False, True) for a in _FP8 for b in _FP8 for o in _OUT}
+
+
 def config(grouped_k: bool, a_dtype: torch.dtype, b_dtype: torch.dtype,
            out_dtype: torch.dtype) -> KernelConfig:
-    return KernelConfig.make(KIND, grouped_k=bool(grouped_k), a_dtype=str(a_dtype),
-                             b_dtype=str(b_dtype), out_dtype=str(out_dtype))
+    key = (bool(grouped_k), a_dtype, b_dtype, out_dtype)
+    if key not in _CONFIGS:
+        raise TypeError(f"the FP8 blockwise grouped GEMM takes FP8 operands and a "
+                        f"{'/'.join(map(str, _OUT))} output, not {key[1:]}")
+    return _CONFIGS[key]
 
 
 def grouped_gemm(a, b, scale_a, scale_b, sched, grouped_k: bool,

@@ -48,6 +48,7 @@ _WARPGROUPS = 2       # consumers, 64 rows each
 _MMA_THREADS = 128 * _WARPGROUPS
 _THREADS = 128 + _MMA_THREADS   # one producer warpgroup first
 _PRODUCER_REGS = 40
+_BAND = 8             # row tiles per rasterization band
 _MMA_REGS = 232
 
 
@@ -93,9 +94,9 @@ class BlockwiseGroupedGemm:
         self.tx_bytes = (cute.size_in_bytes(a.element_type, cute.slice_(a_smem, (None, None, 0)))
                          + cute.size_in_bytes(b.element_type,
                                               cute.slice_(b_smem, (None, None, 0))))
-        grid = ((cute.size(c, mode=[0]) + TILE_M - 1) // TILE_M,
-                (cute.size(c, mode=[1]) + TILE_N - 1) // TILE_N,
-                cute.size(c, mode=[2]))
+        tiles = ((cute.size(c, mode=[0]) + TILE_M - 1) // TILE_M
+                 * ((cute.size(c, mode=[1]) + TILE_N - 1) // TILE_N))
+        grid = (tiles, 1, cute.size(c, mode=[2]))
         # C's row and batch strides are multiples of 8 elements (N is whole
         # 128-tiles): said, so the epilogue stores each thread's adjacent
         # columns together
@@ -105,6 +106,19 @@ class BlockwiseGroupedGemm:
         self.kernel(tma_a, tma_ta, tma_b, tma_tb, c, scale_a, scale_b, sched, tiled_mma,
                     a_smem, b_smem).launch(grid=grid, block=[_THREADS, 1, 1], stream=stream)
 
+    @cute.jit
+    def _raster(self, tile, rows, cols):
+        """``(tile_m, tile_n)`` of the CTA's linear index: column-major within
+        bands of ``_BAND`` row tiles, so the CTAs that run together share
+        their A tiles and few B tiles in L2."""
+        m_tiles = (rows + TILE_M - 1) // TILE_M
+        n_tiles = (cols + TILE_N - 1) // TILE_N
+        per_band = _BAND * n_tiles
+        first = (tile // per_band) * _BAND
+        height = cutlass.min(m_tiles - first, _BAND)
+        within = tile % per_band
+        return first + within % height, within // height
+
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom,
                mB: cute.Tensor, mC: cute.Tensor, mSA: cute.Tensor, mSB: cute.Tensor,
@@ -112,7 +126,8 @@ class BlockwiseGroupedGemm:
                b_smem: cute.ComposedLayout):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        tile_m, tile_n, tile_l = cute.arch.block_idx()
+        tile, _, tile_l = cute.arch.block_idx()
+        tile_m, tile_n = self._raster(tile, cute.size(mC, mode=[0]), cute.size(mC, mode=[1]))
         if warp == 0:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
@@ -186,6 +201,7 @@ class BlockwiseGroupedGemm:
             tCcC = thr_c.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
             acc = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
             part = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
+            scale = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
             acc.fill(0.0)
             k_blocks = cute.size(tCrA, mode=[2])
             reads = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -193,9 +209,6 @@ class BlockwiseGroupedGemm:
             col0 = tile_n * TILE_N
             for kt in cutlass.range(k_tiles, unroll=1):
                 kb = k_begin + kt
-                sb = cutlass.Float32(1.0)
-                if cutlass.const_expr(not self.grouped_k):
-                    sb = mSB[tile_n, kb, b_l]
                 ring.consumer_wait(reads)
                 warpgroup.fence()
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
@@ -204,16 +217,21 @@ class BlockwiseGroupedGemm:
                               tCrB[None, None, k, reads.index], part)
                     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                 warpgroup.commit_group()
+                # this K block's scales, loaded while the WGMMAs run
+                sb = cutlass.Float32(1.0)
+                if cutlass.const_expr(not self.grouped_k):
+                    sb = mSB[tile_n, kb, b_l]
+                for i in cutlass.range_constexpr(cute.size(scale)):
+                    r, n = tCcC[i]
+                    if cutlass.const_expr(self.grouped_k):
+                        scale[i] = mSA[row0 + r, kb] * mSB[col0 + n, kb, 0]
+                    else:
+                        scale[i] = mSA[row0 + r, kb] * sb
                 warpgroup.wait_group(0)
                 ring.consumer_release(reads)
                 reads.advance()
                 # add this K block's sums, scaled, to the fp32 accumulator
-                for i in cutlass.range(cute.size(acc), unroll_full=True):
-                    r, n = tCcC[i]
-                    s = mSA[row0 + r, kb] * sb
-                    if cutlass.const_expr(self.grouped_k):
-                        s = s * mSB[col0 + n, kb, 0]
-                    acc[i] = acc[i] + part[i] * s
+                acc.store(acc.load() + part.load() * scale.load())
 
             if store:
                 out = cute.make_rmem_tensor(tCgC.shape, mC.element_type)

@@ -54,7 +54,7 @@ def fprop(x, w, q_x, q_w, rows, offs) -> torch.Tensor:
     dtype = _gemm_dtype(x)
     dest, pad_offs, size = padded_rows_of(offs, rows, _BLOCK_ROWS)
     xs = scatter_rows(x, dest, size)
-    if blockwise_gemm.applies(x, w, q_x, q_w):
+    if blockwise_gemm.applies(x, w.shape[2], w.shape[1], q_x, q_w):
         return blockwise_gemm.fprop(x, w, q_x, q_w, xs, offs, pad_offs, dest)
     y = torch._grouped_mm(_operand(q_x, xs, "rowwise", dtype),
                           _experts(q_w, w, "rowwise", dtype).transpose(-2, -1), offs=pad_offs)
@@ -66,7 +66,8 @@ def grads(dy, x, w, q_dy, q_x, q_w, rows, offs, dgrad: bool, wgrad: bool) -> tup
     copies the two GEMMs read; ``dx_g = dy_g W_g`` (dy rowwise, W
     columnwise ``(K, N)`` per expert), ``dW_g = dy_g^T x_g`` (both
     columnwise, their 128-row blocks within one expert)."""
-    if blockwise_gemm.applies(dy, w, q_x, q_w, q_dy):
+    in_features = x.shape[1] if x is not None else w.shape[2]
+    if blockwise_gemm.applies(dy, in_features, dy.shape[1], q_x, q_w, q_dy):
         return blockwise_gemm.grads(dy, x, w, q_dy, q_x, q_w, rows, offs, dgrad, wgrad)
     dtype = _gemm_dtype(dy)
     dest, pad_offs, size = padded_rows_of(offs, rows, _BLOCK_ROWS)

@@ -34,16 +34,17 @@ from .padding import padded_rows_of, scatter_rows
 TILE = kernel.TILE
 
 
-def applies(x: torch.Tensor, w: torch.Tensor, q_x, q_w, q_dy=None) -> bool:
+def applies(t: torch.Tensor, in_features: int, out_features: int, q_x, q_w,
+            q_dy=None) -> bool:
     """Whether the kernel runs these GEMMs: CUDA, Float8BlockScaling with
     1x128 activations and gradients and 128x128 weights, feature sizes in
     whole 128-blocks, and the kernel available (else said once, and the
     dequantized path runs)."""
-    if not x.is_cuda or not (_is_blockwise(q_x, 1) and _is_blockwise(q_w, 2)):
+    if not t.is_cuda or not (_is_blockwise(q_x, 1) and _is_blockwise(q_w, 2)):
         return False
     if q_dy is not None and not _is_blockwise(q_dy, 1):
         return False
-    if w.shape[1] % TILE or w.shape[2] % TILE:
+    if in_features % TILE or out_features % TILE:
         return False
     why = kernel.unavailable_reason()
     if why is not None:
