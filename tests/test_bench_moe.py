@@ -110,3 +110,24 @@ def test_hf_moe_model_rows(tmp_path):
     assert by["torch bf16"]["experts"] in ("grouped_mm", "eager")
     assert all(r["host_ms"] > 0 and r["ms"] >= r["host_ms"] for r in rows)
     assert abs(by["te bf16"]["loss"] - by["torch bf16"]["loss"]) < 0.05 * by["torch bf16"]["loss"]
+
+
+def test_the_dequantized_candidate_turns_the_blockwise_kernel_off(tmp_path, monkeypatch):
+    """``fp8_block_dequantized`` times the same recipe with the CuTeDSL kernel
+    off (its fallback path), and leaves the switch as it found it."""
+    import os
+
+    from transformer_engine_compile.module.grouped.blockwise_gemm import DISABLE_VAR
+
+    seen = {}
+
+    def record(block, rec, *args, **kwargs):
+        seen[type(rec).__name__ if rec is not None else None, os.environ.get(DISABLE_VAR)] = 1
+        return {"ms": 1.0, "host_ms": 0.5}
+
+    monkeypatch.delenv(DISABLE_VAR, raising=False)
+    monkeypatch.setattr(moe, "time_block", record)
+    moe.main(["--configs", "tiny", "--steps", "1", "--eager", "--recipes", "fp8_block",
+              "fp8_block_dequantized", "--json", str(tmp_path / "m.json")])
+    assert ("Float8BlockScaling", None) in seen and ("Float8BlockScaling", "0") in seen
+    assert DISABLE_VAR not in os.environ

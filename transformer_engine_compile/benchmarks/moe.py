@@ -10,7 +10,8 @@ process, compiled.
 
 Configs: ``mixtral`` (hidden 4096, ffn 14336, 8 experts, top-2, 16k
 tokens), ``qwen3`` (hidden 2048, expert ffn 768, 128 experts, top-8, 16k
-tokens), ``tiny`` (the CPU smoke run: its times mean nothing).  The
+tokens), ``deepseek`` (DeepSeek-V3's experts: hidden 7168, expert ffn
+2048, 256 experts, top-8, 8k tokens), ``tiny`` (the CPU smoke run: its times mean nothing).  The
 ``hf-*`` configs time whole training steps of a Hugging Face MoE model
 (``transformers``' Mixtral or Qwen3-MoE, 2 decoder layers of those sizes,
 2 x 4096 tokens) as is, its experts on ``torch._grouped_mm``, against
@@ -21,8 +22,10 @@ step (until its launches return).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -44,6 +47,7 @@ class MoEConfig:
 CONFIGS = {
     "mixtral": MoEConfig(hidden=4096, ffn=14336, experts=8, top_k=2, tokens=16384),
     "qwen3": MoEConfig(hidden=2048, ffn=768, experts=128, top_k=8, tokens=16384),
+    "deepseek": MoEConfig(hidden=7168, ffn=2048, experts=256, top_k=8, tokens=8192),
     "tiny": MoEConfig(hidden=128, ffn=64, experts=8, top_k=2, tokens=64),
 }
 
@@ -142,7 +146,6 @@ def build(cfg: MoEConfig, kind: str, device) -> Block:
 def profile_once(run) -> dict:
     """One more step of ``run`` under torch.profiler, summarised as the other
     benchmarks print it (``step_profile.summarize``: the kernels by time)."""
-    import os
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
@@ -204,14 +207,18 @@ def time_block(block, rec, x, steps: int, compiled: bool, profiled: bool = False
 
 
 RECIPES = ("fp8_current", "fp8_current_e4m3", "fp8_current_e4m3_fast", "fp8_delayed",
-           "fp8_delayed_e4m3", "fp8_block", "mxfp8", "nvfp4")
+           "fp8_delayed_e4m3", "fp8_block", "fp8_block_dequantized", "mxfp8", "nvfp4")
 
 
 def recipe(name: str):
     """A recipe by its short name; ``*_e4m3`` has E4M3 gradients too (the
     grouped FP8 kernel on Hopper takes E4M3 only, so the default HYBRID
     runs its backward GEMMs in bf16); ``*_fast`` accumulates fast in dgrad
-    and wgrad too."""
+    and wgrad too; ``fp8_block_dequantized`` is ``fp8_block`` on its fallback
+    path (bf16 GEMMs of the dequantized operands) instead of the CuTeDSL
+    blockwise grouped GEMM (``run`` turns the kernel off for it)."""
+    if name == "fp8_block_dequantized":
+        return R.Float8BlockScaling()
     if name == "fp8_current_e4m3":
         return R.Float8CurrentScaling(fp8_format=R.Format.E4M3)
     if name == "fp8_current_e4m3_fast":
@@ -237,8 +244,9 @@ def run(configs, recipes, device, steps, compiled, log=print, profiled=False,
         for label, kind, rec in candidates:
             row = {"config": name, "candidate": label}
             try:
-                row.update(time_block(build(cfg, kind, device), rec, x.requires_grad_(),
-                                      steps, compiled, profiled, mode))
+                with _kernel_off(label.endswith("_dequantized")):
+                    row.update(time_block(build(cfg, kind, device), rec, x.requires_grad_(),
+                                          steps, compiled, profiled, mode))
                 base = next((r for r in rows + [row] if r["config"] == name
                              and r["candidate"] == "torch bf16" and "ms" in r), None)
                 row["x_bf16"] = None if base is None else base["ms"] / row["ms"]
@@ -251,6 +259,24 @@ def run(configs, recipes, device, steps, compiled, log=print, profiled=False,
                 log(format_summary(f"{name} {label}", row["profile"]))
             torch._dynamo.reset()
     return rows
+
+
+@contextlib.contextmanager
+def _kernel_off(off: bool):
+    """The CuTeDSL blockwise grouped GEMM turned off (``TE_COMPILE_CUTEDSL=0``)
+    while ``off``."""
+    from ..module.grouped.blockwise_gemm import DISABLE_VAR
+
+    old = os.environ.get(DISABLE_VAR)
+    if off:
+        os.environ[DISABLE_VAR] = "0"
+    try:
+        yield
+    finally:
+        if off and old is None:
+            del os.environ[DISABLE_VAR]
+        elif off:
+            os.environ[DISABLE_VAR] = old
 
 
 def format_row(row) -> str:

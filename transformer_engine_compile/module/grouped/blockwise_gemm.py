@@ -23,6 +23,7 @@ of the dequantized operands up to the accumulation's rounding.
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 
 import torch
@@ -32,6 +33,7 @@ from ...quantization.blockwise import Float8BlockQuantizer
 from .padding import padded_rows_of, scatter_rows
 
 TILE = kernel.TILE
+DISABLE_VAR = "TE_COMPILE_CUTEDSL"
 
 
 def applies(t: torch.Tensor, in_features: int, out_features: int, q_x, q_w,
@@ -39,7 +41,9 @@ def applies(t: torch.Tensor, in_features: int, out_features: int, q_x, q_w,
     """Whether the kernel runs these GEMMs: CUDA, Float8BlockScaling with
     1x128 activations and gradients and 128x128 weights, feature sizes in
     whole 128-blocks, and the kernel available (else said once, and the
-    dequantized path runs)."""
+    dequantized path runs).  ``TE_COMPILE_CUTEDSL=0`` turns the kernel off."""
+    if os.environ.get(DISABLE_VAR, "1") == "0":
+        return False
     if not t.is_cuda or not (_is_blockwise(q_x, 1) and _is_blockwise(q_w, 2)):
         return False
     if q_dy is not None and not _is_blockwise(q_dy, 1):
