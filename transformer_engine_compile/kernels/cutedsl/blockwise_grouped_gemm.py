@@ -107,6 +107,31 @@ class BlockwiseGroupedGemm:
                     a_smem, b_smem).launch(grid=grid, block=[_THREADS, 1, 1], stream=stream)
 
     @cute.jit
+    def _epilogue(self, acc, tCcC, gC, smem_ptr, mma_tidx):
+        """The tile from the accumulators to C through shared memory (the
+        drained A ring): each thread writes its elements, then the rows go
+        out in 16-byte vectors, whole rows per group of threads."""
+        dtype = gC.element_type
+        # rows padded by 16 bytes: the accumulator layout's 8 rows per warp
+        # fall in distinct banks
+        pad = 128 // dtype.width
+        sC = cute.make_tensor(cute.recast_ptr(smem_ptr, dtype=dtype),
+                              cute.make_layout((TILE_M, TILE_N), stride=(TILE_N + pad, 1)))
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            r, n = tCcC[i]
+            sC[r, n] = acc[i].to(dtype)
+        cute.arch.barrier(barrier_id=1, number_of_threads=_MMA_THREADS)
+        vec = 128 // dtype.width  # elements per 16 bytes
+        per_row = TILE_N // vec
+        reg = cute.make_rmem_tensor((1, vec), dtype)
+        for j in cutlass.range_constexpr(TILE_M * per_row // _MMA_THREADS):
+            idx = mma_tidx + j * _MMA_THREADS
+            r = idx // per_row
+            v = idx % per_row
+            cute.autovec_copy(cute.local_tile(sC, (1, vec), (r, v)), reg)
+            cute.autovec_copy(reg, cute.local_tile(gC, (1, vec), (r, v)))
+
+    @cute.jit
     def _raster(self, tile, rows, cols):
         """``(tile_m, tile_n)`` of the CTA's linear index: column-major within
         bands of ``_BAND`` row tiles, so the CTAs that run together share
@@ -158,6 +183,7 @@ class BlockwiseGroupedGemm:
             tx_count=self.tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
         sA = storage.sa.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         sB = storage.sb.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        c_smem = storage.sa.data_ptr()  # the epilogue's, once the ring is drained
 
         wg = cute.arch.make_warp_uniform(tidx // 128)
         if wg == 0:
@@ -234,9 +260,7 @@ class BlockwiseGroupedGemm:
                 acc.store(acc.load() + part.load() * scale.load())
 
             if store:
-                out = cute.make_rmem_tensor(tCgC.shape, mC.element_type)
-                out.store(acc.load().to(mC.element_type))
-                cute.autovec_copy(out, tCgC)
+                self._epilogue(acc, tCcC, gC, c_smem, mma_tidx)
 
 def _views(grouped_k: bool, a, b, out, scale_a, scale_b, sched) -> list:
     """The kernel's arguments from ``kernels/blockwise_grouped.py``'s torch
