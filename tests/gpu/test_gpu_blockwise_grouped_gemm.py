@@ -51,47 +51,56 @@ def _assert_within_accumulation_error(out, ad, bd):
 
 
 def _row_groups_case(gen, groups=3, k=384, n=256, b_dtype=torch.float8_e4m3fn):
-    """A: 6 row tiles, tile 3 padding only (sched -1); B per group, its block
-    scales padded along K to a multiple of 4 (as stored)."""
+    """A: 6 row tiles, tile 3 padding only (sched -1), the last 10 rows of
+    tile 1 and of tile 5 padding too; B per group, its block scales padded
+    along K to a multiple of 4 (as stored).  The tokens (output rows) are
+    the other rows, in order."""
     sched = torch.tensor([0, 0, 1, -1, 2, 2], dtype=torch.int32, device="cuda")
     rows = T * sched.numel()
+    real = (sched >= 0).repeat_interleave(T)
+    real[2 * T - 10:2 * T] = False
+    real[rows - 10:] = False
+    dest = real.nonzero().flatten().int()
+    sources = torch.full((rows,), -1, dtype=torch.int32, device="cuda")
+    sources[dest.long()] = torch.arange(dest.numel(), dtype=torch.int32, device="cuda")
     a = _fp8((rows, k), gen)
     # the 1-D scales' layout: blocks outer, (rows, K/128) a transposed view
     sa = _scales((k // T, rows), gen).t()
     b = _fp8((groups, n, k), gen, b_dtype)
     sb = torch.zeros(groups, n // T, 4, device="cuda")
     sb[..., :k // T] = _scales((groups, n // T, k // T), gen)
-    return a, b, sa, sb, sched
+    return a, b, sa, sb, sched, sources, dest
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("b_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_groups_along_rows(out_dtype, b_dtype):
     gen = torch.Generator("cuda").manual_seed(0)
-    a, b, sa, sb, sched = _row_groups_case(gen, b_dtype=b_dtype)
-    out = bg.grouped_gemm(a, b, sa, sb, sched, False, out_dtype)
-    assert out.shape == (a.shape[0], b.shape[1]) and out.dtype == out_dtype
+    a, b, sa, sb, sched, sources, dest = _row_groups_case(gen, b_dtype=b_dtype)
+    out = bg.grouped_gemm(a, b, sa, sb, sched, False, out_dtype, sources, dest)
+    assert out.shape == (dest.numel(), b.shape[1]) and out.dtype == out_dtype
     ad = _rows_dequantized(a, sa)
+    tile_of = dest.long() // T
     for t, g in enumerate(sched.tolist()):
         if g < 0:
             continue
-        rows = slice(t * T, (t + 1) * T)
-        _assert_within_accumulation_error(out[rows], ad[rows], _blocks_dequantized(b[g], sb[g]))
+        mine = tile_of == t
+        _assert_within_accumulation_error(out[mine], ad[dest[mine].long()],
+                                          _blocks_dequantized(b[g], sb[g]))
 
 
 def test_groups_along_rows_strided_weight():
     """dgrad's B: each group's transposed weight read as a view of one
     ``(K, groups * N)`` buffer (the stacked weight's columnwise copy)."""
     gen = torch.Generator("cuda").manual_seed(1)
-    a, b, sa, sb, sched = _row_groups_case(gen)
+    a, b, sa, sb, sched, sources, dest = _row_groups_case(gen)
     groups, n, k = b.shape
     wide = torch.empty(n, groups * k, dtype=b.dtype, device="cuda")
     view = wide.as_strided((groups, n, k), (k, groups * k, 1))
     view.copy_(b)
-    out = bg.grouped_gemm(a, view, sa, sb, sched, False, torch.float32)
-    ref = bg.grouped_gemm(a, b.contiguous(), sa, sb, sched, False, torch.float32)
-    valid = (sched >= 0).repeat_interleave(T)
-    assert torch.equal(out[valid], ref[valid])
+    out = bg.grouped_gemm(a, view, sa, sb, sched, False, torch.float32, sources, dest)
+    ref = bg.grouped_gemm(a, b.contiguous(), sa, sb, sched, False, torch.float32, sources, dest)
+    assert torch.equal(out, ref)
 
 
 def test_groups_along_k():
@@ -114,27 +123,27 @@ def test_groups_along_k():
 
 def test_compiled_equals_eager_and_builds_once():
     gen = torch.Generator("cuda").manual_seed(3)
-    a, b, sa, sb, sched = _row_groups_case(gen)
-    eager = bg.grouped_gemm(a, b, sa, sb, sched, False, torch.bfloat16)
+    a, b, sa, sb, sched, sources, dest = _row_groups_case(gen)
+    eager = bg.grouped_gemm(a, b, sa, sb, sched, False, torch.bfloat16, sources, dest)
     before = len(RUNNERS.runners)
-    fn = torch.compile(lambda *t: bg.grouped_gemm(*t, False, torch.bfloat16), fullgraph=True)
-    compiled = fn(a, b, sa, sb, sched)
-    valid = (sched >= 0).repeat_interleave(T)
-    assert torch.equal(compiled[valid], eager[valid])
+    fn = torch.compile(lambda a, b, sa, sb, sched, sources, dest: bg.grouped_gemm(
+        a, b, sa, sb, sched, False, torch.bfloat16, sources, dest), fullgraph=True)
+    compiled = fn(a, b, sa, sb, sched, sources, dest)
+    assert torch.equal(compiled, eager)
     assert len(RUNNERS.runners) == before  # the configuration's runner was reused
 
 
 def test_cuda_graph_replay_follows_the_schedule():
     gen = torch.Generator("cuda").manual_seed(4)
-    a, b, sa, sb, sched = _row_groups_case(gen)
-    bg.grouped_gemm(a, b, sa, sb, sched, False, torch.float32)  # built before capture
+    a, b, sa, sb, sched, sources, dest = _row_groups_case(gen)
+    bg.grouped_gemm(a, b, sa, sb, sched, False, torch.float32, sources, dest)  # built first
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = bg.grouped_gemm(a, b, sa, sb, sched, False, torch.float32)
+        out = bg.grouped_gemm(a, b, sa, sb, sched, False, torch.float32, sources, dest)
     sched.copy_(torch.tensor([2, 1, 0, 0, -1, 1], dtype=torch.int32))
     graph.replay()
-    ref = bg.grouped_gemm(a, b, sa, sb, sched, False, torch.float32)
-    valid = (sched >= 0).repeat_interleave(T)
+    ref = bg.grouped_gemm(a, b, sa, sb, sched, False, torch.float32, sources, dest)
+    valid = (sched[dest.long() // T] >= 0)
     assert torch.equal(out[valid], ref[valid])
 
 

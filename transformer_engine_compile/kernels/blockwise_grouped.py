@@ -9,11 +9,14 @@ dequantized path runs (``module/grouped/blocked.py``).
 
 :func:`grouped_gemm` takes torch tensors:
 
-* ``grouped_k=False`` (fprop, dgrad): ``a (rows, K)``, ``b (groups, N, K)``
-  (any strides, K contiguous), ``scale_a (rows, K/128)``, ``scale_b
-  (groups, N/128, >= K/128)``, ``sched (rows/128,)`` int32: each row
-  tile's group, -1 for a tile of padding only (its rows of the output are
-  left unwritten).  Returns ``(rows, N)``.
+* ``grouped_k=False`` (fprop, dgrad): ``a (rows, K)`` with the groups'
+  rows padded to whole 128-row tiles, ``b (groups, N, K)`` (any strides, K
+  contiguous), ``scale_a (rows, K/128)``, ``scale_b (groups, N/128, >=
+  K/128)``, ``sched (rows/128,)`` int32: each row tile's group, -1 for a
+  tile of padding only (skipped); ``sources (rows,)`` int32: the output
+  row of each row of ``a`` (-1: padding, not written), ``dest (tokens,)``:
+  its inverse (its length is the output's).  Returns ``(tokens, N)``: the
+  padding never leaves the kernel.
 * ``grouped_k=True`` (wgrad): ``a (M, T)``, ``b (N, T)``, ``scale_a (M,
   T/128)``, ``scale_b (N, T/128)``, ``sched (groups, 2)`` int32: each
   group's first and end 128-tile along T.  Returns ``(groups, M, N)``.
@@ -56,19 +59,19 @@ def config(grouped_k: bool, a_dtype: torch.dtype, b_dtype: torch.dtype,
     return _CONFIGS[key]
 
 
-def grouped_gemm(a, b, scale_a, scale_b, sched, grouped_k: bool,
-                 out_dtype: torch.dtype) -> torch.Tensor:
+def grouped_gemm(a, b, scale_a, scale_b, sched, grouped_k: bool, out_dtype: torch.dtype,
+                 sources=None, dest=None) -> torch.Tensor:
     """The grouped GEMM through ``te_compile::run_kernel`` (shapes: module
     docstring)."""
     cfg = config(grouped_k, a.dtype, b.dtype, out_dtype)
-    return run_kernel(cfg, [a, b, scale_a, scale_b, sched])[0]
+    rows = [] if grouped_k else [sources, dest]
+    return run_kernel(cfg, [a, b, scale_a, scale_b, sched, *rows])[0]
 
 
-def reference(a, b, scale_a, scale_b, sched, grouped_k: bool,
-              out_dtype: torch.dtype) -> torch.Tensor:
+def reference(a, b, scale_a, scale_b, sched, grouped_k: bool, out_dtype: torch.dtype,
+              sources=None, dest=None) -> torch.Tensor:
     """The kernel's result on any device: fp32 GEMMs of the dequantized
-    operands (the kernel differs by its accumulation's rounding alone);
-    the rows of skipped tiles are zero here."""
+    operands (the kernel differs by its accumulation's rounding alone)."""
     def rows(q, s):  # (R, K) with (R, >= K/128) scales
         return q.float() * s[:, :q.shape[1] // TILE].float().repeat_interleave(TILE, 1)
 
@@ -85,7 +88,7 @@ def reference(a, b, scale_a, scale_b, sched, grouped_k: bool,
             bs = scale_b[g][:, :b.shape[2] // TILE].float()
             bd = b[g].float() * bs.repeat_interleave(TILE, 0).repeat_interleave(TILE, 1)
             out[t * TILE:(t + 1) * TILE] = ad[t * TILE:(t + 1) * TILE] @ bd.t()
-    return out.to(out_dtype)
+    return out[dest.long()].to(out_dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,10 +106,10 @@ def unavailable_reason() -> Optional[str]:
 
 
 def _out_shape(config: KernelConfig, inputs: list) -> tuple:
-    a, b, _, _, sched = inputs
+    a, b, sched = inputs[0], inputs[1], inputs[4]
     if config.as_dict()["grouped_k"]:
         return (sched.shape[0], a.shape[0], b.shape[0])
-    return (a.shape[0], b.shape[1])
+    return (inputs[6].shape[0], b.shape[1])
 
 
 class BlockwiseGroupedGemmKind(RunnerKind):

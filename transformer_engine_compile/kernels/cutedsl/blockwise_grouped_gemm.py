@@ -64,7 +64,7 @@ class BlockwiseGroupedGemm:
 
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, scale_a: cute.Tensor,
-                 scale_b: cute.Tensor, sched: cute.Tensor, stream):
+                 scale_b: cute.Tensor, sched: cute.Tensor, rowmap: cute.Tensor, stream):
         a_major = utils.LayoutEnum.from_tensor(a)
         b_major = utils.LayoutEnum.from_tensor(b)
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -94,7 +94,7 @@ class BlockwiseGroupedGemm:
         self.tx_bytes = (cute.size_in_bytes(a.element_type, cute.slice_(a_smem, (None, None, 0)))
                          + cute.size_in_bytes(b.element_type,
                                               cute.slice_(b_smem, (None, None, 0))))
-        tiles = ((cute.size(c, mode=[0]) + TILE_M - 1) // TILE_M
+        tiles = ((cute.size(a, mode=[0]) + TILE_M - 1) // TILE_M
                  * ((cute.size(c, mode=[1]) + TILE_N - 1) // TILE_N))
         grid = (tiles, 1, cute.size(c, mode=[2]))
         # C's row and batch strides are multiples of 8 elements (N is whole
@@ -103,15 +103,22 @@ class BlockwiseGroupedGemm:
         c = cute.make_tensor(c.iterator, cute.make_layout(
             c.shape, stride=(cute.assume(c.stride[0], divby=8), 1,
                              cute.assume(c.stride[2], divby=8))))
-        self.kernel(tma_a, tma_ta, tma_b, tma_tb, c, scale_a, scale_b, sched, tiled_mma,
+        if cutlass.const_expr(self.grouped_k):
+            # B's scales per row: adjacent columns' scales load together
+            scale_b = cute.make_tensor(scale_b.iterator, cute.make_layout(
+                scale_b.shape, stride=(1, cute.assume(scale_b.stride[1], divby=4),
+                                       scale_b.stride[2])))
+        self.kernel(tma_a, tma_ta, tma_b, tma_tb, c, scale_a, scale_b, sched, rowmap, tiled_mma,
                     a_smem, b_smem).launch(grid=grid, block=[_THREADS, 1, 1], stream=stream)
 
     @cute.jit
-    def _epilogue(self, acc, tCcC, gC, smem_ptr, mma_tidx):
+    def _epilogue(self, acc, tCcC, mC, c_l, tile_m, tile_n, mRowmap, smem_ptr, mma_tidx):
         """The tile from the accumulators to C through shared memory (the
         drained A ring): each thread writes its elements, then the rows go
-        out in 16-byte vectors, whole rows per group of threads."""
-        dtype = gC.element_type
+        out in 16-byte vectors, whole rows per group of threads.  Grouped
+        along the rows, row ``i`` of the tile goes to C's row
+        ``rowmap[i]`` (none where it is -1: padding)."""
+        dtype = mC.element_type
         # rows padded by 16 bytes: the accumulator layout's 8 rows per warp
         # fall in distinct banks
         pad = 128 // dtype.width
@@ -123,13 +130,18 @@ class BlockwiseGroupedGemm:
         cute.arch.barrier(barrier_id=1, number_of_threads=_MMA_THREADS)
         vec = 128 // dtype.width  # elements per 16 bytes
         per_row = TILE_N // vec
+        out = mC[None, None, c_l]
         reg = cute.make_rmem_tensor((1, vec), dtype)
         for j in cutlass.range_constexpr(TILE_M * per_row // _MMA_THREADS):
             idx = mma_tidx + j * _MMA_THREADS
             r = idx // per_row
             v = idx % per_row
-            cute.autovec_copy(cute.local_tile(sC, (1, vec), (r, v)), reg)
-            cute.autovec_copy(reg, cute.local_tile(gC, (1, vec), (r, v)))
+            row = tile_m * TILE_M + r
+            if cutlass.const_expr(not self.grouped_k):
+                row = mRowmap[row]
+            if row >= 0:
+                cute.autovec_copy(cute.local_tile(sC, (1, vec), (r, v)), reg)
+                cute.autovec_copy(reg, cute.local_tile(out, (1, vec), (row, tile_n * per_row + v)))
 
     @cute.jit
     def _raster(self, tile, rows, cols):
@@ -147,12 +159,13 @@ class BlockwiseGroupedGemm:
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom,
                mB: cute.Tensor, mC: cute.Tensor, mSA: cute.Tensor, mSB: cute.Tensor,
-               mSched: cute.Tensor, tiled_mma: cute.TiledMma, a_smem: cute.ComposedLayout,
+               mSched: cute.Tensor, mRowmap: cute.Tensor, tiled_mma: cute.TiledMma,
+               a_smem: cute.ComposedLayout,
                b_smem: cute.ComposedLayout):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         tile, _, tile_l = cute.arch.block_idx()
-        tile_m, tile_n = self._raster(tile, cute.size(mC, mode=[0]), cute.size(mC, mode=[1]))
+        tile_m, tile_n = self._raster(tile, cute.size(mA, mode=[0]), cute.size(mC, mode=[1]))
         if warp == 0:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
@@ -260,9 +273,9 @@ class BlockwiseGroupedGemm:
                 acc.store(acc.load() + part.load() * scale.load())
 
             if store:
-                self._epilogue(acc, tCcC, gC, c_smem, mma_tidx)
+                self._epilogue(acc, tCcC, mC, c_l, tile_m, tile_n, mRowmap, c_smem, mma_tidx)
 
-def _views(grouped_k: bool, a, b, out, scale_a, scale_b, sched) -> list:
+def _views(grouped_k: bool, a, b, out, scale_a, scale_b, sched, rowmap) -> list:
     """The kernel's arguments from ``kernels/blockwise_grouped.py``'s torch
     tensors: A ``(rows, K, 1)``, B ``(N, K, groups)``, C ``(rows, N, l)``,
     the scales with their blocks along K second, ``sched`` 2-D."""
@@ -270,12 +283,12 @@ def _views(grouped_k: bool, a, b, out, scale_a, scale_b, sched) -> list:
     if grouped_k:
         views = [(a.unsqueeze(-1), 1, 16), (b.unsqueeze(-1), 1, 16),
                  (out.permute(1, 2, 0), 1, 16), (scale_a, 0, 4),
-                 (scale_b.unsqueeze(-1), 0, 4), (sched, 1, 4)]
+                 (scale_b.unsqueeze(-1), 0, 16), (sched, 1, 4), (rowmap, 0, 4)]
     else:
         views = [(a.unsqueeze(-1), 1, 16), (b.permute(1, 2, 0), 1, 16),
                  (out.as_strided((*out.shape, 1), (out.shape[1], 1, out.numel())), 1, 16),
                  (scale_a, 0, 4),
-                 (scale_b.permute(1, 2, 0), 1, 4), (sched.view(-1, 1), 0, 4)]
+                 (scale_b.permute(1, 2, 0), 1, 4), (sched.view(-1, 1), 0, 4), (rowmap, 0, 4)]
     return [to_cute(t, lead, align) for t, lead, align in views]
 
 
@@ -287,10 +300,11 @@ def _example(grouped_k: bool, a_dtype, b_dtype, out_dtype, device="cuda") -> lis
     if grouped_k:
         return [zeros(TILE_M, t, dtype=a_dtype), zeros(TILE_N, t, dtype=b_dtype),
                 zeros(g, TILE_M, TILE_N, dtype=out_dtype), zeros(t // TILE_K, TILE_M).t(),
-                zeros(t // TILE_K, TILE_N).t(), zeros(g, 2, dtype=torch.int32)]
+                zeros(t // TILE_K, TILE_N).t(), zeros(g, 2, dtype=torch.int32),
+                zeros(2, dtype=torch.int32)]
     return [zeros(2 * TILE_M, t, dtype=a_dtype), zeros(g, 2 * TILE_N, t, dtype=b_dtype),
             zeros(2 * TILE_M, 2 * TILE_N, dtype=out_dtype), zeros(t // TILE_K, 2 * TILE_M).t(),
-            zeros(g, 2, 4), zeros(2, dtype=torch.int32)]
+            zeros(g, 2, 4), zeros(2, dtype=torch.int32), zeros(2 * TILE_M, dtype=torch.int32)]
 
 
 def build(config, out_shape):
@@ -302,15 +316,17 @@ def build(config, out_shape):
     dtype = lambda name: getattr(torch, name.replace("torch.", ""))  # noqa: E731
     grouped_k = values["grouped_k"]
     out_dtype = dtype(values["out_dtype"])
-    a, b, out, sa, sb, sched = _example(grouped_k, dtype(values["a_dtype"]),
-                                        dtype(values["b_dtype"]), out_dtype)
-    compiled = cute.compile(BlockwiseGroupedGemm(grouped_k),
-                            *_views(grouped_k, a, b, out, sa, sb, sched), current_stream())
+    example = _example(grouped_k, dtype(values["a_dtype"]), dtype(values["b_dtype"]), out_dtype)
+    compiled = cute.compile(BlockwiseGroupedGemm(grouped_k), *_views(grouped_k, *example),
+                            current_stream())
+    none = torch.zeros(1, dtype=torch.int32, device="cuda")
 
     def run(inputs):
-        a, b, scale_a, scale_b, sched = inputs
+        a, b, scale_a, scale_b, sched = inputs[:5]
+        rowmap = none if grouped_k else inputs[5]
         out = torch.empty(out_shape(config, inputs), dtype=out_dtype, device=a.device)
-        compiled(*_views(grouped_k, a, b, out, scale_a, scale_b, sched), current_stream())
+        compiled(*_views(grouped_k, a, b, out, scale_a, scale_b, sched, rowmap),
+                 current_stream())
         return [out]
 
     return run

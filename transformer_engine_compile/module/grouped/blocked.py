@@ -51,24 +51,25 @@ def _experts(q, w: torch.Tensor, usage: str, dtype) -> torch.Tensor:
 
 def fprop(x, w, q_x, q_w, rows, offs) -> torch.Tensor:
     """``y_g = x_g W_g^T`` in the GEMM dtype (fp32 on CPU, bf16 on CUDA)."""
+    if blockwise_gemm.applies(x, w.shape[2], w.shape[1], q_x, q_w):
+        return blockwise_gemm.fprop(x, w, q_x, q_w, rows, offs)
     dtype = _gemm_dtype(x)
     dest, pad_offs, size = padded_rows_of(offs, rows, _BLOCK_ROWS)
-    xs = scatter_rows(x, dest, size)
-    if blockwise_gemm.applies(x, w.shape[2], w.shape[1], q_x, q_w):
-        return blockwise_gemm.fprop(x, w, q_x, q_w, xs, offs, pad_offs, dest)
-    y = torch._grouped_mm(_operand(q_x, xs, "rowwise", dtype),
+    y = torch._grouped_mm(_operand(q_x, scatter_rows(x, dest, size), "rowwise", dtype),
                           _experts(q_w, w, "rowwise", dtype).transpose(-2, -1), offs=pad_offs)
     return y[dest]
 
 
-def grads(dy, x, w, q_dy, q_x, q_w, rows, offs, dgrad: bool, wgrad: bool) -> tuple:
+def grads(dy, x, w, q_dy, q_x, q_w, rows, offs, dgrad: bool, wgrad: bool,
+          w_dtype: torch.dtype) -> tuple:
     """``(dx, dW)`` (each None unless asked): dy quantized once with the
     copies the two GEMMs read; ``dx_g = dy_g W_g`` (dy rowwise, W
     columnwise ``(K, N)`` per expert), ``dW_g = dy_g^T x_g`` (both
-    columnwise, their 128-row blocks within one expert)."""
+    columnwise, their 128-row blocks within one expert).  The kernel
+    rounds dW to ``w_dtype``; the dequantized path returns its GEMM's."""
     in_features = x.shape[1] if x is not None else w.shape[2]
     if blockwise_gemm.applies(dy, in_features, dy.shape[1], q_x, q_w, q_dy):
-        return blockwise_gemm.grads(dy, x, w, q_dy, q_x, q_w, rows, offs, dgrad, wgrad)
+        return blockwise_gemm.grads(dy, x, w, q_dy, q_x, q_w, rows, offs, dgrad, wgrad, w_dtype)
     dtype = _gemm_dtype(dy)
     dest, pad_offs, size = padded_rows_of(offs, rows, _BLOCK_ROWS)
     dyq = q_dy.usage_variant(dgrad, wgrad).quantize(scatter_rows(dy, dest, size))

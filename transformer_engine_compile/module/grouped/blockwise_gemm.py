@@ -30,7 +30,7 @@ import torch
 
 from ...kernels import blockwise_grouped as kernel
 from ...quantization.blockwise import Float8BlockQuantizer
-from .padding import padded_rows_of, scatter_rows
+from .padding import padded_sources, scatter_rows
 
 TILE = kernel.TILE
 DISABLE_VAR = "TE_COMPILE_CUTEDSL"
@@ -102,28 +102,33 @@ def _weight(q_w, w: torch.Tensor, usage: str):
             scales.as_strided((e, k // TILE, nb), (nb, scales.stride(0), 1)))
 
 
-def fprop(x, w, q_x, q_w, xs: torch.Tensor, offs, pad_offs, dest) -> torch.Tensor:
-    """``y`` in x's dtype, from ``xs`` (x's rows in the padded layout)."""
+def fprop(x, w, q_x, q_w, rows, offs) -> torch.Tensor:
+    """``y`` in x's dtype: the kernel reads x's rows in the padded layout and
+    writes y's in token order."""
+    sources, dest, pad_offs = padded_sources(offs, rows, TILE)
+    xs = scatter_rows(x, dest, sources.shape[0])
     a, sa = q_x.usage_variant(True, False).quantize(xs).fp8_operand("rowwise")
     b, sb = _weight(q_w, w, "rowwise")
-    y = kernel.grouped_gemm(a, b, sa, sb, _row_tiles(offs, pad_offs, xs.shape[0]), False,
-                            x.dtype)
-    return y[dest]
+    return kernel.grouped_gemm(a, b, sa, sb, _row_tiles(offs, pad_offs, xs.shape[0]), False,
+                               x.dtype, sources, dest)
 
 
-def grads(dy, x, w, q_dy, q_x, q_w, rows, offs, dgrad: bool, wgrad: bool) -> tuple:
-    """``(dx, dW)`` as ``blocked.grads`` returns them, from the kernel."""
-    dest, pad_offs, size = padded_rows_of(offs, rows, TILE)
+def grads(dy, x, w, q_dy, q_x, q_w, rows, offs, dgrad: bool, wgrad: bool,
+          w_dtype: torch.dtype) -> tuple:
+    """``(dx, dW)`` as ``blocked.grads`` returns them, from the kernel: dW
+    rounded once, from the fp32 accumulator to ``w_dtype``."""
+    sources, dest, pad_offs = padded_sources(offs, rows, TILE)
+    size = sources.shape[0]
     dyq = q_dy.usage_variant(dgrad, wgrad).quantize(scatter_rows(dy, dest, size))
     dx = dw = None
     if dgrad:
         a, sa = dyq.fp8_operand("rowwise")
         b, sb = _weight(q_w, w, "columnwise")
         dx = kernel.grouped_gemm(a, b, sa, sb, _row_tiles(offs, pad_offs, size), False,
-                                 dy.dtype)[dest]
+                                 dy.dtype, sources, dest)
     if wgrad:
         a, sa = dyq.fp8_operand("columnwise")
         xq = q_x.usage_variant(False, True).quantize(scatter_rows(x, dest, size))
         b, sb = xq.fp8_operand("columnwise")
-        dw = kernel.grouped_gemm(a, b, sa, sb, _k_tiles(offs, pad_offs), True, torch.float32)
+        dw = kernel.grouped_gemm(a, b, sa, sb, _k_tiles(offs, pad_offs), True, w_dtype)
     return dx, dw

@@ -213,7 +213,8 @@ def grouped_linear_backward(args: GroupedLinearBwdArgs) -> dict:
             dgrad, wgrad = blocked.grads(dy, args.inputmat, args.weightmat, q,
                                          args.input_quantizer, args.weight_quantizer,
                                          _rows(args, dy.shape[0]), offs,
-                                         args.input_requires_grad, args.weight_requires_grad)
+                                         args.input_requires_grad, args.weight_requires_grad,
+                                         args.weight_dtype)
             dgrad = None if dgrad is None else dgrad.to(dy.dtype)
             wgrad = None if wgrad is None else wgrad.to(args.weight_dtype)
     if args.bias_requires_grad:
