@@ -126,3 +126,17 @@ def test_the_kernel_path_needs_whole_blocks_and_the_default_tiles():
     other = _quantizers(te.recipe.Float8BlockScaling(x_block_scaling_dim=2))
     assert not blockwise_gemm._is_blockwise(other["input"], 1)
     assert blocked.blockwise_gemm is blockwise_gemm
+
+
+@pytest.mark.parametrize("sizes", SIZES)
+def test_gathered_rows_equal_the_scattered_ones(sizes):
+    from transformer_engine_compile.module.grouped.compute import group_ids
+    from transformer_engine_compile.module.grouped.padding import (gather_rows, padded_sources,
+                                                                   scatter_rows)
+    offs = torch.cumsum(torch.tensor(sizes), 0).to(torch.int32)
+    t = torch.randn(sum(sizes), 16).bfloat16()
+    sources, dest, _ = padded_sources(offs, group_ids(offs, t.shape[0]), T)
+    want = scatter_rows(t, dest, sources.shape[0])
+    assert torch.equal(gather_rows(t, sources, zero_padding=True), want)
+    loose = gather_rows(t, sources, zero_padding=False)
+    assert torch.equal(loose[dest], t)  # the real rows in place; padding unspecified

@@ -30,7 +30,7 @@ import torch
 
 from ...kernels import blockwise_grouped as kernel
 from ...quantization.blockwise import Float8BlockQuantizer
-from .padding import padded_sources, scatter_rows
+from .padding import gather_rows, padded_sources
 
 TILE = kernel.TILE
 DISABLE_VAR = "TE_COMPILE_CUTEDSL"
@@ -106,7 +106,8 @@ def fprop(x, w, q_x, q_w, rows, offs) -> torch.Tensor:
     """``y`` in x's dtype: the kernel reads x's rows in the padded layout and
     writes y's in token order."""
     sources, dest, pad_offs = padded_sources(offs, rows, TILE)
-    xs = scatter_rows(x, dest, sources.shape[0])
+    # rowwise blocks alone: the padding rows may hold anything
+    xs = gather_rows(x, sources, zero_padding=False)
     a, sa = q_x.usage_variant(True, False).quantize(xs).fp8_operand("rowwise")
     b, sb = _weight(q_w, w, "rowwise")
     return kernel.grouped_gemm(a, b, sa, sb, _row_tiles(offs, pad_offs, xs.shape[0]), False,
@@ -119,7 +120,8 @@ def grads(dy, x, w, q_dy, q_x, q_w, rows, offs, dgrad: bool, wgrad: bool,
     rounded once, from the fp32 accumulator to ``w_dtype``."""
     sources, dest, pad_offs = padded_sources(offs, rows, TILE)
     size = sources.shape[0]
-    dyq = q_dy.usage_variant(dgrad, wgrad).quantize(scatter_rows(dy, dest, size))
+    # zeros between the groups: wgrad's 128-token blocks sum over them
+    dyq = q_dy.usage_variant(dgrad, wgrad).quantize(gather_rows(dy, sources, zero_padding=wgrad))
     dx = dw = None
     if dgrad:
         a, sa = dyq.fp8_operand("rowwise")
@@ -128,7 +130,7 @@ def grads(dy, x, w, q_dy, q_x, q_w, rows, offs, dgrad: bool, wgrad: bool,
                                  dy.dtype, sources, dest)
     if wgrad:
         a, sa = dyq.fp8_operand("columnwise")
-        xq = q_x.usage_variant(False, True).quantize(scatter_rows(x, dest, size))
+        xq = q_x.usage_variant(False, True).quantize(gather_rows(x, sources, zero_padding=True))
         b, sb = xq.fp8_operand("columnwise")
         dw = kernel.grouped_gemm(a, b, sa, sb, _k_tiles(offs, pad_offs), True, w_dtype)
     return dx, dw

@@ -65,3 +65,19 @@ def scatter_rows(t: torch.Tensor, dest: torch.Tensor, size: int) -> torch.Tensor
         buf = torch.zeros(size, t.shape[1], dtype=torch.uint8, device=t.device)
         return buf.index_put((dest,), t.view(torch.uint8)).view(t.dtype)
     return t.new_zeros(size, t.shape[1]).index_put((dest,), t)
+
+
+def gather_rows(t: torch.Tensor, sources: torch.Tensor, zero_padding: bool) -> torch.Tensor:
+    """:func:`scatter_rows`' buffer built as a gather: row ``i`` is ``t``'s
+    row ``sources[i]`` (:func:`padded_sources`).  The padding rows hold
+    zeros with ``zero_padding``, else some row of ``t`` (enough where each
+    row is used alone, as a 1x128-block rowwise quantization and a GEMM
+    whose padding rows are never written).  A row gather runs as one
+    vectorized copy on CUDA, where ``index_put``'s scatter does not."""
+    out = t.index_select(0, sources.clamp_min(0))
+    if zero_padding:
+        # the padding rows first: a static count, found without a sync
+        pad = sources.shape[0] - t.shape[0]
+        order = torch.sort((sources >= 0).to(torch.uint8), stable=True).indices[:pad]
+        out.index_fill_(0, order, 0)
+    return out
