@@ -128,10 +128,8 @@ def convert(model: torch.nn.Module,
     take (so training under it needs no other filter).  A layer that some
     recipes cannot take is converted and those are named (INFO).  Without a
     recipe the converted layer runs the same GEMM as ``torch.nn.Linear``.
-    Experts run bf16 grouped GEMMs on GPUs only so far: with a recipe given
-    they are kept (logged), and a model whose experts were converted raises in them
-    under ``te.autocast`` with a recipe (exclude them with
-    ``module_filter_fn`` to train the rest in FP8).
+    Experts whose feature sizes the given recipe cannot take are kept the
+    same way (logged).
     """
     if recipe is not None and not isinstance(recipe, R.Recipe):
         raise TypeError(f"te.convert: recipe must be a transformer_engine_compile.recipe.Recipe, "

@@ -11,7 +11,9 @@ run side by side in one process (docs/benchmarks.md).
   step's time goes (:mod:`.step_profile`);
 * ``.benchmarks.moe``: mixture-of-experts blocks (router, permutation,
   te.GroupedExperts) per recipe against the same block on
-  ``torch._grouped_mm`` in bf16;
+  ``torch._grouped_mm`` in bf16; ``.benchmarks.grouped_gemm``: the FP8
+  blockwise grouped GEMM (CuTeDSL) against bf16 ``torch._grouped_mm`` on
+  those blocks' expert GEMMs;
 * ``.benchmarks.convergence``: a 100M-parameter Llama trained for 2,000
   steps on the standard library's bytes in bf16 and every recipe, the
   loss curves compared (also under FSDP2 with ``torchrun ... --fsdp``);
