@@ -1,7 +1,7 @@
 """FP8 blockwise grouped GEMM for Hopper, written with NVIDIA's CuTe DSL.
 
-``C[l] = A_l B_l^T`` with E4M3 operands, both K-major, and fp32 block
-scales along K every 128 elements (DeepSeek-style scaling):
+``C[l] = A_l B_l^T`` with FP8 operands (E4M3 or E5M2), both K-major, and
+fp32 block scales along K every 128 elements (DeepSeek-style scaling):
 
 * A is ``(rows, K)``, one scale per row and 128-block of K (1x128);
 * B is ``(N, K, groups)``: under ``grouped_k=False`` one scale per
@@ -12,21 +12,23 @@ Two ways to group, one kernel:
 
 * ``grouped_k=False`` (fprop, dgrad): A's rows come in groups padded to
   whole 128-row tiles; ``sched[t, 0]`` is the group of row tile ``t`` (its
-  B), or -1 for a tile of padding alone (skipped, its C rows unwritten).
-  C is ``(rows, N, 1)``.
+  B), or -1 for a tile of padding alone (skipped).  Row ``i`` of A gives
+  C's row ``rowmap[i]`` (none where it is -1): C has the tokens' rows, the
+  padding never leaves the kernel.
 * ``grouped_k=True`` (wgrad): group ``g`` reduces over K tiles
   ``sched[g, 0] .. sched[g, 1]`` (its tokens, padded to 128); C is
   ``(M, N, groups)``, a group with no tiles gets zeros.
 
-Each CTA computes a 128x128 tile with two consumer warpgroups (64 rows
-each) and one producer warpgroup, whose first warp streams A/B tiles of
-128x128x128 through TMA into a multi-stage shared-memory ring (the
-producer gives its registers to the consumers); per K tile the consumer
-warpgroups run four WGMMAs
-(K=32 each) into a temporary accumulator, then add it, scaled by
-``scale_a[row] * scale_b``, into the fp32 accumulator (the promotion
-that keeps FP8 products' sums in fp32 across blocks).  The epilogue
-converts to C's dtype and stores from registers.
+Each CTA computes a 128x128 tile (rasterized in bands of row tiles for L2
+reuse) with two consumer warpgroups (64 rows each) and one producer
+warpgroup, whose first warp streams A/B tiles of 128x128x128 through TMA
+into a multi-stage shared-memory ring (the producer gives its registers
+to the consumers).  Per K tile the consumer warpgroups run four WGMMAs
+(K=32 each) into a temporary accumulator, load the block's scales while
+they run, then add it, scaled by ``scale_a[row] * scale_b``, into the
+fp32 accumulator (the promotion that keeps FP8 products' sums in fp32
+across blocks).  The epilogue stages the tile in shared memory and writes
+whole rows in 16-byte vectors.
 
 Imported only when the runner is built (``kernels/blockwise_grouped.py``):
 nothing here runs on a machine without the DSL or a GPU.
@@ -98,16 +100,10 @@ class BlockwiseGroupedGemm:
                  * ((cute.size(c, mode=[1]) + TILE_N - 1) // TILE_N))
         grid = (tiles, 1, cute.size(c, mode=[2]))
         # C's row and batch strides are multiples of 8 elements (N is whole
-        # 128-tiles): said, so the epilogue stores each thread's adjacent
-        # columns together
+        # 128-tiles): said, so the epilogue's 16-byte row vectors compile as such
         c = cute.make_tensor(c.iterator, cute.make_layout(
             c.shape, stride=(cute.assume(c.stride[0], divby=8), 1,
                              cute.assume(c.stride[2], divby=8))))
-        if cutlass.const_expr(self.grouped_k):
-            # B's scales per row: adjacent columns' scales load together
-            scale_b = cute.make_tensor(scale_b.iterator, cute.make_layout(
-                scale_b.shape, stride=(1, cute.assume(scale_b.stride[1], divby=4),
-                                       scale_b.stride[2])))
         self.kernel(tma_a, tma_ta, tma_b, tma_tb, c, scale_a, scale_b, sched, rowmap, tiled_mma,
                     a_smem, b_smem).launch(grid=grid, block=[_THREADS, 1, 1], stream=stream)
 
