@@ -38,10 +38,6 @@ from .runner import RUNNERS, KernelConfig, RunnerKind, run_kernel
 KIND = "fp8_blockwise_grouped_gemm"
 TILE = 128
 
-_DSL_DTYPES = {torch.float8_e4m3fn: "Float8E4M3FN", torch.float8_e5m2: "Float8E5M2",
-               torch.bfloat16: "BFloat16", torch.float32: "Float32", torch.int32: "Int32"}
-
-
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _OUT = (torch.bfloat16, torch.float16, torch.float32)
 # every configuration, made once: a dict lookup is what torch.compile traces
