@@ -159,7 +159,10 @@ class BlockwiseGroupedGemm:
         accumulator, and its stage released.  Alone (``nxt`` None) its
         scales load while its WGMMAs run; overlapped, the next tile's
         WGMMAs are issued into ``nxt`` first and run while ``kt``'s sums are
-        scaled (its scales loaded then: fewer registers live)."""
+        scaled (its scales loaded then: fewer registers live).  Returns the
+        advanced ``(reads, done)``: the DSL carries a value through a dynamic
+        loop or branch only when the caller's code assigns it or calls its
+        method, and a call through ``self`` does neither."""
         (tiled_mma, tCrA, tCrB, tCcC, mSA, mSB, ring, acc, scale, row0, col0, tile_n, b_l,
          k_begin, k_tiles) = ctx
         kb = k_begin + kt
@@ -180,6 +183,7 @@ class BlockwiseGroupedGemm:
             done.advance()
             self._scales(scale, tCcC, mSA, mSB, row0, col0, tile_n, kb, b_l)
             acc.store(acc.load() + cur.load() * scale.load())
+        return reads, done
 
     @cute.jit
     def _scales(self, scale, tCcC, mSA, mSB, row0, col0, tile_n, kb, b_l):
@@ -306,14 +310,14 @@ class BlockwiseGroupedGemm:
                     self._issue(tiled_mma, part, tCrA, tCrB, ring, reads)
                     reads.advance()
                 for kp in cutlass.range(0, k_tiles, 2, unroll=1):
-                    self._promote(ctx, kp, part, other, reads, done)
+                    reads, done = self._promote(ctx, kp, part, other, reads, done)
                     if kp + 1 < k_tiles:
-                        self._promote(ctx, kp + 1, other, part, reads, done)
+                        reads, done = self._promote(ctx, kp + 1, other, part, reads, done)
             else:
                 for kt in cutlass.range(k_tiles, unroll=1):
                     self._issue(tiled_mma, part, tCrA, tCrB, ring, reads)
                     reads.advance()
-                    self._promote(ctx, kt, part, None, reads, done)
+                    reads, done = self._promote(ctx, kt, part, None, reads, done)
 
             if store:
                 self._epilogue(acc, tCcC, mC, c_l, tile_m, tile_n, mRowmap, c_smem, mma_tidx)
