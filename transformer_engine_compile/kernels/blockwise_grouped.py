@@ -28,7 +28,6 @@ The operands are FP8 (E4M3 or E5M2), rows and N multiples of 128, K
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
@@ -42,22 +41,17 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _OUT = (torch.bfloat16, torch.float16, torch.float32)
 # every configuration, made once: a dict lookup is what torch.compile traces
 # (it does not trace the opaque class's constructor)
-_CONFIGS = {(k, a, b, o, v): KernelConfig.make(KIND, grouped_k=k, a_dtype=str(a), b_dtype=str(b),
-                                               out_dtype=str(o), overlap=v)
-            for k in (False, True) for a in _FP8 for b in _FP8 for o in _OUT
-            for v in (False, True)}
-# the mainloop's promotion overlapped with the next K tile's WGMMAs (two
-# temporary accumulators); "0" runs one tile at a time
-OVERLAP_VAR = "TE_COMPILE_BLOCKWISE_OVERLAP"
+_CONFIGS = {(k, a, b, o): KernelConfig.make(KIND, grouped_k=k, a_dtype=str(a), b_dtype=str(b),
+                                            out_dtype=str(o))
+            for k in (False, True) for a in _FP8 for b in _FP8 for o in _OUT}
 
 
 def config(grouped_k: bool, a_dtype: torch.dtype, b_dtype: torch.dtype,
            out_dtype: torch.dtype) -> KernelConfig:
-    key = (bool(grouped_k), a_dtype, b_dtype, out_dtype,
-           os.environ.get(OVERLAP_VAR, "1") != "0")
+    key = (bool(grouped_k), a_dtype, b_dtype, out_dtype)
     if key not in _CONFIGS:
         raise TypeError(f"the FP8 blockwise grouped GEMM takes FP8 operands and a "
-                        f"{'/'.join(map(str, _OUT))} output, not {key[1:4]}")
+                        f"{'/'.join(map(str, _OUT))} output, not {key[1:]}")
     return _CONFIGS[key]
 
 

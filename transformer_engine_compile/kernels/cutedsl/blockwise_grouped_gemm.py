@@ -57,9 +57,8 @@ _MMA_REGS = 232
 class BlockwiseGroupedGemm:
     """The kernel for one configuration (``grouped_k``, C's dtype)."""
 
-    def __init__(self, grouped_k: bool, stages: int = 0, overlap: bool = True):
+    def __init__(self, grouped_k: bool, stages: int = 0):
         self.grouped_k = grouped_k
-        self.overlap = overlap
         self.tile_mnk = (TILE_M, TILE_N, TILE_K)
         smem = utils.get_smem_capacity_in_bytes("sm_90")
         per_stage = (TILE_M + TILE_N) * TILE_K  # bytes: two FP8 tiles
@@ -139,64 +138,6 @@ class BlockwiseGroupedGemm:
             if row >= 0:
                 cute.autovec_copy(cute.local_tile(sC, (1, vec), (r, v)), reg)
                 cute.autovec_copy(reg, cute.local_tile(out, (1, vec), (row, tile_n * per_row + v)))
-
-    @cute.jit
-    def _issue(self, tiled_mma, part, tCrA, tCrB, ring, reads):
-        """The four WGMMAs of the K tile in stage ``reads`` into ``part``
-        (zeroed first: the MMA's accumulate flag stays set, so no state
-        changes inside the loop's branches)."""
-        ring.consumer_wait(reads)
-        part.fill(0.0)
-        warpgroup.fence()
-        for k in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
-            cute.gemm(tiled_mma, part, tCrA[None, None, k, reads.index],
-                      tCrB[None, None, k, reads.index], part)
-        warpgroup.commit_group()
-
-    @cute.jit
-    def _promote(self, ctx, kt, cur, nxt, reads, done):
-        """K tile ``kt``'s sums (in ``cur``, issued) scaled into the
-        accumulator, and its stage released.  Alone (``nxt`` None) its
-        scales load while its WGMMAs run; overlapped, the next tile's
-        WGMMAs are issued into ``nxt`` first and run while ``kt``'s sums are
-        scaled (its scales loaded then: fewer registers live).  Returns the
-        advanced ``(reads, done)``: the DSL carries a value through a dynamic
-        loop or branch only when the caller's code assigns it or calls its
-        method, and a call through ``self`` does neither."""
-        (tiled_mma, tCrA, tCrB, tCcC, mSA, mSB, ring, acc, scale, row0, col0, tile_n, b_l,
-         k_begin, k_tiles) = ctx
-        kb = k_begin + kt
-        if cutlass.const_expr(nxt is None):
-            self._scales(scale, tCcC, mSA, mSB, row0, col0, tile_n, kb, b_l)
-            warpgroup.wait_group(0)
-            ring.consumer_release(done)
-            done.advance()
-            acc.store(acc.load() + cur.load() * scale.load())
-        else:
-            if kt + 1 < k_tiles:
-                self._issue(tiled_mma, nxt, tCrA, tCrB, ring, reads)
-                reads.advance()
-                warpgroup.wait_group(1)
-            else:
-                warpgroup.wait_group(0)
-            ring.consumer_release(done)
-            done.advance()
-            self._scales(scale, tCcC, mSA, mSB, row0, col0, tile_n, kb, b_l)
-            acc.store(acc.load() + cur.load() * scale.load())
-        return reads, done
-
-    @cute.jit
-    def _scales(self, scale, tCcC, mSA, mSB, row0, col0, tile_n, kb, b_l):
-        """Each accumulator element's ``scale_a[row] * scale_b`` of K block ``kb``."""
-        sb = cutlass.Float32(1.0)
-        if cutlass.const_expr(not self.grouped_k):
-            sb = mSB[tile_n, kb, b_l]
-        for i in cutlass.range_constexpr(cute.size(scale)):
-            r, n = tCcC[i]
-            if cutlass.const_expr(self.grouped_k):
-                scale[i] = mSA[row0 + r, kb] * mSB[col0 + n, kb, 0]
-            else:
-                scale[i] = mSA[row0 + r, kb] * sb
 
     @cute.jit
     def _raster(self, tile, rows, cols):
@@ -297,27 +238,35 @@ class BlockwiseGroupedGemm:
             part = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
             scale = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
             acc.fill(0.0)
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+            k_blocks = cute.size(tCrA, mode=[2])
             reads = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            ctx = (tiled_mma, tCrA, tCrB, tCcC, mSA, mSB, ring, acc, scale, tile_m * TILE_M,
-                   tile_n * TILE_N, tile_n, b_l, k_begin, k_tiles)
-            if cutlass.const_expr(self.overlap):
-                # two temporary accumulators: the next K tile's WGMMAs run
-                # while this one's sums are scaled into the accumulator
-                other = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
-                if k_tiles > 0:
-                    self._issue(tiled_mma, part, tCrA, tCrB, ring, reads)
-                    reads.advance()
-                for kp in cutlass.range(0, k_tiles, 2, unroll=1):
-                    reads, done = self._promote(ctx, kp, part, other, reads, done)
-                    if kp + 1 < k_tiles:
-                        reads, done = self._promote(ctx, kp + 1, other, part, reads, done)
-            else:
-                for kt in cutlass.range(k_tiles, unroll=1):
-                    self._issue(tiled_mma, part, tCrA, tCrB, ring, reads)
-                    reads.advance()
-                    reads, done = self._promote(ctx, kt, part, None, reads, done)
+            row0 = tile_m * TILE_M
+            col0 = tile_n * TILE_N
+            for kt in cutlass.range(k_tiles, unroll=1):
+                kb = k_begin + kt
+                ring.consumer_wait(reads)
+                warpgroup.fence()
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+                for k in cutlass.range_constexpr(k_blocks):
+                    cute.gemm(tiled_mma, part, tCrA[None, None, k, reads.index],
+                              tCrB[None, None, k, reads.index], part)
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.commit_group()
+                # this K block's scales, loaded while the WGMMAs run
+                sb = cutlass.Float32(1.0)
+                if cutlass.const_expr(not self.grouped_k):
+                    sb = mSB[tile_n, kb, b_l]
+                for i in cutlass.range_constexpr(cute.size(scale)):
+                    r, n = tCcC[i]
+                    if cutlass.const_expr(self.grouped_k):
+                        scale[i] = mSA[row0 + r, kb] * mSB[col0 + n, kb, 0]
+                    else:
+                        scale[i] = mSA[row0 + r, kb] * sb
+                warpgroup.wait_group(0)
+                ring.consumer_release(reads)
+                reads.advance()
+                # add this K block's sums, scaled, to the fp32 accumulator
+                acc.store(acc.load() + part.load() * scale.load())
 
             if store:
                 self._epilogue(acc, tCcC, mC, c_l, tile_m, tile_n, mRowmap, c_smem, mma_tidx)
@@ -364,8 +313,8 @@ def build(config, out_shape):
     grouped_k = values["grouped_k"]
     out_dtype = dtype(values["out_dtype"])
     example = _example(grouped_k, dtype(values["a_dtype"]), dtype(values["b_dtype"]), out_dtype)
-    compiled = cute.compile(BlockwiseGroupedGemm(grouped_k, overlap=values["overlap"]),
-                            *_views(grouped_k, *example), current_stream())
+    compiled = cute.compile(BlockwiseGroupedGemm(grouped_k), *_views(grouped_k, *example),
+                            current_stream())
     none = torch.zeros(1, dtype=torch.int32, device="cuda")
 
     def run(inputs):
