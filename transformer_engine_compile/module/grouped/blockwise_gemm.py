@@ -50,11 +50,18 @@ def applies(t: torch.Tensor, in_features: int, out_features: int, q_x, q_w,
         return False
     if in_features % TILE or out_features % TILE:
         return False
-    why = kernel.unavailable_reason()
+    why = _unavailable_reason()
     if why is not None:
         _say_once(why)
         return False
     return True
+
+
+@torch.compiler.assume_constant_result
+def _unavailable_reason():
+    """``kernel.unavailable_reason()``, fixed for the process: torch.compile
+    calls it while tracing instead of tracing the DSL import inside."""
+    return kernel.unavailable_reason()
 
 
 def _on_cuda(t) -> bool:
