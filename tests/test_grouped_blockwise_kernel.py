@@ -42,7 +42,11 @@ def test_tile_schedules(sizes):
 def test_stacked_weight_views_equal_each_expert_quantized_alone(usage):
     w = torch.randn(3, 256, 384) * torch.tensor([1.0, 30.0, 0.01]).view(3, 1, 1)
     quantizers = _quantizers(te.recipe.Float8BlockScaling())
-    data, scales = blockwise_gemm._weight(quantizers["weight"], w.bfloat16(), usage)
+    wq = blockwise_gemm._quantize_weight(quantizers["weight"], w.bfloat16(),
+                                         usage == "rowwise", usage == "columnwise")
+    data, scales = (blockwise_gemm._rowwise_weight(wq, 3) if usage == "rowwise" else
+                    blockwise_gemm._columnwise_weight(wq._columnwise_data,
+                                                      wq._columnwise_scale_inv, 3))
     for g in range(3):
         alone = quantizers["weight"].usage_variant(usage == "rowwise", usage == "columnwise") \
             .quantize(w[g].bfloat16()).fp8_operand(usage)
@@ -140,3 +144,51 @@ def test_gathered_rows_equal_the_scattered_ones(sizes):
     assert torch.equal(gather_rows(t, sources, zero_padding=True), want)
     loose = gather_rows(t, sources, zero_padding=False)
     assert torch.equal(loose[dest], t)  # the real rows in place; padding unspecified
+
+
+def _saved_tensors(layer, x, sizes):
+    """The tensors autograd keeps from one forward (pack hook)."""
+    kept = []
+
+    def pack(t):
+        kept.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with te.autocast(recipe=te.recipe.Float8BlockScaling()):
+            layer(x.detach().requires_grad_(), torch.tensor(sizes))
+    return kept
+
+
+def test_the_kernel_path_keeps_fp8_copies_not_x_and_w(stand_in_kernel):
+    """The backward reads the forward's columnwise FP8 copies of x and W (1
+    byte per element, quantized once) instead of x and W themselves."""
+    sizes = (5, 0, 130, 16)
+    layer = _layer()
+    x = torch.randn(sum(sizes), 256).bfloat16()
+    kept = _saved_tensors(layer, x, sizes)
+    fp8 = [t for t in kept if t.dtype == torch.float8_e4m3fn]
+    shapes = blockwise_gemm.kept_shapes(sum(sizes), 4, 256, 384)
+    assert sorted(t.shape for t in fp8) == sorted([shapes["x"], shapes["w"]])
+    assert not any(t.dtype == torch.bfloat16 and t.shape in (x.shape, layer.weight.shape)
+                   for t in kept)
+    # save_original_weight: W itself, quantized again in the backward
+    layer.save_original_weight = True
+    kept = _saved_tensors(layer, x, sizes)
+    assert any(t is layer.weight or (t.shape == layer.weight.shape
+                                     and t.dtype == torch.bfloat16) for t in kept)
+    assert [t.shape for t in kept if t.dtype == torch.float8_e4m3fn] == [shapes["x"]]
+
+
+@pytest.mark.parametrize("save_original_weight", [False, True])
+def test_kernel_path_ops_pass_opcheck(stand_in_kernel, save_original_weight):
+    """Real and fake agree on the kept copies' layout (both ops)."""
+    from test_grouped_linear import _opcheck_both_ops
+
+    sizes = (5, 0, 130, 16)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(sum(sizes), 256, generator=g).bfloat16()
+    dy = torch.randn(sum(sizes), 384, generator=g).bfloat16()
+    saved = _opcheck_both_ops(te.recipe.Float8BlockScaling(), _layer(), sizes, x, dy,
+                              save_original_weight)
+    assert saved.dtype == torch.float8_e4m3fn  # x's columnwise copy

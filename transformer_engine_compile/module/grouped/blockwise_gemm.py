@@ -30,7 +30,7 @@ import torch
 
 from ...kernels import blockwise_grouped as kernel
 from ...quantization.blockwise import Float8BlockQuantizer
-from .padding import gather_rows, padded_sources
+from .padding import gather_rows, padded_rows, padded_sources
 
 TILE = kernel.TILE
 DISABLE_VAR = "TE_COMPILE_CUTEDSL"
@@ -44,17 +44,29 @@ def applies(t: torch.Tensor, in_features: int, out_features: int, q_x, q_w,
     dequantized path runs).  ``TE_COMPILE_CUTEDSL=0`` turns the kernel off."""
     if os.environ.get(DISABLE_VAR, "1") == "0":
         return False
-    if not t.is_cuda or not (_is_blockwise(q_x, 1) and _is_blockwise(q_w, 2)):
+    if not _on_cuda(t) or not (_is_blockwise(q_x, 1) and _is_blockwise(q_w, 2)):
         return False
     if q_dy is not None and not _is_blockwise(q_dy, 1):
         return False
     if in_features % TILE or out_features % TILE:
         return False
-    why = kernel.unavailable_reason()
+    why = _unavailable_reason()
     if why is not None:
         _say_once(why)
         return False
     return True
+
+
+@torch.compiler.assume_constant_result
+def _unavailable_reason():
+    """``kernel.unavailable_reason()``, fixed for the process: torch.compile
+    calls it while tracing instead of tracing the DSL import inside."""
+    return kernel.unavailable_reason()
+
+
+def _on_cuda(t) -> bool:
+    """A tensor's or a fake's (``TensorProto``'s) device is CUDA."""
+    return t.device is not None and torch.device(t.device).type == "cuda"
 
 
 def _is_blockwise(q, dim: int) -> bool:
@@ -87,37 +99,80 @@ def _k_tiles(offs: torch.Tensor, pad_offs: torch.Tensor) -> torch.Tensor:
     return torch.stack([first, first + (counts + TILE - 1) // TILE], 1).to(torch.int32)
 
 
-def _weight(q_w, w: torch.Tensor, usage: str):
-    """Every expert's W quantized in one call: rowwise ``(experts, out, in)``
-    with ``(experts, out/128, in/128+)`` scales, or columnwise (W^T per
-    expert) ``(experts, in, out)`` with ``(experts, in/128, out/128)``."""
+def _quantize_weight(q_w, w: torch.Tensor, rowwise: bool, columnwise: bool):
+    """Every expert's W quantized in one call, as one ``(experts * out, in)``
+    matrix (its 128x128 blocks never span two experts)."""
     e, n, k = w.shape
-    q = q_w.usage_variant(usage == "rowwise", usage == "columnwise").quantize(w.reshape(e * n, k))
-    data, scales = q.fp8_operand(usage)
-    if usage == "rowwise":
-        return data.view(e, n, k), scales.view(e, n // TILE, scales.shape[1])
-    # (in, experts * out): expert g's transposed W is the column slice g
+    return q_w.usage_variant(rowwise, columnwise).quantize(w.reshape(e * n, k))
+
+
+def _rowwise_weight(wq, experts: int):
+    """``(experts, out, in)`` FP8 and ``(experts, out/128, in/128+)`` scales."""
+    data, scales = wq.fp8_operand("rowwise")
+    n = data.shape[0] // experts
+    return data.view(experts, n, data.shape[1]), scales.view(experts, n // TILE, scales.shape[1])
+
+
+def _columnwise_weight(data: torch.Tensor, scales: torch.Tensor, experts: int):
+    """W's columnwise copy, ``(in, experts * out)`` FP8 and its ``(in/128,
+    experts * out/128 padded)`` scales, as each expert's transposed W: a
+    column slice, ``(experts, in, out)`` with ``(experts, in/128, out/128)``."""
+    k, n = data.shape[0], data.shape[1] // experts
     nb = n // TILE
-    return (data.as_strided((e, k, n), (n, data.stride(0), 1)),
-            scales.as_strided((e, k // TILE, nb), (nb, scales.stride(0), 1)))
+    return (data.as_strided((experts, k, n), (n, data.stride(0), 1)),
+            scales.as_strided((experts, k // TILE, nb), (nb, scales.stride(0), 1)))
 
 
-def fprop(x, w, q_x, q_w, rows, offs) -> torch.Tensor:
-    """``y`` in x's dtype: the kernel reads x's rows in the padded layout and
-    writes y's in token order."""
+def _columnwise_rows(data: torch.Tensor, scales: torch.Tensor):
+    """A 1x128 columnwise copy ``(cols, rows)`` with its flat scales as the
+    kernel's operand: scales ``(cols, rows/128)``."""
+    return data, scales.view(-1, data.shape[0]).t()
+
+
+def kept_shapes(tokens: int, experts: int, in_features: int, out_features: int) -> dict:
+    """The shapes of the FP8 copies :func:`forward` keeps (the op's fake):
+    x's ``(in, padded tokens)`` and flat scales, W's ``(in, experts * out)``
+    and ``(in/128, experts * out/128 padded)`` scales."""
+    from ...kernels.reference import padded_blocks
+    p = padded_rows(tokens, experts, TILE)
+    return {"x": (in_features, p), "x_scale": ((p // TILE) * in_features,),
+            "w": (in_features, experts * out_features),
+            "w_scale": (in_features // TILE, padded_blocks(experts * out_features // TILE))}
+
+
+def forward(x, w, q_x, q_w, rows, offs, keep_x: bool, keep_w: bool) -> tuple:
+    """``(y, (x's copy, scales), (W's copy, scales))``: y in x's dtype (the
+    kernel reads x's rows in the padded layout and writes y's in token
+    order), and the columnwise FP8 copies wgrad (x's) and dgrad (W's) read,
+    made by the same quantizations as the forward's operands (``(None,
+    None)`` where not kept)."""
     sources, dest, pad_offs = padded_sources(offs, rows, TILE)
-    # rowwise blocks alone: the padding rows may hold anything
-    xs = gather_rows(x, sources, zero_padding=False)
-    a, sa = q_x.usage_variant(True, False).quantize(xs).fp8_operand("rowwise")
-    b, sb = _weight(q_w, w, "rowwise")
-    return kernel.grouped_gemm(a, b, sa, sb, _row_tiles(offs, pad_offs, xs.shape[0]), False,
-                               x.dtype, sources, dest)
+    # rowwise blocks alone: the padding rows may hold anything, unless
+    # x's columnwise copy (wgrad's 128-token blocks) is made from them too
+    xs = gather_rows(x, sources, zero_padding=keep_x)
+    xq = q_x.usage_variant(True, keep_x).quantize(xs)
+    wq = _quantize_weight(q_w, w, True, keep_w)
+    a, sa = xq.fp8_operand("rowwise")
+    b, sb = _rowwise_weight(wq, w.shape[0])
+    y = kernel.grouped_gemm(a, b, sa, sb, _row_tiles(offs, pad_offs, xs.shape[0]), False,
+                            x.dtype, sources, dest)
+    kept_x = (xq._columnwise_data, xq._columnwise_scale_inv) if keep_x else (None, None)
+    kept_w = (wq._columnwise_data, wq._columnwise_scale_inv) if keep_w else (None, None)
+    return y, kept_x, kept_w
+
+
+def is_kept_copy(t) -> bool:
+    """Whether a saved x or W is :func:`forward`'s FP8 copy (not the tensor)."""
+    return t is not None and t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def grads(dy, x, w, q_dy, q_x, q_w, rows, offs, dgrad: bool, wgrad: bool,
-          w_dtype: torch.dtype) -> tuple:
+          w_dtype: torch.dtype, x_scale=None, w_scale=None) -> tuple:
     """``(dx, dW)`` as ``blocked.grads`` returns them, from the kernel: dW
-    rounded once, from the fp32 accumulator to ``w_dtype``."""
+    rounded once, from the fp32 accumulator to ``w_dtype``.  ``x`` and ``w``
+    are the forward's FP8 copies with their scales, or the tensors
+    themselves (quantized here)."""
+    experts = offs.shape[0]
     sources, dest, pad_offs = padded_sources(offs, rows, TILE)
     size = sources.shape[0]
     # zeros between the groups: wgrad's 128-token blocks sum over them
@@ -125,12 +180,17 @@ def grads(dy, x, w, q_dy, q_x, q_w, rows, offs, dgrad: bool, wgrad: bool,
     dx = dw = None
     if dgrad:
         a, sa = dyq.fp8_operand("rowwise")
-        b, sb = _weight(q_w, w, "columnwise")
+        if not is_kept_copy(w):
+            wq = _quantize_weight(q_w, w, False, True)
+            w, w_scale = wq._columnwise_data, wq._columnwise_scale_inv
+        b, sb = _columnwise_weight(w, w_scale, experts)
         dx = kernel.grouped_gemm(a, b, sa, sb, _row_tiles(offs, pad_offs, size), False,
                                  dy.dtype, sources, dest)
     if wgrad:
         a, sa = dyq.fp8_operand("columnwise")
-        xq = q_x.usage_variant(False, True).quantize(gather_rows(x, sources, zero_padding=True))
-        b, sb = xq.fp8_operand("columnwise")
+        if not is_kept_copy(x):
+            xq = q_x.usage_variant(False, True).quantize(gather_rows(x, sources, zero_padding=True))
+            x, x_scale = xq._columnwise_data, xq._columnwise_scale_inv
+        b, sb = _columnwise_rows(x, x_scale)
         dw = kernel.grouped_gemm(a, b, sa, sb, _k_tiles(offs, pad_offs), True, w_dtype)
     return dx, dw

@@ -37,7 +37,7 @@ from ...kernels.reference import FP8_DTYPE
 from ...quantization.float8 import (Float8CurrentScalingQuantizer,
                                     Float8DelayedScalingQuantizer)
 from ..delayed_step import delayed_updates, delayed_updates_fake
-from . import blocked, fp8_gemm
+from . import blocked, blockwise_gemm, fp8_gemm
 from .args import GroupedLinearBwdArgs, GroupedLinearFwdArgs
 from .padding import padded_rows, padded_sources
 from .quantize import dequantize_experts, dequantize_rows, quantize_experts, quantize_tokens
@@ -95,6 +95,14 @@ def grouped_linear_forward(args: GroupedLinearFwdArgs) -> OpResult:
             y = y + args.bias[_rows(args, x.shape[0])]
         return OpResult({"out": y}, _saved(args, x, w))
     rows = _rows(args, x.shape[0])
+    if _blockwise_kernel(args):
+        keep_x, keep_w = _kept_copies(args)
+        y, (xk, xs), (wk, ws) = blockwise_gemm.forward(x, w, args.input_quantizer,
+                                                       args.weight_quantizer, rows, offs,
+                                                       keep_x, keep_w)
+        if args.bias is not None:
+            y = y + args.bias[rows]
+        return OpResult({"out": y}, _saved(args, xk, wk if keep_w else w, xs, ws))
     if not tensorwise_fp8(args.input_quantizer):
         y = blocked.fprop(x, w, args.input_quantizer, args.weight_quantizer, rows, offs)
         if args.bias is not None:
@@ -138,9 +146,40 @@ def _quantize_operands(args: GroupedLinearFwdArgs, rows: torch.Tensor) -> tuple:
                                    torch.cat([xq.amax, wq.amax]), "fwd", args.amax_group)
 
 
+def _blockwise_kernel(args: GroupedLinearFwdArgs) -> bool:
+    """Whether the CuTeDSL blockwise grouped GEMM runs this layer (real or
+    fake arguments: the same answer in both, so their saved tensors match)."""
+    q = args.input_quantizer
+    return (q is not None and not tensorwise_fp8(q)
+            and blockwise_gemm.applies(args.inp, args.weight.shape[2], args.weight.shape[1], q,
+                                       args.weight_quantizer, args.grad_output_quantizer))
+
+
+def _kept_copies(args: GroupedLinearFwdArgs) -> tuple:
+    """(x's, W's): which FP8 copies the blockwise kernel's forward keeps for
+    the backward: x's for wgrad, W's for dgrad (W itself with
+    ``save_original_weight``: the backward quantizes it again)."""
+    return (args.weight_requires_grad,
+            args.input_requires_grad and not args.save_original_weight)
+
+
+def _blockwise_saved_fake(args: GroupedLinearFwdArgs) -> dict:
+    x, w = args.inp, args.weight
+    keep_x, keep_w = _kept_copies(args)
+    shape = blockwise_gemm.kept_shapes(x.shape[0], w.shape[0], w.shape[2], w.shape[1])
+    fp8 = lambda q, what: TensorProto(shape[what], FP8_DTYPE[q.fp8_format],  # noqa: E731
+                                      device=x.device)
+    f32 = lambda what: TensorProto(shape[what], torch.float32, device=x.device)  # noqa: E731
+    return _saved(args, fp8(args.input_quantizer, "x") if keep_x else None,
+                  fp8(args.weight_quantizer, "w") if keep_w else w,
+                  f32("x_scale") if keep_x else None, f32("w_scale") if keep_w else None)
+
+
 def grouped_linear_forward_fake(args: GroupedLinearFwdArgs) -> OpResult:
     x, w = args.inp, args.weight
     y = TensorProto((x.shape[0], w.shape[1]), x.dtype, device=x.device)
+    if _blockwise_kernel(args):
+        return OpResult({"out": y}, _blockwise_saved_fake(args))
     if args.input_quantizer is None or not tensorwise_fp8(args.input_quantizer):
         return OpResult({"out": y}, _saved(args, x, w))
     groups = (w.shape[0],)
@@ -214,7 +253,8 @@ def grouped_linear_backward(args: GroupedLinearBwdArgs) -> dict:
                                          args.input_quantizer, args.weight_quantizer,
                                          _rows(args, dy.shape[0]), offs,
                                          args.input_requires_grad, args.weight_requires_grad,
-                                         args.weight_dtype)
+                                         args.weight_dtype, args.input_scale_inv,
+                                         args.weight_scale_inv)
             dgrad = None if dgrad is None else dgrad.to(dy.dtype)
             wgrad = None if wgrad is None else wgrad.to(args.weight_dtype)
     if args.bias_requires_grad:
@@ -269,10 +309,13 @@ def grouped_linear_backward_fake(args: GroupedLinearBwdArgs) -> dict:
     t = args.grad_output_quantizer is not None and tensorwise_fp8(args.grad_output_quantizer)
     if args.input_requires_grad:  # dy's dtype, quantized or not; W itself when it is requantized
         w_t = t and args.weight_quantizer is None
-        dgrad = TensorProto((dy.shape[0], args.weightmat.shape[1 if w_t else 2]), dy.dtype,
-                            device=dy.device)
+        # the blockwise kernel's kept copy of W: (in, experts * out)
+        kept = not t and blockwise_gemm.is_kept_copy(args.weightmat)
+        dgrad = TensorProto((dy.shape[0], args.weightmat.shape[0 if kept else 1 if w_t else 2]),
+                            dy.dtype, device=dy.device)
     if args.weight_requires_grad:
-        wgrad = TensorProto((groups, dy.shape[1], args.inputmat.shape[0 if t else 1]),
+        kept = t or blockwise_gemm.is_kept_copy(args.inputmat)  # x's copy: (in, tokens)
+        wgrad = TensorProto((groups, dy.shape[1], args.inputmat.shape[0 if kept else 1]),
                             args.weight_dtype, device=dy.device)
     if args.bias_requires_grad:
         dbias = TensorProto((groups, dy.shape[1]), args.bias_dtype, device=dy.device)
