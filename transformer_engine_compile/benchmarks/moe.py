@@ -168,7 +168,9 @@ def time_block(block, rec, x, steps: int, compiled: bool, profiled: bool = False
                mode: str = "default") -> dict:
     """Median ms of forward + backward (synchronised per step); with
     ``profiled``, the kernels of one more step under ``"profile"``;
-    ``mode``: ``torch.compile``'s (``"reduce-overhead"``: CUDA graphs)."""
+    ``mode``: ``torch.compile``'s (``"reduce-overhead"``: CUDA graphs).
+    In default mode each step adds its gradients into ``.grad`` (a
+    gradient-accumulation micro-step); reduce-overhead clears them first."""
     from ..autocast import autocast
 
     def step():
