@@ -136,3 +136,26 @@ def test_fsdp_bench_kept_copies_equal_the_requantized_backward():
         assert "error" not in r, r
         assert r["gather"] == "bf16" and r["graphs"] == 2
     assert rows[0]["loss"] == rows[1]["loss"]
+
+
+def test_fsdp_bench_no_reshard_gathers_once_with_the_same_losses():
+    """``--no-reshard``: torch bf16 and te fp8_current's FP8 gather also run
+    with the blocks keeping their gathered weights until the backward
+    (``reshard_after_forward=False``): the same losses bit for bit (FP8:
+    the forward's gather makes the transposed copy the backward's would
+    have), and fewer bytes gathered (the blocks' weights once, not twice)."""
+    labels = ["torch bf16", "te fp8_current", "torch bf16 (no reshard)",
+              "te fp8_current (no reshard)"]
+    rows = bench_fsdp.cpu_run(["--recipes", "fp8_current", "--modes", "compiled",
+                               "--backend", "aot_eager", "--no-torchao", "--no-reshard",
+                               "--steps", "2", "--candidates", ",".join(labels)])
+    assert [r["candidate"] for r in rows] == labels
+    by = {r["candidate"]: r for r in rows}
+    for r in rows:
+        assert "error" not in r, r
+        assert r["graphs"] == 2, r  # one per block, no recompile
+    for label in labels[:2]:
+        kept, default = by[f"{label} (no reshard)"], by[label]
+        assert kept["loss"] == default["loss"]
+        assert kept["gather"] == default["gather"]
+        assert 0 < kept["all_gather_bytes"] < default["all_gather_bytes"]

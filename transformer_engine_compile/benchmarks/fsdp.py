@@ -63,22 +63,30 @@ CONFIGS = {**llama.LLAMA_CONFIGS, **llama.TINY_LLAMA, **llama.HF_CONFIGS,
                                               batch=2, vocab=32000)}
 
 
-def candidates(recipe_names, with_torchao, kept_copies=False):
-    """(label, model kind, recipe, gather recipe) in table order: benchmarks.llama's
-    candidates (te bf16 always; "bf16" in ``recipe_names`` adds nothing), each
-    recipe gathering in its own format, fp8_current and fp8_block also
-    gathering bf16; ``kept_copies``: those also with the bf16 gather and each
-    layer keeping its FP8 weight copy for the backward (gather recipe
-    :data:`KEPT`), the memory-for-time trade te.fsdp.fully_shard does not make."""
+def candidates(recipe_names, with_torchao, kept_copies=False, no_reshard=False):
+    """(label, model kind, recipe, gather recipe, reshard after forward) in
+    table order: benchmarks.llama's candidates (te bf16 always; "bf16" in
+    ``recipe_names`` adds nothing), each recipe gathering in its own format,
+    fp8_current and fp8_block also gathering bf16; ``kept_copies``: those
+    also with the bf16 gather and each layer keeping its FP8 weight copy
+    for the backward (gather recipe :data:`KEPT`), the memory-for-time
+    trade te.fsdp.fully_shard does not make; ``no_reshard``: torch bf16 and
+    the te recipes' own gathers also with the blocks keeping their gathered
+    weights from the forward to the backward (FSDP2's
+    ``reshard_after_forward=False``: one gather per step instead of two,
+    the gathered weights held meanwhile)."""
     recipes = {name: RECIPES[name] for name in recipe_names if name != "bf16"}
     out = []
     for label, kind, rec in llama.candidates(recipes, with_torchao):
         # torchao's gather is set by its own config: True for its FP8 all-gather
-        out.append((label, kind, rec, True if kind == "torchao" else rec))
+        out.append((label, kind, rec, True if kind == "torchao" else rec, True))
         if label in HP_GATHER_TOO:
-            out.append((f"{label} (bf16 gather)", kind, rec, None))
+            out.append((f"{label} (bf16 gather)", kind, rec, None, True))
             if kept_copies and kind != "torchao":
-                out.append((f"{label} (bf16 gather + FP8 copy kept)", kind, rec, KEPT))
+                out.append((f"{label} (bf16 gather + FP8 copy kept)", kind, rec, KEPT, True))
+    if no_reshard:
+        out += [(f"{label} (no reshard)", kind, rec, gather, False)
+                for label, kind, rec, gather, _ in list(out) if label in NO_RESHARD_TOO]
     return out
 
 
@@ -90,20 +98,25 @@ KEPT = "kept"
 # the recipes whose weights FSDP2 can gather quantized: each also runs with
 # the plain bf16 gather, so the gather format's effect shows
 HP_GATHER_TOO = ("te fp8_current", "te fp8_block", "torchao fp8 tensorwise")
+# the candidates ``--no-reshard`` also runs with reshard_after_forward=False
+NO_RESHARD_TOO = ("torch bf16", "te fp8_current", "te fp8_block")
 
 
-def shard(model, gather_recipe, mesh, compiled, backend, save_original_weight=True):
+def shard(model, gather_recipe, mesh, compiled, backend, save_original_weight=True,
+          reshard=True):
     """torchtitan's layout: each block its own FSDP2 unit (compiled when
     asked), the root the rest.  ``te.fsdp.fully_shard`` with ``recipe=None``
     is torch's ``fully_shard`` (nothing is wrapped), so the baseline and
     torchao go through it too.  ``save_original_weight=False``: the te
     layers keep their FP8 weight copies for the backward instead
     (te.fsdp.fully_shard's setting undone; the blocks compile at their
-    first call, after it)."""
+    first call, after it); ``reshard=False``: the blocks keep their
+    gathered weights until the backward (``reshard_after_forward``)."""
     from ..parallel import fsdp
 
     for block in llama.decoder_blocks(model):
-        fsdp.fully_shard(block, recipe=gather_recipe, mesh=mesh, quantized_gather=True)
+        fsdp.fully_shard(block, recipe=gather_recipe, mesh=mesh, quantized_gather=True,
+                         reshard_after_forward=reshard)
         if compiled:
             block.compile(fullgraph=True, backend=backend)
     fsdp.fully_shard(model, mesh=mesh)
@@ -163,7 +176,7 @@ def count_all_gather_bytes(group=None):
             setattr(dist, name, fn)
 
 
-def prepare(cfg, kind, rec, gather_recipe, mode, device, mesh, backend):
+def prepare(cfg, kind, rec, gather_recipe, mode, device, mesh, backend, reshard=True):
     """One candidate built, sharded (and its blocks compiled): ``(model,
     step, x, target)``, this rank's own batch."""
     float8_config = after_step = None
@@ -175,7 +188,7 @@ def prepare(cfg, kind, rec, gather_recipe, mode, device, mesh, backend):
     kept = gather_recipe == KEPT
     gather_recipe = None if kept else gather_recipe
     shard(model, None if kind == "torchao" else gather_recipe, mesh, mode == "compiled", backend,
-          save_original_weight=not kept)
+          save_original_weight=not kept, reshard=reshard)
     if kind == "torchao":
         if gather_recipe:
             after_step = lambda: precompute_float8_dynamic_scale_for_fsdp(model)  # noqa: E731
@@ -206,12 +219,13 @@ def first_steps(model, kind, step, x, target, device) -> dict:
 
 
 def measure(cfg, kind, rec, gather_recipe, mode, device, mesh, *, steps, warmup, backend,
-            profile=False, gc_every=50):
+            profile=False, gc_every=50, reshard=True):
     """One candidate in one mode: the row's measured fields (``profile``:
     also ``row["profile"]``, :func:`profile_step`'s breakdown per rank);
     ``gc_every``: the steps' garbage collection
     (:func:`.distributed.collection_schedule`)."""
-    model, step, x, target = prepare(cfg, kind, rec, gather_recipe, mode, device, mesh, backend)
+    model, step, x, target = prepare(cfg, kind, rec, gather_recipe, mode, device, mesh, backend,
+                                     reshard)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     with D.collection_schedule(gc_every) as schedule:
         step = schedule(step)
@@ -244,7 +258,7 @@ def run_interleaved(configs, cands, modes, device, mesh, *, steps, backend, roun
             for cand in cands:
                 if only and cand[0] not in only:
                     continue
-                _, kind, rec, gather_recipe = cand
+                _, kind, rec, gather_recipe, reshard = cand
                 for mode in modes:
                     row = {"config": cname, "candidate": cand[0], "mode": mode, "rounds": rounds}
                     rows.append(row)
@@ -253,7 +267,7 @@ def run_interleaved(configs, cands, modes, device, mesh, *, steps, backend, roun
                         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
                         model, step, x, target = prepare(CONFIGS[cname], kind, rec,
                                                          gather_recipe, mode, device, mesh,
-                                                         backend)
+                                                         backend, reshard)
                         step = schedule(step)
                         row.update(first_steps(model, kind, step, x, target, device))
                         row["graphs"] = (torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -285,12 +299,12 @@ def run_interleaved(configs, cands, modes, device, mesh, *, steps, backend, roun
 
 def run(configs, recipe_names, modes, device, *, steps=10, warmup=3, backend="inductor",
         with_torchao=True, only=None, log=print, profile=False, gc_every=50, rounds=1,
-        kept_copies=False):
+        kept_copies=False, no_reshard=False):
     """All rows (every rank computes them; rank 0 logs them); ``only``: these
     candidate labels alone; ``profile``: each row also profiles a step and
     logs its breakdown after the table; ``gc_every``: :func:`measure`'s;
     ``rounds > 1``: interleaved (:func:`run_interleaved`, no profile);
-    ``kept_copies``: :func:`candidates`'."""
+    ``kept_copies``, ``no_reshard``: :func:`candidates`'."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -301,17 +315,17 @@ def run(configs, recipe_names, modes, device, *, steps=10, warmup=3, backend="in
         import torchao
         log(f"torchao {torchao.__version__}\n")
 
-    cands = candidates(recipe_names, with_torchao, kept_copies)
+    cands = candidates(recipe_names, with_torchao, kept_copies, no_reshard)
     if rounds > 1:
         return run_interleaved(configs, cands, modes, device, mesh, steps=steps,
                                backend=backend, rounds=rounds, gc_every=gc_every, only=only,
                                log=log)
 
     def measure_row(cname, candidate, mode):
-        _, kind, rec, gather_recipe = candidate
+        _, kind, rec, gather_recipe, reshard = candidate
         return measure(CONFIGS[cname], kind, rec, gather_recipe, mode, device, mesh,
                        steps=steps, warmup=warmup, backend=backend, profile=profile,
-                       gc_every=gc_every)
+                       gc_every=gc_every, reshard=reshard)
 
     rows = D.run_rows(configs, cands, modes, only, measure_row, BASELINE, HEADER, format_row,
                       log, device)
@@ -382,6 +396,10 @@ def main(argv=None):
     p.add_argument("--kept-copies", action="store_true",
                    help="also run each te recipe's bf16 gather with the layers keeping their "
                         "FP8 weight copies for the backward (more memory, no re-quantization)")
+    p.add_argument("--no-reshard", action="store_true",
+                   help="also run torch bf16 and each te recipe's own gather with the blocks "
+                        "keeping their gathered weights until the backward "
+                        "(reshard_after_forward=False: one gather per step, more memory)")
     p.add_argument("--rounds", type=int, default=1,
                    help="time the candidates in N interleaved rounds of --steps steps each "
                         "(all resident; medians over the rounds; no --profile)")
@@ -396,7 +414,8 @@ def main(argv=None):
                                               with_torchao=not args.no_torchao,
                                               only=args.candidates, profile=args.profile,
                                               gc_every=args.gc_every, rounds=args.rounds,
-                                              kept_copies=args.kept_copies, log=log))
+                                              kept_copies=args.kept_copies,
+                                              no_reshard=args.no_reshard, log=log))
 
 
 def cpu_run(argv=(), nprocs=2):
