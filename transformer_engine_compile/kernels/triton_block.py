@@ -122,7 +122,8 @@ def _store_padded_scale(s_ptr, row, col, ncols, value):
         tl.store(s_ptr + row * stride + pad, tl.zeros((4,), tl.float32), mask=pad < stride)
 
 
-# 4 warps per 128x128 tile: 1.4x the GB/s of 8 on an H200, both copies and one
+# 4 warps per 128x128 tile: on an H200 1.3-1.5x faster than 8 for both copies of a large
+# matrix and for x and W paired, one copy within 10% (docs/benchmarks.md)
 _fp8_block_launch = Launcher(_fp8_block_kernel, num_warps=4)
 
 
