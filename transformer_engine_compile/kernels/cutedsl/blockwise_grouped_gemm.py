@@ -57,16 +57,25 @@ _MMA_REGS = 232
 class BlockwiseGroupedGemm:
     """The kernel for one configuration (``grouped_k``, C's dtype)."""
 
-    def __init__(self, grouped_k: bool, stages: int = 0):
+    def __init__(self, grouped_k: bool, stages: int = 0, persistent: bool = False):
         self.grouped_k = grouped_k
+        # persistent CTAs (at most one per SM) loop over the tiles: the
+        # producer loads the next tile while the consumers store this one
+        self.persistent = persistent
         self.tile_mnk = (TILE_M, TILE_N, TILE_K)
-        smem = utils.get_smem_capacity_in_bytes("sm_90")
-        per_stage = (TILE_M + TILE_N) * TILE_K  # bytes: two FP8 tiles
-        self.stages = stages or min(8, (smem - 2048) // per_stage)
+        self._stages = stages
 
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, scale_a: cute.Tensor,
-                 scale_b: cute.Tensor, sched: cute.Tensor, rowmap: cute.Tensor, stream):
+                 scale_b: cute.Tensor, sched: cute.Tensor, rowmap: cute.Tensor,
+                 max_ctas: cutlass.Int32, stream):
+        smem = utils.get_smem_capacity_in_bytes("sm_90")
+        per_stage = (TILE_M + TILE_N) * TILE_K  # bytes: two FP8 tiles
+        # the epilogue's own staging buffer (persistent): rows padded by 16 bytes
+        c_pad = 128 // c.element_type.width
+        c_elems = TILE_M * (TILE_N + c_pad) if self.persistent else 1
+        c_bytes = c_elems * c.element_type.width // 8 if self.persistent else 0
+        self.stages = self._stages or min(8, (smem - 2048 - c_bytes) // per_stage)
         a_major = utils.LayoutEnum.from_tensor(a)
         b_major = utils.LayoutEnum.from_tensor(b)
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -91,6 +100,7 @@ class BlockwiseGroupedGemm:
                                   1024]
             sb: cute.struct.Align[cute.struct.MemRange[b.element_type, cute.cosize(b_smem)],
                                   1024]
+            sc: cute.struct.Align[cute.struct.MemRange[c.element_type, c_elems], 128]
 
         self.shared_storage = SharedStorage
         self.tx_bytes = (cute.size_in_bytes(a.element_type, cute.slice_(a_smem, (None, None, 0)))
@@ -99,6 +109,8 @@ class BlockwiseGroupedGemm:
         tiles = ((cute.size(a, mode=[0]) + TILE_M - 1) // TILE_M
                  * ((cute.size(c, mode=[1]) + TILE_N - 1) // TILE_N))
         grid = (tiles, 1, cute.size(c, mode=[2]))
+        if cutlass.const_expr(self.persistent):
+            grid = (cutlass.min(tiles * cute.size(c, mode=[2]), max_ctas), 1, 1)
         # C's row and batch strides are multiples of 8 elements (N is whole
         # 128-tiles): said, so the epilogue's 16-byte row vectors compile as such
         c = cute.make_tensor(c.iterator, cute.make_layout(
@@ -138,6 +150,8 @@ class BlockwiseGroupedGemm:
             if row >= 0:
                 cute.autovec_copy(cute.local_tile(sC, (1, vec), (r, v)), reg)
                 cute.autovec_copy(reg, cute.local_tile(out, (1, vec), (row, tile_n * per_row + v)))
+        if cutlass.const_expr(self.persistent):  # read out before the next tile writes it
+            cute.arch.barrier(barrier_id=1, number_of_threads=_MMA_THREADS)
 
     @cute.jit
     def _raster(self, tile, rows, cols):
@@ -152,21 +166,14 @@ class BlockwiseGroupedGemm:
         within = tile % per_band
         return first + within % height, within // height
 
-    @cute.kernel
-    def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom,
-               mB: cute.Tensor, mC: cute.Tensor, mSA: cute.Tensor, mSB: cute.Tensor,
-               mSched: cute.Tensor, mRowmap: cute.Tensor, tiled_mma: cute.TiledMma,
-               a_smem: cute.ComposedLayout,
-               b_smem: cute.ComposedLayout):
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        tidx, _, _ = cute.arch.thread_idx()
-        tile, _, tile_l = cute.arch.block_idx()
-        tile_m, tile_n = self._raster(tile, cute.size(mA, mode=[0]), cute.size(mC, mode=[1]))
-        if warp == 0:
-            cpasync.prefetch_descriptor(tma_a)
-            cpasync.prefetch_descriptor(tma_b)
-
-        # which B, which C, which K tiles
+    @cute.jit
+    def _work(self, work, tiles, mA, mC, mSched):
+        """What the CTA computes for linear work index ``work`` (row tiles x
+        N tiles x C's batch): ``(tile_m, tile_n, b_l, c_l, k_begin, k_tiles,
+        store)``, B's and C's batch indices and the K tiles it reduces."""
+        tile_l = work // tiles
+        tile_m, tile_n = self._raster(work % tiles, cute.size(mA, mode=[0]),
+                                      cute.size(mC, mode=[1]))
         b_l = cutlass.Int32(0)
         c_l = cutlass.Int32(0)
         k_begin = cutlass.Int32(0)
@@ -182,6 +189,93 @@ class BlockwiseGroupedGemm:
             b_l = cutlass.max(group, 0)
             if store:
                 k_tiles = (cute.size(mA, mode=[1]) + TILE_K - 1) // TILE_K
+        return tile_m, tile_n, b_l, c_l, k_begin, k_tiles, store
+
+    @cute.jit
+    def _load(self, ring, loads, tma_a, mA, tma_b, mB, sA, sB, tile_m, tile_n, b_l, k_begin,
+              k_tiles):
+        """The producer warp: one tile's K tiles through TMA into the ring;
+        returns the advanced ``loads`` state."""
+        gA = cute.local_tile(mA, self.tile_mnk, (tile_m, tile_n, None, 0), proj=(1, None, 1))
+        gB = cute.local_tile(mB, self.tile_mnk, (tile_m, tile_n, None, b_l), proj=(None, 1, 1))
+        tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
+                                           cute.group_modes(sA, 0, 2),
+                                           cute.group_modes(gA, 0, 2))
+        tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
+                                           cute.group_modes(sB, 0, 2),
+                                           cute.group_modes(gB, 0, 2))
+        for kt in cutlass.range(k_tiles, unroll=1):
+            ring.producer_acquire(loads)
+            barrier = ring.producer_get_barrier(loads)
+            cute.copy(tma_a, tAgA[None, k_begin + kt], tAsA[None, loads.index],
+                      tma_bar_ptr=barrier)
+            cute.copy(tma_b, tBgB[None, k_begin + kt], tBsB[None, loads.index],
+                      tma_bar_ptr=barrier)
+            ring.producer_commit(loads)
+            loads.advance()
+        return loads
+
+    @cute.jit
+    def _mma(self, ring, reads, tiled_mma, tCrA, tCrB, tCcC, acc, part, scale, mSA, mSB,
+             tile_m, tile_n, b_l, k_begin, k_tiles):
+        """The consumer warpgroups: one tile's K tiles into ``acc`` (zeroed
+        first), each promoted with its block scales; returns the advanced
+        ``reads`` state."""
+        acc.fill(0.0)
+        k_blocks = cute.size(tCrA, mode=[2])
+        row0 = tile_m * TILE_M
+        col0 = tile_n * TILE_N
+        for kt in cutlass.range(k_tiles, unroll=1):
+            kb = k_begin + kt
+            ring.consumer_wait(reads)
+            warpgroup.fence()
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+            for k in cutlass.range_constexpr(k_blocks):
+                cute.gemm(tiled_mma, part, tCrA[None, None, k, reads.index],
+                          tCrB[None, None, k, reads.index], part)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.commit_group()
+            # this K block's scales, loaded while the WGMMAs run
+            sb = cutlass.Float32(1.0)
+            if cutlass.const_expr(not self.grouped_k):
+                sb = mSB[tile_n, kb, b_l]
+            for i in cutlass.range_constexpr(cute.size(scale)):
+                r, n = tCcC[i]
+                if cutlass.const_expr(self.grouped_k):
+                    scale[i] = mSA[row0 + r, kb] * mSB[col0 + n, kb, 0]
+                else:
+                    scale[i] = mSA[row0 + r, kb] * sb
+            warpgroup.wait_group(0)
+            ring.consumer_release(reads)
+            reads.advance()
+            # add this K block's sums, scaled, to the fp32 accumulator
+            acc.store(acc.load() + part.load() * scale.load())
+        return reads
+
+    @cute.kernel
+    def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom,
+               mB: cute.Tensor, mC: cute.Tensor, mSA: cute.Tensor, mSB: cute.Tensor,
+               mSched: cute.Tensor, mRowmap: cute.Tensor, tiled_mma: cute.TiledMma,
+               a_smem: cute.ComposedLayout,
+               b_smem: cute.ComposedLayout):
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, bidz = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        tiles = ((cute.size(mA, mode=[0]) + TILE_M - 1) // TILE_M
+                 * ((cute.size(mC, mode=[1]) + TILE_N - 1) // TILE_N))
+        # one tile per CTA (grid: tiles x batches), or persistent CTAs
+        # striding over every tile of every batch
+        first = bidx + bidz * tiles
+        end = first + 1
+        step = cutlass.Int32(1)
+        if cutlass.const_expr(self.persistent):
+            first = bidx
+            end = tiles * cute.size(mC, mode=[2])
+            step = gdim
+        if warp == 0:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
 
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -192,34 +286,24 @@ class BlockwiseGroupedGemm:
             tx_count=self.tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
         sA = storage.sa.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         sB = storage.sb.get_tensor(b_smem.outer, swizzle=b_smem.inner)
-        c_smem = storage.sa.data_ptr()  # the epilogue's, once the ring is drained
+        # the epilogue's staging: its own buffer when the ring keeps loading
+        # the next tile meanwhile, else the drained ring
+        c_smem = storage.sa.data_ptr()
+        if cutlass.const_expr(self.persistent):
+            c_smem = storage.sc.data_ptr()
 
         wg = cute.arch.make_warp_uniform(tidx // 128)
         if wg == 0:
             # the producer warpgroup: warp 0 streams the K tiles through TMA
             cute.arch.warpgroup_reg_dealloc(_PRODUCER_REGS)
             if warp == 0:
-                gA = cute.local_tile(mA, self.tile_mnk, (tile_m, tile_n, None, 0),
-                                     proj=(1, None, 1))
-                gB = cute.local_tile(mB, self.tile_mnk, (tile_m, tile_n, None, b_l),
-                                     proj=(None, 1, 1))
-                tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
-                                                   cute.group_modes(sA, 0, 2),
-                                                   cute.group_modes(gA, 0, 2))
-                tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
-                                                   cute.group_modes(sB, 0, 2),
-                                                   cute.group_modes(gB, 0, 2))
                 loads = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                      self.stages)
-                for kt in cutlass.range(k_tiles, unroll=1):
-                    ring.producer_acquire(loads)
-                    barrier = ring.producer_get_barrier(loads)
-                    cute.copy(tma_a, tAgA[None, k_begin + kt], tAsA[None, loads.index],
-                              tma_bar_ptr=barrier)
-                    cute.copy(tma_b, tBgB[None, k_begin + kt], tBsB[None, loads.index],
-                              tma_bar_ptr=barrier)
-                    ring.producer_commit(loads)
-                    loads.advance()
+                for work in cutlass.range(first, end, step, unroll=1):
+                    tile_m, tile_n, b_l, c_l, k_begin, k_tiles, store = self._work(
+                        work, tiles, mA, mC, mSched)
+                    loads = self._load(ring, loads, tma_a, mA, tma_b, mB, sA, sB, tile_m,
+                                       tile_n, b_l, k_begin, k_tiles)
                 ring.producer_tail(loads)
         else:
             cute.arch.warpgroup_reg_alloc(_MMA_REGS)
@@ -229,47 +313,22 @@ class BlockwiseGroupedGemm:
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
             thr_c = tiled_mma.get_slice(mma_tidx)
-            gC = cute.local_tile(mC, self.tile_mnk, (tile_m, tile_n, None, c_l),
-                                 proj=(1, 1, None))
+            gC = cute.local_tile(mC, self.tile_mnk, (0, 0, None, 0), proj=(1, 1, None))
             tCgC = thr_c.partition_C(gC)
             # each accumulator element's (row, column) in the tile
             tCcC = thr_c.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
             acc = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
             part = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
             scale = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
-            acc.fill(0.0)
-            k_blocks = cute.size(tCrA, mode=[2])
             reads = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            row0 = tile_m * TILE_M
-            col0 = tile_n * TILE_N
-            for kt in cutlass.range(k_tiles, unroll=1):
-                kb = k_begin + kt
-                ring.consumer_wait(reads)
-                warpgroup.fence()
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-                for k in cutlass.range_constexpr(k_blocks):
-                    cute.gemm(tiled_mma, part, tCrA[None, None, k, reads.index],
-                              tCrB[None, None, k, reads.index], part)
-                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                warpgroup.commit_group()
-                # this K block's scales, loaded while the WGMMAs run
-                sb = cutlass.Float32(1.0)
-                if cutlass.const_expr(not self.grouped_k):
-                    sb = mSB[tile_n, kb, b_l]
-                for i in cutlass.range_constexpr(cute.size(scale)):
-                    r, n = tCcC[i]
-                    if cutlass.const_expr(self.grouped_k):
-                        scale[i] = mSA[row0 + r, kb] * mSB[col0 + n, kb, 0]
-                    else:
-                        scale[i] = mSA[row0 + r, kb] * sb
-                warpgroup.wait_group(0)
-                ring.consumer_release(reads)
-                reads.advance()
-                # add this K block's sums, scaled, to the fp32 accumulator
-                acc.store(acc.load() + part.load() * scale.load())
-
-            if store:
-                self._epilogue(acc, tCcC, mC, c_l, tile_m, tile_n, mRowmap, c_smem, mma_tidx)
+            for work in cutlass.range(first, end, step, unroll=1):
+                tile_m, tile_n, b_l, c_l, k_begin, k_tiles, store = self._work(
+                    work, tiles, mA, mC, mSched)
+                reads = self._mma(ring, reads, tiled_mma, tCrA, tCrB, tCcC, acc, part, scale,
+                                  mSA, mSB, tile_m, tile_n, b_l, k_begin, k_tiles)
+                if store:
+                    self._epilogue(acc, tCcC, mC, c_l, tile_m, tile_n, mRowmap, c_smem,
+                                   mma_tidx)
 
 def _views(grouped_k: bool, a, b, out, scale_a, scale_b, sched, rowmap) -> list:
     """The kernel's arguments from ``kernels/blockwise_grouped.py``'s torch
@@ -313,15 +372,17 @@ def build(config, out_shape):
     grouped_k = values["grouped_k"]
     out_dtype = dtype(values["out_dtype"])
     example = _example(grouped_k, dtype(values["a_dtype"]), dtype(values["b_dtype"]), out_dtype)
-    compiled = cute.compile(BlockwiseGroupedGemm(grouped_k), *_views(grouped_k, *example),
+    kernel = BlockwiseGroupedGemm(grouped_k, persistent=values.get("persistent", False))
+    compiled = cute.compile(kernel, *_views(grouped_k, *example), cutlass.Int32(1),
                             current_stream())
+    max_ctas = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     none = torch.zeros(1, dtype=torch.int32, device="cuda")
 
     def run(inputs):
         a, b, scale_a, scale_b, sched = inputs[:5]
         rowmap = none if grouped_k else inputs[5]
         out = torch.empty(out_shape(config, inputs), dtype=out_dtype, device=a.device)
-        compiled(*_views(grouped_k, a, b, out, scale_a, scale_b, sched, rowmap),
+        compiled(*_views(grouped_k, a, b, out, scale_a, scale_b, sched, rowmap), max_ctas,
                  current_stream())
         return [out]
 
