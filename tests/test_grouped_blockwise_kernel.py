@@ -192,3 +192,18 @@ def test_kernel_path_ops_pass_opcheck(stand_in_kernel, save_original_weight):
     saved = _opcheck_both_ops(te.recipe.Float8BlockScaling(), _layer(), sizes, x, dy,
                               save_original_weight)
     assert saved.dtype == torch.float8_e4m3fn  # x's columnwise copy
+
+
+@pytest.mark.parametrize("grouped_k, k, want", [(True, 256, True), (True, 8192, True),
+                                                (False, 2048, True), (False, 2176, False)])
+def test_persistent_ctas_where_measured_faster(monkeypatch, grouped_k, k, want):
+    """wgrad always, fprop and dgrad up to K = 2048: the configuration the
+    runner gets says so, one cached object per choice."""
+    seen = []
+    monkeypatch.setattr(kernel, "run_kernel", lambda cfg, inputs: seen.append(cfg) or [None])
+    fp8 = torch.float8_e4m3fn
+    a, b = torch.empty(128, k, dtype=fp8), torch.empty(2, 128, k, dtype=fp8)
+    kernel.grouped_gemm(a, b, None, None, None, grouped_k, torch.bfloat16)
+    assert seen[0].as_dict()["persistent"] is want
+    assert seen[0] is kernel.config(grouped_k, fp8, fp8, torch.bfloat16, want)
+    assert seen[0] is not kernel.config(grouped_k, fp8, fp8, torch.bfloat16, not want)

@@ -28,7 +28,11 @@ to the consumers).  Per K tile the consumer warpgroups run four WGMMAs
 they run, then add it, scaled by ``scale_a[row] * scale_b``, into the
 fp32 accumulator (the promotion that keeps FP8 products' sums in fp32
 across blocks).  The epilogue stages the tile in shared memory and writes
-whole rows in 16-byte vectors.
+whole rows in 16-byte vectors.  ``persistent=True`` launches at most one
+CTA per SM instead of one per tile: each loops over tiles, its producer
+loading the next tile's operands while the consumers store this one, the
+staging in a buffer of its own (``kernels/blockwise_grouped.py`` says
+which GEMMs run it).
 
 Imported only when the runner is built (``kernels/blockwise_grouped.py``):
 nothing here runs on a machine without the DSL or a GPU.
