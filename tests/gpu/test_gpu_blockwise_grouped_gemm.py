@@ -121,28 +121,33 @@ def test_groups_along_k():
     assert torch.count_nonzero(out[1]) == 0
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("grouped_k", [False, True])
-def test_persistent_ctas_equal_one_tile_per_cta(grouped_k):
+def test_persistent_ctas_equal_one_tile_per_cta(grouped_k, out_dtype):
     """``persistent``: at most one CTA per SM, each looping over tiles (its
     producer loading the next while its consumers store this one); every
     tile as a CTA of its own computes it, bit for bit (skipped tiles and an
-    empty group included, more tiles than SMs)."""
+    empty group included, more tiles than SMs).  Each way launched 20
+    times, every output the same: one tile per CTA stages its output in
+    the A ring, over the stage that its last K tile (2 or 3 K tiles here)
+    was read from."""
     gen = torch.Generator("cuda").manual_seed(6)
     if grouped_k:  # 3 groups x 6 x 12 tiles
         a, b = _fp8((768, 5 * T), gen), _fp8((1536, 5 * T), gen)
         sa, sb = _scales((5, 768), gen).t(), _scales((5, 1536), gen).t()
         inputs = [a, b, sa, sb, torch.tensor([[0, 2], [2, 2], [2, 5]], dtype=torch.int32,
                                              device="cuda")]
-    else:  # 6 row tiles x 40 N tiles
+    else:  # 6 row tiles x 40 N tiles, K 3 tiles
         a, b, sa, sb, sched, sources, dest = _row_groups_case(gen, n=40 * T)
         inputs = [a, b, sa, sb, sched, sources, dest]
     outs = []
     for persistent in (False, True):
         cfg = KernelConfig.make(bg.KIND, grouped_k=grouped_k, a_dtype=str(a.dtype),
-                                b_dtype=str(b.dtype), out_dtype=str(torch.bfloat16),
+                                b_dtype=str(b.dtype), out_dtype=str(out_dtype),
                                 persistent=persistent)
-        outs.append(run_kernel(cfg, inputs)[0])
-    assert torch.equal(outs[0], outs[1])
+        outs += [run_kernel(cfg, inputs)[0] for _ in range(20)]
+    for i, out in enumerate(outs[1:], 1):
+        assert torch.equal(outs[0], out), f"launch {i % 20} of persistent={i >= 20}"
 
 
 def test_compiled_equals_eager_and_builds_once():

@@ -126,16 +126,21 @@ class BlockwiseGroupedGemm:
     @cute.jit
     def _epilogue(self, acc, tCcC, mC, c_l, tile_m, tile_n, mRowmap, smem_ptr, mma_tidx):
         """The tile from the accumulators to C through shared memory (the
-        drained A ring): each thread writes its elements, then the rows go
-        out in 16-byte vectors, whole rows per group of threads.  Grouped
-        along the rows, row ``i`` of the tile goes to C's row
-        ``rowmap[i]`` (none where it is -1: padding)."""
+        drained A ring, or a buffer of its own when persistent): each thread
+        writes its elements, then the rows go out in 16-byte vectors, whole
+        rows per group of threads.  Grouped along the rows, row ``i`` of
+        the tile goes to C's row ``rowmap[i]`` (none where it is -1:
+        padding)."""
         dtype = mC.element_type
         # rows padded by 16 bytes: the accumulator layout's 8 rows per warp
         # fall in distinct banks
         pad = 128 // dtype.width
         sC = cute.make_tensor(cute.recast_ptr(smem_ptr, dtype=dtype),
                               cute.make_layout((TILE_M, TILE_N), stride=(TILE_N + pad, 1)))
+        if cutlass.const_expr(not self.persistent):
+            # staged in the A ring: the other warpgroup's last WGMMAs may
+            # still be reading its A rows from the stage this overwrites
+            cute.arch.barrier(barrier_id=1, number_of_threads=_MMA_THREADS)
         for i in cutlass.range_constexpr(cute.size(acc)):
             r, n = tCcC[i]
             sC[r, n] = acc[i].to(dtype)
