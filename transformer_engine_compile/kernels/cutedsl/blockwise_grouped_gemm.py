@@ -74,7 +74,9 @@ class BlockwiseGroupedGemm:
                  scale_b: cute.Tensor, sched: cute.Tensor, rowmap: cute.Tensor,
                  max_ctas: cutlass.Int32, stream):
         smem = utils.get_smem_capacity_in_bytes("sm_90")
-        per_stage = (TILE_M + TILE_N) * TILE_K  # bytes: two FP8 tiles
+        # bytes: two FP8 tiles and their K block's fp32 scales (A's rows',
+        # and under grouped_k B's columns')
+        per_stage = (TILE_M + TILE_N) * TILE_K + 4 * TILE_M + (4 * TILE_N if self.grouped_k else 0)
         # the epilogue's own staging buffer (persistent): rows padded by 16 bytes
         c_pad = 128 // c.element_type.width
         c_elems = TILE_M * (TILE_N + c_pad) if self.persistent else 1
@@ -96,6 +98,17 @@ class BlockwiseGroupedGemm:
         tma_b, tma_tb = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), b, cute.slice_(b_smem, (None, None, 0)),
             (TILE_N, TILE_K))
+        # the 1x128 scales ride the ring with their tiles: 128 fp32 per stage
+        sa_smem = cute.make_layout((TILE_M, 1, self.stages))
+        sb_smem = cute.make_layout((TILE_N, 1, self.stages if self.grouped_k else 1))
+        tma_sa, tma_tsa = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), scale_a, cute.slice_(sa_smem, (None, None, 0)),
+            (TILE_M, 1))
+        tma_sb, tma_tsb = tma_sa, tma_tsa  # (unused: a weight's scale is one per block)
+        if cutlass.const_expr(self.grouped_k):
+            tma_sb, tma_tsb = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), scale_b,
+                cute.slice_(sb_smem, (None, None, 0)), (TILE_N, 1))
 
         @cute.struct
         class SharedStorage:
@@ -105,11 +118,16 @@ class BlockwiseGroupedGemm:
             sb: cute.struct.Align[cute.struct.MemRange[b.element_type, cute.cosize(b_smem)],
                                   1024]
             sc: cute.struct.Align[cute.struct.MemRange[c.element_type, c_elems], 128]
+            ssa: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(sa_smem)],
+                                   128]
+            ssb: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(sb_smem)],
+                                   128]
 
         self.shared_storage = SharedStorage
         self.tx_bytes = (cute.size_in_bytes(a.element_type, cute.slice_(a_smem, (None, None, 0)))
                          + cute.size_in_bytes(b.element_type,
-                                              cute.slice_(b_smem, (None, None, 0))))
+                                              cute.slice_(b_smem, (None, None, 0)))
+                         + 4 * TILE_M + (4 * TILE_N if self.grouped_k else 0))
         tiles = ((cute.size(a, mode=[0]) + TILE_M - 1) // TILE_M
                  * ((cute.size(c, mode=[1]) + TILE_N - 1) // TILE_N))
         grid = (tiles, 1, cute.size(c, mode=[2]))
@@ -120,8 +138,9 @@ class BlockwiseGroupedGemm:
         c = cute.make_tensor(c.iterator, cute.make_layout(
             c.shape, stride=(cute.assume(c.stride[0], divby=8), 1,
                              cute.assume(c.stride[2], divby=8))))
-        self.kernel(tma_a, tma_ta, tma_b, tma_tb, c, scale_a, scale_b, sched, rowmap, tiled_mma,
-                    a_smem, b_smem).launch(grid=grid, block=[_THREADS, 1, 1], stream=stream)
+        self.kernel(tma_a, tma_ta, tma_b, tma_tb, c, tma_sa, tma_tsa, tma_sb, tma_tsb, scale_b,
+                    sched, rowmap, tiled_mma, a_smem, b_smem, sa_smem,
+                    sb_smem).launch(grid=grid, block=[_THREADS, 1, 1], stream=stream)
 
     @cute.jit
     def _epilogue(self, acc, tCcC, mC, c_l, tile_m, tile_n, mRowmap, smem_ptr, mma_tidx):
@@ -201,10 +220,10 @@ class BlockwiseGroupedGemm:
         return tile_m, tile_n, b_l, c_l, k_begin, k_tiles, store
 
     @cute.jit
-    def _load(self, ring, loads, tma_a, mA, tma_b, mB, sA, sB, tile_m, tile_n, b_l, k_begin,
-              k_tiles):
-        """The producer warp: one tile's K tiles through TMA into the ring;
-        returns the advanced ``loads`` state."""
+    def _load(self, ring, loads, tma_a, mA, tma_b, mB, tma_sa, mSA, tma_sb, mSBt, sA, sB, sSA,
+              sSB, tile_m, tile_n, b_l, k_begin, k_tiles):
+        """The producer warp: one tile's K tiles, and their 1x128 scales,
+        through TMA into the ring; returns the advanced ``loads`` state."""
         gA = cute.local_tile(mA, self.tile_mnk, (tile_m, tile_n, None, 0), proj=(1, None, 1))
         gB = cute.local_tile(mB, self.tile_mnk, (tile_m, tile_n, None, b_l), proj=(None, 1, 1))
         tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
@@ -213,6 +232,16 @@ class BlockwiseGroupedGemm:
         tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
                                            cute.group_modes(sB, 0, 2),
                                            cute.group_modes(gB, 0, 2))
+        gSA = cute.local_tile(mSA, (TILE_M, 1), (tile_m, None))
+        tSsSA, tSgSA = cpasync.tma_partition(tma_sa, 0, cute.make_layout(1),
+                                             cute.group_modes(sSA, 0, 2),
+                                             cute.group_modes(gSA, 0, 2))
+        tSsSB, tSgSB = tSsSA, tSgSA
+        if cutlass.const_expr(self.grouped_k):
+            gSB = cute.local_tile(mSBt, (TILE_N, 1), (tile_n, None, 0))
+            tSsSB, tSgSB = cpasync.tma_partition(tma_sb, 0, cute.make_layout(1),
+                                                 cute.group_modes(sSB, 0, 2),
+                                                 cute.group_modes(gSB, 0, 2))
         for kt in cutlass.range(k_tiles, unroll=1):
             ring.producer_acquire(loads)
             barrier = ring.producer_get_barrier(loads)
@@ -220,20 +249,23 @@ class BlockwiseGroupedGemm:
                       tma_bar_ptr=barrier)
             cute.copy(tma_b, tBgB[None, k_begin + kt], tBsB[None, loads.index],
                       tma_bar_ptr=barrier)
+            cute.copy(tma_sa, tSgSA[None, k_begin + kt], tSsSA[None, loads.index],
+                      tma_bar_ptr=barrier)
+            if cutlass.const_expr(self.grouped_k):
+                cute.copy(tma_sb, tSgSB[None, k_begin + kt], tSsSB[None, loads.index],
+                          tma_bar_ptr=barrier)
             ring.producer_commit(loads)
             loads.advance()
         return loads
 
     @cute.jit
-    def _mma(self, ring, reads, tiled_mma, tCrA, tCrB, tCcC, acc, part, scale, mSA, mSB,
+    def _mma(self, ring, reads, tiled_mma, tCrA, tCrB, tCcC, acc, part, scale, sSA, sSB, mSB,
              tile_m, tile_n, b_l, k_begin, k_tiles):
         """The consumer warpgroups: one tile's K tiles into ``acc`` (zeroed
         first), each promoted with its block scales; returns the advanced
         ``reads`` state."""
         acc.fill(0.0)
         k_blocks = cute.size(tCrA, mode=[2])
-        row0 = tile_m * TILE_M
-        col0 = tile_n * TILE_N
         for kt in cutlass.range(k_tiles, unroll=1):
             kb = k_begin + kt
             ring.consumer_wait(reads)
@@ -244,16 +276,17 @@ class BlockwiseGroupedGemm:
                           tCrB[None, None, k, reads.index], part)
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
             warpgroup.commit_group()
-            # this K block's scales, loaded while the WGMMAs run
+            # this K block's scales (the 1x128 ones from the ring's stage),
+            # read while the WGMMAs run
             sb = cutlass.Float32(1.0)
             if cutlass.const_expr(not self.grouped_k):
                 sb = mSB[tile_n, kb, b_l]
             for i in cutlass.range_constexpr(cute.size(scale)):
                 r, n = tCcC[i]
                 if cutlass.const_expr(self.grouped_k):
-                    scale[i] = mSA[row0 + r, kb] * mSB[col0 + n, kb, 0]
+                    scale[i] = sSA[r, 0, reads.index] * sSB[n, 0, reads.index]
                 else:
-                    scale[i] = mSA[row0 + r, kb] * sb
+                    scale[i] = sSA[r, 0, reads.index] * sb
             warpgroup.wait_group(0)
             ring.consumer_release(reads)
             reads.advance()
@@ -263,10 +296,11 @@ class BlockwiseGroupedGemm:
 
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom,
-               mB: cute.Tensor, mC: cute.Tensor, mSA: cute.Tensor, mSB: cute.Tensor,
+               mB: cute.Tensor, mC: cute.Tensor, tma_sa: cute.CopyAtom, mSA: cute.Tensor,
+               tma_sb: cute.CopyAtom, mSBt: cute.Tensor, mSB: cute.Tensor,
                mSched: cute.Tensor, mRowmap: cute.Tensor, tiled_mma: cute.TiledMma,
-               a_smem: cute.ComposedLayout,
-               b_smem: cute.ComposedLayout):
+               a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, sa_smem: cute.Layout,
+               sb_smem: cute.Layout):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, bidz = cute.arch.block_idx()
@@ -285,6 +319,9 @@ class BlockwiseGroupedGemm:
         if warp == 0:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
+            cpasync.prefetch_descriptor(tma_sa)
+            if cutlass.const_expr(self.grouped_k):
+                cpasync.prefetch_descriptor(tma_sb)
 
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -295,6 +332,8 @@ class BlockwiseGroupedGemm:
             tx_count=self.tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
         sA = storage.sa.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         sB = storage.sb.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        sSA = storage.ssa.get_tensor(sa_smem)
+        sSB = storage.ssb.get_tensor(sb_smem)
         # the epilogue's staging: its own buffer when the ring keeps loading
         # the next tile meanwhile, else the drained ring
         c_smem = storage.sa.data_ptr()
@@ -311,8 +350,9 @@ class BlockwiseGroupedGemm:
                 for work in cutlass.range(first, end, step, unroll=1):
                     tile_m, tile_n, b_l, c_l, k_begin, k_tiles, store = self._work(
                         work, tiles, mA, mC, mSched)
-                    loads = self._load(ring, loads, tma_a, mA, tma_b, mB, sA, sB, tile_m,
-                                       tile_n, b_l, k_begin, k_tiles)
+                    loads = self._load(ring, loads, tma_a, mA, tma_b, mB, tma_sa, mSA, tma_sb,
+                                       mSBt, sA, sB, sSA, sSB, tile_m, tile_n, b_l, k_begin,
+                                       k_tiles)
                 ring.producer_tail(loads)
         else:
             cute.arch.warpgroup_reg_alloc(_MMA_REGS)
@@ -334,7 +374,7 @@ class BlockwiseGroupedGemm:
                 tile_m, tile_n, b_l, c_l, k_begin, k_tiles, store = self._work(
                     work, tiles, mA, mC, mSched)
                 reads = self._mma(ring, reads, tiled_mma, tCrA, tCrB, tCcC, acc, part, scale,
-                                  mSA, mSB, tile_m, tile_n, b_l, k_begin, k_tiles)
+                                  sSA, sSB, mSB, tile_m, tile_n, b_l, k_begin, k_tiles)
                 if store:
                     self._epilogue(acc, tCcC, mC, c_l, tile_m, tile_n, mRowmap, c_smem,
                                    mma_tidx)
@@ -346,12 +386,12 @@ def _views(grouped_k: bool, a, b, out, scale_a, scale_b, sched, rowmap) -> list:
     from .tensors import to_cute
     if grouped_k:
         views = [(a.unsqueeze(-1), 1, 16), (b.unsqueeze(-1), 1, 16),
-                 (out.permute(1, 2, 0), 1, 16), (scale_a, 0, 4),
+                 (out.permute(1, 2, 0), 1, 16), (scale_a, 0, 16),
                  (scale_b.unsqueeze(-1), 0, 16), (sched, 1, 4), (rowmap, 0, 4)]
     else:
         views = [(a.unsqueeze(-1), 1, 16), (b.permute(1, 2, 0), 1, 16),
                  (out.as_strided((*out.shape, 1), (out.shape[1], 1, out.numel())), 1, 16),
-                 (scale_a, 0, 4),
+                 (scale_a, 0, 16),
                  (scale_b.permute(1, 2, 0), 1, 4), (sched.view(-1, 1), 0, 4), (rowmap, 0, 4)]
     return [to_cute(t, lead, align) for t, lead, align in views]
 
