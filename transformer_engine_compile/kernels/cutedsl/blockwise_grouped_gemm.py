@@ -22,17 +22,20 @@ Two ways to group, one kernel:
 Each CTA computes a 128x128 tile (rasterized in bands of row tiles for L2
 reuse) with two consumer warpgroups (64 rows each) and one producer
 warpgroup, whose first warp streams A/B tiles of 128x128x128 through TMA
-into a multi-stage shared-memory ring (the producer gives its registers
-to the consumers).  Per K tile the consumer warpgroups run four WGMMAs
-(K=32 each) into a temporary accumulator, load the block's scales while
-they run, then add it, scaled by ``scale_a[row] * scale_b``, into the
-fp32 accumulator (the promotion that keeps FP8 products' sums in fp32
-across blocks).  The epilogue stages the tile in shared memory and writes
-whole rows in 16-byte vectors.  ``persistent=True`` launches at most one
-CTA per SM instead of one per tile: each loops over tiles, its producer
-loading the next tile's operands while the consumers store this one, the
-staging in a buffer of its own (``kernels/blockwise_grouped.py`` says
-which GEMMs run it).
+into a multi-stage shared-memory ring, each stage with its K block's 1x128
+scales (the tile's 128 rows of A, under ``grouped_k`` also B's 128
+columns; the producer gives its registers to the consumers).  Per K tile
+the consumer warpgroups run four WGMMAs (K=32 each) into a temporary
+accumulator, read the block's scales from the stage while they run, then
+add it, scaled by ``scale_a[row] * scale_b``, into the fp32 accumulator
+(the promotion that keeps FP8 products' sums in fp32 across blocks).
+Read from global memory by every consumer thread instead, the scales made
+wgrad 1.3-1.6x slower (docs/benchmarks.md).  The epilogue stages the tile
+in shared memory and writes whole rows in 16-byte vectors.
+``persistent=True`` (what ``kernels/blockwise_grouped.py`` runs) launches
+at most one CTA per SM instead of one per tile: each loops over tiles,
+its producer loading the next tile's operands while the consumers store
+this one, the staging in a buffer of its own.
 
 Imported only when the runner is built (``kernels/blockwise_grouped.py``):
 nothing here runs on a machine without the DSL or a GPU.
