@@ -263,7 +263,7 @@ class BlockwiseGroupedGemm:
 
     @cute.jit
     def _mma(self, ring, reads, tiled_mma, tCrA, tCrB, tCcC, acc, part, scale, sSA, sSB, mSB,
-             tile_m, tile_n, b_l, k_begin, k_tiles):
+             tile_n, b_l, k_begin, k_tiles):
         """The consumer warpgroups: one tile's K tiles into ``acc`` (zeroed
         first), each promoted with its block scales; returns the advanced
         ``reads`` state."""
@@ -377,7 +377,7 @@ class BlockwiseGroupedGemm:
                 tile_m, tile_n, b_l, c_l, k_begin, k_tiles, store = self._work(
                     work, tiles, mA, mC, mSched)
                 reads = self._mma(ring, reads, tiled_mma, tCrA, tCrB, tCcC, acc, part, scale,
-                                  sSA, sSB, mSB, tile_m, tile_n, b_l, k_begin, k_tiles)
+                                  sSA, sSB, mSB, tile_n, b_l, k_begin, k_tiles)
                 if store:
                     self._epilogue(acc, tCcC, mC, c_l, tile_m, tile_n, mRowmap, c_smem,
                                    mma_tidx)
