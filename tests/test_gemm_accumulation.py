@@ -66,10 +66,10 @@ def test_grouped_linear_takes_the_recipes_accumulation(monkeypatch):
     from transformer_engine_compile.module.grouped import layer as grouped_layer
 
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
-    fields = grouped_layer._quantizers(FAST, None, x)
+    fields = grouped_layer.quantizer_fields(FAST, None, x)
     assert (fields["fprop_fast_accum"], fields["dgrad_fast_accum"],
             fields["wgrad_fast_accum"]) == (True, True, True)
-    fields = grouped_layer._quantizers(R.Float8CurrentScaling(), None, x)
+    fields = grouped_layer.quantizer_fields(R.Float8CurrentScaling(), None, x)
     assert (fields["dgrad_fast_accum"], fields["wgrad_fast_accum"]) == (False, False)
     # and the grouped FP8 GEMMs hand it to the kernel
     seen = []

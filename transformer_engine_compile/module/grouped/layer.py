@@ -157,7 +157,7 @@ def grouped_linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     if inp.shape[-1] != in_features:
         raise ValueError(f"te.GroupedLinear: the input's last dim is {inp.shape[-1]}, the "
                          f"layer takes in_features={in_features}")
-    quantizers = _quantizers(get_autocast_recipe(), delayed_state, inp)
+    quantizers = quantizer_fields(get_autocast_recipe(), delayed_state, inp)
     ac_dtype = _torch_autocast_dtype(inp)
     if save_original_weight:
         quantizers["save_original_weight"] = True
@@ -172,7 +172,7 @@ def grouped_linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     return _grouped_linear(inp, weight, bias, m_splits, m_offsets, quantizers)
 
 
-def _quantizers(recipe, delayed_state, inp) -> dict:
+def quantizer_fields(recipe, delayed_state, inp) -> dict:
     """The ops' quantizer fields under ``recipe`` (none without one), and
     under DelayedScaling its state fields."""
     if recipe is None:
@@ -191,6 +191,18 @@ def _quantizers(recipe, delayed_state, inp) -> dict:
 
 
 def _grouped_linear(inp, weight, bias, m_splits, m_offsets, quantizers):
+    args = forward_args(inp, weight, bias, m_splits, m_offsets, quantizers)
+    if torch.compiler.is_compiling():
+        out = GROUPED_LINEAR_OPS(args)["out"]
+    else:
+        out = GROUPED_LINEAR_OPS.eager(args)["out"]
+    return out.reshape(*inp.shape[:-1], weight.shape[1])
+
+
+def forward_args(inp, weight, bias, m_splits, m_offsets, quantizers) -> GroupedLinearFwdArgs:
+    """The forward op's arguments, checked (``quantizers``: what
+    :func:`quantizer_fields` returns); ``benchmarks.grouped_host`` calls
+    the ops with them too."""
     groups, out_features, in_features = weight.shape
     if inp.dtype != weight.dtype:
         raise TypeError(f"te.GroupedLinear: input dtype {inp.dtype} differs from the "
@@ -207,11 +219,7 @@ def _grouped_linear(inp, weight, bias, m_splits, m_offsets, quantizers):
         weight_requires_grad=weight.requires_grad and grad,
         bias_requires_grad=bias is not None and bias.requires_grad and grad, **quantizers)
     _route(args)
-    if torch.compiler.is_compiling():
-        out = GROUPED_LINEAR_OPS(args)["out"]
-    else:
-        out = GROUPED_LINEAR_OPS.eager(args)["out"]
-    return out.reshape(*inp.shape[:-1], out_features)
+    return args
 
 
 def _route(args: GroupedLinearFwdArgs) -> None:
