@@ -380,6 +380,17 @@ for fmt in ("e4m3", "e5m2"):
                 close(t, rt)
                 if "columns_from" in more:  # the padding columns: zeros
                     assert t.view(torch.uint8)[:, sources < 0].count_nonzero() == 0
+# current scaling's scales from amaxes, bit for bit (fp32 arithmetic: the
+# interpreter's is the GPU's): zero, subnormal, tiny, huge, Inf and NaN
+# amaxes, with and without an epsilon and rounding to powers of two
+amax = torch.cat([torch.tensor([0.0, 1e-45, 1e-30, 3e-3, 1.0, 448.0, 3e38, float("inf"),
+                                float("nan")]), torch.rand(300, generator=g) * 1e3])
+for fmt in ("e4m3", "e5m2"):
+    for pow2, eps in ((False, 0.0), (True, 0.0), (False, 1e-3), (True, 1e-12)):
+        got, want = tg.current_scales_grouped(amax, fmt, pow2, eps), \
+            ref.current_scales_grouped(amax, fmt, pow2, eps)
+        for a, b in zip(got, want):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (fmt, pow2, eps, a, b)
 print("ok")
 '''
 
@@ -389,7 +400,8 @@ def test_grouped_fp8_quantize_in_triton_interpreter():
     equal to the reference's, the casts (rowwise, transposed into padded
     token groups, transposed per stacked group) as the reference's: zero-row
     groups, Inf and NaN, by row index and by stacked rows; the finite casts
-    within 2x (the interpreter's conversion; bit equality is tests/gpu's)."""
+    within 2x (the interpreter's conversion; bit equality is tests/gpu's);
+    current scaling's scales and their reciprocals bit for bit."""
     _interpret(_GROUPED)
 
 

@@ -161,7 +161,7 @@ def test_moe_training_under_cuda_graphs_with_changing_routing(name):
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_grouped_quantize_kernels_equal_the_reference(fmt):
     """kernels/triton_grouped.py against the reference, bit for bit: the
-    amaxes and the casts (rowwise, transposed into padded token groups,
+    amaxes, current scaling's scales and their reciprocals, and the casts (rowwise, transposed into padded token groups,
     transposed per stacked weight) of tokens by their group index (empty
     groups, Inf, NaN) and of stacked weights by rows per group."""
     from transformer_engine_compile.kernels import reference as ref
@@ -178,6 +178,14 @@ def test_grouped_quantize_kernels_equal_the_reference(fmt):
             (dict(rows_per_group=64), x[:448], 7, dict(transpose_groups=True))):
         amax = tg.amax_grouped(x2d, groups, **kwargs)
         assert torch.equal(amax.nan_to_num(), ref.amax_grouped(x2d, groups, **kwargs).nan_to_num())
+        special = torch.tensor([0.0, 1e-45, 3e-3, 3e38, float("inf"), float("nan")],
+                               device="cuda")
+        for pow2, eps in ((False, 0.0), (True, 1e-3)):
+            for a in (amax, special):
+                got = tg.current_scales_grouped(a, fmt, pow2, eps)
+                want = ref.current_scales_grouped(a, fmt, pow2, eps)
+                assert all(torch.equal(u.view(torch.int32), v.view(torch.int32))
+                           for u, v in zip(got, want))
         scale = ref.current_scale(amax, fmt, False, 0.0)
         for extra in ({}, more):
             got = tg.cast_fp8_grouped(x2d, scale, fmt, **kwargs, **extra)

@@ -27,6 +27,7 @@ OPS = (
     "quantize_fp8_current_pair_from_parts",
     "quantize_fp8_many",
     "amax_grouped",
+    "current_scales_grouped",
     "cast_fp8_grouped",
     "quantize_mxfp8",
     "quantize_mxfp8_pair",

@@ -37,7 +37,7 @@ def register() -> None:
     register_fast("quantize_fp8_many", "cuda", triton_cast_many.quantize_fp8_many)
     _REGISTERED.append("quantize_fp8_many")
     from . import triton_grouped
-    for name in ("amax_grouped", "cast_fp8_grouped"):
+    for name in ("amax_grouped", "current_scales_grouped", "cast_fp8_grouped"):
         register_fast(name, "cuda", getattr(triton_grouped, name))
         _REGISTERED.append(name)
     from . import triton_block as tbk

@@ -179,6 +179,13 @@ def _rows_group(x2d, group_of_row, rows_per_group: int) -> torch.Tensor:
     return torch.arange(x2d.shape[0], device=x2d.device) // rows_per_group
 
 
+def current_scales_grouped(amax_: torch.Tensor, fmt: str, pow2: bool, eps: float) -> tuple:
+    """``(scale, scale_inv)`` of each group's amax (``(groups,)`` fp32):
+    :func:`current_scale` and its reciprocal, one launch on CUDA."""
+    scale = current_scale(amax_.float(), fmt, pow2, eps)
+    return scale, torch.reciprocal(scale)
+
+
 def amax_grouped(x2d, groups: int, group_of_row=None, rows_per_group: int = 0) -> torch.Tensor:
     """``(groups,)`` fp32: the amax of each group of rows (0 for none) of a
     mixture of experts' tokens or stacked weights.  The group of row ``r``

@@ -5,11 +5,13 @@ saturating cast, elementwise the same).  Current scaling takes the scale
 from the expert's amax; DelayedScaling passes the expert's scale from its
 amax history, and the amax is recorded for the next.
 
-Two kernel ops, two launches on CUDA (``kernels/triton_grouped.py``):
-``amax_grouped``, then ``cast_fp8_grouped``, which writes the rowwise copy
-and, where a GEMM reduces over the rows, the transposed copy it reads:
-x's and dy's with the experts' tokens in 16-aligned groups (``padding.py``:
-wgrad), W's per expert (dgrad)."""
+Kernel ops, one launch each on CUDA (``kernels/triton_grouped.py``):
+``amax_grouped``; under current scaling ``current_scales_grouped``, each
+group's scale and its reciprocal (a dozen small torch ops otherwise,
+which made most of these ops' host time); then ``cast_fp8_grouped``,
+which writes the rowwise copy and, where a GEMM reduces over the rows,
+the transposed copy it reads: x's and dy's with the experts' tokens in
+16-aligned groups (``padding.py``: wgrad), W's per expert (dgrad)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,6 @@ from typing import NamedTuple, Optional
 import torch
 
 from ...kernels import get
-from ...kernels.reference import current_scale
 
 
 class Quantized(NamedTuple):
@@ -28,11 +29,13 @@ class Quantized(NamedTuple):
     amax: torch.Tensor                  # (groups,) fp32: this call's (DelayedScaling records it)
 
 
-def _scale(amax: torch.Tensor, q, scale: Optional[torch.Tensor]) -> torch.Tensor:
-    """The given (delayed) scale, else current scaling's from ``amax``."""
+def _scales(amax: torch.Tensor, q, scale: Optional[torch.Tensor]) -> tuple:
+    """``(scale, scale_inv)``: the given (delayed) scale, else current
+    scaling's from ``amax`` (one kernel on CUDA)."""
     if scale is not None:
-        return scale
-    return current_scale(amax, q.fp8_format, q.force_pow_2_scales, q.amax_epsilon)
+        return scale, torch.reciprocal(scale)
+    return get("current_scales_grouped", amax)(amax, q.fp8_format, q.force_pow_2_scales,
+                                               q.amax_epsilon)
 
 
 def quantize_tokens(x2d: torch.Tensor, group_of_row: torch.Tensor, groups: int, q,
@@ -41,11 +44,11 @@ def quantize_tokens(x2d: torch.Tensor, group_of_row: torch.Tensor, groups: int, 
     """``x2d``'s row groups in FP8; with ``columns_from`` (``padding.padded_sources``)
     also the ``(cols, padded rows)`` transposed copy."""
     amax = get("amax_grouped", x2d)(x2d, groups, group_of_row=group_of_row)
-    s = _scale(amax, q, scale)
+    s, s_inv = _scales(amax, q, scale)
     data, transposed = get("cast_fp8_grouped", x2d)(x2d, s, q.fp8_format,
                                                    group_of_row=group_of_row,
                                                    columns_from=columns_from)
-    return Quantized(data, transposed, torch.reciprocal(s), amax)
+    return Quantized(data, transposed, s_inv, amax)
 
 
 def quantize_experts(w3d: torch.Tensor, q, scale: Optional[torch.Tensor] = None,
@@ -55,10 +58,10 @@ def quantize_experts(w3d: torch.Tensor, q, scale: Optional[torch.Tensor] = None,
     experts, rows, cols = w3d.shape
     w2d = w3d.reshape(experts * rows, cols)
     amax = get("amax_grouped", w2d)(w2d, experts, rows_per_group=rows)
-    s = _scale(amax, q, scale)
+    s, s_inv = _scales(amax, q, scale)
     data, t = get("cast_fp8_grouped", w2d)(w2d, s, q.fp8_format, rows_per_group=rows,
                                            transpose_groups=transposed)
-    return Quantized(data.view(experts, rows, cols), t, torch.reciprocal(s), amax)
+    return Quantized(data.view(experts, rows, cols), t, s_inv, amax)
 
 
 def dequantize_rows(data: torch.Tensor, scale_inv: torch.Tensor, group_of_row) -> torch.Tensor:
