@@ -207,3 +207,27 @@ def test_the_gemms_run_persistent_ctas(monkeypatch, grouped_k):
     assert seen[0].as_dict()["persistent"] is True
     assert seen[0] is kernel.config(grouped_k, fp8, fp8, torch.bfloat16)
     assert kernel.config(grouped_k, fp8, fp8, torch.bfloat16, persistent=False) not in seen
+
+
+def test_compiles_fullgraph_where_the_kernel_cannot_run(monkeypatch):
+    """A CUDA layer on a machine without the kernel (no nvidia-cutlass-dsl):
+    torch.compile(fullgraph=True) does not trace the warning, and the op's
+    run says why once; the dequantized path's results, compiled as eager."""
+    monkeypatch.setattr(blockwise_gemm, "_on_cuda", lambda t: True)
+    monkeypatch.setattr(blockwise_gemm, "_unavailable_reason", lambda: "no DSL on this machine")
+    blockwise_gemm._say_once.cache_clear()
+    torch._dynamo.reset()
+    layer = _layer()
+    step = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    g = torch.Generator().manual_seed(3)
+    sizes = SIZES[0]
+    x = torch.randn(sum(sizes), 256, generator=g).bfloat16()
+    dy = torch.randn(sum(sizes), 384, generator=g).bfloat16()
+    with te.autocast(recipe=te.recipe.Float8BlockScaling()):
+        with pytest.warns(UserWarning, match="no DSL on this machine") as said:
+            compiled = _step(layer, x, sizes, dy, step)
+        eager = _step(layer, x, sizes, dy)
+    assert len([w for w in said if "no DSL" in str(w.message)]) == 1
+    for a, b in zip(compiled, eager):
+        assert torch.equal(a, b)
+    blockwise_gemm._say_once.cache_clear()

@@ -52,7 +52,9 @@ def applies(t: torch.Tensor, in_features: int, out_features: int, q_x, q_w,
         return False
     why = _unavailable_reason()
     if why is not None:
-        _say_once(why)
+        # said by the op's run: Dynamo cannot trace a warning
+        if not torch.compiler.is_compiling():
+            _say_once(why)
         return False
     return True
 
