@@ -8,7 +8,7 @@ amax history, and the amax is recorded for the next.
 Kernel ops, one launch each on CUDA (``kernels/triton_grouped.py``):
 ``amax_grouped``; under current scaling ``current_scales_grouped``, each
 group's scale and its reciprocal (a dozen small torch ops otherwise,
-which made most of these ops' host time); then ``cast_fp8_grouped``,
+about 40% of the grouped ops' host time); then ``cast_fp8_grouped``,
 which writes the rowwise copy and, where a GEMM reduces over the rows,
 the transposed copy it reads: x's and dy's with the experts' tokens in
 16-aligned groups (``padding.py``: wgrad), W's per expert (dgrad)."""
