@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from .host import _busy_gpu, _per_call_us
+from .host import _busy_gpu, _per_call_us, flat_op_calls
 
 RECIPES = ("bf16", "fp8_current_e4m3", "fp8_delayed_e4m3", "fp8_block")
 SIZE = 256   # in and out features: whole 128-blocks, any recipe takes them
@@ -50,22 +50,7 @@ def _op_calls(experts: int, recipe_name: str, device) -> tuple:
         state, = bind_delayed_state(layer, layer._gemms(), layer.weight.device)
         args = forward_args(x, layer.weight, None, counts, None,
                             quantizer_fields(rec, state, x))
-    flat = ops.fwd_plan.encode(args)
-    with torch.no_grad():
-        result = ops.forward(args)
-    bwd_args = ops.make_bwd_args(dict(result.saved), ops.setup_context(args),
-                                 {"grad_output": dy})
-    bflat = ops.bwd_plan.encode(bwd_args)
-
-    def fwd():
-        with torch.no_grad():
-            return ops.fwd_op(*flat)
-
-    def bwd():
-        with torch.no_grad():
-            return ops.bwd_op(*bflat)
-
-    return fwd, bwd
+    return flat_op_calls(ops, args, {"grad_output": dy})
 
 
 def measure(experts=(8, 128), recipes=RECIPES, device="cuda", n=100, rounds=3,

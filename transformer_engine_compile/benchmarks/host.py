@@ -95,20 +95,27 @@ def _op_calls(layer, rec, x, dy):
 
     with autocast(enabled=rec is not None, recipe=rec):
         args = layer._make_args(x, None, False, False)
+    return flat_op_calls(ops, args, {"grad_output": dy})
+
+
+def flat_op_calls(ops, args, grads: dict) -> tuple:
+    """``(fwd, bwd)``: closures calling a generated op pair (``ops``, from
+    ``register_custom_op``) with ``args``'s flat arguments, and the backward
+    with ``grads``, as a compiled graph's runtime calls them; each returns
+    the op's outputs."""
     flat = ops.fwd_plan.encode(args)
     with torch.no_grad():
         result = ops.forward(args)
-    bwd_args = ops.make_bwd_args(dict(result.saved), ops.setup_context(args),
-                                 {"grad_output": dy})
-    bflat = ops.bwd_plan.encode(bwd_args)
+    bflat = ops.bwd_plan.encode(ops.make_bwd_args(dict(result.saved), ops.setup_context(args),
+                                                  grads))
 
     def fwd():
         with torch.no_grad():
-            ops.fwd_op(*flat)
+            return ops.fwd_op(*flat)
 
     def bwd():  # the autograd engine runs backward functions without grad mode
         with torch.no_grad():
-            ops.bwd_op(*bflat)
+            return ops.bwd_op(*bflat)
 
     return fwd, bwd
 
