@@ -4,10 +4,11 @@ The ``te_compile::grouped_linear_fwd`` / ``grouped_linear_bwd`` ops are
 called with their flat arguments, as a compiled graph's runtime calls them
 (no grad mode), against ``torch._grouped_mm``'s own call, the bf16 GEMM
 the baseline's step runs in their place (three per layer and step: fprop,
-dgrad, wgrad).  The experts are a config's number with small feature
-sizes and 16 rows each, so the GPU never bounds the calls: N back-to-back
-calls, one synchronize, the wall time over N, medians over rounds that
-take turns (``benchmarks.host`` says why).
+dgrad, wgrad).  The experts (``--experts``: Mixtral has 8, Qwen3-MoE 128,
+DeepSeek-V3 256) have 256 x 256 weights and 16 rows each, so the GPU
+never bounds the calls: N back-to-back calls, one synchronize, the wall
+time over N, medians over rounds that take turns (``benchmarks.host``
+says why).
 
     python -m transformer_engine_compile.benchmarks.grouped_host [--experts 8 128] \\
         [--recipes bf16 fp8_current_e4m3 fp8_block] [--rounds 3] [--json out.json]
