@@ -124,7 +124,17 @@ class GroupedLinear(LoadsWithoutExtraState, torch.nn.Module):
                 f"out_features={self.out_features}, bias={self.bias is not None}")
 
     def forward(self, inp: torch.Tensor, m_splits: Union[Sequence[int], torch.Tensor, None] = None,
-                *, m_offsets: Union[Sequence[int], torch.Tensor, None] = None) -> torch.Tensor:
+                is_first_microbatch: Optional[bool] = None, *,
+                m_offsets: Union[Sequence[int], torch.Tensor, None] = None) -> torch.Tensor:
+        """``is_first_microbatch``: Transformer Engine's weight caching across
+        gradient-accumulation microbatches, which this layer does not do:
+        anything but None is refused, rather than quantizing the weights
+        every call when the caller asked for them to be cached."""
+        if is_first_microbatch is not None:
+            raise NotImplementedError(
+                "te.GroupedLinear does not cache FP8 weights across microbatches "
+                "(is_first_microbatch); call it with is_first_microbatch=None: the weights "
+                "are quantized at every call (te.Linear caches them)")
         state, = bind_delayed_state(self, self._gemms(), self.weight.device)
         return grouped_linear(inp, self.weight, self.bias, m_splits, m_offsets=m_offsets,
                               delayed_state=state,
