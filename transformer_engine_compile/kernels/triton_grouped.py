@@ -18,6 +18,12 @@ tile is loaded a second time in its own orientation (from cache), not
 ``tl.trans``-ed: see ``triton_quant._tile_t``.  Eager PyTorch took a
 strided copy per operand for the same transposes (a third of the step of a
 Mixtral-sized block, H200).
+
+Each kernel is launched through ``triton_launch.Launcher`` (its compiled
+handle, not ``kernel[grid]``): a grouped op quantizes two operands with
+three launches each, and the launch is most of their host time.  The keys
+are :func:`triton_launch.args_key` of the arguments: every pointer's dtype
+and alignment, every int's specialization, the constexprs.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import triton
 import triton.language as tl
 
 from . import reference as ref
+from .triton_launch import Launcher, args_key, cdiv
 from .triton_quant import _TL_FP8, _abs_bits, _cast_fp8, _int_slot, _recip, _scale_from_amax
 
 _AMAX_BM, _AMAX_BK = 16, 256
@@ -139,6 +146,17 @@ def _stacked_cast_t_kernel(x_ptr, R, K, scale_ptr, out_ptr, out_t_ptr,
              _cast_fp8(xt, s, FMT_MAX, OUT), mask=mask_t)
 
 
+_amax_launch = Launcher(_grouped_amax_kernel, num_warps=4)
+_scales_launch = Launcher(_grouped_scales_kernel, num_warps=4)
+_cast_launch = Launcher(_grouped_cast_kernel, num_warps=4)
+_token_t_launch = Launcher(_token_cast_t_kernel, num_warps=4)
+_stacked_t_launch = Launcher(_stacked_cast_t_kernel, num_warps=4)
+
+
+def _launch(launcher: Launcher, grid: tuple, *args) -> None:
+    launcher(grid, args_key(args), *args)
+
+
 def amax_grouped(x2d, groups: int, group_of_row=None, rows_per_group: int = 0) -> torch.Tensor:
     """As ``reference.amax_grouped``."""
     x = x2d.contiguous()
@@ -146,9 +164,9 @@ def amax_grouped(x2d, groups: int, group_of_row=None, rows_per_group: int = 0) -
     amax = torch.zeros(groups, dtype=torch.float32, device=x.device)
     by_index = group_of_row is not None
     if M and K:
-        _grouped_amax_kernel[(triton.cdiv(M, _AMAX_BM),)](
-            x, M, K, group_of_row.contiguous() if by_index else x, max(int(rows_per_group), 1),
-            amax, BY_INDEX=by_index, BM=_AMAX_BM, BK=_AMAX_BK)
+        _launch(_amax_launch, (cdiv(M, _AMAX_BM),), x, M, K,
+                group_of_row.contiguous() if by_index else x, max(int(rows_per_group), 1),
+                amax, by_index, _AMAX_BM, _AMAX_BK)
     return amax
 
 
@@ -156,11 +174,11 @@ def current_scales_grouped(amax, fmt: str, pow2: bool, eps: float) -> tuple:
     """As ``reference.current_scales_grouped``: one launch where eager
     torch takes a dozen small ops."""
     a = amax.float().contiguous()
-    out = torch.empty((2, a.shape[0]), dtype=torch.float32, device=a.device)
-    if a.shape[0]:
-        _grouped_scales_kernel[(triton.cdiv(a.shape[0], _SCALES_BLOCK),)](
-            a, a.shape[0], out, FMT_MAX=ref.FP8_MAX[fmt], EPS=float(eps), POW2=bool(pow2),
-            BLOCK=_SCALES_BLOCK)
+    G = a.shape[0]
+    out = torch.empty((2, G), dtype=torch.float32, device=a.device)
+    if G:
+        _launch(_scales_launch, (cdiv(G, _SCALES_BLOCK),), a, G, out, ref.FP8_MAX[fmt],
+                float(eps), bool(pow2), _SCALES_BLOCK)
     return out[0], out[1]
 
 
@@ -170,27 +188,28 @@ def cast_fp8_grouped(x2d, scale, fmt: str, group_of_row=None, rows_per_group: in
     """As ``reference.cast_fp8_grouped``."""
     x, scale = x2d.contiguous(), scale.float().contiguous()
     M, K = x.shape
-    dtype, consts = ref.FP8_DTYPE[fmt], dict(FMT_MAX=ref.FP8_MAX[fmt], OUT=_TL_FP8[fmt])
+    dtype, fmt_max, out_fmt = ref.FP8_DTYPE[fmt], ref.FP8_MAX[fmt], _TL_FP8[fmt]
     out = torch.empty((M, K), dtype=dtype, device=x.device) if rowwise or (
         columns_from is None) else None
     if columns_from is not None:
         P = columns_from.shape[0]
         out_t = torch.empty((K, P), dtype=dtype, device=x.device)
         if P and K:
-            _token_cast_t_kernel[(triton.cdiv(P, _T_BM), triton.cdiv(K, _T_BK))](
-                x, K, P, columns_from.contiguous(), group_of_row.contiguous(), scale,
-                out if rowwise else out_t, out_t, ROWWISE=rowwise, BM=_T_BM, BK=_T_BK, **consts)
+            _launch(_token_t_launch, (cdiv(P, _T_BM), cdiv(K, _T_BK)), x, K, P,
+                    columns_from.contiguous(), group_of_row.contiguous(), scale,
+                    out if rowwise else out_t, out_t, fmt_max, out_fmt, bool(rowwise),
+                    _T_BM, _T_BK)
         return out, out_t
     if transpose_groups:
         R = int(rows_per_group)
         out_t = torch.empty((M // R, K, R), dtype=dtype, device=x.device)
         if M and K:
-            _stacked_cast_t_kernel[(triton.cdiv(R, _T_BM), triton.cdiv(K, _T_BK), M // R)](
-                x, R, K, scale, out, out_t, BM=_T_BM, BK=_T_BK, **consts)
+            _launch(_stacked_t_launch, (cdiv(R, _T_BM), cdiv(K, _T_BK), M // R), x, R, K, scale,
+                    out, out_t, fmt_max, out_fmt, _T_BM, _T_BK)
         return (out if rowwise else None), out_t
     by_index = group_of_row is not None
     if M and K:
-        _grouped_cast_kernel[(triton.cdiv(M, _CAST_BM), triton.cdiv(K, _CAST_BK))](
-            x, M, K, group_of_row.contiguous() if by_index else x, max(int(rows_per_group), 1),
-            scale, out, BY_INDEX=by_index, BM=_CAST_BM, BK=_CAST_BK, **consts)
+        _launch(_cast_launch, (cdiv(M, _CAST_BM), cdiv(K, _CAST_BK)), x, M, K,
+                group_of_row.contiguous() if by_index else x, max(int(rows_per_group), 1),
+                scale, out, fmt_max, out_fmt, by_index, _CAST_BM, _CAST_BK)
     return out, None

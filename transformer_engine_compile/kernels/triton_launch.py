@@ -47,6 +47,23 @@ def ptr_key(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0
 
 
+def args_key(args) -> tuple:
+    """A launch key from every argument of a call (for kernels whose
+    arguments are few): each tensor's dtype and :func:`ptr_key`, each int's
+    :func:`int_key`, any other value (a constexpr) itself."""
+    key = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((a.dtype, ptr_key(a)))
+        elif isinstance(a, bool):  # True == 1 as a dict key
+            key.append((bool, a))
+        elif isinstance(a, int):
+            key.append(int_key(a))
+        else:
+            key.append(a)
+    return tuple(key)
+
+
 _SM_COUNT: dict = {}
 
 
