@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from transformer_engine_compile.kernels import blockwise_grouped as bg
-from transformer_engine_compile.kernels.runner import RUNNERS, KernelConfig, run_kernel
+from transformer_engine_compile.kernels.runner import RUNNERS, run_kernel
 
 pytestmark = pytest.mark.skipif(bg.unavailable_reason() is not None,
                                 reason=str(bg.unavailable_reason()))
@@ -130,7 +130,8 @@ def test_persistent_ctas_equal_one_tile_per_cta(grouped_k, out_dtype):
     empty group included, more tiles than SMs).  Each way launched 20
     times, every output the same: one tile per CTA stages its output in
     the A ring, over the stage that its last K tile (2 or 3 K tiles here)
-    was read from."""
+    was read from.  wgrad's persistent CTAs with the TMA-store epilogue
+    (``tma_store``) too."""
     gen = torch.Generator("cuda").manual_seed(6)
     if grouped_k:  # 3 groups x 6 x 12 tiles
         a, b = _fp8((768, 5 * T), gen), _fp8((1536, 5 * T), gen)
@@ -140,14 +141,13 @@ def test_persistent_ctas_equal_one_tile_per_cta(grouped_k, out_dtype):
     else:  # 6 row tiles x 40 N tiles, K 3 tiles
         a, b, sa, sb, sched, sources, dest = _row_groups_case(gen, n=40 * T)
         inputs = [a, b, sa, sb, sched, sources, dest]
-    outs = []
-    for persistent in (False, True):
-        cfg = KernelConfig.make(bg.KIND, grouped_k=grouped_k, a_dtype=str(a.dtype),
-                                b_dtype=str(b.dtype), out_dtype=str(out_dtype),
-                                persistent=persistent)
+    outs, ways = [], [(False, False), (True, False)] + ([(True, True)] if grouped_k else [])
+    for persistent, tma_store in ways:
+        cfg = bg.config(grouped_k, a.dtype, b.dtype, out_dtype, persistent=persistent,
+                        tma_store=tma_store)
         outs += [run_kernel(cfg, inputs)[0] for _ in range(20)]
     for i, out in enumerate(outs[1:], 1):
-        assert torch.equal(outs[0], out), f"launch {i % 20} of persistent={i >= 20}"
+        assert torch.equal(outs[0], out), f"launch {i % 20} of (persistent, tma_store)={ways[i // 20]}"
 
 
 def test_compiled_equals_eager_and_builds_once():

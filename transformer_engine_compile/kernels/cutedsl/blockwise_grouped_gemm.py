@@ -35,7 +35,12 @@ in shared memory and writes whole rows in 16-byte vectors.
 ``persistent=True`` (what ``kernels/blockwise_grouped.py`` runs) launches
 at most one CTA per SM instead of one per tile: each loops over tiles,
 its producer loading the next tile's operands while the consumers store
-this one, the staging in a buffer of its own.
+this one, the staging in a buffer of its own.  With ``tma_store``
+(``grouped_k`` and persistent: wgrad, whose C has no row map) the
+epilogue writes the tile in slices of 128 rows x 128 bytes with
+``stmatrix`` into swizzled buffers and sends each out with a TMA store,
+which drains while the next tile computes (``kernels/blockwise_grouped.py``
+says when it runs).
 
 Imported only when the runner is built (``kernels/blockwise_grouped.py``):
 nothing here runs on a machine without the DSL or a GPU.
@@ -59,18 +64,24 @@ _THREADS = 128 + _MMA_THREADS   # one producer warpgroup first
 _PRODUCER_REGS = 40
 _BAND = 8             # row tiles per rasterization band
 _MMA_REGS = 232
+EPI_ROW_BYTES = 128   # TMA-store epilogue: slices of 128 rows x 128 bytes (the swizzle's width)
+EPI_BUFFERS = 2       # slices in flight
 
 
 class BlockwiseGroupedGemm:
     """The kernel for one configuration (``grouped_k``, C's dtype)."""
 
-    def __init__(self, grouped_k: bool, stages: int = 0, persistent: bool = False):
+    def __init__(self, grouped_k: bool, stages: int = 0, persistent: bool = False,
+                 tma_store: bool = False):
         self.grouped_k = grouped_k
         # persistent CTAs (at most one per SM) loop over the tiles: the
         # producer loads the next tile while the consumers store this one
         self.persistent = persistent
         self.tile_mnk = (TILE_M, TILE_N, TILE_K)
         self._stages = stages
+        # persistent wgrad CTAs may write C with TMA stores from swizzled
+        # slices, which drain while the next tile computes
+        self.tma_store = tma_store and grouped_k and persistent
 
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, scale_a: cute.Tensor,
@@ -80,9 +91,21 @@ class BlockwiseGroupedGemm:
         # bytes: two FP8 tiles and their K block's fp32 scales (A's rows',
         # and under grouped_k B's columns')
         per_stage = (TILE_M + TILE_N) * TILE_K + 4 * TILE_M + (4 * TILE_N if self.grouped_k else 0)
-        # the epilogue's own staging buffer (persistent): rows padded by 16 bytes
+        # the epilogue's own staging buffer (persistent): rows padded by 16
+        # bytes, or under tma_store EPI_BUFFERS swizzled slices of 128 rows
+        # x 128 bytes, one per store in flight
         c_pad = 128 // c.element_type.width
         c_elems = TILE_M * (TILE_N + c_pad) if self.persistent else 1
+        c_layout = utils.LayoutEnum.from_tensor(c)
+        epi_smem = cute.make_layout(1)
+        if cutlass.const_expr(self.tma_store):
+            epi_n = EPI_ROW_BYTES * 8 // c.element_type.width
+            epi_smem = cute.tile_to_shape(
+                warpgroup.make_smem_layout_atom(
+                    sm90_utils.get_smem_layout_atom(c_layout, c.element_type, epi_n),
+                    c.element_type),
+                (TILE_M, epi_n, EPI_BUFFERS), order=(0, 1, 2))
+            c_elems = cute.cosize(epi_smem)
         c_bytes = c_elems * c.element_type.width // 8 if self.persistent else 0
         self.stages = self._stages or min(8, (smem - 2048 - c_bytes) // per_stage)
         a_major = utils.LayoutEnum.from_tensor(a)
@@ -141,9 +164,14 @@ class BlockwiseGroupedGemm:
         c = cute.make_tensor(c.iterator, cute.make_layout(
             c.shape, stride=(cute.assume(c.stride[0], divby=8), 1,
                              cute.assume(c.stride[2], divby=8))))
+        tma_c, tma_tc = tma_a, c  # (unused but under tma_store)
+        if cutlass.const_expr(self.tma_store):
+            tma_c, tma_tc = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), c, cute.slice_(epi_smem, (None, None, 0)),
+                (TILE_M, EPI_ROW_BYTES * 8 // c.element_type.width))
         self.kernel(tma_a, tma_ta, tma_b, tma_tb, c, tma_sa, tma_tsa, tma_sb, tma_tsb, scale_b,
-                    sched, rowmap, tiled_mma, a_smem, b_smem, sa_smem,
-                    sb_smem).launch(grid=grid, block=[_THREADS, 1, 1], stream=stream)
+                    sched, rowmap, tiled_mma, a_smem, b_smem, sa_smem, sb_smem, tma_c, tma_tc,
+                    epi_smem).launch(grid=grid, block=[_THREADS, 1, 1], stream=stream)
 
     @cute.jit
     def _epilogue(self, acc, tCcC, mC, c_l, tile_m, tile_n, mRowmap, smem_ptr, mma_tidx):
@@ -159,6 +187,17 @@ class BlockwiseGroupedGemm:
         pad = 128 // dtype.width
         sC = cute.make_tensor(cute.recast_ptr(smem_ptr, dtype=dtype),
                               cute.make_layout((TILE_M, TILE_N), stride=(TILE_N + pad, 1)))
+        vec = 128 // dtype.width  # elements per 16 bytes
+        per_row = TILE_N // vec
+        out = mC[None, None, c_l]
+        reg = cute.make_rmem_tensor((1, vec), dtype)
+        vectors = TILE_M * per_row // _MMA_THREADS
+        rows = []
+        if cutlass.const_expr(not self.grouped_k):
+            # C's rows, all loaded while the tile is staged, before the first
+            # store (which could alias them, as far as the compiler knows)
+            rows = [mRowmap[tile_m * TILE_M + (mma_tidx + j * _MMA_THREADS) // per_row]
+                    for j in range(vectors)]
         if cutlass.const_expr(not self.persistent):
             # staged in the A ring: the other warpgroup's last WGMMAs may
             # still be reading its A rows from the stage this overwrites
@@ -167,21 +206,48 @@ class BlockwiseGroupedGemm:
             r, n = tCcC[i]
             sC[r, n] = acc[i].to(dtype)
         cute.arch.barrier(barrier_id=1, number_of_threads=_MMA_THREADS)
-        vec = 128 // dtype.width  # elements per 16 bytes
-        per_row = TILE_N // vec
-        out = mC[None, None, c_l]
-        reg = cute.make_rmem_tensor((1, vec), dtype)
-        for j in cutlass.range_constexpr(TILE_M * per_row // _MMA_THREADS):
+        for j in cutlass.range_constexpr(vectors):
             idx = mma_tidx + j * _MMA_THREADS
             r = idx // per_row
             v = idx % per_row
             row = tile_m * TILE_M + r
             if cutlass.const_expr(not self.grouped_k):
-                row = mRowmap[row]
+                row = rows[j]
             if row >= 0:
                 cute.autovec_copy(cute.local_tile(sC, (1, vec), (r, v)), reg)
                 cute.autovec_copy(reg, cute.local_tile(out, (1, vec), (row, tile_n * per_row + v)))
         if cutlass.const_expr(self.persistent):  # read out before the next tile writes it
+            cute.arch.barrier(barrier_id=1, number_of_threads=_MMA_THREADS)
+
+    @cute.jit
+    def _epilogue_tma(self, r2s, tRS_acc, tRS_sC, tRS_c, tRS_out, tma_c, sC, mC_tma, c_l, tile_m,
+                      tile_n, c_stores, warp):
+        """The tile from the accumulators to C (``grouped_k``, persistent) in
+        slices of 128 rows x ``EPI_ROW_BYTES``: each converted and written
+        to its swizzled shared-memory buffer with ``stmatrix``, then one
+        warp's TMA store sends it out; the stores drain while the next tile
+        computes, and a buffer is written again only once its last store
+        has read it (``c_stores``, the TMA store pipeline)."""
+        gC = cute.local_tile(mC_tma, (TILE_M, TILE_N), (tile_m, tile_n, c_l))
+        epi_n = EPI_ROW_BYTES * 8 // tRS_out.element_type.width
+        gC_epi = cute.zipped_divide(gC, (TILE_M, epi_n))
+        bSG_sC, bSG_gC = cpasync.tma_partition(tma_c, 0, cute.make_layout(1),
+                                               cute.group_modes(sC, 0, 2), gC_epi)
+        n = cute.size(tRS_c)
+        buffers = cute.size(tRS_sC, mode=[3])
+        for e in cutlass.range_constexpr(TILE_N // epi_n):
+            for v in cutlass.range_constexpr(n):
+                tRS_c[v] = tRS_acc[e * n + v]
+            tRS_out.store(tRS_c.load().to(tRS_out.element_type))
+            cute.copy(r2s, tRS_out, tRS_sC[None, None, None, e % buffers])
+            # the generic-proxy smem writes made visible to the TMA unit
+            cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared,
+                                  space=cute.arch.SharedSpace.shared_cta)
+            cute.arch.barrier(barrier_id=1, number_of_threads=_MMA_THREADS)
+            if warp == 4:  # the first consumer warp
+                cute.copy(tma_c, bSG_sC[None, e % buffers], bSG_gC[None, (0, e)])
+                c_stores.producer_commit()
+                c_stores.producer_acquire()
             cute.arch.barrier(barrier_id=1, number_of_threads=_MMA_THREADS)
 
     @cute.jit
@@ -303,7 +369,8 @@ class BlockwiseGroupedGemm:
                tma_sb: cute.CopyAtom, mSBt: cute.Tensor, mSB: cute.Tensor,
                mSched: cute.Tensor, mRowmap: cute.Tensor, tiled_mma: cute.TiledMma,
                a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, sa_smem: cute.Layout,
-               sb_smem: cute.Layout):
+               sb_smem: cute.Layout, tma_c: cute.CopyAtom, mC_tma: cute.Tensor,
+               epi_smem: cute.ComposedLayout):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, bidz = cute.arch.block_idx()
@@ -342,6 +409,9 @@ class BlockwiseGroupedGemm:
         c_smem = storage.sa.data_ptr()
         if cutlass.const_expr(self.persistent):
             c_smem = storage.sc.data_ptr()
+        sC = sA  # (unused but under tma_store)
+        if cutlass.const_expr(self.tma_store):
+            sC = storage.sc.get_tensor(epi_smem.outer, swizzle=epi_smem.inner)
 
         wg = cute.arch.make_warp_uniform(tidx // 128)
         if wg == 0:
@@ -373,14 +443,40 @@ class BlockwiseGroupedGemm:
             part = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
             scale = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
             reads = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            r2s, tRS_acc, tRS_sC, tRS_c, tRS_out, c_stores = (None,) * 6
+            if cutlass.const_expr(self.tma_store):
+                dtype = mC.element_type
+                c_atom = cute.make_copy_atom(
+                    cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), dtype)
+                r2s_atom = c_atom
+                if cutlass.const_expr(dtype.width != 16):
+                    r2s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype)
+                r2s = cute.make_tiled_copy_S(r2s_atom,
+                                             cute.make_tiled_copy_C_atom(c_atom, tiled_mma))
+                thr_r2s = r2s.get_slice(mma_tidx)
+                tRS_sC = thr_r2s.partition_D(sC)
+                tRS_acc = r2s.retile(acc)
+                c_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
+                tRS_c = cute.make_rmem_tensor(c_shape, cutlass.Float32)
+                tRS_out = cute.make_rmem_tensor(c_shape, dtype)
+                c_stores = pipeline.PipelineTmaStore.create(
+                    num_stages=cute.size(tRS_sC, mode=[3]),
+                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                             _MMA_THREADS))
             for work in cutlass.range(first, end, step, unroll=1):
                 tile_m, tile_n, b_l, c_l, k_begin, k_tiles, store = self._work(
                     work, tiles, mA, mC, mSched)
                 reads = self._mma(ring, reads, tiled_mma, tCrA, tCrB, tCcC, acc, part, scale,
                                   sSA, sSB, mSB, tile_n, b_l, k_begin, k_tiles)
-                if store:
+                if cutlass.const_expr(self.tma_store):
+                    self._epilogue_tma(r2s, tRS_acc, tRS_sC, tRS_c, tRS_out, tma_c, sC, mC_tma,
+                                       c_l, tile_m, tile_n, c_stores, warp)
+                elif store:
                     self._epilogue(acc, tCcC, mC, c_l, tile_m, tile_n, mRowmap, c_smem,
                                    mma_tidx)
+            if cutlass.const_expr(self.tma_store):
+                if warp == 4:  # C's last stores complete before the CTA's smem goes
+                    c_stores.producer_tail()
 
 def _views(grouped_k: bool, a, b, out, scale_a, scale_b, sched, rowmap) -> list:
     """The kernel's arguments from ``kernels/blockwise_grouped.py``'s torch
@@ -424,7 +520,8 @@ def build(config, out_shape):
     grouped_k = values["grouped_k"]
     out_dtype = dtype(values["out_dtype"])
     example = _example(grouped_k, dtype(values["a_dtype"]), dtype(values["b_dtype"]), out_dtype)
-    kernel = BlockwiseGroupedGemm(grouped_k, persistent=values.get("persistent", False))
+    kernel = BlockwiseGroupedGemm(grouped_k, persistent=values.get("persistent", False),
+                                  tma_store=values.get("tma_store", False))
     compiled = cute.compile(kernel, *_views(grouped_k, *example), cutlass.Int32(1),
                             current_stream())
     max_ctas = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
