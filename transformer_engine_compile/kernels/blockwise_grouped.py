@@ -64,8 +64,8 @@ def config(grouped_k: bool, a_dtype: torch.dtype, b_dtype: torch.dtype,
 
     ``tma_store`` (persistent wgrad only): the epilogue sends the tile out
     with TMA stores that drain while the next tile computes.  On H200 it
-    ran DeepSeek-sized wgrad (2 K tiles per expert) 1.07-1.13x faster, and
-    Mixtral-sized wgrad (32 K tiles) 0.93-0.99x, bit for bit the same
+    ran DeepSeek-sized wgrad (2 K tiles per expert) 1.08-1.12x faster, and
+    Mixtral-sized wgrad (32 K tiles) 0.95-0.99x, bit for bit the same
     (docs/benchmarks.md): :func:`grouped_gemm` picks it where the groups
     average at most ``TMA_STORE_MAX_K_TILES`` K tiles."""
     key = (bool(grouped_k), a_dtype, b_dtype, out_dtype, bool(persistent),
