@@ -66,6 +66,12 @@ _BAND = 8             # row tiles per rasterization band
 _MMA_REGS = 232
 EPI_ROW_BYTES = 128   # TMA-store epilogue: slices of 128 rows x 128 bytes (the swizzle's width)
 EPI_BUFFERS = 2       # slices in flight
+_EPI_STORE_WARP = 4   # the first consumer warp issues the TMA stores
+
+
+def _epi_n(dtype) -> int:
+    """C's columns per TMA-store slice (128 bytes)."""
+    return EPI_ROW_BYTES * 8 // dtype.width
 
 
 class BlockwiseGroupedGemm:
@@ -99,7 +105,7 @@ class BlockwiseGroupedGemm:
         c_layout = utils.LayoutEnum.from_tensor(c)
         epi_smem = cute.make_layout(1)
         if cutlass.const_expr(self.tma_store):
-            epi_n = EPI_ROW_BYTES * 8 // c.element_type.width
+            epi_n = _epi_n(c.element_type)
             epi_smem = cute.tile_to_shape(
                 warpgroup.make_smem_layout_atom(
                     sm90_utils.get_smem_layout_atom(c_layout, c.element_type, epi_n),
@@ -168,7 +174,7 @@ class BlockwiseGroupedGemm:
         if cutlass.const_expr(self.tma_store):
             tma_c, tma_tc = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileS2GOp(), c, cute.slice_(epi_smem, (None, None, 0)),
-                (TILE_M, EPI_ROW_BYTES * 8 // c.element_type.width))
+                (TILE_M, _epi_n(c.element_type)))
         self.kernel(tma_a, tma_ta, tma_b, tma_tb, c, tma_sa, tma_tsa, tma_sb, tma_tsb, scale_b,
                     sched, rowmap, tiled_mma, a_smem, b_smem, sa_smem, sb_smem, tma_c, tma_tc,
                     epi_smem).launch(grid=grid, block=[_THREADS, 1, 1], stream=stream)
@@ -229,7 +235,7 @@ class BlockwiseGroupedGemm:
         computes, and a buffer is written again only once its last store
         has read it (``c_stores``, the TMA store pipeline)."""
         gC = cute.local_tile(mC_tma, (TILE_M, TILE_N), (tile_m, tile_n, c_l))
-        epi_n = EPI_ROW_BYTES * 8 // tRS_out.element_type.width
+        epi_n = _epi_n(tRS_out.element_type)
         gC_epi = cute.zipped_divide(gC, (TILE_M, epi_n))
         bSG_sC, bSG_gC = cpasync.tma_partition(tma_c, 0, cute.make_layout(1),
                                                cute.group_modes(sC, 0, 2), gC_epi)
@@ -244,7 +250,7 @@ class BlockwiseGroupedGemm:
             cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared,
                                   space=cute.arch.SharedSpace.shared_cta)
             cute.arch.barrier(barrier_id=1, number_of_threads=_MMA_THREADS)
-            if warp == 4:  # the first consumer warp
+            if warp == _EPI_STORE_WARP:
                 cute.copy(tma_c, bSG_sC[None, e % buffers], bSG_gC[None, (0, e)])
                 c_stores.producer_commit()
                 c_stores.producer_acquire()
@@ -475,7 +481,7 @@ class BlockwiseGroupedGemm:
                     self._epilogue(acc, tCcC, mC, c_l, tile_m, tile_n, mRowmap, c_smem,
                                    mma_tidx)
             if cutlass.const_expr(self.tma_store):
-                if warp == 4:  # C's last stores complete before the CTA's smem goes
+                if warp == _EPI_STORE_WARP:  # C's last stores land before the CTA's smem goes
                     c_stores.producer_tail()
 
 def _views(grouped_k: bool, a, b, out, scale_a, scale_b, sched, rowmap) -> list:
