@@ -1,9 +1,29 @@
 """Shared fixtures: one factory per quantizer configuration of every format."""
 
+import os
+
 import pytest
 import torch
 
 import transformer_engine_compile as te
+
+
+def _share_the_cores() -> None:
+    """Under ``pytest -n N`` each worker gets its share of the cores for
+    torch's intra-op threads, and so do the processes it starts (gloo ranks,
+    ``torchrun``).  Left at torch's default, every worker runs as many
+    threads as there are cores, and OpenMP's waiting threads then compete
+    for them: on 2 cores with 2 workers, tests/test_convergence.py took
+    775 s so, and 170 s with one thread per worker."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        threads = max(1, (cores or 1) // workers)
+        torch.set_num_threads(threads)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+
+
+_share_the_cores()
 
 
 @pytest.fixture(scope="session", autouse=True)
