@@ -22,3 +22,26 @@ def test_every_config_routes_whole_tiles_per_expert():
 def test_without_the_kernel_it_says_why(capsys):
     assert gg.main(["--configs", "mixtral"]) == 0
     assert "cannot run here" in capsys.readouterr().out
+
+
+def test_the_dense_gemms_of_a_llama_config():
+    """--dense: te.Linear's projections of a benchmarks.llama config, each a
+    whole number of 128-tiles (the kernel's tile), the LM head with a
+    Hugging Face config's vocabulary."""
+    shapes = {s.name.split()[-1]: s for s in gg.dense_shapes("hf-llama-b")}
+    assert list(shapes) == ["q/o", "k/v", "gate/up", "down", "lm_head"]
+    assert (shapes["k/v"].rows, shapes["k/v"].k, shapes["k/v"].n) == (8192, 4096, 1024)
+    assert (shapes["down"].k, shapes["down"].n) == (14336, 4096)
+    assert shapes["lm_head"].n == 32000
+    assert [s.name for s in gg.dense_shapes("llama-a")][-1] == "llama-a down"  # no LM head
+    for config in ("llama-a", "llama-b", "hf-llama-a", "hf-llama-b"):
+        for s in gg.dense_shapes(config):
+            assert s.groups == 1 and s.rows % gg.TILE == s.k % gg.TILE == s.n % gg.TILE == 0, s
+
+
+def test_dense_refuses_an_unknown_config(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        gg.main(["--dense", "llama-z"])
+    assert "unknown configs ['llama-z']" in capsys.readouterr().err

@@ -5,6 +5,7 @@ whose answer is known."""
 import json
 
 import pytest
+import torch
 
 from transformer_engine_compile.benchmarks import step_profile as bp
 
@@ -53,11 +54,55 @@ def test_summary_of_a_known_trace(tmp_path):
         {"AllGather": 0.100, "ReduceScatter": 0.040, "AllReduce": 0.005})
     assert s["side"] == pytest.approx({"9": 0.020})
     assert s["kernels"][0] == ("sm90_gemm", 2, pytest.approx(0.200))
+    assert s["kernel_count"] == 3  # the compute stream's two GEMMs and its memset
+    assert s["classes"] == pytest.approx({"GEMM": 0.200, "other": 0.010})
     assert s["host"][0] == ("FSDP::pre_forward", 2, pytest.approx(0.060))
     assert s["waits"] == [("cudaStreamSynchronize", 2, pytest.approx(0.050))]
     text = bp.format_summary("case", s)
     assert "compute stream busy 0.21, idle 0.13" in text and "| sm90_gemm | 2 | 0.20 |" in text
     assert "| cudaStreamSynchronize | 2 | 0.05 |" in text
+    assert "compute-stream kernels: 3; by class (ms): GEMM 0.20, other 0.01" in text
+
+
+@pytest.mark.parametrize("name, label", [
+    ("nvjet_sm90_qqtst_256x128_128x4_1x2_h_bz_coopA_TNT", "GEMM"),
+    ("void cutlass::Kernel2<cutlass_80_simt_sgemm_128x32_8x5_nn_align1>", "GEMM"),
+    ("_nvfp4_gemm_kernel", "GEMM"),  # the emulated NVFP4 product
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26", "attention"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...>", "optimizer"),
+    ("triton_red_fused__to_copy_add_linear_fwd_mean_mul_pow_rsqrt_11", "inductor"),
+    ("_fp8_current_kernel", "te quantization"),
+    ("_amax_partials_kernel", "te quantization"),
+    ("_mxfp8_pair_kernel", "te quantization"),
+    ("_norm_fwd_kernel", "te norm / activation / bias"),
+    ("Memset (Device)", "other"),
+])
+def test_kernel_classes(name, label):
+    assert bp.kernel_class(name) == label
+
+
+def test_every_registered_triton_kernel_has_a_class():
+    """A new kernel of the library's own falls into a named class, not
+    "other" (the launch handles name every kernel the library launches)."""
+    import re
+    from pathlib import Path
+
+    import transformer_engine_compile.kernels as k
+
+    names = set()
+    for f in Path(k.__file__).parent.glob("triton_*.py"):
+        names |= set(re.findall(r"Launcher\((_\w+_kernel)", f.read_text()))
+    assert len(names) > 20
+    assert {n for n in names if bp.kernel_class(n) == "other"} == set()
+
+
+def test_profile_row_without_gpu_events():
+    from transformer_engine_compile.benchmarks import llama
+
+    row, lines = {"config": "c", "candidate": "x", "mode": "eager"}, []
+    llama.profile_row(row, lambda x, t: float((x * t).sum()), torch.ones(2), torch.ones(2),
+                      lines.append)
+    assert row["profile"] == {} and "(no GPU events)" in lines[0]
 
 
 def test_interval_arithmetic():

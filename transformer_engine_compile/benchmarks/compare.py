@@ -354,6 +354,9 @@ def main(argv=None):
                         "run, so backward functions run on the calling thread instead of the "
                         "autograd engine's device thread (eager te.Linear's Python backward "
                         "runs faster there; docs/linear.md, 'Eager speed')")
+    p.add_argument("--profile", action="store_true",
+                   help="llama configs: after the timing, one traced step per candidate: the "
+                        "compute stream's busy and idle time and its kernels by class")
     p.add_argument("--json", help="also write the rows to this file")
     args = p.parse_args(argv)
     with torch.autograd.set_multithreading_enabled(args.autograd_threads == "on"):
@@ -398,7 +401,7 @@ def _main(args) -> int:
         llama_rows = llama.run(llama_cfgs, {r: RECIPES[r] for r in args.recipes}, modes,
                                      device, with_torchao, only=args.candidates,
                                      steps=args.steps, fused=args.fused, rounds=args.rounds,
-                                     unshared=args.unshared)
+                                     unshared=args.unshared, profile=args.profile)
         print("\n" + llama.HEADER)
         for row in llama_rows:
             print(llama.format_row(row, llama_rows))

@@ -3,6 +3,13 @@ against bf16 ``torch._grouped_mm`` on the expert GEMMs of ``benchmarks.moe``'s
 configs, one kernel at a time, side by side in one process.
 
     python -m transformer_engine_compile.benchmarks.grouped_gemm [--configs mixtral deepseek qwen3]
+    python -m transformer_engine_compile.benchmarks.grouped_gemm --dense hf-llama-a hf-llama-b
+
+``--dense``: the dense ``te.Linear`` GEMMs of ``benchmarks.llama``'s
+configs instead, the kernel run as one group, against what te.Linear runs
+for them: bf16 ``torch.mm``, FP8 per-tensor ``torch._scaled_mm`` and
+cuBLAS's FP8 blockwise GEMM (``Float8BlockScaling``'s path); each timed
+as 20 calls captured in one CUDA graph, so the GPU's time alone.
 
 Per config, the gate/up and the down projection, each as fprop (groups
 along the rows: ``x W^T``) and wgrad (groups along the tokens: ``dy^T x``),
@@ -94,6 +101,103 @@ def _wgrad(s: Shape, per: int) -> tuple:
     return kernel, _ms(lambda: torch._grouped_mm(dyb, xb, offs=offs))
 
 
+def dense_shapes(config: str) -> list:
+    """The projections of a ``benchmarks.llama`` config as one-group shapes
+    (``rows``: the step's tokens): q and o, k and v, gate and up, down, and
+    a Hugging Face config's LM head."""
+    from .llama import ALL_LLAMA
+
+    cfg = ALL_LLAMA[config]
+    kv = cfg.kv_heads * (cfg.hidden // cfg.heads)
+    out = [Shape(f"{config} q/o", 1, cfg.tokens, cfg.hidden, cfg.hidden),
+           Shape(f"{config} k/v", 1, cfg.tokens, cfg.hidden, kv),
+           Shape(f"{config} gate/up", 1, cfg.tokens, cfg.hidden, cfg.ffn),
+           Shape(f"{config} down", 1, cfg.tokens, cfg.ffn, cfg.hidden)]
+    if cfg.vocab:
+        out.append(Shape(f"{config} lm_head", 1, cfg.tokens, cfg.hidden, cfg.vocab))
+    return out
+
+
+def _graph_ms(fn, iters: int = 20) -> float:
+    """GPU ms per call of ``fn``: ``iters`` calls captured in one CUDA graph
+    (after an eager call, which compiles what needs compiling), replayed."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    return _ms(graph.replay, 3) / iters
+
+
+def time_dense(s: Shape) -> list:
+    """Rows ``{"gemm", "bf16_ms", "fp8_tensorwise_ms", "cublas_blockwise_ms",
+    "kernel_ms", ...}`` for fprop (``x W^T``) and wgrad (``dy^T x``)."""
+    import transformer_engine_compile as te
+
+    from ..kernels import blockwise_grouped as bg
+    from ..quantization.gemm import gemm
+
+    def block(t, dim):
+        return te.Float8BlockQuantizer(block_scaling_dim=dim, rowwise_usage=True,
+                                       columnwise_usage=True)(t)
+
+    dev, m, k, n = "cuda", s.rows, s.k, s.n
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.05
+    dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+    qx, qw, qdy = block(x, 1), block(w, 2), block(dy, 1)
+    one = torch.ones((), device=dev)
+    x8, w8 = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
+    dy_t8, x_t8 = (t.t().contiguous().to(torch.float8_e4m3fn) for t in (dy, x))
+    # the kernel's operands: unit block scales, one group (made here, not
+    # inside the captured calls)
+    ident = torch.arange(m, device=dev, dtype=torch.int32)
+    f_sa, f_sb = torch.ones(k // TILE, m, device=dev).t(), torch.ones(1, n // TILE, k // TILE,
+                                                                       device=dev)
+    f_sched = torch.zeros(m // TILE, device=dev, dtype=torch.int32)
+    w_sa, w_sb = torch.ones(m // TILE, n, device=dev).t(), torch.ones(m // TILE, k, device=dev).t()
+    w_sched = torch.tensor([[0, m // TILE]], device=dev, dtype=torch.int32)
+    w8_groups = w8[None]
+    fprop = {
+        "bf16": lambda: torch.mm(x, w.t()),
+        "fp8_tensorwise": lambda: torch._scaled_mm(x8, w8.t(), one, one, out_dtype=torch.bfloat16,
+                                                   use_fast_accum=True),
+        "cublas_blockwise": lambda: gemm(qx, "rowwise", qw, "rowwise", torch.bfloat16),
+        "kernel": lambda: bg.grouped_gemm(x8, w8_groups, f_sa, f_sb, f_sched, False,
+                                          torch.bfloat16, ident, ident),
+    }
+    wgrad = {
+        "bf16": lambda: torch.mm(dy.t(), x),
+        "fp8_tensorwise": lambda: torch._scaled_mm(dy_t8, x_t8.t(), one, one,
+                                                   out_dtype=torch.bfloat16),
+        "cublas_blockwise": lambda: gemm(qdy, "columnwise", qx, "columnwise", torch.bfloat16),
+        "kernel": lambda: bg.grouped_gemm(dy_t8, x_t8, w_sa, w_sb, w_sched, True,
+                                          torch.bfloat16),
+    }
+    rows = []
+    for what, fns in (("fprop", fprop), ("wgrad", wgrad)):
+        r = {"gemm": f"{s.name} {what}"}
+        for name, fn in fns.items():
+            try:
+                r[f"{name}_ms"] = _graph_ms(fn)
+            except RuntimeError as e:  # not capturable: timed eagerly, and said so
+                torch.cuda.synchronize()
+                r[f"{name}_ms"], r[f"{name}_eager"] = _ms(fn), str(e).splitlines()[0]
+        r["kernel_x_cublas"] = r["cublas_blockwise_ms"] / r["kernel_ms"]
+        r["blockwise_x_tensorwise"] = r["fp8_tensorwise_ms"] / r["cublas_blockwise_ms"]
+        rows.append(r)
+    return rows
+
+
+def format_dense_row(r: dict) -> str:
+    return (f"{r['gemm']:>26}  bf16 {r['bf16_ms']:6.3f}  fp8 tensorwise "
+            f"{r['fp8_tensorwise_ms']:6.3f}  cuBLAS blockwise {r['cublas_blockwise_ms']:6.3f}  "
+            f"kernel {r['kernel_ms']:6.3f} ms  kernel x cuBLAS {r['kernel_x_cublas']:5.2f}"
+            + "".join(f"  ({k[:-6]} timed eagerly: {v})" for k, v in r.items()
+                      if k.endswith("_eager")))
+
+
 def time_shape(s: Shape) -> list:
     """Rows ``{"gemm", "kernel_ms", "bf16_ms", ...}`` for fprop and wgrad."""
     per = s.rows // s.groups
@@ -118,8 +222,16 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", nargs="+", default=["mixtral", "deepseek", "qwen3"],
                         choices=sorted(c for c in CONFIGS if c != "tiny"))
+    parser.add_argument("--dense", nargs="+", default=None, metavar="LLAMA_CONFIG",
+                        help="the dense te.Linear GEMMs of these benchmarks.llama configs "
+                             "instead (e.g. hf-llama-a hf-llama-b)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    if args.dense:
+        from .llama import ALL_LLAMA
+        unknown = [c for c in args.dense if c not in ALL_LLAMA]
+        if unknown:
+            parser.error(f"--dense: unknown configs {unknown} (choose from {sorted(ALL_LLAMA)})")
     from ..kernels.blockwise_grouped import unavailable_reason
 
     why = unavailable_reason()
@@ -128,7 +240,13 @@ def main(argv=None) -> int:
         return 0
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     rows = []
-    for config in args.configs:
+    if args.dense:
+        for config in args.dense:
+            for s in dense_shapes(config):
+                for r in time_dense(s):
+                    rows.append(r)
+                    print(format_dense_row(r), flush=True)
+    for config in [] if args.dense else args.configs:
         for s in shapes(config):
             for r in time_shape(s):
                 rows.append(r)

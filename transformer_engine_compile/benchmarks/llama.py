@@ -435,13 +435,14 @@ def peak_gib(step, x, target, device):
 
 
 def run(configs, recipes, modes, device, with_torchao, only=None, steps=10, log=print,
-        fused=False, rounds=1, unshared=False):
+        fused=False, rounds=1, unshared=False, profile=False):
     """One row per (config, candidate, mode); a failing candidate gets an
     ``error`` entry and the others still run.  ``rounds > 1``: interleaved
-    (:func:`run_interleaved`)."""
+    (:func:`run_interleaved`).  ``profile``: after its timing, one traced
+    step per candidate (:func:`profile_row`)."""
     if rounds > 1:
         return run_interleaved(configs, recipes, modes, device, with_torchao, only, steps, log,
-                               fused, rounds, unshared)
+                               fused, rounds, unshared, profile)
     import gc
 
     rows = []
@@ -457,6 +458,8 @@ def run(configs, recipes, modes, device, with_torchao, only=None, steps=10, log=
             row["tokens_per_s"] = cfg.tokens / row["ms"] * 1e3
             row["peak_gib"] = peak_gib(step, x, target, device)
             row["loss"] = step(x, target)
+            if profile:
+                profile_row(row, step, x, target, log)
         except Exception as e:  # one failing candidate must not hide the others
             row["error"] = error_text(e)
         rows.append(row)
@@ -494,8 +497,22 @@ def keep_compiled_entries() -> None:
             torch._dynamo.config.accumulated_cache_size_limit, 512)
 
 
+def profile_row(row, step, x, target, log=print) -> None:
+    """One traced step of a candidate (``step_profile.trace_step``) into
+    ``row["profile"]``: the GPU span, the compute stream's busy and idle
+    time (idle: the GPU waited, for the host in a single-GPU step), its
+    kernel count and time per kernel class, the top kernels; logged as a
+    table."""
+    from . import step_profile
+
+    s = step_profile.trace_step(step, x, target)
+    row["profile"] = {k: s[k] for k in ("step", "compute", "compute_idle", "kernel_count",
+                                        "classes", "kernels") if k in s}
+    log(step_profile.format_summary(f"{row['config']}, {row['candidate']}, {row['mode']}", s))
+
+
 def run_interleaved(configs, recipes, modes, device, with_torchao, only=None, steps=10,
-                    log=print, fused=False, rounds=5, unshared=False):
+                    log=print, fused=False, rounds=5, unshared=False, profile=False):
     """:func:`run`'s rows, timed in ``rounds`` rounds that take turns.
 
     The host's speed drifts over minutes (the H200 machines' host time per
@@ -531,6 +548,8 @@ def run_interleaved(configs, recipes, modes, device, with_torchao, only=None, st
         if "error" not in row:
             row["tokens_per_s"] = configs[row["config"]].tokens / row["ms"] * 1e3
             row["loss"] = step(x, target)
+            if profile:
+                profile_row(row, step, x, target, log)
     for row in rows:
         if "ms" in row or "error" in row:
             log(format_row(row, rows))

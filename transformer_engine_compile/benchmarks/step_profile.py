@@ -14,7 +14,9 @@ Chrome trace (``prof.export_chrome_trace``) and returns, in milliseconds:
 * ``nccl``: the NCCL kernels' union, ``nccl_exposed`` its part while the
   compute stream was idle, and the time per collective kind;
 * ``side``: the other streams' busy time (their kernels listed apart);
-* ``kernels``: the compute stream's kernels by total time;
+* ``kernels``: the compute stream's kernels by total time, and ``classes``
+  their total per :data:`KERNEL_CLASSES` class (GEMMs, the library's
+  quantization kernels, attention, ...);
 * ``host``: the CPU ranges (``record_function`` names: FSDP2's
   ``FSDP::...`` hooks and the ``te.fsdp.*`` extension) by total time;
 * ``waits``: the CUDA runtime calls that block the host until the GPU
@@ -72,6 +74,29 @@ def _minus(a, b):
         if cur < e:
             total += e - cur
     return total
+
+
+# (class, name patterns), the first match wins: what a single GPU's step
+# spends its compute stream on.  The library's own Triton kernels are named
+# ``_<what>_kernel`` (kernels/triton_*.py); inductor's start with ``triton_``.
+KERNEL_CLASSES = (
+    ("GEMM", ("nvjet", "gemm", "Gemm", "xmma", "cutlass", "_nvfp4_epilogue")),
+    ("attention", ("sdpa", "flash", "fmha", "attention", "cudnn")),
+    ("optimizer", ("multi_tensor_apply", "adam")),
+    ("inductor", ("triton_",)),
+    ("te quantization", ("_fp8_", "_amax", "_cast", "_mxfp8", "_nvfp4", "_transpose_kernel",
+                         "_grouped_scales", "_delayed_step", "_token_cast", "_stacked_cast")),
+    ("te norm / activation / bias", ("_norm_", "_act_", "_bias_add", "_col_sum",
+                                     "_row_block_sums")),
+)
+
+
+def kernel_class(name: str) -> str:
+    """The :data:`KERNEL_CLASSES` class of a kernel's name ("other" if none)."""
+    for label, patterns in KERNEL_CLASSES:
+        if any(p in name for p in patterns):
+            return label
+    return "other"
 
 
 def _is_nccl(name: str) -> bool:
@@ -136,9 +161,11 @@ def summarize(trace_path: str, top: int = 12) -> dict:
     nccl = _union(nccl_ivs)
     kernels = collections.Counter()
     counts = collections.Counter()
+    classes = collections.Counter()
     for (a, b), n in work[compute]:
         kernels[n] += b - a
         counts[n] += 1
+        classes[kernel_class(n)] += b - a
     side = collections.Counter()
     side_kernels = collections.Counter()
     for s in busy:
@@ -156,6 +183,8 @@ def summarize(trace_path: str, top: int = 12) -> dict:
         "side": dict(side),
         "side_kernels": [(n, t) for n, t in side_kernels.most_common(top)],
         "kernels": [(n, counts[n], t) for n, t in kernels.most_common(top)],
+        "kernel_count": sum(counts.values()),
+        "classes": dict(classes.most_common()),
         "host": [(n, host_calls[n], t) for n, t in host.most_common(top)],
         "waits": [(n, wait_calls[n], t) for n, t in waits.most_common(top)],
     }
@@ -171,6 +200,8 @@ def format_summary(label: str, s: dict) -> str:
              f"(exposed {s['nccl_exposed']:.2f}; "
              + ", ".join(f"{k} {v:.2f}" for k, v in sorted(s["nccl_by_kind"].items())) + ")",
              "side streams: " + (", ".join(f"{k}: {v:.2f}" for k, v in s["side"].items()) or "none"),
+             f"compute-stream kernels: {s.get('kernel_count', 0)}; by class (ms): "
+             + ", ".join(f"{k} {v:.2f}" for k, v in s.get("classes", {}).items()),
              "", "| compute-stream kernel | calls | ms |", "|---|---:|---:|"]
     lines += [f"| {n[:90]} | {c} | {t:.2f} |" for n, c, t in s["kernels"]]
     lines += ["", "| side-stream kernel | ms |", "|---|---:|"]
@@ -182,10 +213,10 @@ def format_summary(label: str, s: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def profile_step(step, x, target):
-    """One step under ``torch.profiler`` (after an unprofiled one), summarised
-    per stream on every rank (:func:`summarize`): the list of the ranks'
-    summaries, the same on every rank."""
+def trace_step(step, x, target, top: int = 12) -> dict:
+    """One step under ``torch.profiler`` (after an unprofiled one) in this
+    process, summarised per stream (:func:`summarize`; empty without GPU
+    events)."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
     activities = [ProfilerActivity.CPU]
@@ -198,7 +229,14 @@ def profile_step(step, x, target):
             for _ in range(2):
                 step(x, target)
                 prof.step()
-        summary = summarize(path) if os.path.exists(path) else {}
+        return summarize(path, top) if os.path.exists(path) else {}
+
+
+def profile_step(step, x, target):
+    """:func:`trace_step` on every rank of a distributed benchmark, with the
+    host's part by Python function: the list of the ranks' summaries, the
+    same on every rank."""
+    summary = trace_step(step, x, target)
     if summary:  # GPU events: the host's part by Python function too
         summary["python"] = python_profile(step, x, target)
     summaries = [None] * dist.get_world_size()
