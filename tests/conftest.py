@@ -11,7 +11,7 @@ import transformer_engine_compile as te
 def _share_the_cores() -> None:
     """Under ``pytest -n N`` each worker gets its share of the cores for
     torch's intra-op threads, and so do the processes it starts (gloo ranks,
-    ``torchrun``).  Left at torch's default, every worker runs as many
+    ``torchrun``) unless ``OMP_NUM_THREADS`` says otherwise.  Left at torch's default, every worker runs as many
     threads as there are cores, and OpenMP's waiting threads then compete
     for them: on 2 cores with 2 workers, tests/test_convergence.py took
     775 s so, and 170 s with one thread per worker."""
