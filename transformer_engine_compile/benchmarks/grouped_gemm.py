@@ -66,6 +66,28 @@ def _ms(fn, iters: int = 20) -> float:
     return start.elapsed_time(end) / iters
 
 
+def _fprop_operands(s: Shape, per: int) -> tuple:
+    """The kernel's fprop arguments after its two operands: unit block
+    scales, each 128-row tile's expert (``per`` rows each), the identity
+    row maps, bf16 output."""
+    dev = "cuda"
+    ident = torch.arange(s.rows, device=dev, dtype=torch.int32)
+    return (torch.ones(s.k // TILE, s.rows, device=dev).t(),
+            torch.ones(s.groups, s.n // TILE, s.k // TILE, device=dev),
+            (torch.arange(s.rows // TILE, device=dev) * TILE // per).int(), False,
+            torch.bfloat16, ident, ident)
+
+
+def _wgrad_operands(s: Shape, per: int) -> tuple:
+    """The kernel's wgrad arguments after its two operands: unit block
+    scales along the tokens, each expert's first and end token tile."""
+    dev = "cuda"
+    k_tiles = (torch.stack([torch.arange(s.groups), torch.arange(1, s.groups + 1)], 1)
+               * (per // TILE)).int().to(dev)
+    return (torch.ones(s.rows // TILE, s.n, device=dev).t(),
+            torch.ones(s.rows // TILE, s.k, device=dev).t(), k_tiles, True, torch.bfloat16)
+
+
 def _fprop(s: Shape, per: int) -> tuple:
     """(kernel ms, bf16 ms) of ``x W^T`` with the rows grouped by expert."""
     from ..kernels import blockwise_grouped as bg
@@ -73,12 +95,8 @@ def _fprop(s: Shape, per: int) -> tuple:
     dev = "cuda"
     a = torch.randn(s.rows, s.k, device=dev).to(torch.float8_e4m3fn)
     b = torch.randn(s.groups, s.n, s.k, device=dev).to(torch.float8_e4m3fn)
-    sa = torch.ones(s.k // TILE, s.rows, device=dev).t()
-    sb = torch.ones(s.groups, s.n // TILE, s.k // TILE, device=dev)
-    sched = (torch.arange(s.rows // TILE, device=dev) * TILE // per).int()
-    ident = torch.arange(s.rows, device=dev, dtype=torch.int32)
-    kernel = _ms(lambda: bg.grouped_gemm(a, b, sa, sb, sched, False, torch.bfloat16,
-                                         ident, ident))
+    args = _fprop_operands(s, per)
+    kernel = _ms(lambda: bg.grouped_gemm(a, b, *args))
     ab, bb = a.bfloat16(), b.bfloat16()
     offs = torch.arange(1, s.groups + 1, device=dev, dtype=torch.int32) * per
     return kernel, _ms(lambda: torch._grouped_mm(ab, bb.transpose(-2, -1), offs=offs))
@@ -91,11 +109,8 @@ def _wgrad(s: Shape, per: int) -> tuple:
     dev = "cuda"
     dy_t = torch.randn(s.n, s.rows, device=dev).to(torch.float8_e4m3fn)
     x_t = torch.randn(s.k, s.rows, device=dev).to(torch.float8_e4m3fn)
-    sa = torch.ones(s.rows // TILE, s.n, device=dev).t()
-    sb = torch.ones(s.rows // TILE, s.k, device=dev).t()
-    k_tiles = (torch.stack([torch.arange(s.groups), torch.arange(1, s.groups + 1)], 1)
-               * (per // TILE)).int().to(dev)
-    kernel = _ms(lambda: bg.grouped_gemm(dy_t, x_t, sa, sb, k_tiles, True, torch.bfloat16))
+    args = _wgrad_operands(s, per)
+    kernel = _ms(lambda: bg.grouped_gemm(dy_t, x_t, *args))
     dyb, xb = dy_t.bfloat16(), x_t.bfloat16().t().contiguous()
     offs = torch.arange(1, s.groups + 1, device=dev, dtype=torch.int32) * per
     return kernel, _ms(lambda: torch._grouped_mm(dyb, xb, offs=offs))
@@ -150,30 +165,22 @@ def time_dense(s: Shape) -> list:
     one = torch.ones((), device=dev)
     x8, w8 = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
     dy_t8, x_t8 = (t.t().contiguous().to(torch.float8_e4m3fn) for t in (dy, x))
-    # the kernel's operands: unit block scales, one group (made here, not
-    # inside the captured calls)
-    ident = torch.arange(m, device=dev, dtype=torch.int32)
-    f_sa, f_sb = torch.ones(k // TILE, m, device=dev).t(), torch.ones(1, n // TILE, k // TILE,
-                                                                       device=dev)
-    f_sched = torch.zeros(m // TILE, device=dev, dtype=torch.int32)
-    w_sa, w_sb = torch.ones(m // TILE, n, device=dev).t(), torch.ones(m // TILE, k, device=dev).t()
-    w_sched = torch.tensor([[0, m // TILE]], device=dev, dtype=torch.int32)
-    w8_groups = w8[None]
+    # the kernel's other arguments, one group (made here, not inside the
+    # captured calls)
+    f_args, w_args, w8_groups = _fprop_operands(s, m), _wgrad_operands(s, m), w8[None]
     fprop = {
         "bf16": lambda: torch.mm(x, w.t()),
         "fp8_tensorwise": lambda: torch._scaled_mm(x8, w8.t(), one, one, out_dtype=torch.bfloat16,
                                                    use_fast_accum=True),
         "cublas_blockwise": lambda: gemm(qx, "rowwise", qw, "rowwise", torch.bfloat16),
-        "kernel": lambda: bg.grouped_gemm(x8, w8_groups, f_sa, f_sb, f_sched, False,
-                                          torch.bfloat16, ident, ident),
+        "kernel": lambda: bg.grouped_gemm(x8, w8_groups, *f_args),
     }
     wgrad = {
         "bf16": lambda: torch.mm(dy.t(), x),
         "fp8_tensorwise": lambda: torch._scaled_mm(dy_t8, x_t8.t(), one, one,
                                                    out_dtype=torch.bfloat16),
         "cublas_blockwise": lambda: gemm(qdy, "columnwise", qx, "columnwise", torch.bfloat16),
-        "kernel": lambda: bg.grouped_gemm(dy_t8, x_t8, w_sa, w_sb, w_sched, True,
-                                          torch.bfloat16),
+        "kernel": lambda: bg.grouped_gemm(dy_t8, x_t8, *w_args),
     }
     rows = []
     for what, fns in (("fprop", fprop), ("wgrad", wgrad)):
