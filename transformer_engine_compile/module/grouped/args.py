@@ -56,6 +56,14 @@ class GroupedLinearFwdArgs:
     # per-expert FP8 current scaling: the backward gets W itself and quantizes
     # its transposed copy again (te.Linear's save_original_weight)
     save_original_weight: bool = False
+    # Transformer Engine's weight caching (``is_first_microbatch``) under
+    # per-expert FP8: the layer's buffers for W's FP8 copies and scales,
+    # written by the first microbatch's forward (``cache_weight``), read
+    # instead of quantizing W by the others
+    weight_cache_data: Optional[torch.Tensor] = None        # (num_gemms, out, in) FP8
+    weight_cache_transposed: Optional[torch.Tensor] = None  # (num_gemms, in, out) FP8
+    weight_cache_scale_inv: Optional[torch.Tensor] = None   # (num_gemms,) fp32
+    cache_weight: bool = False
 
 
 @dataclasses.dataclass

@@ -40,7 +40,8 @@ from ..delayed_step import delayed_updates, delayed_updates_fake
 from . import blocked, blockwise_gemm, fp8_gemm
 from .args import GroupedLinearBwdArgs, GroupedLinearFwdArgs
 from .padding import padded_rows, padded_sources
-from .quantize import dequantize_experts, dequantize_rows, quantize_experts, quantize_tokens
+from .quantize import (Quantized, amax_experts, dequantize_experts, dequantize_rows,
+                       quantize_experts, quantize_tokens)
 
 # the ones block of the bias gradient: a few columns keep its rows 16-byte
 # aligned, as the CUDA grouped GEMM requires of its operands
@@ -49,7 +50,11 @@ _ONES_COLS = 8
 # DelayedScaling's new histories and scales, written into the module buffers
 # right after the ops (dynamo/custom_op.py)
 FORWARD_UPDATES = {"amax_history_fwd": Update("amax_history_fwd"),
-                   "scale_fwd": Update("scale_fwd")}
+                   "scale_fwd": Update("scale_fwd"),
+                   # the first microbatch's FP8 W, into the layer's weight cache
+                   **{name: Update(name) for name in ("weight_cache_data",
+                                                      "weight_cache_transposed",
+                                                      "weight_cache_scale_inv")}}
 BACKWARD_UPDATES = {"amax_history_bwd": Update("amax_history_bwd"),
                     "scale_bwd": Update("scale_bwd")}
 
@@ -130,20 +135,38 @@ def _quantize_operands(args: GroupedLinearFwdArgs, rows: torch.Tensor) -> tuple:
     (``quantize.Quantized``) with a scale of their own, from their amaxes
     (current scaling) or from the amax history (DelayedScaling, which
     records this call's amaxes and steps the history); with the transposed
-    copies the backward's GEMMs read (x's for wgrad, W's for dgrad)."""
+    copies the backward's GEMMs read (x's for wgrad, W's for dgrad).  With
+    a weight cache, the first microbatch's W copies go to it (update
+    outputs) and the later microbatches read them."""
     x, w, groups = args.inp, args.weight, args.weight.shape[0]
     sources = _padded(args, rows)[0] if args.weight_requires_grad else None
     x_scale = w_scale = None
     if args.amax_history_fwd is not None:
         x_scale, w_scale = args.scale_fwd[:groups], args.scale_fwd[groups:]
     xq = quantize_tokens(x, rows, groups, args.input_quantizer, x_scale, sources)
-    wq = quantize_experts(w, args.weight_quantizer, w_scale,
-                          transposed=args.input_requires_grad and not saves_original_weight(args))
+    if reuses_cached_weight(args):  # a later microbatch: W's FP8 copies from the cache
+        # DelayedScaling records W's amax all the same, as te.Linear does
+        amax = amax_experts(w) if args.amax_history_fwd is not None else None
+        wq = Quantized(args.weight_cache_data, args.weight_cache_transposed,
+                       args.weight_cache_scale_inv, amax)
+    else:  # the first microbatch caches both copies, whatever this call's backward needs
+        wq = quantize_experts(w, args.weight_quantizer, w_scale,
+                              transposed=args.cache_weight or (
+                                  args.input_requires_grad and not saves_original_weight(args)))
+    cached = ({"weight_cache_data": wq.data, "weight_cache_transposed": wq.transposed,
+               "weight_cache_scale_inv": wq.scale_inv} if args.cache_weight else {})
     if args.amax_history_fwd is None:
-        return xq, wq, {}
+        return xq, wq, cached
     # the step moves the scales on after the casts (and the scale_inv) read them
-    return xq, wq, delayed_updates(args.input_quantizer, args.amax_history_fwd, args.scale_fwd,
-                                   torch.cat([xq.amax, wq.amax]), "fwd", args.amax_group)
+    return xq, wq, {**cached, **delayed_updates(
+        args.input_quantizer, args.amax_history_fwd, args.scale_fwd,
+        torch.cat([xq.amax, wq.amax]), "fwd", args.amax_group)}
+
+
+def reuses_cached_weight(args: GroupedLinearFwdArgs) -> bool:
+    """Whether the forward reads W's FP8 copies from the weight cache (a
+    microbatch after the first) instead of quantizing W.  Real or fake."""
+    return args.weight_cache_data is not None and not args.cache_weight
 
 
 def _blockwise_kernel(args: GroupedLinearFwdArgs) -> bool:
@@ -187,14 +210,24 @@ def grouped_linear_forward_fake(args: GroupedLinearFwdArgs) -> OpResult:
     xq = TensorProto((x.shape[1], padded_rows(x.shape[0], w.shape[0], fp8_gemm.ALIGN)),
                      FP8_DTYPE[args.input_quantizer.fp8_format], device=x.device)
     x_scale_inv = TensorProto(groups, torch.float32, device=x.device)
-    if saves_original_weight(args):
+    fp8_w = FP8_DTYPE[args.weight_quantizer.fp8_format]
+    # W's transposed copy and scales: the cache's when reused; when cached,
+    # the same tensors are saved and written to the cache, as in the impl
+    w_t = TensorProto((w.shape[0], w.shape[2], w.shape[1]), fp8_w, device=w.device)
+    w_scale_inv = TensorProto(groups, torch.float32, device=w.device)
+    cached = {}
+    if args.cache_weight:
+        cached = {"weight_cache_data": TensorProto(tuple(w.shape), fp8_w, device=w.device),
+                  "weight_cache_transposed": w_t, "weight_cache_scale_inv": w_scale_inv}
+    if reuses_cached_weight(args):
+        saved = _saved(args, xq, args.weight_cache_transposed, x_scale_inv,
+                       args.weight_cache_scale_inv)
+    elif saves_original_weight(args):
         saved = _saved(args, xq, w, x_scale_inv)
     else:
-        wq = TensorProto((w.shape[0], w.shape[2], w.shape[1]),
-                         FP8_DTYPE[args.weight_quantizer.fp8_format], device=w.device)
-        saved = _saved(args, xq, wq, x_scale_inv, TensorProto(groups, torch.float32,
-                                                              device=w.device))
-    return OpResult({"out": y, **delayed_updates_fake(args.amax_history_fwd, "fwd")}, saved)
+        saved = _saved(args, xq, w_t, x_scale_inv, w_scale_inv)
+    return OpResult({"out": y, **cached, **delayed_updates_fake(args.amax_history_fwd, "fwd")},
+                    saved)
 
 
 def saves_original_weight(args: GroupedLinearFwdArgs) -> bool:
@@ -204,7 +237,7 @@ def saves_original_weight(args: GroupedLinearFwdArgs) -> bool:
     W itself anyway).  Real or fake arguments."""
     return (args.save_original_weight and args.input_requires_grad
             and args.weight_quantizer is not None and args.amax_history_fwd is None
-            and tensorwise_fp8(args.weight_quantizer))
+            and args.weight_cache_data is None and tensorwise_fp8(args.weight_quantizer))
 
 
 def tensorwise_fp8(q) -> bool:

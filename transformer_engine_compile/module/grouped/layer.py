@@ -21,9 +21,10 @@ import torch
 
 from ...autocast import get_autocast_recipe
 from ...dynamo.state import register_module
+from ...kernels.reference import FP8_DTYPE
 from ...quantization import factory
 from ..extra_state import LoadsWithoutExtraState
-from ..linear.setup import _torch_autocast_dtype, init_weight_
+from ..linear.setup import _torch_autocast_dtype, first_microbatch_flag, init_weight_
 from . import fp8_gemm
 from .args import GroupedLinearFwdArgs
 from .compute import tensorwise_fp8, group_ids
@@ -32,6 +33,10 @@ from .padding import padded_sources
 from .state import bind_delayed_state, get_grouped_extra_state, set_grouped_extra_state
 
 __all__ = ["GroupedLinear"]
+
+# the FP8 weight cache (``is_first_microbatch``): buffers ``fp8_weight_<name>``,
+# the forward op's fields ``weight_cache_<name>``
+_CACHE_BUFFERS = ("data", "transposed", "scale_inv")
 
 
 class GroupedLinear(LoadsWithoutExtraState, torch.nn.Module):
@@ -127,18 +132,50 @@ class GroupedLinear(LoadsWithoutExtraState, torch.nn.Module):
                 is_first_microbatch: Optional[bool] = None, *,
                 m_offsets: Union[Sequence[int], torch.Tensor, None] = None) -> torch.Tensor:
         """``is_first_microbatch``: Transformer Engine's weight caching across
-        gradient-accumulation microbatches, which this layer does not do:
-        anything but None is refused, rather than quantizing the weights
-        every call when the caller asked for them to be cached."""
-        if is_first_microbatch is not None:
-            raise NotImplementedError(
-                "te.GroupedLinear does not cache FP8 weights across microbatches "
-                "(is_first_microbatch); call it with is_first_microbatch=None: the weights "
-                "are quantized at every call (te.Linear caches them)")
-        state, = bind_delayed_state(self, self._gemms(), self.weight.device)
+        gradient-accumulation microbatches.  True quantizes the experts'
+        weights and keeps their FP8 copies in the layer (non-persistent
+        buffers ``fp8_weight_*``); False reuses them without reading the
+        weights' values again (an error if no True call made them); None,
+        the default, quantizes at every call.  Under per-expert FP8 (current
+        and delayed scaling); ignored without a recipe, as Transformer
+        Engine ignores it without FP8; refused under the block-scaled
+        recipes.  Each value is its own graph under ``torch.compile``."""
+        first = first_microbatch_flag("te.GroupedLinear", is_first_microbatch)
+        cache_layout = () if first is None else self._weight_cache_layout(first)
+        # every buffer allocated before any is read (dynamo/state.py)
+        state, = bind_delayed_state(self, self._gemms(), self.weight.device, cache_layout)
+        cache = None
+        if cache_layout:
+            cache = {f"weight_cache_{name}": getattr(self, f"fp8_weight_{name}")
+                     for name in _CACHE_BUFFERS} | {"cache_weight": first}
         return grouped_linear(inp, self.weight, self.bias, m_splits, m_offsets=m_offsets,
                               delayed_state=state,
-                              save_original_weight=self.save_original_weight)
+                              save_original_weight=self.save_original_weight,
+                              weight_cache=cache)
+
+    def _weight_cache_layout(self, first: bool) -> tuple:
+        """The weight cache's buffers (``ensure_buffers`` layout) under the
+        active recipe, none without one; on a later microbatch they must
+        exist already."""
+        recipe = get_autocast_recipe()
+        if recipe is None:
+            return ()
+        q = factory.quantizer_for(recipe, "weight", internal=True)
+        if not tensorwise_fp8(q):
+            raise NotImplementedError(
+                f"te.GroupedLinear caches FP8 weights across microbatches (is_first_microbatch) "
+                f"under Float8CurrentScaling and DelayedScaling, not {type(recipe).__name__}: "
+                "call it with is_first_microbatch=None (the weights are quantized at every call)")
+        experts, out_features, in_features = self.weight.shape
+        fp8 = FP8_DTYPE[q.fp8_format]
+        missing = None if first else (
+            "te.GroupedLinear: is_first_microbatch=False reuses the FP8 weights cached by an "
+            "earlier is_first_microbatch=True call under the same recipe, and there are none")
+        shapes = {"data": ((experts, out_features, in_features), fp8),
+                  "transposed": ((experts, in_features, out_features), fp8),
+                  "scale_inv": ((experts,), torch.float32)}
+        return tuple((f"fp8_weight_{name}", *shapes[name], None, missing)
+                     for name in _CACHE_BUFFERS)
 
 
 def init_experts_(*stacked: torch.Tensor, init_method=None) -> None:
@@ -155,14 +192,16 @@ def grouped_linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
                    m_splits: Union[Sequence[int], torch.Tensor, None] = None, *,
                    m_offsets: Union[Sequence[int], torch.Tensor, None] = None,
                    delayed_state: Optional[dict] = None,
-                   save_original_weight: bool = False) -> torch.Tensor:
+                   save_original_weight: bool = False,
+                   weight_cache: Optional[dict] = None) -> torch.Tensor:
     """``te.GroupedLinear``'s forward as a function of its parameters
     (``weight`` ``(num_gemms, out, in)``, ``bias`` ``(num_gemms, out)``): for
     modules that hold expert weights under their own names
     (:class:`~.experts.GroupedExperts`).  Under DelayedScaling
     ``delayed_state`` holds the GEMM's amax histories and scales
     (``state.bind_delayed_state``).  ``save_original_weight``: as the
-    modules' attribute (:class:`GroupedLinear`)."""
+    modules' attribute (:class:`GroupedLinear`); ``weight_cache``: the
+    weight cache's op fields (``GroupedLinear._weight_cache``)."""
     groups, out_features, in_features = weight.shape
     if inp.shape[-1] != in_features:
         raise ValueError(f"te.GroupedLinear: the input's last dim is {inp.shape[-1]}, the "
@@ -171,6 +210,8 @@ def grouped_linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     ac_dtype = _torch_autocast_dtype(inp)
     if save_original_weight:
         quantizers["save_original_weight"] = True
+    if weight_cache is not None:
+        quantizers.update(weight_cache)
     if ac_dtype is not None:  # torch.autocast: compute in its dtype, as te.Linear does
         cast = weight.to(ac_dtype)
         if cast is not weight:  # a copy made for this call: keep the smaller FP8 one

@@ -64,6 +64,14 @@ def quantize_experts(w3d: torch.Tensor, q, scale: Optional[torch.Tensor] = None,
     return Quantized(data.view(experts, rows, cols), t, s_inv, amax)
 
 
+def amax_experts(w3d: torch.Tensor) -> torch.Tensor:
+    """Each expert's amax of ``(experts, out, in)`` weights (fp32,
+    ``(experts,)``): what :func:`quantize_experts` records, without the cast."""
+    experts, rows, cols = w3d.shape
+    w2d = w3d.reshape(experts * rows, cols)
+    return get("amax_grouped", w2d)(w2d, experts, rows_per_group=rows)
+
+
 def dequantize_rows(data: torch.Tensor, scale_inv: torch.Tensor, group_of_row) -> torch.Tensor:
     return data.float() * scale_inv[group_of_row].unsqueeze(1)
 

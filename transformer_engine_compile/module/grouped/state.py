@@ -23,13 +23,17 @@ def _columns(groups: int) -> tuple:
     return 2 * groups, groups
 
 
-def bind_delayed_state(module: torch.nn.Module, gemms: Sequence[tuple], device) -> list:
+def bind_delayed_state(module: torch.nn.Module, gemms: Sequence[tuple], device,
+                       extra_layout: tuple = ()) -> list:
     """For each ``(prefix, groups)`` GEMM of ``module``: its DelayedScaling
     fields of ``GroupedLinearFwdArgs`` (a dict), allocated once, or None
-    when the active recipe is not DelayedScaling.  All GEMMs' buffers in
-    one ``ensure_buffers`` call, before any is read."""
+    when the active recipe is not DelayedScaling.  All GEMMs' buffers, and
+    the module's other buffers of ``extra_layout``, in one
+    ``ensure_buffers`` call, before any is read."""
     recipe = get_autocast_recipe()
     if recipe is None or not recipe.delayed():
+        if extra_layout:
+            ensure_buffers(module._state_key, extra_layout, device)
         return [None] * len(gemms)
     n, f32 = recipe.constant("amax_history_len"), torch.float32
     layout = ()
@@ -38,7 +42,7 @@ def bind_delayed_state(module: torch.nn.Module, gemms: Sequence[tuple], device) 
         hist_fwd, scale_fwd, hist_bwd, scale_bwd = delayed_state_names(prefix)
         layout += ((hist_fwd, (n, fwd), f32, 0.0, None), (scale_fwd, (fwd,), f32, 1.0, None),
                    (hist_bwd, (n, bwd), f32, 0.0, None), (scale_bwd, (bwd,), f32, 1.0, None))
-    ensure_buffers(module._state_key, layout, device)
+    ensure_buffers(module._state_key, layout + tuple(extra_layout), device)
     group = get_amax_reduction_group()
     fields = ("amax_history_fwd", "scale_fwd", "amax_history_bwd", "scale_bwd")
     return [{**{f: getattr(module, name) for f, name in zip(fields, delayed_state_names(prefix))},

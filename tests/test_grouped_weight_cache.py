@@ -1,0 +1,195 @@
+"""te.GroupedLinear's weight caching across gradient-accumulation
+microbatches (Transformer Engine's ``is_first_microbatch``) on CPU: the
+first microbatch quantizes the experts' weights and keeps their FP8 copies,
+the later ones reuse them without reading the weights; eager and compiled
+alike, the ops opcheck-clean, and clear errors where it cannot apply."""
+
+import copy
+
+import pytest
+import torch
+
+import transformer_engine_compile as te
+from transformer_engine_compile.module.grouped import GROUPED_LINEAR_OPS as OPS
+from transformer_engine_compile.module.grouped import GroupedLinearFwdArgs
+from transformer_engine_compile.module.grouped.compute import (grouped_linear_forward,
+                                                                grouped_linear_setup_context)
+
+E, IN, OUT = 4, 64, 32
+SIZES = (5, 0, 11, 16)
+
+
+def _layer(seed=0):
+    torch.manual_seed(seed)
+    layer = te.GroupedLinear(E, IN, OUT, params_dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.bias.normal_()
+    return layer
+
+
+def _data(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(SIZES), IN, generator=g).to(torch.bfloat16)
+    x = x * torch.arange(1, x.shape[0] + 1).unsqueeze(1)  # scales that differ by expert
+    return x, torch.randn(sum(SIZES), OUT, generator=g).to(torch.bfloat16)
+
+
+def _step(fn, layer, x, dy, rec, first):
+    """One microbatch: (y, dx, dW, db), the weight's gradient accumulated."""
+    x = x.detach().requires_grad_()
+    with te.autocast(recipe=rec):
+        y = fn(x, torch.tensor(SIZES), first)
+    y.backward(dy)
+    return y.detach(), x.grad, layer.weight.grad.clone(), layer.bias.grad.clone()
+
+
+def _same(a, b):
+    for u, v in zip(a, b):
+        torch.testing.assert_close(v, u, rtol=0, atol=0)
+
+
+def _compiled(layer, backend):
+    return torch.compile(layer, fullgraph=True, backend=backend) if backend else layer
+
+
+@pytest.mark.parametrize("compiled", [None, "aot_eager", "inductor"],
+                         ids=["eager", "aot_eager", "inductor"])
+def test_current_scaling_reuses_the_first_microbatchs_fp8_weights(compiled):
+    """Microbatches (True, False, False) equal uncached ones while the
+    weights stay put; when the weights change under it, a False call keeps
+    computing with the cached FP8 weights (the uncached output moves), and
+    a True call quantizes the new ones."""
+    torch._dynamo.reset()
+    rec = te.recipe.Float8CurrentScaling()
+    cached, plain = _layer(), _layer()
+    fn_c, fn_p = _compiled(cached, compiled), _compiled(plain, compiled)
+    x, dy = _data()
+    for first in (True, False, False):
+        _same(_step(fn_p, plain, x, dy, rec, None), _step(fn_c, cached, x, dy, rec, first))
+    y_before = _step(fn_c, cached, x, dy, rec, False)
+    with torch.no_grad():
+        cached.weight.mul_(2)
+        plain.weight.mul_(2)
+    cached.zero_grad()
+    y_reused = _step(fn_c, cached, x, dy, rec, False)
+    y_plain = _step(fn_p, plain, x, dy, rec, None)
+    assert not torch.equal(y_plain[0], y_before[0])
+    torch.testing.assert_close(y_reused[0], y_before[0], rtol=0, atol=0)
+    torch.testing.assert_close(y_reused[1], y_before[1], rtol=0, atol=0)  # dgrad: cached W too
+    plain.zero_grad()
+    cached.zero_grad()
+    _same(_step(fn_p, plain, x, dy, rec, None), _step(fn_c, cached, x, dy, rec, True))
+
+
+def test_delayed_scaling_caches_and_records_the_weights_amax():
+    """Under DelayedScaling the cache holds W cast with the first
+    microbatch's scale; compiled equals eager over the microbatches, and
+    every microbatch records W's amax as an uncached layer does (its
+    history equal to that layer's), also after the weights change."""
+    torch._dynamo.reset()
+    rec = te.recipe.DelayedScaling()
+    eager, compiled, plain = _layer(), _layer(), _layer()
+    fn = _compiled(compiled, "aot_eager")
+    x, dy = _data()
+    for i, first in enumerate((True, False, False, None, False)):
+        if i == 3:
+            with torch.no_grad():
+                for m in (eager, compiled, plain):
+                    m.weight.mul_(2)
+        _same(_step(eager, eager, x, dy, rec, first), _step(fn, compiled, x, dy, rec, first))
+        _step(plain, plain, x, dy, rec, None)
+        for name in ("fp8_amax_history_fwd", "fp8_scale_fwd", "fp8_amax_history_bwd"):
+            assert torch.equal(getattr(eager, name), getattr(plain, name)), (i, name)
+            assert torch.equal(getattr(compiled, name), getattr(plain, name)), (i, name)
+    # the last call (False) used W cast before the change: not the uncached output
+    y_cached = _step(eager, eager, x, dy, rec, False)[0]
+    assert not torch.equal(y_cached, _step(plain, plain, x, dy, rec, None)[0])
+
+
+def test_compiles_one_graph_per_flag():
+    torch._dynamo.reset()
+    rec, layer = te.recipe.Float8CurrentScaling(), _layer()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    step = torch.compile(layer, fullgraph=True, backend=backend)
+    x, dy = _data()
+    for first in (True, False, False, True, False):
+        with te.autocast(recipe=rec):
+            step(x, torch.tensor(SIZES), first)
+    assert len(graphs) == 2, len(graphs)
+
+
+def test_the_cache_is_module_state_not_checkpoint_state():
+    rec, layer = te.recipe.Float8CurrentScaling(), _layer()
+    x, _ = _data()
+    with te.autocast(recipe=rec):
+        layer(x, list(SIZES), True)
+    names = {n for n, _ in layer.named_buffers()}
+    assert {"fp8_weight_data", "fp8_weight_transposed", "fp8_weight_scale_inv"} <= names
+    assert layer.fp8_weight_data.dtype == torch.float8_e4m3fn
+    assert layer.fp8_weight_transposed.shape == (E, IN, OUT)
+    assert not any("fp8_weight" in k for k in layer.state_dict())
+    twin = copy.deepcopy(layer)  # a copy keeps its own cache, and its own state key
+    with torch.no_grad():
+        layer.fp8_weight_scale_inv.fill_(7.0)
+    assert not torch.equal(twin.fp8_weight_scale_inv, layer.fp8_weight_scale_inv)
+    with te.autocast(recipe=rec):
+        assert torch.equal(twin(x, list(SIZES), False), twin(x, list(SIZES)))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
+def test_errors_and_the_flag_without_a_recipe(compiled):
+    torch._dynamo.reset()
+    layer = _layer()
+    call = torch.compile(layer, fullgraph=True, backend="aot_eager") if compiled else layer
+    x, _ = _data()
+
+    def raises(exc, match):
+        return pytest.raises(torch._dynamo.exc.Unsupported if compiled else exc, match=match)
+
+    with te.autocast(recipe=te.recipe.Float8CurrentScaling()):
+        # raised while Dynamo allocates the buffers: it wraps it as an internal error
+        with pytest.raises(Exception if compiled else ValueError,
+                           match="is_first_microbatch=False reuses the FP8 weights"):
+            call(x, list(SIZES), False)
+    with te.autocast(recipe=te.recipe.MXFP8BlockScaling()):
+        with raises(NotImplementedError, "not MXFP8BlockScaling"):
+            call(torch.zeros(32, IN, dtype=torch.bfloat16), list(SIZES), True)
+    with pytest.raises(TypeError, match="must be a Python bool"):
+        layer(x, list(SIZES), torch.tensor(True))
+    # without a recipe the flag changes nothing, as in Transformer Engine
+    for first in (True, False):
+        assert torch.equal(call(x, list(SIZES), first), layer(x, list(SIZES)))
+    assert not any("fp8_weight" in n for n, _ in layer.named_buffers())
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["caching", "reusing"])
+def test_opcheck_forward_and_backward_ops(first):
+    from test_linear_ops import opcheck
+
+    rec, layer = te.recipe.Float8CurrentScaling(), _layer()
+    x, dy = _data()
+    with te.autocast(recipe=rec):
+        layer(x, list(SIZES), True)  # fills the cache
+    q = {f"{role}_quantizer": te.quantizer_for(rec, role, internal=True)
+         for role in ("input", "weight", "grad_output")}
+    cache = {f"weight_cache_{n}": getattr(layer, f"fp8_weight_{n}").clone()
+             for n in ("data", "transposed", "scale_inv")}
+    args = GroupedLinearFwdArgs(
+        inp=x.requires_grad_(), weight=layer.weight.detach(),
+        m_offsets=torch.tensor(SIZES).cumsum(0).to(torch.int32), bias=layer.bias.detach(),
+        input_requires_grad=True, weight_requires_grad=True, bias_requires_grad=True,
+        cache_weight=first, **cache, **q)
+    opcheck(OPS.fwd_op, OPS.fwd_plan.encode(args), True)
+    with torch.no_grad():
+        real = grouped_linear_forward(args)
+    assert ("weight_cache_data" in real.outputs) == first
+    if not first:  # the backward reads the cached transposed copy itself
+        assert real.saved["weightmat"] is args.weight_cache_transposed
+    args.inp.requires_grad_(False)
+    bwd = OPS.make_bwd_args(real.saved, grouped_linear_setup_context(args), {"grad_output": dy})
+    opcheck(OPS.bwd_op, OPS.bwd_plan.encode(bwd), True)
