@@ -201,7 +201,7 @@ def grouped_linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     ``delayed_state`` holds the GEMM's amax histories and scales
     (``state.bind_delayed_state``).  ``save_original_weight``: as the
     modules' attribute (:class:`GroupedLinear`); ``weight_cache``: the
-    weight cache's op fields (``GroupedLinear._weight_cache``)."""
+    weight cache's op fields, as ``GroupedLinear.forward`` binds them."""
     groups, out_features, in_features = weight.shape
     if inp.shape[-1] != in_features:
         raise ValueError(f"te.GroupedLinear: the input's last dim is {inp.shape[-1]}, the "
