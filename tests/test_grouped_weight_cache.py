@@ -15,16 +15,9 @@ from transformer_engine_compile.module.grouped import GroupedLinearFwdArgs
 from transformer_engine_compile.module.grouped.compute import (grouped_linear_forward,
                                                                 grouped_linear_setup_context)
 
-E, IN, OUT = 4, 64, 32
+from test_grouped_linear import E, IN, OUT, _layer
+
 SIZES = (5, 0, 11, 16)
-
-
-def _layer(seed=0):
-    torch.manual_seed(seed)
-    layer = te.GroupedLinear(E, IN, OUT, params_dtype=torch.bfloat16)
-    with torch.no_grad():
-        layer.bias.normal_()
-    return layer
 
 
 def _data(seed=1):
