@@ -128,3 +128,22 @@ def compile_caches_off():
     with torch._inductor.config.patch(fx_graph_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):
         yield
+
+
+@pytest.fixture
+def stand_in_kernel(monkeypatch):
+    """te.GroupedLinear's FP8 blockwise kernel path taken on CPU, the
+    kernel's reference computing the GEMMs; the list of each call's
+    ``grouped_k`` (fprop and dgrad False, wgrad True)."""
+    from transformer_engine_compile.kernels import blockwise_grouped as kernel
+    from transformer_engine_compile.module.grouped import blockwise_gemm
+
+    calls = []
+
+    def gemm(*args):
+        calls.append(args[5])
+        return kernel.reference(*args)
+
+    monkeypatch.setattr(blockwise_gemm, "applies", lambda *a: True)
+    monkeypatch.setattr(kernel, "grouped_gemm", gemm)
+    return calls

@@ -75,20 +75,6 @@ def _step(layer, x, sizes, dy, step=None):
     return y, x.grad, layer.weight.grad, layer.bias.grad
 
 
-@pytest.fixture
-def stand_in_kernel(monkeypatch):
-    """The kernel path taken on CPU, the reference computing the GEMMs."""
-    calls = []
-
-    def gemm(*args):
-        calls.append(args[5])
-        return kernel.reference(*args)
-
-    monkeypatch.setattr(blockwise_gemm, "applies", lambda *a: True)
-    monkeypatch.setattr(kernel, "grouped_gemm", gemm)
-    return calls
-
-
 @pytest.mark.parametrize("sizes", SIZES[:2])
 def test_training_step_equals_the_dequantized_path(stand_in_kernel, sizes):
     g = torch.Generator().manual_seed(1)

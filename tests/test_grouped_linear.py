@@ -246,9 +246,16 @@ def test_fp8_current_compiled_equals_eager(backend):
             torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
-def _opcheck_both_ops(rec, layer, sizes, x, dy, save_original_weight=False):
+def _opcheck_both_ops(rec, layer, sizes, x, dy, save_original_weight=False, **fields):
     """opcheck of the forward op and of the backward op on the forward's
-    saved tensors; returns the saved x."""
+    saved tensors (``fields``: more forward arguments); returns the saved x."""
+    return opcheck_grouped_ops(rec, layer, sizes, x, dy, save_original_weight=save_original_weight,
+                               **fields)[0].saved["inputmat"]
+
+
+def opcheck_grouped_ops(rec, layer, sizes, x, dy, **fields):
+    """:func:`_opcheck_both_ops`, returning the forward's real result and
+    its arguments."""
     from test_linear_ops import opcheck
 
     q = {f"{role}_quantizer": te.quantizer_for(rec, role, internal=True)
@@ -257,14 +264,14 @@ def _opcheck_both_ops(rec, layer, sizes, x, dy, save_original_weight=False):
         inp=x.requires_grad_(), weight=layer.weight.detach(),
         m_offsets=torch.tensor(sizes).cumsum(0).to(torch.int32), bias=layer.bias.detach(),
         input_requires_grad=True, weight_requires_grad=True, bias_requires_grad=True,
-        save_original_weight=save_original_weight, **q)
+        **fields, **q)
     opcheck(OPS.fwd_op, OPS.fwd_plan.encode(args), True)
     with torch.no_grad():  # as the op runs its impl
         real = grouped_linear_forward(args)
     args.inp.requires_grad_(False)
     bwd = OPS.make_bwd_args(real.saved, grouped_linear_setup_context(args), {"grad_output": dy})
     opcheck(OPS.bwd_op, OPS.bwd_plan.encode(bwd), True)
-    return real.saved["inputmat"]
+    return real, args
 
 
 @pytest.mark.parametrize("save_original_weight", [False, True])

@@ -10,12 +10,9 @@ import pytest
 import torch
 
 import transformer_engine_compile as te
-from transformer_engine_compile.module.grouped import GROUPED_LINEAR_OPS as OPS
-from transformer_engine_compile.module.grouped import GroupedLinearFwdArgs
-from transformer_engine_compile.module.grouped.compute import (grouped_linear_forward,
-                                                                grouped_linear_setup_context)
 
-from test_grouped_linear import E, IN, OUT, _layer
+from test_grouped_blockwise_kernel import _layer as _wide_layer
+from test_grouped_linear import E, IN, OUT, _layer, opcheck_grouped_ops
 
 SIZES = (5, 0, 11, 16)
 
@@ -162,27 +159,83 @@ def test_errors_and_the_flag_without_a_recipe(compiled):
 
 @pytest.mark.parametrize("first", [True, False], ids=["caching", "reusing"])
 def test_opcheck_forward_and_backward_ops(first):
-    from test_linear_ops import opcheck
-
     rec, layer = te.recipe.Float8CurrentScaling(), _layer()
     x, dy = _data()
     with te.autocast(recipe=rec):
         layer(x, list(SIZES), True)  # fills the cache
-    q = {f"{role}_quantizer": te.quantizer_for(rec, role, internal=True)
-         for role in ("input", "weight", "grad_output")}
     cache = {f"weight_cache_{n}": getattr(layer, f"fp8_weight_{n}").clone()
              for n in ("data", "transposed", "scale_inv")}
-    args = GroupedLinearFwdArgs(
-        inp=x.requires_grad_(), weight=layer.weight.detach(),
-        m_offsets=torch.tensor(SIZES).cumsum(0).to(torch.int32), bias=layer.bias.detach(),
-        input_requires_grad=True, weight_requires_grad=True, bias_requires_grad=True,
-        cache_weight=first, **cache, **q)
-    opcheck(OPS.fwd_op, OPS.fwd_plan.encode(args), True)
-    with torch.no_grad():
-        real = grouped_linear_forward(args)
+    real, args = opcheck_grouped_ops(rec, layer, SIZES, x, dy, cache_weight=first, **cache)
     assert ("weight_cache_data" in real.outputs) == first
     if not first:  # the backward reads the cached transposed copy itself
         assert real.saved["weightmat"] is args.weight_cache_transposed
-    args.inp.requires_grad_(False)
-    bwd = OPS.make_bwd_args(real.saved, grouped_linear_setup_context(args), {"grad_output": dy})
-    opcheck(OPS.bwd_op, OPS.bwd_plan.encode(bwd), True)
+
+
+# -- FP8 blockwise on the CuTeDSL kernel (its reference standing in on CPU) -------------
+WIDE_SIZES = (128, 0, 130, 256)
+
+
+@pytest.mark.parametrize("compiled", [None, "aot_eager"], ids=["eager", "aot_eager"])
+def test_blockwise_kernel_path_reuses_the_cached_weight(stand_in_kernel, compiled):
+    """Under Float8BlockScaling the kernel path caches all experts' W as the
+    kernel reads it (both copies of one (experts * out, in) matrix):
+    microbatches (True, False, False) equal uncached ones, a False call
+    after the weights changed computes with the cached copies (dgrad too),
+    and a True call quantizes the new ones."""
+    torch._dynamo.reset()
+    rec = te.recipe.Float8BlockScaling()
+    cached, plain = _wide_layer(), _wide_layer()
+    fn_c, fn_p = _compiled(cached, compiled), _compiled(plain, compiled)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(sum(WIDE_SIZES), 256, generator=g).bfloat16()
+    dy = torch.randn(sum(WIDE_SIZES), 384, generator=g).bfloat16()
+
+    def step(fn, layer, first):
+        xg = x.detach().requires_grad_()
+        with te.autocast(recipe=rec):
+            y = fn(xg, torch.tensor(WIDE_SIZES), first)
+        y.backward(dy)
+        return y.detach(), xg.grad, layer.weight.grad.clone()
+
+    for first in (True, False, False):
+        _same(step(fn_p, plain, None), step(fn_c, cached, first))
+    names = {n for n, _ in cached.named_buffers() if n.startswith("fp8_weight_")}
+    assert names == {"fp8_weight_rowwise_data", "fp8_weight_rowwise_scale_inv",
+                     "fp8_weight_columnwise_data", "fp8_weight_columnwise_scale_inv"}
+    assert cached.fp8_weight_rowwise_data.shape == (4 * 384, 256)
+    before = step(fn_c, cached, False)
+    with torch.no_grad():
+        cached.weight.mul_(2)
+        plain.weight.mul_(2)
+    reused = step(fn_c, cached, False)
+    for a, b in zip(before[:2], reused[:2]):  # y and dx from the cached W
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    assert not torch.equal(step(fn_p, plain, None)[0], before[0])
+    cached.zero_grad()
+    plain.zero_grad()
+    _same(step(fn_p, plain, None), step(fn_c, cached, True))
+
+
+def test_blockwise_without_the_kernel_refuses_the_flag():
+    layer = _wide_layer()
+    x = torch.randn(sum(WIDE_SIZES), 256).bfloat16()
+    with te.autocast(recipe=te.recipe.Float8BlockScaling()):
+        with pytest.raises(NotImplementedError, match="on the CuTeDSL grouped GEMM"):
+            layer(x, list(WIDE_SIZES), True)
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["caching", "reusing"])
+def test_blockwise_opcheck_with_the_cache(stand_in_kernel, first):
+    rec, layer = te.recipe.Float8BlockScaling(), _wide_layer()
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(sum(WIDE_SIZES), 256, generator=g).bfloat16()
+    dy = torch.randn(sum(WIDE_SIZES), 384, generator=g).bfloat16()
+    with te.autocast(recipe=rec):
+        layer(x, list(WIDE_SIZES), True)
+        fields = layer._weight_cache(False)[1]()  # the layer's cache, as its forward binds it
+    real, args = opcheck_grouped_ops(rec, layer, WIDE_SIZES, x, dy, cache_weight=first,
+                                     **fields)
+    assert ("weight_cache_blockwise" in real.outputs) == first
+    # dgrad reads the cached W: the one this call wrote, or the layer's
+    want = real.outputs["weight_cache_blockwise"] if first else args.weight_cache_blockwise
+    assert real.saved["weightmat"] is want

@@ -209,3 +209,40 @@ def test_grouped_linear_runs_the_kernel_and_matches_the_dequantized_path(monkeyp
         rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
         assert rel < 1e-2
     assert torch.count_nonzero(got[2][1]) == 0  # the expert without tokens
+
+
+def test_grouped_linear_weight_cache_on_the_kernel():
+    """``is_first_microbatch`` on the kernel path: microbatches (True,
+    False, False), eager and compiled with inductor, equal uncached calls
+    bit for bit while the weights stay put, and a False call after the
+    weights changed computes with the cached FP8 weights."""
+    import transformer_engine_compile as te
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    make = lambda: te.GroupedLinear(4, 256, 384, params_dtype=torch.bfloat16).cuda()  # noqa: E731
+    cached, compiled, plain = make(), make(), make()
+    compiled.load_state_dict(cached.state_dict())
+    plain.load_state_dict(cached.state_dict())
+    step_c = torch.compile(compiled, fullgraph=True)
+    sizes = torch.tensor((37, 0, 300, 175), device="cuda")
+    x = torch.randn(512, 256, device="cuda").bfloat16()
+    dy = torch.randn(512, 384, device="cuda").bfloat16()
+
+    def run(layer, fn, first):
+        xg = x.detach().requires_grad_()
+        with te.autocast(recipe=te.recipe.Float8BlockScaling()):
+            y = fn(xg, sizes, first)
+        y.backward(dy)
+        return [y.detach(), xg.grad, layer.weight.grad.clone()]
+
+    for first in (True, False, False):
+        got = run(cached, cached, first)
+        for want in (run(plain, plain, None), run(compiled, step_c, first)):
+            for a, b in zip(got, want):
+                assert torch.equal(a, b)
+    before = run(cached, cached, False)[:2]
+    with torch.no_grad():
+        cached.weight.mul_(2)
+    for a, b in zip(before, run(cached, cached, False)[:2]):
+        assert torch.equal(a, b)

@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from ...dynamo.buckets import TensorOrQuantized
 from ...quantization.base import Quantizer
 
 try:
@@ -63,6 +64,9 @@ class GroupedLinearFwdArgs:
     weight_cache_data: Optional[torch.Tensor] = None        # (num_gemms, out, in) FP8
     weight_cache_transposed: Optional[torch.Tensor] = None  # (num_gemms, in, out) FP8
     weight_cache_scale_inv: Optional[torch.Tensor] = None   # (num_gemms,) fp32
+    # FP8 blockwise on the CuTeDSL kernel: W as one (num_gemms * out, in)
+    # quantized matrix, both copies (blockwise_gemm.py)
+    weight_cache_blockwise: TensorOrQuantized = None
     cache_weight: bool = False
 
 
@@ -74,7 +78,9 @@ class GroupedLinearBwdArgs:
     pad_sources: Optional[torch.Tensor] = None
     pad_offsets: Optional[torch.Tensor] = None
     inputmat: Optional[torch.Tensor] = None  # x (FP8 under current scaling), for wgrad
-    weightmat: Optional[torch.Tensor] = None  # W (FP8 under current scaling), for dgrad
+    # W (FP8 under current scaling), for dgrad; on the blockwise kernel with a
+    # weight cache, the cache's quantized W (its columnwise copy is read)
+    weightmat: TensorOrQuantized = None
     input_scale_inv: Optional[torch.Tensor] = None   # (num_gemms,) fp32, the FP8 x's
     weight_scale_inv: Optional[torch.Tensor] = None  # (num_gemms,) fp32, the FP8 W's
     grad_output_quantizer: Optional[Quantizer] = None

@@ -29,6 +29,8 @@ import warnings
 import torch
 
 from ...kernels import blockwise_grouped as kernel
+from ...dynamo.tensor_proto import TensorProto
+from ...quantization.base import QuantizedTensorStorage
 from ...quantization.blockwise import Float8BlockQuantizer
 from .padding import gather_rows, padded_rows, padded_sources
 
@@ -142,30 +144,49 @@ def kept_shapes(tokens: int, experts: int, in_features: int, out_features: int) 
             "w_scale": (in_features // TILE, padded_blocks(experts * out_features // TILE))}
 
 
-def forward(x, w, q_x, q_w, rows, offs, keep_x: bool, keep_w: bool) -> tuple:
-    """``(y, (x's copy, scales), (W's copy, scales))``: y in x's dtype (the
-    kernel reads x's rows in the padded layout and writes y's in token
-    order), and the columnwise FP8 copies wgrad (x's) and dgrad (W's) read,
-    made by the same quantizations as the forward's operands (``(None,
-    None)`` where not kept)."""
+def forward(x, w, q_x, q_w, rows, offs, keep_x: bool, keep_w: bool, wq=None,
+            both_copies: bool = False) -> tuple:
+    """``(y, (x's copy, scales), (W's copy, scales), W quantized)``: y in
+    x's dtype (the kernel reads x's rows in the padded layout and writes
+    y's in token order), and the columnwise FP8 copies wgrad (x's) and
+    dgrad (W's) read, made by the same quantizations as the forward's
+    operands (``(None, None)`` where not kept).  ``wq``: W already
+    quantized (a weight cache: :func:`weight_cache_quantizer`'s copies);
+    ``both_copies``: quantize both of W's copies (to fill that cache)."""
     sources, dest, pad_offs = padded_sources(offs, rows, TILE)
     # rowwise blocks alone: the padding rows may hold anything, unless
     # x's columnwise copy (wgrad's 128-token blocks) is made from them too
     xs = gather_rows(x, sources, zero_padding=keep_x)
     xq = q_x.usage_variant(True, keep_x).quantize(xs)
-    wq = _quantize_weight(q_w, w, True, keep_w)
+    if wq is None:
+        wq = _quantize_weight(q_w, w, True, keep_w or both_copies)
     a, sa = xq.fp8_operand("rowwise")
     b, sb = _rowwise_weight(wq, w.shape[0])
     y = kernel.grouped_gemm(a, b, sa, sb, _row_tiles(offs, pad_offs, xs.shape[0]), False,
                             x.dtype, sources, dest)
     kept_x = (xq._columnwise_data, xq._columnwise_scale_inv) if keep_x else (None, None)
     kept_w = (wq._columnwise_data, wq._columnwise_scale_inv) if keep_w else (None, None)
-    return y, kept_x, kept_w
+    return y, kept_x, kept_w, wq
+
+
+def weight_cache_quantizer(q_w):
+    """The quantizer of a weight cache's contents: both copies of all
+    experts' W as one ``(experts * out, in)`` matrix (what
+    :func:`forward` quantizes with ``both_copies``)."""
+    return q_w.usage_variant(True, True)
 
 
 def is_kept_copy(t) -> bool:
-    """Whether a saved x or W is :func:`forward`'s FP8 copy (not the tensor)."""
-    return t is not None and t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    """Whether a saved x or W is :func:`forward`'s FP8 copy (not the tensor),
+    or a weight cache's quantized W (:func:`is_cached_weight`)."""
+    return t is not None and (t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+                              or is_cached_weight(t))
+
+
+def is_cached_weight(t) -> bool:
+    """Whether a saved W is a weight cache's quantized W (real or fake)."""
+    return isinstance(t, QuantizedTensorStorage) or (
+        isinstance(t, TensorProto) and t.is_quantized)
 
 
 def grads(dy, x, w, q_dy, q_x, q_w, rows, offs, dgrad: bool, wgrad: bool,
@@ -182,7 +203,9 @@ def grads(dy, x, w, q_dy, q_x, q_w, rows, offs, dgrad: bool, wgrad: bool,
     dx = dw = None
     if dgrad:
         a, sa = dyq.fp8_operand("rowwise")
-        if not is_kept_copy(w):
+        if is_cached_weight(w):  # a weight cache's: its columnwise copy
+            w, w_scale = w._columnwise_data, w._columnwise_scale_inv
+        elif not is_kept_copy(w):
             wq = _quantize_weight(q_w, w, False, True)
             w, w_scale = wq._columnwise_data, wq._columnwise_scale_inv
         b, sb = _columnwise_weight(w, w_scale, experts)

@@ -54,7 +54,8 @@ FORWARD_UPDATES = {"amax_history_fwd": Update("amax_history_fwd"),
                    # the first microbatch's FP8 W, into the layer's weight cache
                    **{name: Update(name) for name in ("weight_cache_data",
                                                       "weight_cache_transposed",
-                                                      "weight_cache_scale_inv")}}
+                                                      "weight_cache_scale_inv",
+                                                      "weight_cache_blockwise")}}
 BACKWARD_UPDATES = {"amax_history_bwd": Update("amax_history_bwd"),
                     "scale_bwd": Update("scale_bwd")}
 
@@ -102,12 +103,16 @@ def grouped_linear_forward(args: GroupedLinearFwdArgs) -> OpResult:
     rows = _rows(args, x.shape[0])
     if _blockwise_kernel(args):
         keep_x, keep_w = _kept_copies(args)
-        y, (xk, xs), (wk, ws) = blockwise_gemm.forward(x, w, args.input_quantizer,
-                                                       args.weight_quantizer, rows, offs,
-                                                       keep_x, keep_w)
+        cache = args.weight_cache_blockwise
+        y, (xk, xs), (wk, ws), wq = blockwise_gemm.forward(
+            x, w, args.input_quantizer, args.weight_quantizer, rows, offs, keep_x, keep_w,
+            wq=cache if reuses_cached_weight(args) else None, both_copies=args.cache_weight)
+        if cache is not None and keep_w:  # dgrad reads the cached W (this call's, if caching)
+            wk, ws = (wq if args.cache_weight else cache), None
         if args.bias is not None:
             y = y + args.bias[rows]
-        return OpResult({"out": y}, _saved(args, xk, wk if keep_w else w, xs, ws))
+        cached = {"weight_cache_blockwise": wq} if args.cache_weight else {}
+        return OpResult({"out": y, **cached}, _saved(args, xk, wk if keep_w else w, xs, ws))
     if not tensorwise_fp8(args.input_quantizer):
         y = blocked.fprop(x, w, args.input_quantizer, args.weight_quantizer, rows, offs)
         if args.bias is not None:
@@ -166,7 +171,11 @@ def _quantize_operands(args: GroupedLinearFwdArgs, rows: torch.Tensor) -> tuple:
 def reuses_cached_weight(args: GroupedLinearFwdArgs) -> bool:
     """Whether the forward reads W's FP8 copies from the weight cache (a
     microbatch after the first) instead of quantizing W.  Real or fake."""
-    return args.weight_cache_data is not None and not args.cache_weight
+    return _has_weight_cache(args) and not args.cache_weight
+
+
+def _has_weight_cache(args: GroupedLinearFwdArgs) -> bool:
+    return args.weight_cache_data is not None or args.weight_cache_blockwise is not None
 
 
 def _blockwise_kernel(args: GroupedLinearFwdArgs) -> bool:
@@ -181,28 +190,41 @@ def _blockwise_kernel(args: GroupedLinearFwdArgs) -> bool:
 def _kept_copies(args: GroupedLinearFwdArgs) -> tuple:
     """(x's, W's): which FP8 copies the blockwise kernel's forward keeps for
     the backward: x's for wgrad, W's for dgrad (W itself with
-    ``save_original_weight``: the backward quantizes it again)."""
+    ``save_original_weight``: the backward quantizes it again; a weight
+    cache holds W's copy anyway)."""
     return (args.weight_requires_grad,
-            args.input_requires_grad and not args.save_original_weight)
+            args.input_requires_grad and (not args.save_original_weight
+                                          or _has_weight_cache(args)))
 
 
-def _blockwise_saved_fake(args: GroupedLinearFwdArgs) -> dict:
+def _blockwise_saved_fake(args: GroupedLinearFwdArgs, cached=None) -> dict:
+    """``cached``: the proto of W written to the weight cache by this call."""
     x, w = args.inp, args.weight
     keep_x, keep_w = _kept_copies(args)
     shape = blockwise_gemm.kept_shapes(x.shape[0], w.shape[0], w.shape[2], w.shape[1])
     fp8 = lambda q, what: TensorProto(shape[what], FP8_DTYPE[q.fp8_format],  # noqa: E731
                                       device=x.device)
     f32 = lambda what: TensorProto(shape[what], torch.float32, device=x.device)  # noqa: E731
-    return _saved(args, fp8(args.input_quantizer, "x") if keep_x else None,
-                  fp8(args.weight_quantizer, "w") if keep_w else w,
-                  f32("x_scale") if keep_x else None, f32("w_scale") if keep_w else None)
+    w_kept = (fp8(args.weight_quantizer, "w"), f32("w_scale")) if keep_w else (w, None)
+    cache = args.weight_cache_blockwise
+    if cache is not None and keep_w:  # the cached W, as in the impl
+        w_kept = (cached if args.cache_weight else cache), None
+    return _saved(args, fp8(args.input_quantizer, "x") if keep_x else None, w_kept[0],
+                  f32("x_scale") if keep_x else None, w_kept[1])
 
 
 def grouped_linear_forward_fake(args: GroupedLinearFwdArgs) -> OpResult:
     x, w = args.inp, args.weight
     y = TensorProto((x.shape[0], w.shape[1]), x.dtype, device=x.device)
     if _blockwise_kernel(args):
-        return OpResult({"out": y}, _blockwise_saved_fake(args))
+        cached = {}
+        if args.cache_weight:  # W as the cache holds it (blockwise_gemm.forward)
+            e, n, k = w.shape
+            q = blockwise_gemm.weight_cache_quantizer(args.weight_quantizer)
+            cached = {"weight_cache_blockwise": TensorProto((e * n, k), w.dtype, q,
+                                                            device=w.device)}
+        return OpResult({"out": y, **cached},
+                        _blockwise_saved_fake(args, cached.get("weight_cache_blockwise")))
     if args.input_quantizer is None or not tensorwise_fp8(args.input_quantizer):
         return OpResult({"out": y}, _saved(args, x, w))
     groups = (w.shape[0],)
@@ -237,7 +259,7 @@ def saves_original_weight(args: GroupedLinearFwdArgs) -> bool:
     W itself anyway).  Real or fake arguments."""
     return (args.save_original_weight and args.input_requires_grad
             and args.weight_quantizer is not None and args.amax_history_fwd is None
-            and args.weight_cache_data is None and tensorwise_fp8(args.weight_quantizer))
+            and not _has_weight_cache(args) and tensorwise_fp8(args.weight_quantizer))
 
 
 def tensorwise_fp8(q) -> bool:
@@ -342,10 +364,12 @@ def grouped_linear_backward_fake(args: GroupedLinearBwdArgs) -> dict:
     t = args.grad_output_quantizer is not None and tensorwise_fp8(args.grad_output_quantizer)
     if args.input_requires_grad:  # dy's dtype, quantized or not; W itself when it is requantized
         w_t = t and args.weight_quantizer is None
-        # the blockwise kernel's kept copy of W: (in, experts * out)
+        # the blockwise kernel's kept copy of W: (in, experts * out); a weight
+        # cache's quantized W: (experts * out, in)
         kept = not t and blockwise_gemm.is_kept_copy(args.weightmat)
-        dgrad = TensorProto((dy.shape[0], args.weightmat.shape[0 if kept else 1 if w_t else 2]),
-                            dy.dtype, device=dy.device)
+        cached = not t and blockwise_gemm.is_cached_weight(args.weightmat)
+        dim = 1 if cached else 0 if kept else 1 if w_t else 2
+        dgrad = TensorProto((dy.shape[0], args.weightmat.shape[dim]), dy.dtype, device=dy.device)
     if args.weight_requires_grad:
         kept = t or blockwise_gemm.is_kept_copy(args.inputmat)  # x's copy: (in, tokens)
         wgrad = TensorProto((groups, dy.shape[1], args.inputmat.shape[0 if kept else 1]),

@@ -25,7 +25,7 @@ from ...kernels.reference import FP8_DTYPE
 from ...quantization import factory
 from ..extra_state import LoadsWithoutExtraState
 from ..linear.setup import _torch_autocast_dtype, first_microbatch_flag, init_weight_
-from . import fp8_gemm
+from . import blockwise_gemm, fp8_gemm
 from .args import GroupedLinearFwdArgs
 from .compute import tensorwise_fp8, group_ids
 from .ops import GROUPED_LINEAR_OPS
@@ -137,45 +137,65 @@ class GroupedLinear(LoadsWithoutExtraState, torch.nn.Module):
         buffers ``fp8_weight_*``); False reuses them without reading the
         weights' values again (an error if no True call made them); None,
         the default, quantizes at every call.  Under per-expert FP8 (current
-        and delayed scaling); ignored without a recipe, as Transformer
-        Engine ignores it without FP8; refused under the block-scaled
-        recipes.  Each value is its own graph under ``torch.compile``."""
+        and delayed scaling) and FP8 blockwise on the CuTeDSL kernel
+        (:meth:`_weight_cache`); ignored without a recipe, as Transformer
+        Engine ignores it without FP8; refused under the other block-scaled
+        paths.  Each value is its own graph under ``torch.compile``."""
         first = first_microbatch_flag("te.GroupedLinear", is_first_microbatch)
-        cache_layout = () if first is None else self._weight_cache_layout(first)
+        cache_layout, bind_cache = (), None
+        if first is not None:
+            cache_layout, bind_cache = self._weight_cache(first)
         # every buffer allocated before any is read (dynamo/state.py)
         state, = bind_delayed_state(self, self._gemms(), self.weight.device, cache_layout)
-        cache = None
-        if cache_layout:
-            cache = {f"weight_cache_{name}": getattr(self, f"fp8_weight_{name}")
-                     for name in _CACHE_BUFFERS} | {"cache_weight": first}
+        cache = None if bind_cache is None else {**bind_cache(), "cache_weight": first}
         return grouped_linear(inp, self.weight, self.bias, m_splits, m_offsets=m_offsets,
                               delayed_state=state,
                               save_original_weight=self.save_original_weight,
                               weight_cache=cache)
 
-    def _weight_cache_layout(self, first: bool) -> tuple:
-        """The weight cache's buffers (``ensure_buffers`` layout) under the
-        active recipe, none without one; on a later microbatch they must
-        exist already."""
+    def _weight_cache(self, first: bool) -> tuple:
+        """``(layout, bind)``: the weight cache's buffers under the active
+        recipe (an ``ensure_buffers`` layout; on a later microbatch they must
+        exist already) and a function giving the forward op's cache fields
+        once they are allocated; ``((), None)`` without a recipe.  Per-expert
+        FP8 keeps each expert's two FP8 copies and scales; FP8 blockwise on
+        the CuTeDSL kernel keeps all experts' W as the kernel reads it, one
+        quantized ``(experts * out, in)`` matrix with both copies."""
         recipe = get_autocast_recipe()
         if recipe is None:
-            return ()
-        q = factory.quantizer_for(recipe, "weight", internal=True)
-        if not tensorwise_fp8(q):
-            raise NotImplementedError(
-                f"te.GroupedLinear caches FP8 weights across microbatches (is_first_microbatch) "
-                f"under Float8CurrentScaling and DelayedScaling, not {type(recipe).__name__}: "
-                "call it with is_first_microbatch=None (the weights are quantized at every call)")
+            return (), None
+        roles = ("input", "weight", "grad_output")
+        q_x, q_w, q_dy = (factory.quantizer_for(recipe, r, internal=True) for r in roles)
         experts, out_features, in_features = self.weight.shape
-        fp8 = FP8_DTYPE[q.fp8_format]
         missing = None if first else (
             "te.GroupedLinear: is_first_microbatch=False reuses the FP8 weights cached by an "
             "earlier is_first_microbatch=True call under the same recipe, and there are none")
-        shapes = {"data": ((experts, out_features, in_features), fp8),
-                  "transposed": ((experts, in_features, out_features), fp8),
-                  "scale_inv": ((experts,), torch.float32)}
-        return tuple((f"fp8_weight_{name}", *shapes[name], None, missing)
-                     for name in _CACHE_BUFFERS)
+        if tensorwise_fp8(q_w):
+            fp8 = FP8_DTYPE[q_w.fp8_format]
+            shapes = {"data": ((experts, out_features, in_features), fp8),
+                      "transposed": ((experts, in_features, out_features), fp8),
+                      "scale_inv": ((experts,), torch.float32)}
+            layout = tuple((f"fp8_weight_{name}", *shapes[name], None, missing)
+                           for name in _CACHE_BUFFERS)
+            return layout, lambda: {f"weight_cache_{name}": getattr(self, f"fp8_weight_{name}")
+                                    for name in _CACHE_BUFFERS}
+        if blockwise_gemm.applies(self.weight, in_features, out_features, q_x, q_w, q_dy):
+            q = blockwise_gemm.weight_cache_quantizer(q_w)
+            shape = (experts * out_features, in_features)
+            parts = q.flatten_layout(shape)
+            layout = tuple((f"fp8_weight_{name}", size, dtype, None, missing)
+                           for name, size, dtype in parts)
+
+            def bind():
+                buffers = {name: getattr(self, f"fp8_weight_{name}") for name, _, _ in parts}
+                return {"weight_cache_blockwise": q.create_metadata(shape, self.weight.dtype)
+                        .build(shape, buffers)}
+            return layout, bind
+        raise NotImplementedError(
+            f"te.GroupedLinear caches FP8 weights across microbatches (is_first_microbatch) "
+            f"under Float8CurrentScaling, DelayedScaling and, on the CuTeDSL grouped GEMM, "
+            f"Float8BlockScaling, not {type(recipe).__name__} here: call it with "
+            "is_first_microbatch=None (the weights are quantized at every call)")
 
 
 def init_experts_(*stacked: torch.Tensor, init_method=None) -> None:
