@@ -28,8 +28,8 @@ import warnings
 
 import torch
 
-from ...kernels import blockwise_grouped as kernel
 from ...dynamo.tensor_proto import TensorProto
+from ...kernels import blockwise_grouped as kernel
 from ...quantization.base import QuantizedTensorStorage
 from ...quantization.blockwise import Float8BlockQuantizer
 from .padding import gather_rows, padded_rows, padded_sources
@@ -179,8 +179,8 @@ def weight_cache_quantizer(q_w):
 def is_kept_copy(t) -> bool:
     """Whether a saved x or W is :func:`forward`'s FP8 copy (not the tensor),
     or a weight cache's quantized W (:func:`is_cached_weight`)."""
-    return t is not None and (t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-                              or is_cached_weight(t))
+    return t is not None and (is_cached_weight(t)
+                              or t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2))
 
 
 def is_cached_weight(t) -> bool:
