@@ -34,8 +34,8 @@ from .state import bind_delayed_state, get_grouped_extra_state, set_grouped_extr
 
 __all__ = ["GroupedLinear"]
 
-# the FP8 weight cache (``is_first_microbatch``): buffers ``fp8_weight_<name>``,
-# the forward op's fields ``weight_cache_<name>``
+# per-expert FP8's weight cache (``is_first_microbatch``): buffers
+# ``fp8_weight_<name>``, the forward op's fields ``weight_cache_<name>``
 _CACHE_BUFFERS = ("data", "transposed", "scale_inv")
 
 
