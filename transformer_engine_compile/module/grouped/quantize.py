@@ -57,7 +57,7 @@ def quantize_experts(w3d: torch.Tensor, q, scale: Optional[torch.Tensor] = None,
     with ``transposed`` also the ``(experts, in, out)`` copy."""
     experts, rows, cols = w3d.shape
     w2d = w3d.reshape(experts * rows, cols)
-    amax = get("amax_grouped", w2d)(w2d, experts, rows_per_group=rows)
+    amax = amax_experts(w3d)
     s, s_inv = _scales(amax, q, scale)
     data, t = get("cast_fp8_grouped", w2d)(w2d, s, q.fp8_format, rows_per_group=rows,
                                            transpose_groups=transposed)
