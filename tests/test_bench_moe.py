@@ -131,3 +131,33 @@ def test_the_dequantized_candidate_turns_the_blockwise_kernel_off(tmp_path, monk
               "fp8_block_dequantized", "--json", str(tmp_path / "m.json")])
     assert ("Float8BlockScaling", None) in seen and ("Float8BlockScaling", "0") in seen
     assert DISABLE_VAR not in os.environ
+
+
+def test_microbatches_add_a_cached_row_and_cache_the_weights(tmp_path, monkeypatch):
+    """``--microbatches`` runs each recipe also with its FP8 weights cached
+    across the microbatches: the cached block calls ``is_first_microbatch``
+    True once, then False, per step, and accumulates the same gradients as
+    the uncached one; reduce-overhead refuses microbatches."""
+    cfg = moe.CONFIGS["tiny"]
+    rec = te.recipe.Float8CurrentScaling()
+    x = torch.randn(cfg.tokens, cfg.hidden, dtype=torch.bfloat16)
+    grads, flags = [], []
+    for cache in (False, True):
+        block = moe.build(cfg, "te", torch.device("cpu"))
+        real_forward = block.experts.forward
+        block.experts.forward = lambda *a: (flags.append(a[3] if len(a) > 3 else None),
+                                            real_forward(*a))[1]
+        moe.time_block(block, rec, x.clone().requires_grad_(), steps=1, compiled=False,
+                       microbatches=3, cache=cache)
+        grads.append(block.experts.down_proj.grad)
+    # 3 warm-up steps + 1 timed step, 3 microbatches each
+    assert flags[:12] == [None] * 12 and flags[12:] == [True, False, False] * 4
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+    out = tmp_path / "moe.json"
+    assert moe.main(["--configs", "tiny", "--steps", "1", "--eager", "--recipes", "fp8_current",
+                     "--microbatches", "2", "--json", str(out)]) == 0
+    rows = {r["candidate"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["te fp8_current cached"]["ms"] > 0 and rows["te fp8_current"]["microbatches"] == 2
+    with pytest.raises(ValueError, match="default mode"):
+        moe.run(["tiny"], ["fp8_current"], torch.device("cpu"), 1, True, mode="reduce-overhead",
+                microbatches=2)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import transformer_engine_compile as te
+from transformer_engine_compile.module.grouped.weight_cache import weight_cache
 
 from test_grouped_blockwise_kernel import _layer as _wide_layer
 from test_grouped_linear import E, IN, OUT, _layer, opcheck_grouped_ops
@@ -232,10 +233,113 @@ def test_blockwise_opcheck_with_the_cache(stand_in_kernel, first):
     dy = torch.randn(sum(WIDE_SIZES), 384, generator=g).bfloat16()
     with te.autocast(recipe=rec):
         layer(x, list(WIDE_SIZES), True)
-        fields = layer._weight_cache(False)[1]()  # the layer's cache, as its forward binds it
+        # the layer's cache, as its forward binds it
+        fields = weight_cache(layer, "", layer.weight, False, "te.GroupedLinear")[1]()
     real, args = opcheck_grouped_ops(rec, layer, WIDE_SIZES, x, dy, cache_weight=first,
                                      **fields)
     assert ("weight_cache_blockwise" in real.outputs) == first
     # dgrad reads the cached W: the one this call wrote, or the layer's
     want = real.outputs["weight_cache_blockwise"] if first else args.weight_cache_blockwise
     assert real.saved["weightmat"] is want
+
+
+# -- te.GroupedExperts: both grouped GEMMs cached -----------------------------------------
+def _experts(hidden=64, ffn=32):
+    torch.manual_seed(0)
+    return te.GroupedExperts(E, hidden, ffn, params_dtype=torch.bfloat16)
+
+
+def _routed(tokens, hidden, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g).bfloat16()
+    weights, index = torch.rand(tokens, E, generator=g).topk(2, dim=-1)
+    index[:, 0] = index[:, 0].clamp(max=E - 2)  # the last expert gets no tokens
+    index[:, 1] = index[:, 1].clamp(max=E - 2)
+    return x, index, weights.bfloat16(), torch.randn(tokens, hidden, generator=g).bfloat16()
+
+
+def _experts_step(fn, experts, data, rec, first):
+    x, index, weights, dy = data
+    x = x.detach().requires_grad_()
+    with te.autocast(recipe=rec):
+        y = fn(x, index, weights, first) if first is not None else fn(x, index, weights)
+    y.backward(dy)
+    return (y.detach(), x.grad, experts.gate_up_proj.grad.clone(),
+            experts.down_proj.grad.clone())
+
+
+@pytest.mark.parametrize("compiled", [None, "aot_eager"], ids=["eager", "aot_eager"])
+def test_experts_cache_both_grouped_gemms(compiled):
+    """te.GroupedExperts caches gate/up's and down's FP8 weights under
+    buffers of their own: microbatches (True, False, False) equal uncached
+    ones, gradients accumulated, and after the weights change a False call
+    still computes with the cached copies."""
+    torch._dynamo.reset()
+    rec = te.recipe.Float8CurrentScaling()
+    cached, plain = _experts(), _experts()
+    fn_c, fn_p = _compiled(cached, compiled), _compiled(plain, compiled)
+    data = _routed(24, 64, 5)
+    for first in (True, False, False):
+        _same(_experts_step(fn_p, plain, data, rec, None),
+              _experts_step(fn_c, cached, data, rec, first))
+    names = {n for n, _ in cached.named_buffers() if "fp8_weight" in n}
+    assert names == {f"{g}fp8_weight_{p}" for g in ("gate_up_", "down_")
+                     for p in ("data", "transposed", "scale_inv")}
+    assert cached.gate_up_fp8_weight_transposed.shape == (E, 64, 64)
+    assert cached.down_fp8_weight_data.shape == (E, 64, 32)
+    before = _experts_step(fn_c, cached, data, rec, False)
+    with torch.no_grad():
+        cached.down_proj.mul_(2)
+        plain.down_proj.mul_(2)
+    reused = _experts_step(fn_c, cached, data, rec, False)
+    for a, b in zip(before[:2], reused[:2]):  # y and dx from the cached down weights
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    assert not torch.equal(_experts_step(fn_p, plain, data, rec, None)[0], before[0])
+
+
+def test_experts_delayed_scaling_compiled_equals_eager():
+    """Under DelayedScaling both GEMMs' caches hold W cast with the first
+    microbatch's scales: compiled equals eager over the microbatches, and
+    gate/up's forward history (its x and its W, recorded at every
+    microbatch) equals an uncached module's (what follows gate/up sees
+    values computed with the cached weights, so it may differ)."""
+    torch._dynamo.reset()
+    rec = te.recipe.DelayedScaling()
+    eager, compiled, plain = _experts(), _experts(), _experts()
+    fn = _compiled(compiled, "aot_eager")
+    data = _routed(24, 64, 8)
+    for i, first in enumerate((True, False, False)):
+        _same(_experts_step(eager, eager, data, rec, first),
+              _experts_step(fn, compiled, data, rec, first))
+        _experts_step(plain, plain, data, rec, None)
+        assert torch.equal(compiled.gate_up_fp8_amax_history_fwd,
+                           plain.gate_up_fp8_amax_history_fwd), i
+
+
+def test_experts_blockwise_kernel_path_caches_both_gemms(stand_in_kernel):
+    """Under Float8BlockScaling on the kernel path each GEMM keeps its
+    (experts * out, in) blockwise matrix; cached microbatches equal
+    uncached ones."""
+    torch._dynamo.reset()
+    rec = te.recipe.Float8BlockScaling()
+    cached, plain = _experts(256, 128), _experts(256, 128)
+    fn_c = _compiled(cached, "aot_eager")
+    data = _routed(160, 256, 6)
+    for first in (True, False):
+        _same(_experts_step(plain, plain, data, rec, None),
+              _experts_step(fn_c, cached, data, rec, first))
+    assert cached.gate_up_fp8_weight_rowwise_data.shape == (E * 256, 256)
+    assert cached.down_fp8_weight_columnwise_data.shape[0] == 128
+
+
+def test_experts_errors():
+    experts = _experts()
+    x, index, weights, _ = _routed(24, 64, 7)
+    with te.autocast(recipe=te.recipe.Float8CurrentScaling()):
+        with pytest.raises(ValueError, match="te.GroupedExperts: is_first_microbatch=False"):
+            experts(x, index, weights, False)
+    with te.autocast(recipe=te.recipe.MXFP8BlockScaling()):
+        with pytest.raises(NotImplementedError, match="te.GroupedExperts caches"):
+            experts(x, index, weights, True)
+    for first in (True, False):  # no recipe: the flag changes nothing
+        assert torch.equal(experts(x, index, weights, first), experts(x, index, weights))

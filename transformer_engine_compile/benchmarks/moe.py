@@ -6,7 +6,7 @@ process, compiled.
 
     python -m transformer_engine_compile.benchmarks.moe [--configs mixtral qwen3] \\
         [--recipes fp8_current fp8_current_e4m3] [--steps 20] [--json out.json] [--profile] \\
-        [--mode reduce-overhead]
+        [--mode reduce-overhead] [--microbatches 4]
 
 Configs: ``mixtral`` (hidden 4096, ffn 14336, 8 experts, top-2, 16k
 tokens), ``qwen3`` (hidden 2048, expert ffn 768, 128 experts, top-8, 16k
@@ -113,11 +113,13 @@ class Block(torch.nn.Module):
                                       device=device)
         self.experts = experts
 
-    def forward(self, x):
+    def forward(self, x, is_first_microbatch=None):
         probs = torch.softmax(self.router(x).float(), dim=-1)
         weights, index = probs.topk(self.top_k, dim=-1)
         weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
-        return x + self.experts(x, index, weights)
+        if is_first_microbatch is None:
+            return x + self.experts(x, index, weights)
+        return x + self.experts(x, index, weights, is_first_microbatch)
 
 
 def build(cfg: MoEConfig, kind: str, device) -> Block:
@@ -165,32 +167,34 @@ def profile_once(run) -> dict:
 
 
 def time_block(block, rec, x, steps: int, compiled: bool, profiled: bool = False,
-               mode: str = "default") -> dict:
+               mode: str = "default", microbatches: int = 1, cache: bool = False) -> dict:
     """Median ms of forward + backward (synchronised per step); with
     ``profiled``, the kernels of one more step under ``"profile"``;
     ``mode``: ``torch.compile``'s (``"reduce-overhead"``: CUDA graphs).
     In default mode each step adds its gradients into ``.grad`` (a
-    gradient-accumulation micro-step); reduce-overhead clears them first."""
+    gradient-accumulation micro-step); reduce-overhead clears them first.
+    ``microbatches``: forward + backward that many times per step (default
+    mode), with ``cache`` passing ``is_first_microbatch`` (True for the
+    first, False after: the experts' FP8 weights quantized once a step)."""
     from ..autocast import autocast
 
-    def step():
+    def step(first=None):
         with autocast(enabled=rec is not None, recipe=rec):  # recipe=None alone: the default
-            y = block(x)
+            y = block(x) if first is None else block(x, first)
         y.float().pow(2).mean().backward()
 
     compiled_step = torch.compile(step, mode=None if mode == "default" else mode) \
-        if compiled else None
+        if compiled else step
 
     def run():
-        if compiled_step is None:
-            return step()
-        if mode == "reduce-overhead":
+        if compiled and mode == "reduce-overhead":
             # the last replay's gradients would be read (accumulated into)
             # after the next replay overwrote them
             x.grad = None
             block.zero_grad(set_to_none=True)
             torch.compiler.cudagraph_mark_step_begin()
-        return compiled_step()
+        for i in range(microbatches):
+            compiled_step((i == 0) if cache else None)
     sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     for _ in range(3):
         run()
@@ -233,22 +237,32 @@ def recipe(name: str):
 
 
 def run(configs, recipes, device, steps, compiled, log=print, profiled=False,
-        mode="default") -> list:
+        mode="default", microbatches=1) -> list:
+    """Each config's block per candidate, side by side.  With more than one
+    microbatch per step each recipe also runs with its FP8 weights cached
+    across them (``cached``)."""
+    if microbatches > 1 and compiled and mode != "default":
+        raise ValueError("microbatches accumulate gradients across calls: default mode "
+                         "or eager only")
     rows = []
     for name in configs:
         cfg = CONFIGS[name]
         g = torch.Generator().manual_seed(2)
         x = torch.randn(cfg.tokens, cfg.hidden, generator=g).to(device, torch.bfloat16)
         candidates = [("torch bf16", "torch", None), ("te bf16", "te", None)]
-        candidates += [(f"te {r}", "te", recipe(r)) for r in recipes]
+        for r in recipes:
+            candidates.append((f"te {r}", "te", recipe(r)))
+            if microbatches > 1:
+                candidates.append((f"te {r} cached", "te", recipe(r)))
         if device.type == "cuda" and torchao_fp8_rowwise() is not None:
             candidates.append(("torchao fp8 rowwise", "torchao", None))
         for label, kind, rec in candidates:
-            row = {"config": name, "candidate": label}
+            row = {"config": name, "candidate": label, "microbatches": microbatches}
             try:
-                with _kernel_off(label.endswith("_dequantized")):
+                with _kernel_off("_dequantized" in label):
                     row.update(time_block(build(cfg, kind, device), rec, x.requires_grad_(),
-                                          steps, compiled, profiled, mode))
+                                          steps, compiled, profiled, mode, microbatches,
+                                          cache=label.endswith(" cached")))
                 base = next((r for r in rows + [row] if r["config"] == name
                              and r["candidate"] == "torch bf16" and "ms" in r), None)
                 row["x_bf16"] = None if base is None else base["ms"] / row["ms"]
@@ -394,6 +408,10 @@ def main(argv=None) -> int:
     parser.add_argument("--eager", action="store_true")
     parser.add_argument("--mode", choices=("default", "reduce-overhead"), default="default",
                         help="torch.compile's mode (reduce-overhead: CUDA graphs)")
+    parser.add_argument("--microbatches", type=int, default=1,
+                        help="forward + backward this many times per step (gradient "
+                             "accumulation, default mode); each recipe also runs with its "
+                             "FP8 weights cached across them (is_first_microbatch)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile", action="store_true",
                         help="after timing, one step of each row under torch.profiler: "
@@ -406,12 +424,13 @@ def main(argv=None) -> int:
           "forward + backward per step")
     blocks = [c for c in configs if c in CONFIGS]
     rows = run(blocks, args.recipes, device, args.steps, not args.eager, profiled=args.profile,
-               mode=args.mode)
+               mode=args.mode, microbatches=args.microbatches)
     rows += run_hf([c for c in configs if c in HF_CONFIGS], args.recipes, device, args.steps,
                    not args.eager, mode=args.mode)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "device": str(device),
+                       "microbatches": args.microbatches,
                        "mode": "eager" if args.eager else args.mode, "rows": rows}, f,
                       indent=1)
     return 0 if all("error" not in r for r in rows) else 1

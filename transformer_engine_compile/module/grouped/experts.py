@@ -25,8 +25,10 @@ import torch
 
 from ...dynamo.state import register_module
 from ..extra_state import LoadsWithoutExtraState
+from ..linear.setup import first_microbatch_flag
 from .layer import grouped_linear, init_experts_
 from .state import bind_delayed_state, get_grouped_extra_state, set_grouped_extra_state
+from .weight_cache import weight_cache
 
 __all__ = ["GroupedExperts", "permute", "tokens_per_expert", "unpermute"]
 
@@ -104,13 +106,28 @@ class GroupedExperts(LoadsWithoutExtraState, torch.nn.Module):
                 f"ffn_hidden_size={self.ffn_hidden_size}")
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
-        gate_up_state, down_state = bind_delayed_state(self, self._gemms(),
-                                                       self.gate_up_proj.device)
+                top_k_weights: torch.Tensor, is_first_microbatch: Optional[bool] = None
+                ) -> torch.Tensor:
+        """Hugging Face's experts call.  ``is_first_microbatch``: FP8 weight
+        caching across gradient-accumulation microbatches for both grouped
+        GEMMs, as ``te.GroupedLinear.forward`` takes it (buffers
+        ``gate_up_fp8_weight_*`` and ``down_fp8_weight_*``)."""
+        first = first_microbatch_flag("te.GroupedExperts", is_first_microbatch)
+        caches = [((), None)] * 2
+        if first is not None:
+            caches = [weight_cache(self, prefix, w, first, "te.GroupedExperts")
+                      for (prefix, _), w in zip(self._gemms(), (self.gate_up_proj, self.down_proj))]
+        # every buffer allocated before any is read (dynamo/state.py)
+        gate_up_state, down_state = bind_delayed_state(
+            self, self._gemms(), self.gate_up_proj.device, caches[0][0] + caches[1][0])
+        gate_up_cache, down_cache = (None if bind is None else {**bind(), "cache_weight": first}
+                                     for _, bind in caches)
         x, perm, counts = permute(hidden_states, top_k_index, self.num_experts)
         keep = self.save_original_weight
         gate, up = grouped_linear(x, self.gate_up_proj, None, counts, delayed_state=gate_up_state,
-                                  save_original_weight=keep).chunk(2, dim=-1)
+                                  save_original_weight=keep,
+                                  weight_cache=gate_up_cache).chunk(2, dim=-1)
         y = grouped_linear(self.act_fn(gate) * up, self.down_proj, None, counts,
-                           delayed_state=down_state, save_original_weight=keep)
+                           delayed_state=down_state, save_original_weight=keep,
+                           weight_cache=down_cache)
         return unpermute(y, perm, top_k_weights).to(hidden_states.dtype)

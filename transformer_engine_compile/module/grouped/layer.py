@@ -21,23 +21,18 @@ import torch
 
 from ...autocast import get_autocast_recipe
 from ...dynamo.state import register_module
-from ...kernels.reference import FP8_DTYPE
 from ...quantization import factory
 from ..extra_state import LoadsWithoutExtraState
 from ..linear.setup import _torch_autocast_dtype, first_microbatch_flag, init_weight_
-from . import blockwise_gemm, fp8_gemm
+from . import fp8_gemm
 from .args import GroupedLinearFwdArgs
 from .compute import tensorwise_fp8, group_ids
 from .ops import GROUPED_LINEAR_OPS
 from .padding import padded_sources
 from .state import bind_delayed_state, get_grouped_extra_state, set_grouped_extra_state
+from .weight_cache import weight_cache
 
 __all__ = ["GroupedLinear"]
-
-# per-expert FP8's weight cache (``is_first_microbatch``): buffers
-# ``fp8_weight_<name>``, the forward op's fields ``weight_cache_<name>``
-_CACHE_BUFFERS = ("data", "transposed", "scale_inv")
-
 
 class GroupedLinear(LoadsWithoutExtraState, torch.nn.Module):
     """``y_g = x_g W_g^T + b_g`` for each group ``g`` of rows of ``x``.
@@ -138,13 +133,14 @@ class GroupedLinear(LoadsWithoutExtraState, torch.nn.Module):
         weights' values again (an error if no True call made them); None,
         the default, quantizes at every call.  Under per-expert FP8 (current
         and delayed scaling) and FP8 blockwise on the CuTeDSL kernel
-        (:meth:`_weight_cache`); ignored without a recipe, as Transformer
+        (``weight_cache.py``); ignored without a recipe, as Transformer
         Engine ignores it without FP8; refused under the other block-scaled
         paths.  Each value is its own graph under ``torch.compile``."""
         first = first_microbatch_flag("te.GroupedLinear", is_first_microbatch)
         cache_layout, bind_cache = (), None
         if first is not None:
-            cache_layout, bind_cache = self._weight_cache(first)
+            cache_layout, bind_cache = weight_cache(self, "", self.weight, first,
+                                                    "te.GroupedLinear")
         # every buffer allocated before any is read (dynamo/state.py)
         state, = bind_delayed_state(self, self._gemms(), self.weight.device, cache_layout)
         cache = None if bind_cache is None else {**bind_cache(), "cache_weight": first}
@@ -152,50 +148,6 @@ class GroupedLinear(LoadsWithoutExtraState, torch.nn.Module):
                               delayed_state=state,
                               save_original_weight=self.save_original_weight,
                               weight_cache=cache)
-
-    def _weight_cache(self, first: bool) -> tuple:
-        """``(layout, bind)``: the weight cache's buffers under the active
-        recipe (an ``ensure_buffers`` layout; on a later microbatch they must
-        exist already) and a function giving the forward op's cache fields
-        once they are allocated; ``((), None)`` without a recipe.  Per-expert
-        FP8 keeps each expert's two FP8 copies and scales; FP8 blockwise on
-        the CuTeDSL kernel keeps all experts' W as the kernel reads it, one
-        quantized ``(experts * out, in)`` matrix with both copies."""
-        recipe = get_autocast_recipe()
-        if recipe is None:
-            return (), None
-        roles = ("input", "weight", "grad_output")
-        q_x, q_w, q_dy = (factory.quantizer_for(recipe, r, internal=True) for r in roles)
-        experts, out_features, in_features = self.weight.shape
-        missing = None if first else (
-            "te.GroupedLinear: is_first_microbatch=False reuses the FP8 weights cached by an "
-            "earlier is_first_microbatch=True call under the same recipe, and there are none")
-        if tensorwise_fp8(q_w):
-            fp8 = FP8_DTYPE[q_w.fp8_format]
-            shapes = {"data": ((experts, out_features, in_features), fp8),
-                      "transposed": ((experts, in_features, out_features), fp8),
-                      "scale_inv": ((experts,), torch.float32)}
-            layout = tuple((f"fp8_weight_{name}", *shapes[name], None, missing)
-                           for name in _CACHE_BUFFERS)
-            return layout, lambda: {f"weight_cache_{name}": getattr(self, f"fp8_weight_{name}")
-                                    for name in _CACHE_BUFFERS}
-        if blockwise_gemm.applies(self.weight, in_features, out_features, q_x, q_w, q_dy):
-            q = blockwise_gemm.weight_cache_quantizer(q_w)
-            shape = (experts * out_features, in_features)
-            parts = q.flatten_layout(shape)
-            layout = tuple((f"fp8_weight_{name}", size, dtype, None, missing)
-                           for name, size, dtype in parts)
-
-            def bind():
-                buffers = {name: getattr(self, f"fp8_weight_{name}") for name, _, _ in parts}
-                return {"weight_cache_blockwise": q.create_metadata(shape, self.weight.dtype)
-                        .build(shape, buffers)}
-            return layout, bind
-        raise NotImplementedError(
-            f"te.GroupedLinear caches FP8 weights across microbatches (is_first_microbatch) "
-            f"under Float8CurrentScaling, DelayedScaling and, on the CuTeDSL grouped GEMM, "
-            f"Float8BlockScaling, not {type(recipe).__name__} here: call it with "
-            "is_first_microbatch=None (the weights are quantized at every call)")
 
 
 def init_experts_(*stacked: torch.Tensor, init_method=None) -> None:
