@@ -191,31 +191,34 @@ def test_the_gemms_run_persistent_ctas(monkeypatch, grouped_k):
     a, b = torch.empty(128, 4096, dtype=fp8), torch.empty(2, 128, 4096, dtype=fp8)
     sched = torch.zeros(2, 2, dtype=torch.int32)  # wgrad: 2 groups over 32 K tiles
     kernel.grouped_gemm(a, b, None, None, sched, grouped_k, torch.bfloat16)
+    wide = {"tma_store": True, "tile_n": 192} if grouped_k else {}
     assert seen[0].as_dict()["persistent"] is True
-    assert seen[0] is kernel.config(grouped_k, fp8, fp8, torch.bfloat16)
+    assert seen[0] is kernel.config(grouped_k, fp8, fp8, torch.bfloat16, **wide)
     assert kernel.config(grouped_k, fp8, fp8, torch.bfloat16, persistent=False) not in seen
-    assert seen[0].as_dict()["tma_store"] is False
 
 
-@pytest.mark.parametrize("groups, tma_store", [(8, True), (4, True), (3, False)])
-def test_wgrad_takes_the_tma_store_epilogue_over_few_k_tiles_per_group(monkeypatch, groups,
-                                                                       tma_store):
-    """wgrad's persistent CTAs store through TMA where the groups average at
-    most ``TMA_STORE_MAX_K_TILES`` (4) K tiles (measured faster there, slower
-    over long K); fprop and dgrad never (their rows are mapped)."""
+@pytest.mark.parametrize("groups", [8, 3])
+def test_wgrad_takes_the_wide_tma_store_tiles(monkeypatch, groups):
+    """wgrad's persistent CTAs compute 128 x 192 tiles and store them
+    through TMA (measured faster over short and long K alike); fprop and
+    dgrad never (their rows are mapped, their weights' scales 128x128)."""
     seen = []
     monkeypatch.setattr(kernel, "run_kernel", lambda cfg, inputs: seen.append(cfg) or [None])
     fp8 = torch.float8_e4m3fn
     a, b = torch.empty(256, 16 * 128, dtype=fp8), torch.empty(384, 16 * 128, dtype=fp8)
     kernel.grouped_gemm(a, b, None, None, torch.zeros(groups, 2, dtype=torch.int32), True,
                         torch.float32)
-    assert seen[-1].as_dict()["tma_store"] is tma_store
-    assert seen[-1] is kernel.config(True, fp8, fp8, torch.float32, tma_store=tma_store)
-    # the option exists for persistent wgrad alone
+    assert seen[-1] is kernel.config(True, fp8, fp8, torch.float32, tma_store=True, tile_n=192)
+    assert seen[-1].as_dict()["tile_n"] == 192 and seen[-1].as_dict()["tma_store"] is True
+    # the options exist for persistent wgrad alone
     assert kernel.config(False, fp8, fp8, torch.float32, tma_store=True).as_dict()[
         "tma_store"] is False
     assert kernel.config(True, fp8, fp8, torch.float32, persistent=False,
                          tma_store=True).as_dict()["tma_store"] is False
+    with pytest.raises(ValueError, match="TMA-store wgrad only"):
+        kernel.config(False, fp8, fp8, torch.float32, tile_n=192)
+    with pytest.raises(TypeError, match="tile_n 128 or 192"):
+        kernel.config(True, fp8, fp8, torch.float32, tma_store=True, tile_n=256)
 
 
 def test_compiles_fullgraph_where_the_kernel_cannot_run(monkeypatch):

@@ -131,7 +131,8 @@ def test_persistent_ctas_equal_one_tile_per_cta(grouped_k, out_dtype):
     times, every output the same: one tile per CTA stages its output in
     the A ring, over the stage that its last K tile (2 or 3 K tiles here)
     was read from.  wgrad's persistent CTAs with the TMA-store epilogue
-    (``tma_store``) too."""
+    (``tma_store``) too, with 128- and 192-wide tiles (N = 1536 is 8 of
+    those, and 1664 ends in a partial one: its loads and stores clipped)."""
     gen = torch.Generator("cuda").manual_seed(6)
     if grouped_k:  # 3 groups x 6 x 12 tiles
         a, b = _fp8((768, 5 * T), gen), _fp8((1536, 5 * T), gen)
@@ -141,13 +142,22 @@ def test_persistent_ctas_equal_one_tile_per_cta(grouped_k, out_dtype):
     else:  # 6 row tiles x 40 N tiles, K 3 tiles
         a, b, sa, sb, sched, sources, dest = _row_groups_case(gen, n=40 * T)
         inputs = [a, b, sa, sb, sched, sources, dest]
-    outs, ways = [], [(False, False), (True, False)] + ([(True, True)] if grouped_k else [])
-    for persistent, tma_store in ways:
-        cfg = bg.config(grouped_k, a.dtype, b.dtype, out_dtype, persistent=persistent,
-                        tma_store=tma_store)
-        outs += [run_kernel(cfg, inputs)[0] for _ in range(20)]
-    for i, out in enumerate(outs[1:], 1):
-        assert torch.equal(outs[0], out), f"launch {i % 20} of (persistent, tma_store)={ways[i // 20]}"
+    ways = [(False, False, T), (True, False, T)]
+    if grouped_k:
+        ways += [(True, True, T), (True, True, 192)]
+    cases = [inputs]
+    if grouped_k:  # 13 N tiles of 128: 8 of 192 and a partial one
+        b2, sb2 = _fp8((1664, 5 * T), gen), _scales((5, 1664), gen).t()
+        cases.append([a, b2, sa, sb2, inputs[4]])
+    for case in cases:
+        outs = []
+        for persistent, tma_store, tile_n in ways:
+            cfg = bg.config(grouped_k, a.dtype, b.dtype, out_dtype, persistent=persistent,
+                            tma_store=tma_store, tile_n=tile_n)
+            outs += [run_kernel(cfg, case)[0] for _ in range(20)]
+        for i, out in enumerate(outs[1:], 1):
+            assert torch.equal(outs[0], out), \
+                f"launch {i % 20} of (persistent, tma_store, tile_n)={ways[i // 20]}"
 
 
 def test_compiled_equals_eager_and_builds_once():

@@ -41,18 +41,19 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _OUT = (torch.bfloat16, torch.float16, torch.float32)
 # every configuration, made once: a dict lookup is what torch.compile traces
 # (it does not trace the opaque class's constructor)
-_CONFIGS = {(k, a, b, o, p, t): KernelConfig.make(KIND, grouped_k=k, a_dtype=str(a),
-                                                  b_dtype=str(b), out_dtype=str(o),
-                                                  persistent=p, tma_store=t)
+_CONFIGS = {(k, a, b, o, p, t, n): KernelConfig.make(KIND, grouped_k=k, a_dtype=str(a),
+                                                     b_dtype=str(b), out_dtype=str(o),
+                                                     persistent=p, tma_store=t, tile_n=n)
             for k in (False, True) for a in _FP8 for b in _FP8 for o in _OUT
-            for p in (False, True) for t in ((False, True) if k and p else (False,))}
-# wgrad's TMA-store epilogue pays where each group reduces over few K tiles
-TMA_STORE_MAX_K_TILES = 4
+            for p in (False, True) for t in ((False, True) if k and p else (False,))
+            for n in ((TILE, 192) if t else (TILE,))}
+# wgrad's tiles: 128 x 192 through the TMA-store epilogue (kernels/cutedsl/...)
+WGRAD_TILE_N = 192
 
 
 def config(grouped_k: bool, a_dtype: torch.dtype, b_dtype: torch.dtype,
            out_dtype: torch.dtype, persistent: bool = True,
-           tma_store: bool = False) -> KernelConfig:
+           tma_store: bool = False, tile_n: int = TILE) -> KernelConfig:
     """The kernel's configuration.  ``persistent``: one CTA per SM, each
     looping over tiles and loading the next tile's operands while it
     stores this one, rather than one CTA per tile.  Measured on H200 at
@@ -63,16 +64,23 @@ def config(grouped_k: bool, a_dtype: torch.dtype, b_dtype: torch.dtype,
     tests check the persistent one against, bit for bit.
 
     ``tma_store`` (persistent wgrad only): the epilogue sends the tile out
-    with TMA stores that drain while the next tile computes.  On H200 it
-    ran DeepSeek-sized wgrad (2 K tiles per expert) 1.08-1.12x faster, and
-    Mixtral-sized wgrad (32 K tiles) 0.95-0.99x, bit for bit the same
-    (docs/benchmarks.md): :func:`grouped_gemm` picks it where the groups
-    average at most ``TMA_STORE_MAX_K_TILES`` K tiles."""
-    key = (bool(grouped_k), a_dtype, b_dtype, out_dtype, bool(persistent),
-           bool(tma_store and grouped_k and persistent))
+    with TMA stores that drain while the next tile computes.  ``tile_n``
+    (with ``tma_store``): C's tiles are 128 x ``tile_n``, 128 or 192; a
+    wider tile reads each A tile for more of C, and the TMA loads and
+    stores clip a partial last tile.  On H200 the 128 x 192 TMA-store
+    wgrad ran 1.03-1.13x faster than the 128 x 128 TMA-store one and
+    1.04-1.16x faster than the default epilogue on the Mixtral, DeepSeek-V3
+    and Qwen3-MoE expert shapes, bit for bit the same (Qwen3's gate/up,
+    0.97x, the exception; docs/benchmarks.md), so :func:`grouped_gemm`
+    runs every wgrad that way (``WGRAD_TILE_N``)."""
+    tma_store = bool(tma_store and grouped_k and persistent)
+    if tile_n != TILE and not tma_store:
+        raise ValueError(f"tile_n={tile_n} is for the TMA-store wgrad only")
+    key = (bool(grouped_k), a_dtype, b_dtype, out_dtype, bool(persistent), tma_store, tile_n)
     if key not in _CONFIGS:
-        raise TypeError(f"the FP8 blockwise grouped GEMM takes FP8 operands and a "
-                        f"{'/'.join(map(str, _OUT))} output, not {key[1:4]}")
+        raise TypeError(f"the FP8 blockwise grouped GEMM takes FP8 operands, a "
+                        f"{'/'.join(map(str, _OUT))} output and tile_n 128 or 192, not "
+                        f"{key[1:4]}, tile_n={tile_n}")
     return _CONFIGS[key]
 
 
@@ -80,8 +88,8 @@ def grouped_gemm(a, b, scale_a, scale_b, sched, grouped_k: bool, out_dtype: torc
                  sources=None, dest=None) -> torch.Tensor:
     """The grouped GEMM through ``te_compile::run_kernel`` (shapes: module
     docstring)."""
-    tma_store = grouped_k and a.shape[1] <= TMA_STORE_MAX_K_TILES * TILE * sched.shape[0]
-    cfg = config(grouped_k, a.dtype, b.dtype, out_dtype, tma_store=tma_store)
+    cfg = config(grouped_k, a.dtype, b.dtype, out_dtype, tma_store=grouped_k,
+                 tile_n=WGRAD_TILE_N if grouped_k else TILE)
     rows = [] if grouped_k else [sources, dest]
     return run_kernel(cfg, [a, b, scale_a, scale_b, sched, *rows])[0]
 

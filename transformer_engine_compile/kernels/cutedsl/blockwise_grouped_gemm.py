@@ -39,8 +39,12 @@ this one, the staging in a buffer of its own.  With ``tma_store``
 (``grouped_k`` and persistent: wgrad, whose C has no row map) the
 epilogue writes the tile in slices of 128 rows x 128 bytes with
 ``stmatrix`` into swizzled buffers and sends each out with a TMA store,
-which drains while the next tile computes (``kernels/blockwise_grouped.py``
-says when it runs).
+which drains while the next tile computes; its tiles may be 128 x 192
+(``tile_n``), which read each A tile for half as much C again.  There the
+promotion reads its scales from the stage after the WGMMAs (a scale per
+accumulator element would not fit the registers) and releases the stage
+after it; the TMA loads zero-fill and the stores clip a partial last
+tile.  ``kernels/blockwise_grouped.py`` says what runs when.
 
 Imported only when the runner is built (``kernels/blockwise_grouped.py``):
 nothing here runs on a machine without the DSL or a GPU.
@@ -78,16 +82,22 @@ class BlockwiseGroupedGemm:
     """The kernel for one configuration (``grouped_k``, C's dtype)."""
 
     def __init__(self, grouped_k: bool, stages: int = 0, persistent: bool = False,
-                 tma_store: bool = False):
+                 tma_store: bool = False, tile_n: int = TILE_N):
         self.grouped_k = grouped_k
         # persistent CTAs (at most one per SM) loop over the tiles: the
         # producer loads the next tile while the consumers store this one
         self.persistent = persistent
-        self.tile_mnk = (TILE_M, TILE_N, TILE_K)
         self._stages = stages
         # persistent wgrad CTAs may write C with TMA stores from swizzled
         # slices, which drain while the next tile computes
         self.tma_store = tma_store and grouped_k and persistent
+        # wider tiles (192) read each A tile for more of C: wgrad under
+        # tma_store only, whose B scales are per column (not 128x128
+        # blocks) and whose TMA loads and stores clip a partial last tile
+        if tile_n not in (TILE_N, 192) or (tile_n != TILE_N and not self.tma_store):
+            raise ValueError(f"tile_n={tile_n}: 128, or 192 for the TMA-store wgrad")
+        self.tile_n = tile_n
+        self.tile_mnk = (TILE_M, tile_n, TILE_K)
 
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, scale_a: cute.Tensor,
@@ -96,12 +106,13 @@ class BlockwiseGroupedGemm:
         smem = utils.get_smem_capacity_in_bytes("sm_90")
         # bytes: two FP8 tiles and their K block's fp32 scales (A's rows',
         # and under grouped_k B's columns')
-        per_stage = (TILE_M + TILE_N) * TILE_K + 4 * TILE_M + (4 * TILE_N if self.grouped_k else 0)
+        tile_n = self.tile_n
+        per_stage = (TILE_M + tile_n) * TILE_K + 4 * TILE_M + (4 * tile_n if self.grouped_k else 0)
         # the epilogue's own staging buffer (persistent): rows padded by 16
         # bytes, or under tma_store EPI_BUFFERS swizzled slices of 128 rows
         # x 128 bytes, one per store in flight
         c_pad = 128 // c.element_type.width
-        c_elems = TILE_M * (TILE_N + c_pad) if self.persistent else 1
+        c_elems = TILE_M * (tile_n + c_pad) if self.persistent else 1
         c_layout = utils.LayoutEnum.from_tensor(c)
         epi_smem = cute.make_layout(1)
         if cutlass.const_expr(self.tma_store):
@@ -119,7 +130,7 @@ class BlockwiseGroupedGemm:
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             a.element_type, b.element_type, a_major.sm90_mma_major_mode(),
             b_major.sm90_mma_major_mode(), cutlass.Float32, (_WARPGROUPS, 1, 1),
-            tiler_mn=(64, TILE_N))
+            tiler_mn=(64, tile_n))
         a_smem = sm90_utils.make_smem_layout_a(a_major, self.tile_mnk, a.element_type,
                                                self.stages)
         b_smem = sm90_utils.make_smem_layout_b(b_major, self.tile_mnk, b.element_type,
@@ -129,10 +140,10 @@ class BlockwiseGroupedGemm:
             (TILE_M, TILE_K))
         tma_b, tma_tb = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), b, cute.slice_(b_smem, (None, None, 0)),
-            (TILE_N, TILE_K))
+            (tile_n, TILE_K))
         # the 1x128 scales ride the ring with their tiles: 128 fp32 per stage
         sa_smem = cute.make_layout((TILE_M, 1, self.stages))
-        sb_smem = cute.make_layout((TILE_N, 1, self.stages if self.grouped_k else 1))
+        sb_smem = cute.make_layout((tile_n, 1, self.stages if self.grouped_k else 1))
         tma_sa, tma_tsa = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), scale_a, cute.slice_(sa_smem, (None, None, 0)),
             (TILE_M, 1))
@@ -140,7 +151,7 @@ class BlockwiseGroupedGemm:
         if cutlass.const_expr(self.grouped_k):
             tma_sb, tma_tsb = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileG2SOp(), scale_b,
-                cute.slice_(sb_smem, (None, None, 0)), (TILE_N, 1))
+                cute.slice_(sb_smem, (None, None, 0)), (tile_n, 1))
 
         @cute.struct
         class SharedStorage:
@@ -159,9 +170,9 @@ class BlockwiseGroupedGemm:
         self.tx_bytes = (cute.size_in_bytes(a.element_type, cute.slice_(a_smem, (None, None, 0)))
                          + cute.size_in_bytes(b.element_type,
                                               cute.slice_(b_smem, (None, None, 0)))
-                         + 4 * TILE_M + (4 * TILE_N if self.grouped_k else 0))
+                         + 4 * TILE_M + (4 * tile_n if self.grouped_k else 0))
         tiles = ((cute.size(a, mode=[0]) + TILE_M - 1) // TILE_M
-                 * ((cute.size(c, mode=[1]) + TILE_N - 1) // TILE_N))
+                 * ((cute.size(c, mode=[1]) + tile_n - 1) // tile_n))
         grid = (tiles, 1, cute.size(c, mode=[2]))
         if cutlass.const_expr(self.persistent):
             grid = (cutlass.min(tiles * cute.size(c, mode=[2]), max_ctas), 1, 1)
@@ -234,14 +245,14 @@ class BlockwiseGroupedGemm:
         warp's TMA store sends it out; the stores drain while the next tile
         computes, and a buffer is written again only once its last store
         has read it (``c_stores``, the TMA store pipeline)."""
-        gC = cute.local_tile(mC_tma, (TILE_M, TILE_N), (tile_m, tile_n, c_l))
+        gC = cute.local_tile(mC_tma, (TILE_M, self.tile_n), (tile_m, tile_n, c_l))
         epi_n = _epi_n(tRS_out.element_type)
         gC_epi = cute.zipped_divide(gC, (TILE_M, epi_n))
         bSG_sC, bSG_gC = cpasync.tma_partition(tma_c, 0, cute.make_layout(1),
                                                cute.group_modes(sC, 0, 2), gC_epi)
         n = cute.size(tRS_c)
         buffers = cute.size(tRS_sC, mode=[3])
-        for e in cutlass.range_constexpr(TILE_N // epi_n):
+        for e in cutlass.range_constexpr(self.tile_n // epi_n):
             for v in cutlass.range_constexpr(n):
                 tRS_c[v] = tRS_acc[e * n + v]
             tRS_out.store(tRS_c.load().to(tRS_out.element_type))
@@ -262,7 +273,7 @@ class BlockwiseGroupedGemm:
         bands of ``_BAND`` row tiles, so the CTAs that run together share
         their A tiles and few B tiles in L2."""
         m_tiles = (rows + TILE_M - 1) // TILE_M
-        n_tiles = (cols + TILE_N - 1) // TILE_N
+        n_tiles = (cols + self.tile_n - 1) // self.tile_n
         per_band = _BAND * n_tiles
         first = (tile // per_band) * _BAND
         height = cutlass.min(m_tiles - first, _BAND)
@@ -313,7 +324,7 @@ class BlockwiseGroupedGemm:
                                              cute.group_modes(gSA, 0, 2))
         tSsSB, tSgSB = tSsSA, tSgSA
         if cutlass.const_expr(self.grouped_k):
-            gSB = cute.local_tile(mSBt, (TILE_N, 1), (tile_n, None, 0))
+            gSB = cute.local_tile(mSBt, (self.tile_n, 1), (tile_n, None, 0))
             tSsSB, tSgSB = cpasync.tma_partition(tma_sb, 0, cute.make_layout(1),
                                                  cute.group_modes(sSB, 0, 2),
                                                  cute.group_modes(gSB, 0, 2))
@@ -351,22 +362,34 @@ class BlockwiseGroupedGemm:
                           tCrB[None, None, k, reads.index], part)
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
             warpgroup.commit_group()
-            # this K block's scales (the 1x128 ones from the ring's stage),
-            # read while the WGMMAs run
-            sb = cutlass.Float32(1.0)
-            if cutlass.const_expr(not self.grouped_k):
-                sb = mSB[tile_n, kb, b_l]
-            for i in cutlass.range_constexpr(cute.size(scale)):
-                r, n = tCcC[i]
-                if cutlass.const_expr(self.grouped_k):
-                    scale[i] = sSA[r, 0, reads.index] * sSB[n, 0, reads.index]
-                else:
-                    scale[i] = sSA[r, 0, reads.index] * sb
-            warpgroup.wait_group(0)
-            ring.consumer_release(reads)
-            reads.advance()
-            # add this K block's sums, scaled, to the fp32 accumulator
-            acc.store(acc.load() + part.load() * scale.load())
+            if cutlass.const_expr(self.tile_n == TILE_N):
+                # this K block's scales (the 1x128 ones from the ring's
+                # stage), read while the WGMMAs run
+                sb = cutlass.Float32(1.0)
+                if cutlass.const_expr(not self.grouped_k):
+                    sb = mSB[tile_n, kb, b_l]
+                for i in cutlass.range_constexpr(cute.size(scale)):
+                    r, n = tCcC[i]
+                    if cutlass.const_expr(self.grouped_k):
+                        scale[i] = sSA[r, 0, reads.index] * sSB[n, 0, reads.index]
+                    else:
+                        scale[i] = sSA[r, 0, reads.index] * sb
+                warpgroup.wait_group(0)
+                ring.consumer_release(reads)
+                reads.advance()
+                # add this K block's sums, scaled, to the fp32 accumulator
+                acc.store(acc.load() + part.load() * scale.load())
+            else:
+                # a wide tile has no registers left for a scale per
+                # element: the promotion reads them from the stage after
+                # the WGMMAs, before the stage is released (each thread's
+                # elements share 2 rows' and 48 columns' scales)
+                warpgroup.wait_group(0)
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    r, n = tCcC[i]
+                    acc[i] = acc[i] + part[i] * (sSA[r, 0, reads.index] * sSB[n, 0, reads.index])
+                ring.consumer_release(reads)
+                reads.advance()
         return reads
 
     @cute.kernel
@@ -382,7 +405,7 @@ class BlockwiseGroupedGemm:
         bidx, _, bidz = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
         tiles = ((cute.size(mA, mode=[0]) + TILE_M - 1) // TILE_M
-                 * ((cute.size(mC, mode=[1]) + TILE_N - 1) // TILE_N))
+                 * ((cute.size(mC, mode=[1]) + self.tile_n - 1) // self.tile_n))
         # one tile per CTA (grid: tiles x batches), or persistent CTAs
         # striding over every tile of every batch
         first = bidx + bidz * tiles
@@ -444,7 +467,7 @@ class BlockwiseGroupedGemm:
             gC = cute.local_tile(mC, self.tile_mnk, (0, 0, None, 0), proj=(1, 1, None))
             tCgC = thr_c.partition_C(gC)
             # each accumulator element's (row, column) in the tile
-            tCcC = thr_c.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
+            tCcC = thr_c.partition_C(cute.make_identity_tensor((TILE_M, self.tile_n)))
             acc = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
             part = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
             scale = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
@@ -527,7 +550,8 @@ def build(config, out_shape):
     out_dtype = dtype(values["out_dtype"])
     example = _example(grouped_k, dtype(values["a_dtype"]), dtype(values["b_dtype"]), out_dtype)
     kernel = BlockwiseGroupedGemm(grouped_k, persistent=values.get("persistent", False),
-                                  tma_store=values.get("tma_store", False))
+                                  tma_store=values.get("tma_store", False),
+                                  tile_n=values.get("tile_n", TILE_N))
     compiled = cute.compile(kernel, *_views(grouped_k, *example), cutlass.Int32(1),
                             current_stream())
     max_ctas = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
