@@ -68,11 +68,11 @@ def config(grouped_k: bool, a_dtype: torch.dtype, b_dtype: torch.dtype,
     (with ``tma_store``): C's tiles are 128 x ``tile_n``, 128 or 192; a
     wider tile reads each A tile for more of C, and the TMA loads and
     stores clip a partial last tile.  On H200 the 128 x 192 TMA-store
-    wgrad ran 1.03-1.13x faster than the 128 x 128 TMA-store one and
-    1.04-1.16x faster than the default epilogue on the Mixtral, DeepSeek-V3
-    and Qwen3-MoE expert shapes, bit for bit the same (Qwen3's gate/up,
-    0.97x, the exception; docs/benchmarks.md), so :func:`grouped_gemm`
-    runs every wgrad that way (``WGRAD_TILE_N``)."""
+    wgrad ran 1.08-1.20x faster than the default epilogue on the Mixtral,
+    DeepSeek-V3 and Qwen3-MoE expert shapes, and mostly faster than the
+    128 x 128 TMA-store one, bit for bit the same (Qwen3's gate/up with a
+    bf16 output, 0.97x, the exception; docs/benchmarks.md), so
+    :func:`grouped_gemm` runs every wgrad that way (``WGRAD_TILE_N``)."""
     tma_store = bool(tma_store and grouped_k and persistent)
     if tile_n != TILE and not tma_store:
         raise ValueError(f"tile_n={tile_n} is for the TMA-store wgrad only")
