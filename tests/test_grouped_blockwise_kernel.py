@@ -119,17 +119,21 @@ def test_the_kernel_path_needs_whole_blocks_and_the_default_tiles():
 
 
 @pytest.mark.parametrize("sizes", SIZES)
-def test_gathered_rows_equal_the_scattered_ones(sizes):
+def test_the_cast_of_gathered_rows_equals_the_cast_of_the_scattered_ones(sizes):
+    """The padded layout read through ``sources`` (the kernel path's casts)
+    is the one ``dest`` scatters into: every buffer of the 1x128 cast equal."""
+    from transformer_engine_compile.kernels import reference as ref
     from transformer_engine_compile.module.grouped.compute import group_ids
-    from transformer_engine_compile.module.grouped.padding import (gather_rows, padded_sources,
-                                                                   scatter_rows)
+    from transformer_engine_compile.module.grouped.padding import padded_sources, scatter_rows
     offs = torch.cumsum(torch.tensor(sizes), 0).to(torch.int32)
-    t = torch.randn(sum(sizes), 16).bfloat16()
+    t = torch.randn(sum(sizes), 256).bfloat16()
     sources, dest, _ = padded_sources(offs, group_ids(offs, t.shape[0]), T)
-    want = scatter_rows(t, dest, sources.shape[0])
-    assert torch.equal(gather_rows(t, sources, zero_padding=True), want)
-    loose = gather_rows(t, sources, zero_padding=False)
-    assert torch.equal(loose[dest], t)  # the real rows in place; padding unspecified
+    want = ref.quantize_fp8_blockwise(scatter_rows(t, dest, sources.shape[0]), "e4m3", False,
+                                      False, 0.0, True, True)
+    got = ref.quantize_fp8_blockwise_rows(t, sources, "e4m3", False, 0.0, True, True)
+    for name, buf in want.items():
+        assert torch.equal(got[name].view(torch.uint8) if buf.dtype.itemsize == 1 else got[name],
+                           buf.view(torch.uint8) if buf.dtype.itemsize == 1 else buf), name
 
 
 def _saved_tensors(layer, x, sizes):

@@ -444,3 +444,45 @@ def test_fp8_cast_many_equals_one_tensor_casts_in_triton_interpreter():
     given amax above the tensor's own; an empty tensor goes through the
     reference."""
     _interpret(_CAST_MANY)
+
+
+_BLOCK_ROWS = r'''
+import torch
+from transformer_engine_compile.kernels import reference as ref, triton_block as tbk
+g = torch.Generator().manual_seed(0)
+for dtype in (torch.bfloat16, torch.float32):
+    t = (torch.randn(300, 384, generator=g) * 3).to(dtype)
+    t[7] = 0  # a zero row: scale 1
+    # a padded layout of 3 groups (130, 0 and 170 rows) rounded up to 128-row
+    # tiles, an empty group a tile of padding, the tail padding too
+    sources = torch.full((896,), -1, dtype=torch.int32)
+    sources[:130] = torch.arange(130, dtype=torch.int32)
+    sources[384:554] = torch.arange(130, 300, dtype=torch.int32)
+    gathered = torch.where((sources >= 0).unsqueeze(1), t[sources.clamp_min(0).long()],
+                           torch.zeros((), dtype=dtype))
+    for fmt, pow2, eps in (("e4m3", False, 0.0), ("e5m2", True, 1e-3)):
+        for rowwise, columnwise in ((True, False), (False, True), (True, True)):
+            got = tbk.quantize_fp8_blockwise_rows(t, sources, fmt, pow2, eps, rowwise, columnwise)
+            want = tbk.quantize_fp8_blockwise(gathered, fmt, False, pow2, eps, rowwise, columnwise)
+            assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+            for name in want:
+                a, b = got[name], want[name]
+                assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, b.shape)
+                if a.dtype.itemsize == 1:
+                    a, b = a.view(torch.uint8), b.view(torch.uint8)
+                assert torch.equal(a, b), (dtype, fmt, rowwise, columnwise, name)
+            r = ref.quantize_fp8_blockwise_rows(t, sources, fmt, pow2, eps, rowwise, columnwise)
+            assert torch.equal(r[next(iter(r))].float(), ref.quantize_fp8_blockwise(
+                gathered, fmt, False, pow2, eps, rowwise, columnwise)[next(iter(r))].float())
+print("ok")
+'''
+
+
+def test_blockwise_cast_of_gathered_rows_in_triton_interpreter():
+    """kernels/triton_block.py's ``quantize_fp8_blockwise_rows`` (the MoE
+    blockwise path's cast of tokens into groups padded to 128-row tiles,
+    reading them through the row map): every buffer equals the 1x128 cast
+    of the gathered, zero-padded matrix bit for bit (both cast by the
+    interpreter), rowwise, columnwise and both, empty groups and padding
+    included; the reference is that gather and cast."""
+    _interpret(_BLOCK_ROWS)

@@ -153,6 +153,26 @@ def test_fast_block_pair_equals_two_reference_quantizes(shapes):
                     assert f[k].shape == s_[k].shape and _same_bits(f[k], s_[k]), (k, x_flags)
 
 
+@pytest.mark.parametrize("cols", [256, 7168])
+def test_fast_block_cast_of_gathered_rows_equals_reference(cols):
+    """The MoE blockwise path's cast of tokens gathered into groups padded to
+    128-row tiles (``quantize_fp8_blockwise_rows``): every buffer bit for bit
+    the reference's (the gather, zeros for padding, then the 1x128 cast),
+    special values, an empty group and trailing padding included."""
+    from transformer_engine_compile.kernels import triton_block as tbk
+    t = _special((300, cols), torch.bfloat16)
+    sources = torch.full((896,), -1, dtype=torch.int32, device="cuda")
+    sources[:130] = torch.arange(130, dtype=torch.int32, device="cuda")
+    sources[384:554] = torch.arange(130, 300, dtype=torch.int32, device="cuda")
+    for fmt, pow2, eps in (("e4m3", True, 0.0), ("e5m2", False, 1e-3)):
+        for usage in ((True, False), (False, True), (True, True)):
+            fast = tbk.quantize_fp8_blockwise_rows(t, sources, fmt, pow2, eps, *usage)
+            slow = ref.quantize_fp8_blockwise_rows(t, sources, fmt, pow2, eps, *usage)
+            assert sorted(fast) == sorted(slow)
+            for k in fast:
+                assert fast[k].shape == slow[k].shape and _same_bits(fast[k], slow[k]), (k, usage)
+
+
 @pytest.mark.parametrize("shape", [(1, 16), (4097, 200), (4096, 2048), (300, 5632)], ids=str)
 def test_fast_current_scaling_equals_reference(shape, current_launch):
     from transformer_engine_compile.kernels import triton_current as tq

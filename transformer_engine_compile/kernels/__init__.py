@@ -33,6 +33,7 @@ OPS = (
     "quantize_mxfp8_pair",
     "quantize_fp8_blockwise",
     "quantize_fp8_blockwise_pair",
+    "quantize_fp8_blockwise_rows",
     "quantize_nvfp4",
     "quantize_nvfp4_pair",
     "dequantize_mxfp8",

@@ -41,7 +41,8 @@ def register() -> None:
         register_fast(name, "cuda", getattr(triton_grouped, name))
         _REGISTERED.append(name)
     from . import triton_block as tbk
-    for name in ("quantize_fp8_blockwise", "quantize_fp8_blockwise_pair", "quantize_mxfp8",
+    for name in ("quantize_fp8_blockwise", "quantize_fp8_blockwise_pair",
+                 "quantize_fp8_blockwise_rows", "quantize_mxfp8",
                  "quantize_mxfp8_pair", "dequantize_mxfp8", "dequantize_mxfp8_pair"):
         register_fast(name, "cuda", getattr(tbk, name))
         _REGISTERED.append(name)

@@ -441,6 +441,16 @@ def quantize_fp8_blockwise(x2d, fmt, block_2d, pow2, eps, rowwise, columnwise) -
     return out
 
 
+def quantize_fp8_blockwise_rows(t, sources, fmt, pow2, eps, rowwise, columnwise) -> dict:
+    """:func:`quantize_fp8_blockwise` (1x128 tiles) of the matrix whose row
+    ``i`` is ``t``'s row ``sources[i]``, or zeros where ``sources[i]`` is
+    -1: rows gathered into a padded layout and quantized, on the GPU in one
+    launch that reads ``t`` through ``sources`` (kernels/triton_block.py)."""
+    rows = t.index_select(0, sources.clamp_min(0).long())
+    rows = torch.where((sources >= 0).unsqueeze(1), rows, rows.new_zeros(()))
+    return quantize_fp8_blockwise(rows, fmt, False, pow2, eps, rowwise, columnwise)
+
+
 def quantize_fp8_blockwise_pair(x2d, w2d, fmt, pow2, eps, x_flags, w_flags) -> tuple:
     """A layer's x and W quantized blockwise with one format, power-of-two
     setting and epsilon: ``(buffers of x, buffers of W)``, each

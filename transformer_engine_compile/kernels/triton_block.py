@@ -20,7 +20,7 @@ import triton.language as tl
 
 from . import native
 from . import reference as ref
-from .triton_launch import Launcher, cdiv, ptr_key
+from .triton_launch import Launcher, cdiv, int_key, ptr_key
 from .triton_quant import (_TL_FP8, _abs_bits, _cast_fp8, _load_tile, _matrix, _pair_tile,
                            _recip, _scale_from_amax, _store_rows, _store_transposed, _tile_index,
                            _tile_t, _unused, _x_key)
@@ -58,6 +58,35 @@ def _fp8_block_kernel(x_ptr, M, K, rd_ptr, rs_ptr, cd_ptr, cs_ptr,
                       OUT: tl.constexpr, B: tl.constexpr):
     _fp8_block_tile(x_ptr, M, K, rd_ptr, rs_ptr, cd_ptr, cs_ptr, tl.program_id(0),
                     tl.program_id(1), FMT_MAX, EPS, POW2, TWO_D, ROW, COL, OUT, B)
+
+
+@triton.jit
+def _fp8_block_rows_kernel(x_ptr, src_ptr, M, K, rd_ptr, rs_ptr, cd_ptr, cs_ptr,
+                           FMT_MAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr,
+                           ROW: tl.constexpr, COL: tl.constexpr, OUT: tl.constexpr,
+                           B: tl.constexpr):
+    """1x128 tiles of the (M, K) matrix whose row i is x's row src[i], zeros
+    where src[i] < 0: :func:`_fp8_block_tile`'s 1x128 branch, its loads
+    gathered (a padding row is never read)."""
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    rm, rk, mask = _tile_index(M, K, pid_m, pid_k, B, B)
+    src = tl.load(src_ptr + rm, mask=rm < M, other=-1).to(tl.int64)
+    live = mask & (src[:, None] >= 0)
+    x = tl.load(x_ptr + src[:, None] * K + rk[None, :], mask=live, other=0.0).to(tl.float32)
+    if ROW:  # blocks of 128 along K: one scale per row of the tile
+        s = _scale_from_amax(tl.max(_abs_bits(x), axis=1).to(tl.float32, bitcast=True),
+                             FMT_MAX, EPS, POW2)
+        _store_rows(rd_ptr, _cast_fp8(x, s[:, None], FMT_MAX, OUT), rm, rk, mask, K)
+        tl.store(rs_ptr + pid_k.to(tl.int64) * M + rm, _recip(s), mask=rm < M)
+    if COL:  # blocks of 128 along M: one scale per row of the transposed tile
+        live_t = (rk[:, None] < K) & (rm[None, :] < M) & (src[None, :] >= 0)
+        xt = tl.load(x_ptr + rk[:, None] + src[None, :] * K, mask=live_t,
+                     other=0.0).to(tl.float32)
+        mask_t = (rk[:, None] < K) & (rm[None, :] < M)
+        s = _scale_from_amax(tl.max(_abs_bits(xt), axis=1).to(tl.float32, bitcast=True),
+                             FMT_MAX, EPS, POW2)
+        _store_transposed(cd_ptr, xt, s[:, None], rm, rk, mask_t, M, FMT_MAX, OUT)
+        tl.store(cs_ptr + pid_m.to(tl.int64) * K + rk, _recip(s), mask=rk < K)
 
 
 @triton.jit
@@ -127,9 +156,10 @@ def _store_padded_scale(s_ptr, row, col, ncols, value):
 _fp8_block_launch = Launcher(_fp8_block_kernel, num_warps=4)
 
 
-def _block_outputs(x2d, fmt, block_2d, rowwise, columnwise) -> dict:
-    """The buffers the blockwise kernel writes for ``x2d`` (M, K)."""
-    m, k = x2d.shape
+def _block_outputs(x2d, fmt, block_2d, rowwise, columnwise, shape=None) -> dict:
+    """The buffers the blockwise kernel writes for ``x2d`` (M, K), or for an
+    (M, K) ``shape`` on ``x2d``'s device."""
+    m, k = x2d.shape if shape is None else shape
     b = ref.FP8_BLOCK
     dt = ref.FP8_DTYPE[fmt]
     if block_2d:
@@ -178,6 +208,23 @@ def quantize_fp8_blockwise(x2d, fmt, block_2d, pow2, eps, rowwise, columnwise) -
 
 
 _fp8_block_pair_launch = Launcher(_fp8_block_pair_kernel, num_warps=4)
+_fp8_block_rows_launch = Launcher(_fp8_block_rows_kernel, num_warps=4)
+
+
+def quantize_fp8_blockwise_rows(t, sources, fmt, pow2, eps, rowwise, columnwise) -> dict:
+    """``reference.quantize_fp8_blockwise_rows`` in one launch: the gathered
+    rows are never written out in high precision, and padding rows never read."""
+    m, k = sources.shape[0], t.shape[1]
+    if m == 0 or k == 0 or t.shape[0] == 0:
+        return ref.quantize_fp8_blockwise_rows(t, sources, fmt, pow2, eps, rowwise, columnwise)
+    t, sources = _matrix(t), sources.contiguous()
+    b = ref.FP8_BLOCK
+    out = _block_outputs(t, fmt, False, rowwise, columnwise, shape=(m, k))
+    flags = (fmt, float(eps), bool(pow2), bool(rowwise), bool(columnwise))
+    args = (t, sources, m, k, *_copy_args(out, t), ref.FP8_MAX[fmt], *flags[1:], _TL_FP8[fmt], b)
+    key = (_x_key(t, t.shape[0], k), sources.dtype, ptr_key(sources), int_key(m), flags)
+    _fp8_block_rows_launch((cdiv(m, b), cdiv(k, b)), key, *args)
+    return out
 
 
 def quantize_fp8_blockwise_pair(x2d, w2d, fmt, pow2, eps, x_flags, w_flags) -> tuple:

@@ -28,11 +28,12 @@ import warnings
 
 import torch
 
+from ... import kernels
 from ...dynamo.tensor_proto import TensorProto
 from ...kernels import blockwise_grouped as kernel
-from ...quantization.base import QuantizedTensorStorage
+from ...quantization.base import QuantizedTensorStorage, flat_column_scales
 from ...quantization.blockwise import Float8BlockQuantizer
-from .padding import gather_rows, padded_rows, padded_sources
+from .padding import padded_rows, padded_sources
 
 TILE = kernel.TILE
 DISABLE_VAR = "TE_COMPILE_CUTEDSL"
@@ -103,6 +104,19 @@ def _k_tiles(offs: torch.Tensor, pad_offs: torch.Tensor) -> torch.Tensor:
     return torch.stack([first, first + (counts + TILE - 1) // TILE], 1).to(torch.int32)
 
 
+def _quantize_gathered(q, t: torch.Tensor, sources: torch.Tensor):
+    """``q`` (1x128 tiles) applied to the padded layout whose row ``i`` is
+    ``t``'s row ``sources[i]`` (zeros where it is -1, so wgrad's 128-token
+    blocks sum nothing across groups): on CUDA one launch that reads ``t``
+    through ``sources``, with no gathered copy of ``t`` and no padding row
+    read (``kernels.quantize_fp8_blockwise_rows``)."""
+    out = kernels.get("quantize_fp8_blockwise_rows", t)(
+        t.detach(), sources, q.fp8_format, q.force_pow_2_scales, q.amax_epsilon,
+        q.rowwise_usage, q.columnwise_usage)
+    return q.from_buffers((sources.shape[0], t.shape[1]), t.dtype,
+                          flat_column_scales(out, q.column_block()))
+
+
 def _quantize_weight(q_w, w: torch.Tensor, rowwise: bool, columnwise: bool):
     """Every expert's W quantized in one call, as one ``(experts * out, in)``
     matrix (its 128x128 blocks never span two experts)."""
@@ -154,15 +168,12 @@ def forward(x, w, q_x, q_w, rows, offs, keep_x: bool, keep_w: bool, wq=None,
     quantized (a weight cache: :func:`weight_cache_quantizer`'s copies);
     ``both_copies``: quantize both of W's copies (to fill that cache)."""
     sources, dest, pad_offs = padded_sources(offs, rows, TILE)
-    # rowwise blocks alone: the padding rows may hold anything, unless
-    # x's columnwise copy (wgrad's 128-token blocks) is made from them too
-    xs = gather_rows(x, sources, zero_padding=keep_x)
-    xq = q_x.usage_variant(True, keep_x).quantize(xs)
+    xq = _quantize_gathered(q_x.usage_variant(True, keep_x), x, sources)
     if wq is None:
         wq = _quantize_weight(q_w, w, True, keep_w or both_copies)
     a, sa = xq.fp8_operand("rowwise")
     b, sb = _rowwise_weight(wq, w.shape[0])
-    y = kernel.grouped_gemm(a, b, sa, sb, _row_tiles(offs, pad_offs, xs.shape[0]), False,
+    y = kernel.grouped_gemm(a, b, sa, sb, _row_tiles(offs, pad_offs, sources.shape[0]), False,
                             x.dtype, sources, dest)
     kept_x = (xq._columnwise_data, xq._columnwise_scale_inv) if keep_x else (None, None)
     kept_w = (wq._columnwise_data, wq._columnwise_scale_inv) if keep_w else (None, None)
@@ -198,8 +209,7 @@ def grads(dy, x, w, q_dy, q_x, q_w, rows, offs, dgrad: bool, wgrad: bool,
     experts = offs.shape[0]
     sources, dest, pad_offs = padded_sources(offs, rows, TILE)
     size = sources.shape[0]
-    # zeros between the groups: wgrad's 128-token blocks sum over them
-    dyq = q_dy.usage_variant(dgrad, wgrad).quantize(gather_rows(dy, sources, zero_padding=wgrad))
+    dyq = _quantize_gathered(q_dy.usage_variant(dgrad, wgrad), dy, sources)
     dx = dw = None
     if dgrad:
         a, sa = dyq.fp8_operand("rowwise")
@@ -214,7 +224,7 @@ def grads(dy, x, w, q_dy, q_x, q_w, rows, offs, dgrad: bool, wgrad: bool,
     if wgrad:
         a, sa = dyq.fp8_operand("columnwise")
         if not is_kept_copy(x):
-            xq = q_x.usage_variant(False, True).quantize(gather_rows(x, sources, zero_padding=True))
+            xq = _quantize_gathered(q_x.usage_variant(False, True), x, sources)
             x, x_scale = xq._columnwise_data, xq._columnwise_scale_inv
         b, sb = _columnwise_rows(x, x_scale)
         dw = kernel.grouped_gemm(a, b, sa, sb, _k_tiles(offs, pad_offs), True, w_dtype)

@@ -49,7 +49,8 @@ def padded_sources(offs: torch.Tensor, rows: torch.Tensor, align: int) -> tuple:
     """``(sources, dest, padded offsets)``: the row of the grouped rows each
     row of the padded buffer takes (int32, -1 for padding), and
     :func:`padded_rows_of`'s ``dest`` and offsets: what a kernel that writes
-    the padded layout itself reads (``kernels.cast_fp8_grouped``)."""
+    the padded layout itself reads (``kernels.cast_fp8_grouped``,
+    ``kernels.quantize_fp8_blockwise_rows``)."""
     dest, pad_offs, size = padded_rows_of(offs, rows, align)
     sources = torch.full((size,), -1, dtype=torch.int32, device=rows.device)
     sources = sources.index_put((dest,), torch.arange(rows.shape[0], dtype=torch.int32,
@@ -65,19 +66,3 @@ def scatter_rows(t: torch.Tensor, dest: torch.Tensor, size: int) -> torch.Tensor
         buf = torch.zeros(size, t.shape[1], dtype=torch.uint8, device=t.device)
         return buf.index_put((dest,), t.view(torch.uint8)).view(t.dtype)
     return t.new_zeros(size, t.shape[1]).index_put((dest,), t)
-
-
-def gather_rows(t: torch.Tensor, sources: torch.Tensor, zero_padding: bool) -> torch.Tensor:
-    """:func:`scatter_rows`' buffer built as a gather: row ``i`` is ``t``'s
-    row ``sources[i]`` (:func:`padded_sources`).  The padding rows hold
-    zeros with ``zero_padding``, else some row of ``t`` (enough where each
-    row is used alone, as a 1x128-block rowwise quantization and a GEMM
-    whose padding rows are never written).  A row gather runs as one
-    vectorized copy on CUDA, where ``index_put``'s scatter does not."""
-    out = t.index_select(0, sources.clamp_min(0))
-    if zero_padding:
-        # the padding rows first: a static count, found without a sync
-        pad = sources.shape[0] - t.shape[0]
-        order = torch.sort((sources >= 0).to(torch.uint8), stable=True).indices[:pad]
-        out.index_fill_(0, order, 0)
-    return out
