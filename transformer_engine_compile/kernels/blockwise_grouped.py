@@ -47,7 +47,7 @@ _CONFIGS = {(k, a, b, o, p, t, n): KernelConfig.make(KIND, grouped_k=k, a_dtype=
             for k in (False, True) for a in _FP8 for b in _FP8 for o in _OUT
             for p in (False, True) for t in ((False, True) if k and p else (False,))
             for n in ((TILE, 192) if t else (TILE,))}
-# wgrad's tiles: 128 x 192 through the TMA-store epilogue (kernels/cutedsl/...)
+# wgrad's tiles: 128 x 192, through the TMA-store epilogue (cutedsl/blockwise_grouped_gemm.py)
 WGRAD_TILE_N = 192
 
 
