@@ -68,6 +68,10 @@ class GroupedLinearFwdArgs:
     # quantized matrix, both copies (blockwise_gemm.py)
     weight_cache_blockwise: TensorOrQuantized = None
     cache_weight: bool = False
+    # fuse_wgrad_accumulation: W's gradient is added into it (a backward
+    # update) instead of being returned; (num_gemms, out, in), its dtype
+    # the wgrad GEMMs' output dtype
+    main_grad: Optional[torch.Tensor] = None
 
 
 @dataclasses.dataclass
@@ -98,3 +102,4 @@ class GroupedLinearBwdArgs:
     amax_group: Optional[ProcessGroup] = None
     dgrad_fast_accum: bool = False
     wgrad_fast_accum: bool = False
+    main_grad: Optional[torch.Tensor] = None  # receives wgrad by add_ (backward update)

@@ -57,7 +57,9 @@ FORWARD_UPDATES = {"amax_history_fwd": Update("amax_history_fwd"),
                                                       "weight_cache_scale_inv",
                                                       "weight_cache_blockwise")}}
 BACKWARD_UPDATES = {"amax_history_bwd": Update("amax_history_bwd"),
-                    "scale_bwd": Update("scale_bwd")}
+                    "scale_bwd": Update("scale_bwd"),
+                    # fuse_wgrad_accumulation: W's gradient, added into main_grad
+                    "main_grad": Update("main_grad", "add")}
 
 
 def group_ids(m_offsets: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -90,7 +92,8 @@ def _saved(args, x, w, x_scale_inv=None, w_scale_inv=None) -> dict:
             "group_of_row": args.group_of_row, "pad_sources": args.pad_sources,
             "pad_offsets": args.pad_offsets,
             # forward arguments the backward writes into (aliases, not copies)
-            "amax_history_bwd": args.amax_history_bwd, "scale_bwd": args.scale_bwd}
+            "amax_history_bwd": args.amax_history_bwd, "scale_bwd": args.scale_bwd,
+            "main_grad": args.main_grad if wgrad else None}
 
 
 def grouped_linear_forward(args: GroupedLinearFwdArgs) -> OpResult:
@@ -282,7 +285,9 @@ def grouped_linear_setup_context(args: GroupedLinearFwdArgs) -> dict:
             "input_requires_grad": args.input_requires_grad,
             "weight_requires_grad": args.weight_requires_grad,
             "bias_requires_grad": args.bias_requires_grad,
-            "weight_dtype": args.weight.dtype,
+            # W's gradient in main_grad's dtype where it is added there
+            "weight_dtype": (args.weight.dtype if args.main_grad is None
+                             else args.main_grad.dtype),
             "bias_dtype": None if args.bias is None else args.bias.dtype,
             "amax_group": args.amax_group, "dgrad_fast_accum": args.dgrad_fast_accum,
             "wgrad_fast_accum": args.wgrad_fast_accum}
@@ -315,6 +320,8 @@ def grouped_linear_backward(args: GroupedLinearBwdArgs) -> dict:
     if args.bias_requires_grad:
         ones = torch.ones(dy.shape[0], _ONES_COLS, dtype=dy.dtype, device=dy.device)
         dbias = torch._grouped_mm(dy.t(), ones, offs=offs)[..., 0].to(args.bias_dtype).contiguous()
+    if args.main_grad is not None and wgrad is not None:  # added into main_grad, not returned
+        state["main_grad"], wgrad = wgrad, None
     return {"inp": dgrad, "weight": wgrad, "bias": dbias, **state}
 
 
@@ -380,4 +387,6 @@ def grouped_linear_backward_fake(args: GroupedLinearBwdArgs) -> dict:
     if args.grad_output_quantizer is not None and (args.input_requires_grad
                                                    or args.weight_requires_grad):
         state = delayed_updates_fake(args.amax_history_bwd, "bwd")
+    if args.main_grad is not None and wgrad is not None:
+        state["main_grad"], wgrad = wgrad, None
     return {"inp": dgrad, "weight": wgrad, "bias": dbias, **state}

@@ -23,7 +23,8 @@ from ...autocast import get_autocast_recipe
 from ...dynamo.state import register_module
 from ...quantization import factory
 from ..extra_state import LoadsWithoutExtraState
-from ..linear.setup import _torch_autocast_dtype, first_microbatch_flag, init_weight_
+from ..linear.setup import (_torch_autocast_dtype, first_microbatch_flag, init_weight_,
+                            main_grad_of)
 from . import fp8_gemm
 from .args import GroupedLinearFwdArgs
 from .compute import tensorwise_fp8, group_ids
@@ -62,12 +63,21 @@ class GroupedLinear(LoadsWithoutExtraState, torch.nn.Module):
     weight itself and quantizes its transposed FP8 copy again, bit for bit
     the forward's, instead of keeping the forward's copy (te.Linear's
     attribute of the same name).
+
+    ``fuse_wgrad_accumulation=True`` (Transformer Engine's, as Megatron-LM
+    uses it): the weights' gradient is added into ``weight.main_grad``
+    (set by the caller: a tensor of the weight's shape, usually fp32) and
+    ``weight.grad`` stays None, so gradient-accumulation microbatches sum
+    in ``main_grad``'s dtype.  The wgrad GEMMs give their output in
+    ``main_grad``'s dtype where they can (the FP8 blockwise kernel), else
+    in bf16, converted before the add.
     """
 
     save_original_weight = False
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True,
-                 *, init_method=None, params_dtype: Optional[torch.dtype] = None,
+                 *, fuse_wgrad_accumulation: bool = False, init_method=None,
+                 params_dtype: Optional[torch.dtype] = None,
                  device: Union[torch.device, str, None] = None):
         super().__init__()
         for name, value in (("num_gemms", num_gemms), ("in_features", in_features),
@@ -75,6 +85,7 @@ class GroupedLinear(LoadsWithoutExtraState, torch.nn.Module):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"te.GroupedLinear: {name} must be a positive int, got {value!r}")
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
+        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
         self.init_method = init_method
         dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
         self.weight = torch.nn.Parameter(torch.empty(num_gemms, out_features, in_features,
@@ -144,10 +155,18 @@ class GroupedLinear(LoadsWithoutExtraState, torch.nn.Module):
         # every buffer allocated before any is read (dynamo/state.py)
         state, = bind_delayed_state(self, self._gemms(), self.weight.device, cache_layout)
         cache = None if bind_cache is None else {**bind_cache(), "cache_weight": first}
+        main_grad = None
+        if self.fuse_wgrad_accumulation and self.weight.requires_grad and torch.is_grad_enabled():
+            main_grad = main_grad_of(self.weight, "te.GroupedLinear(fuse_wgrad_accumulation=True)",
+                                     "weight")
+            if tuple(main_grad.shape) != tuple(self.weight.shape):
+                raise ValueError(f"te.GroupedLinear: weight.main_grad has shape "
+                                 f"{tuple(main_grad.shape)}, the weight "
+                                 f"{tuple(self.weight.shape)}")
         return grouped_linear(inp, self.weight, self.bias, m_splits, m_offsets=m_offsets,
                               delayed_state=state,
                               save_original_weight=self.save_original_weight,
-                              weight_cache=cache)
+                              weight_cache=cache, main_grad=main_grad)
 
 
 def init_experts_(*stacked: torch.Tensor, init_method=None) -> None:
@@ -165,7 +184,8 @@ def grouped_linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
                    m_offsets: Union[Sequence[int], torch.Tensor, None] = None,
                    delayed_state: Optional[dict] = None,
                    save_original_weight: bool = False,
-                   weight_cache: Optional[dict] = None) -> torch.Tensor:
+                   weight_cache: Optional[dict] = None,
+                   main_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``te.GroupedLinear``'s forward as a function of its parameters
     (``weight`` ``(num_gemms, out, in)``, ``bias`` ``(num_gemms, out)``): for
     modules that hold expert weights under their own names
@@ -173,7 +193,9 @@ def grouped_linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     ``delayed_state`` holds the GEMM's amax histories and scales
     (``state.bind_delayed_state``).  ``save_original_weight``: as the
     modules' attribute (:class:`GroupedLinear`); ``weight_cache``: the
-    weight cache's op fields, as ``GroupedLinear.forward`` binds them."""
+    weight cache's op fields, as ``GroupedLinear.forward`` binds them;
+    ``main_grad``: where W's gradient is added instead of returned
+    (``fuse_wgrad_accumulation``)."""
     groups, out_features, in_features = weight.shape
     if inp.shape[-1] != in_features:
         raise ValueError(f"te.GroupedLinear: the input's last dim is {inp.shape[-1]}, the "
@@ -184,6 +206,8 @@ def grouped_linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
         quantizers["save_original_weight"] = True
     if weight_cache is not None:
         quantizers.update(weight_cache)
+    if main_grad is not None:
+        quantizers["main_grad"] = main_grad
     if ac_dtype is not None:  # torch.autocast: compute in its dtype, as te.Linear does
         cast = weight.to(ac_dtype)
         if cast is not weight:  # a copy made for this call: keep the smaller FP8 one
