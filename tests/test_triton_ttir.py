@@ -69,3 +69,18 @@ def test_launch_key_tells_apart_what_triton_specializes_on():
     assert len({args_key((v,)) for v in (1, 16, 17, 2 ** 31, 2 ** 31 + 1)}) == 5
     assert args_key((True,)) != args_key((1,))
     assert args_key((448.0, "e4m3")) != args_key((57344.0, "e5m2"))
+
+
+@pytest.mark.parametrize("usage", [(True, False), (False, True), (True, True)], ids=str)
+def test_blockwise_cast_of_gathered_rows_builds_for_hopper(usage):
+    """The MoE blockwise path's cast of tokens read through the padded
+    layout's row map (``kernels.quantize_fp8_blockwise_rows``), one launch."""
+    from transformer_engine_compile.kernels import triton_block as tbk
+
+    sources = torch.full((512,), -1, dtype=torch.int32)
+    sources[:300] = torch.arange(300, dtype=torch.int32)
+    with ttir_launches() as built:
+        out = tbk.quantize_fp8_blockwise_rows(torch.randn(300, 256).bfloat16(), sources, "e4m3",
+                                              False, 0.0, *usage)
+    assert built == ["_fp8_block_rows_kernel"]
+    assert ("rowwise_data" in out) == usage[0] and ("columnwise_data" in out) == usage[1]

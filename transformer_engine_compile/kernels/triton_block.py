@@ -73,20 +73,14 @@ def _fp8_block_rows_kernel(x_ptr, src_ptr, M, K, rd_ptr, rs_ptr, cd_ptr, cs_ptr,
     src = tl.load(src_ptr + rm, mask=rm < M, other=-1).to(tl.int64)
     live = mask & (src[:, None] >= 0)
     x = tl.load(x_ptr + src[:, None] * K + rk[None, :], mask=live, other=0.0).to(tl.float32)
-    if ROW:  # blocks of 128 along K: one scale per row of the tile
-        s = _scale_from_amax(tl.max(_abs_bits(x), axis=1).to(tl.float32, bitcast=True),
-                             FMT_MAX, EPS, POW2)
-        _store_rows(rd_ptr, _cast_fp8(x, s[:, None], FMT_MAX, OUT), rm, rk, mask, K)
-        tl.store(rs_ptr + pid_k.to(tl.int64) * M + rm, _recip(s), mask=rm < M)
-    if COL:  # blocks of 128 along M: one scale per row of the transposed tile
+    if ROW:
+        _block_1d_rows(x, rm, rk, mask, M, K, pid_k, rd_ptr, rs_ptr, FMT_MAX, EPS, POW2, OUT)
+    if COL:
         live_t = (rk[:, None] < K) & (rm[None, :] < M) & (src[None, :] >= 0)
         xt = tl.load(x_ptr + rk[:, None] + src[None, :] * K, mask=live_t,
                      other=0.0).to(tl.float32)
         mask_t = (rk[:, None] < K) & (rm[None, :] < M)
-        s = _scale_from_amax(tl.max(_abs_bits(xt), axis=1).to(tl.float32, bitcast=True),
-                             FMT_MAX, EPS, POW2)
-        _store_transposed(cd_ptr, xt, s[:, None], rm, rk, mask_t, M, FMT_MAX, OUT)
-        tl.store(cs_ptr + pid_m.to(tl.int64) * K + rk, _recip(s), mask=rk < K)
+        _block_1d_cols(xt, mask_t, rm, rk, M, K, pid_m, cd_ptr, cs_ptr, FMT_MAX, EPS, POW2, OUT)
 
 
 @triton.jit
@@ -127,17 +121,34 @@ def _fp8_block_tile(x_ptr, M, K, rd_ptr, rs_ptr, cd_ptr, cs_ptr, pid_m, pid_k,
             _store_transposed(cd_ptr, xt, s, rm, rk, mask_t, M, FMT_MAX, OUT)
             _store_padded_scale(cs_ptr, pid_k, pid_m, tl.cdiv(M, B), _recip(s))
     else:
-        if ROW:  # blocks of 128 along K: one scale per row of the tile
-            s = _scale_from_amax(tl.max(bits, axis=1).to(tl.float32, bitcast=True),
-                                 FMT_MAX, EPS, POW2)
-            _store_rows(rd_ptr, _cast_fp8(x, s[:, None], FMT_MAX, OUT), rm, rk, mask, K)
-            tl.store(rs_ptr + pid_k.to(tl.int64) * M + rm, _recip(s), mask=rm < M)
-        if COL:  # blocks of 128 along M: one scale per row of the transposed tile
+        if ROW:
+            _block_1d_rows(x, rm, rk, mask, M, K, pid_k, rd_ptr, rs_ptr, FMT_MAX, EPS, POW2,
+                           OUT)
+        if COL:
             xt, mask_t = _tile_t(x_ptr, M, K, pid_m, pid_k, B, B)
-            s = _scale_from_amax(tl.max(_abs_bits(xt), axis=1).to(tl.float32, bitcast=True),
-                                 FMT_MAX, EPS, POW2)
-            _store_transposed(cd_ptr, xt, s[:, None], rm, rk, mask_t, M, FMT_MAX, OUT)
-            tl.store(cs_ptr + pid_m.to(tl.int64) * K + rk, _recip(s), mask=rk < K)
+            _block_1d_cols(xt, mask_t, rm, rk, M, K, pid_m, cd_ptr, cs_ptr, FMT_MAX, EPS, POW2,
+                           OUT)
+
+
+@triton.jit
+def _block_1d_rows(x, rm, rk, mask, M, K, pid_k, rd_ptr, rs_ptr, FMT_MAX: tl.constexpr,
+                   EPS: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr):
+    """The rowwise copy of tile ``x``: blocks of 128 along K, one scale per row."""
+    s = _scale_from_amax(tl.max(_abs_bits(x), axis=1).to(tl.float32, bitcast=True),
+                         FMT_MAX, EPS, POW2)
+    _store_rows(rd_ptr, _cast_fp8(x, s[:, None], FMT_MAX, OUT), rm, rk, mask, K)
+    tl.store(rs_ptr + pid_k.to(tl.int64) * M + rm, _recip(s), mask=rm < M)
+
+
+@triton.jit
+def _block_1d_cols(xt, mask_t, rm, rk, M, K, pid_m, cd_ptr, cs_ptr, FMT_MAX: tl.constexpr,
+                   EPS: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr):
+    """The columnwise copy from the transposed tile ``xt``: blocks of 128
+    along M, one scale per row of ``xt``."""
+    s = _scale_from_amax(tl.max(_abs_bits(xt), axis=1).to(tl.float32, bitcast=True),
+                         FMT_MAX, EPS, POW2)
+    _store_transposed(cd_ptr, xt, s[:, None], rm, rk, mask_t, M, FMT_MAX, OUT)
+    tl.store(cs_ptr + pid_m.to(tl.int64) * K + rk, _recip(s), mask=rk < K)
 
 
 @triton.jit
