@@ -45,3 +45,19 @@ def test_dense_refuses_an_unknown_config(capsys):
     with pytest.raises(SystemExit):
         gg.main(["--dense", "llama-z"])
     assert "unknown configs ['llama-z']" in capsys.readouterr().err
+
+
+def test_tokens_override_the_configs_own():
+    """--tokens: the same experts at another token count per step, named so
+    that rows of two counts do not collide; a count the experts cannot take
+    in whole 128-tiles each is refused before any GPU work."""
+    import pytest
+
+    up, down = gg.shapes("deepseek", 32768)
+    assert up.name == "deepseek@32768 gate_up" and up.rows == 32768 * 8
+    assert (up.groups, up.k, up.n) == (256, 7168, 4096) and down.k == 2048
+    assert gg.shapes("deepseek")[0].rows == CONFIGS["deepseek"].tokens * 8
+    with pytest.raises(ValueError, match="must be positive"):
+        gg.shapes("deepseek", 0)
+    with pytest.raises(ValueError, match="whole number of 128-tiles"):
+        gg.time_shape(gg.shapes("deepseek", 8192 + 16)[0])

@@ -161,3 +161,14 @@ def test_microbatches_add_a_cached_row_and_cache_the_weights(tmp_path, monkeypat
     with pytest.raises(ValueError, match="default mode"):
         moe.run(["tiny"], ["fp8_current"], torch.device("cpu"), 1, True, mode="reduce-overhead",
                 microbatches=2)
+
+
+def test_tokens_override_the_block_configs(tmp_path):
+    """--tokens: the block runs that many tokens per step, and its rows say so."""
+    out = tmp_path / "moe.json"
+    rc = moe.main(["--configs", "tiny", "--steps", "1", "--eager", "--recipes", "fp8_current",
+                   "--tokens", "96", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert rc == 0 and {r["tokens"] for r in rows} == {96}
+    assert moe.format_row(rows[0]).split()[0] == "tiny@96"
+    assert moe.config_with_tokens("tiny").tokens == moe.CONFIGS["tiny"].tokens

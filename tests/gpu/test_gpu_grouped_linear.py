@@ -293,3 +293,38 @@ def test_experts_weight_cache_on_cuda():
             for a, b in zip(run(plain, fn_p, None), run(cached, fn_c, first)):
                 assert torch.equal(a, b), (compiled, first)
     assert cached.down_fp8_weight_transposed.shape == (8, 128, 256)
+
+
+@pytest.mark.parametrize("name", COMPILED)
+def test_fused_wgrad_accumulation_on_cuda(name):
+    """``fuse_wgrad_accumulation``: two microbatches add W's gradients into
+    an fp32 ``weight.main_grad`` (``weight.grad`` stays None), compiled with
+    inductor equal to eager bit for bit, and the sum within bf16 rounding
+    of the unfused layer's gradients (the blockwise CuTeDSL kernel writes
+    its fp32 wgrad straight into the add; the other GEMMs give bf16)."""
+    rec, sizes = RECIPES[name], (40, 0, 88, 128)
+    torch._dynamo.reset()
+    eager, compiled, plain = _layer("cuda"), _layer("cuda"), _layer("cuda")
+    for layer in (eager, compiled):
+        layer.fuse_wgrad_accumulation = True
+        layer.weight.main_grad = torch.zeros(layer.weight.shape, device="cuda")
+    step = torch.compile(compiled, fullgraph=True)
+    plain.zero_grad(set_to_none=True)
+    total = torch.zeros(plain.weight.shape, device="cuda")
+    for seed in range(2):
+        x, dy = (t.cuda() for t in _data(sizes, seed=20 + seed))
+        outs = []
+        for layer, fn in ((eager, eager), (compiled, step), (plain, plain)):
+            xg = x.detach().requires_grad_()
+            with te.autocast(enabled=rec is not None, recipe=rec):
+                y = fn(xg, torch.tensor(sizes, device="cuda"))
+            y.backward(dy)
+            outs.append((y.detach(), xg.grad))
+        total += plain.weight.grad.float()
+        plain.weight.grad = None
+        for a, b in zip(outs[0], outs[1]):
+            assert torch.equal(a, b)
+        assert torch.equal(eager.weight.main_grad, compiled.weight.main_grad)
+        assert eager.weight.grad is None and compiled.weight.grad is None
+        assert _rel(eager.weight.main_grad, total) < 1e-2
+    assert torch.count_nonzero(eager.weight.main_grad[1]) == 0  # expert 1 saw no token

@@ -2,7 +2,8 @@
 against bf16 ``torch._grouped_mm`` on the expert GEMMs of ``benchmarks.moe``'s
 configs, one kernel at a time, side by side in one process.
 
-    python -m transformer_engine_compile.benchmarks.grouped_gemm [--configs mixtral deepseek qwen3]
+    python -m transformer_engine_compile.benchmarks.grouped_gemm [--configs mixtral deepseek qwen3] \
+        [--tokens 8192 32768]
     python -m transformer_engine_compile.benchmarks.grouped_gemm --dense hf-llama-a hf-llama-b
 
 ``--dense``: the dense ``te.Linear`` GEMMs of ``benchmarks.llama``'s
@@ -27,7 +28,7 @@ import sys
 
 import torch
 
-from .moe import CONFIGS
+from .moe import CONFIGS, config_with_tokens
 
 TILE = 128
 
@@ -45,13 +46,15 @@ class Shape:
         return 2 * self.rows * self.k * self.n
 
 
-def shapes(config: str) -> list:
-    """The expert GEMMs of a ``benchmarks.moe`` config: gate/up (hidden ->
-    2 ffn) and down (ffn -> hidden) over every routed token."""
-    cfg = CONFIGS[config]
+def shapes(config: str, tokens=None) -> list:
+    """The expert GEMMs of a ``benchmarks.moe`` config (at ``tokens`` per
+    step where given): gate/up (hidden -> 2 ffn) and down (ffn -> hidden)
+    over every routed token."""
+    cfg = config_with_tokens(config, tokens)
     rows = cfg.tokens * cfg.top_k
-    return [Shape(f"{config} gate_up", cfg.experts, rows, cfg.hidden, 2 * cfg.ffn),
-            Shape(f"{config} down", cfg.experts, rows, cfg.ffn, cfg.hidden)]
+    name = config if tokens is None else f"{config}@{tokens}"
+    return [Shape(f"{name} gate_up", cfg.experts, rows, cfg.hidden, 2 * cfg.ffn),
+            Shape(f"{name} down", cfg.experts, rows, cfg.ffn, cfg.hidden)]
 
 
 def _ms(fn, iters: int = 20) -> float:
@@ -208,8 +211,9 @@ def format_dense_row(r: dict) -> str:
 def time_shape(s: Shape) -> list:
     """Rows ``{"gemm", "kernel_ms", "bf16_ms", ...}`` for fprop and wgrad."""
     per = s.rows // s.groups
-    if per % TILE:
-        raise ValueError(f"{s.name}: {per} tokens per expert is no whole number of 128-tiles")
+    if s.rows % s.groups or per % TILE:
+        raise ValueError(f"{s.name}: {s.rows / s.groups:g} tokens per expert is no whole "
+                         "number of 128-tiles")
     rows = []
     for what, timer in (("fprop", _fprop), ("wgrad", _wgrad)):
         kernel, ref = timer(s, per)
@@ -232,6 +236,10 @@ def main(argv=None) -> int:
     parser.add_argument("--dense", nargs="+", default=None, metavar="LLAMA_CONFIG",
                         help="the dense te.Linear GEMMs of these benchmarks.llama configs "
                              "instead (e.g. hf-llama-a hf-llama-b)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[None], metavar="N",
+                        help="tokens per step instead of each config's own, one run of "
+                             "the configs per count (each expert's share a whole number "
+                             "of 128-tiles)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.dense:
@@ -253,8 +261,9 @@ def main(argv=None) -> int:
                 for r in time_dense(s):
                     rows.append(r)
                     print(format_dense_row(r), flush=True)
-    for config in [] if args.dense else args.configs:
-        for s in shapes(config):
+    for config, tokens in [] if args.dense else [(c, t) for c in args.configs
+                                                 for t in args.tokens]:
+        for s in shapes(config, tokens):
             for r in time_shape(s):
                 rows.append(r)
                 print(format_row(r), flush=True)

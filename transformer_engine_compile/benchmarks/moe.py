@@ -236,17 +236,29 @@ def recipe(name: str):
     return R.DelayedScaling() if name == "fp8_delayed" else R.by_name(name)
 
 
+def config_with_tokens(name: str, tokens=None) -> MoEConfig:
+    """``CONFIGS[name]``, with ``tokens`` per step instead of its own where
+    given (the router splits them among the experts)."""
+    cfg = CONFIGS[name]
+    if tokens is None:
+        return cfg
+    if tokens <= 0:
+        raise ValueError(f"--tokens must be positive, got {tokens}")
+    return dataclasses.replace(cfg, tokens=tokens)
+
+
 def run(configs, recipes, device, steps, compiled, log=print, profiled=False,
-        mode="default", microbatches=1) -> list:
+        mode="default", microbatches=1, tokens=None) -> list:
     """Each config's block per candidate, side by side.  With more than one
     microbatch per step each recipe also runs with its FP8 weights cached
-    across them (``cached``)."""
+    across them (``cached``).  ``tokens``: per step, instead of each
+    config's own."""
     if microbatches > 1 and compiled and mode != "default":
         raise ValueError("microbatches accumulate gradients across calls: default mode "
                          "or eager only")
     rows = []
     for name in configs:
-        cfg = CONFIGS[name]
+        cfg = config_with_tokens(name, tokens)
         g = torch.Generator().manual_seed(2)
         x = torch.randn(cfg.tokens, cfg.hidden, generator=g).to(device, torch.bfloat16)
         candidates = [("torch bf16", "torch", None), ("te bf16", "te", None)]
@@ -257,7 +269,8 @@ def run(configs, recipes, device, steps, compiled, log=print, profiled=False,
         if device.type == "cuda" and torchao_fp8_rowwise() is not None:
             candidates.append(("torchao fp8 rowwise", "torchao", None))
         for label, kind, rec in candidates:
-            row = {"config": name, "candidate": label, "microbatches": microbatches}
+            row = {"config": name, "candidate": label, "microbatches": microbatches,
+                   "tokens": cfg.tokens}
             try:
                 with _kernel_off("_dequantized" in label):
                     row.update(time_block(build(cfg, kind, device), rec, x.requires_grad_(),
@@ -296,7 +309,10 @@ def _kernel_off(off: bool):
 
 
 def format_row(row) -> str:
-    head = f"{row['config']:>12} {row['candidate']:>20}"
+    config = row["config"]
+    if row.get("tokens") not in (None, getattr(CONFIGS.get(config), "tokens", None)):
+        config = f"{config}@{row['tokens']}"
+    head = f"{config:>12} {row['candidate']:>20}"
     if "error" in row:
         return f"{head}  ERROR {row['error']}"
     ratio = "" if row.get("x_bf16") is None else f"{row['x_bf16']:7.2f}x"
@@ -412,6 +428,9 @@ def main(argv=None) -> int:
                         help="forward + backward this many times per step (gradient "
                              "accumulation, default mode); each recipe also runs with its "
                              "FP8 weights cached across them (is_first_microbatch)")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help="tokens per step for the block configs instead of each "
+                             "config's own (e.g. 32768 for deepseek: 1024 per expert)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile", action="store_true",
                         help="after timing, one step of each row under torch.profiler: "
@@ -424,7 +443,7 @@ def main(argv=None) -> int:
           "forward + backward per step")
     blocks = [c for c in configs if c in CONFIGS]
     rows = run(blocks, args.recipes, device, args.steps, not args.eager, profiled=args.profile,
-               mode=args.mode, microbatches=args.microbatches)
+               mode=args.mode, microbatches=args.microbatches, tokens=args.tokens)
     rows += run_hf([c for c in configs if c in HF_CONFIGS], args.recipes, device, args.steps,
                    not args.eager, mode=args.mode)
     if args.json:
