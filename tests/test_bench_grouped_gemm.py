@@ -61,3 +61,5 @@ def test_tokens_override_the_configs_own():
         gg.shapes("deepseek", 0)
     with pytest.raises(ValueError, match="whole number of 128-tiles"):
         gg.time_shape(gg.shapes("deepseek", 8192 + 16)[0])
+    with pytest.raises(SystemExit):
+        gg.main(["--configs", "deepseek", "--tokens", "-8"])

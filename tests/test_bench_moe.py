@@ -172,3 +172,9 @@ def test_tokens_override_the_block_configs(tmp_path):
     assert rc == 0 and {r["tokens"] for r in rows} == {96}
     assert moe.format_row(rows[0]).split()[0] == "tiny@96"
     assert moe.config_with_tokens("tiny").tokens == moe.CONFIGS["tiny"].tokens
+
+
+def test_tokens_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        moe.main(["--configs", "tiny", "--tokens", "0"])
+    assert "--tokens must be positive" in capsys.readouterr().err

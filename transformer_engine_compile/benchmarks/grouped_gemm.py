@@ -242,6 +242,8 @@ def main(argv=None) -> int:
                              "of 128-tiles)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    if any(t is not None and t <= 0 for t in args.tokens):
+        parser.error(f"--tokens must be positive, got {args.tokens}")
     if args.dense:
         from .llama import ALL_LLAMA
         unknown = [c for c in args.dense if c not in ALL_LLAMA]

@@ -6,7 +6,7 @@ process, compiled.
 
     python -m transformer_engine_compile.benchmarks.moe [--configs mixtral qwen3] \\
         [--recipes fp8_current fp8_current_e4m3] [--steps 20] [--json out.json] [--profile] \\
-        [--mode reduce-overhead] [--microbatches 4]
+        [--mode reduce-overhead] [--microbatches 4] [--tokens 32768]
 
 Configs: ``mixtral`` (hidden 4096, ffn 14336, 8 experts, top-2, 16k
 tokens), ``qwen3`` (hidden 2048, expert ffn 768, 128 experts, top-8, 16k
@@ -436,6 +436,8 @@ def main(argv=None) -> int:
                         help="after timing, one step of each row under torch.profiler: "
                              "its kernels by time")
     args = parser.parse_args(argv)
+    if args.tokens is not None and args.tokens <= 0:
+        parser.error(f"--tokens must be positive, got {args.tokens}")
     device = torch.device(args.device)
     configs = args.configs or (["mixtral", "qwen3"] if device.type == "cuda" else ["tiny"])
     print(f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
