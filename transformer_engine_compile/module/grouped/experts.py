@@ -26,7 +26,7 @@ import torch
 from ...dynamo.state import register_module
 from ..extra_state import LoadsWithoutExtraState
 from ..linear.setup import first_microbatch_flag
-from .layer import grouped_linear, init_experts_
+from .layer import fused_main_grad, grouped_linear, init_experts_
 from .state import bind_delayed_state, get_grouped_extra_state, set_grouped_extra_state
 from .weight_cache import weight_cache
 
@@ -64,8 +64,12 @@ class GroupedExperts(LoadsWithoutExtraState, torch.nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, *,
                  activation: Optional[Callable] = None, params_dtype: Optional[torch.dtype] = None,
-                 device: Union[torch.device, str, None] = None, init_method=None):
+                 device: Union[torch.device, str, None] = None, init_method=None,
+                 fuse_wgrad_accumulation: bool = False):
         super().__init__()
+        # te.GroupedLinear's: both weights' gradients are added into their
+        # main_grad (gate_up_proj.main_grad, down_proj.main_grad)
+        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
         self.num_experts, self.hidden_size, self.ffn_hidden_size = (num_experts, hidden_size,
                                                                     ffn_hidden_size)
         self.act_fn = activation if activation is not None else torch.nn.functional.silu
@@ -111,7 +115,9 @@ class GroupedExperts(LoadsWithoutExtraState, torch.nn.Module):
         """Hugging Face's experts call.  ``is_first_microbatch``: FP8 weight
         caching across gradient-accumulation microbatches for both grouped
         GEMMs, as ``te.GroupedLinear.forward`` takes it (buffers
-        ``gate_up_fp8_weight_*`` and ``down_fp8_weight_*``)."""
+        ``gate_up_fp8_weight_*`` and ``down_fp8_weight_*``).  Under
+        ``fuse_wgrad_accumulation`` both weights' gradients go into their
+        ``main_grad`` instead of ``.grad``."""
         first = first_microbatch_flag("te.GroupedExperts", is_first_microbatch)
         caches = [((), None)] * 2
         if first is not None:
@@ -122,12 +128,15 @@ class GroupedExperts(LoadsWithoutExtraState, torch.nn.Module):
             self, self._gemms(), self.gate_up_proj.device, caches[0][0] + caches[1][0])
         gate_up_cache, down_cache = (None if bind is None else {**bind(), "cache_weight": first}
                                      for _, bind in caches)
+        gate_up_main, down_main = (
+            fused_main_grad(self.fuse_wgrad_accumulation, w, "te.GroupedExperts", name)
+            for name, w in (("gate_up_proj", self.gate_up_proj), ("down_proj", self.down_proj)))
         x, perm, counts = permute(hidden_states, top_k_index, self.num_experts)
         keep = self.save_original_weight
         gate, up = grouped_linear(x, self.gate_up_proj, None, counts, delayed_state=gate_up_state,
-                                  save_original_weight=keep,
-                                  weight_cache=gate_up_cache).chunk(2, dim=-1)
+                                  save_original_weight=keep, weight_cache=gate_up_cache,
+                                  main_grad=gate_up_main).chunk(2, dim=-1)
         y = grouped_linear(self.act_fn(gate) * up, self.down_proj, None, counts,
                            delayed_state=down_state, save_original_weight=keep,
-                           weight_cache=down_cache)
+                           weight_cache=down_cache, main_grad=down_main)
         return unpermute(y, perm, top_k_weights).to(hidden_states.dtype)

@@ -155,18 +155,26 @@ class GroupedLinear(LoadsWithoutExtraState, torch.nn.Module):
         # every buffer allocated before any is read (dynamo/state.py)
         state, = bind_delayed_state(self, self._gemms(), self.weight.device, cache_layout)
         cache = None if bind_cache is None else {**bind_cache(), "cache_weight": first}
-        main_grad = None
-        if self.fuse_wgrad_accumulation and self.weight.requires_grad and torch.is_grad_enabled():
-            main_grad = main_grad_of(self.weight, "te.GroupedLinear(fuse_wgrad_accumulation=True)",
-                                     "weight")
-            if tuple(main_grad.shape) != tuple(self.weight.shape):
-                raise ValueError(f"te.GroupedLinear: weight.main_grad has shape "
-                                 f"{tuple(main_grad.shape)}, the weight "
-                                 f"{tuple(self.weight.shape)}")
+        main_grad = fused_main_grad(self.fuse_wgrad_accumulation, self.weight,
+                                    "te.GroupedLinear", "weight")
         return grouped_linear(inp, self.weight, self.bias, m_splits, m_offsets=m_offsets,
                               delayed_state=state,
                               save_original_weight=self.save_original_weight,
                               weight_cache=cache, main_grad=main_grad)
+
+
+def fused_main_grad(fused: bool, weight: torch.Tensor, owner: str, what: str):
+    """``weight.main_grad`` where its gradient is added there
+    (``fuse_wgrad_accumulation``: the weight takes a gradient and autograd
+    records), else None; a missing one is a ``RuntimeError``, one shaped
+    unlike the weight a ``ValueError``."""
+    if not (fused and weight.requires_grad and torch.is_grad_enabled()):
+        return None
+    main_grad = main_grad_of(weight, f"{owner}(fuse_wgrad_accumulation=True)", what)
+    if tuple(main_grad.shape) != tuple(weight.shape):
+        raise ValueError(f"{owner}: {what}.main_grad has shape {tuple(main_grad.shape)}, "
+                         f"the weight {tuple(weight.shape)}")
+    return main_grad
 
 
 def init_experts_(*stacked: torch.Tensor, init_method=None) -> None:
