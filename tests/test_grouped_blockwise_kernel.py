@@ -195,25 +195,30 @@ def test_the_gemms_run_persistent_ctas(monkeypatch, grouped_k):
     a, b = torch.empty(128, 4096, dtype=fp8), torch.empty(2, 128, 4096, dtype=fp8)
     sched = torch.zeros(2, 2, dtype=torch.int32)  # wgrad: 2 groups over 32 K tiles
     kernel.grouped_gemm(a, b, None, None, sched, grouped_k, torch.bfloat16)
-    wide = {"tma_store": True, "tile_n": 192} if grouped_k else {}
+    wide = {"tma_store": True, "tile_m": 192} if grouped_k else {}
     assert seen[0].as_dict()["persistent"] is True
     assert seen[0] is kernel.config(grouped_k, fp8, fp8, torch.bfloat16, **wide)
     assert kernel.config(grouped_k, fp8, fp8, torch.bfloat16, persistent=False) not in seen
 
 
 @pytest.mark.parametrize("groups", [8, 3])
-def test_wgrad_takes_the_wide_tma_store_tiles(monkeypatch, groups):
-    """wgrad's persistent CTAs compute 128 x 192 tiles and store them
-    through TMA (measured faster over short and long K alike); fprop and
-    dgrad never (their rows are mapped, their weights' scales 128x128)."""
+def test_wgrad_takes_the_tall_tma_store_tiles(monkeypatch, groups):
+    """wgrad's persistent CTAs compute 192 x 128 tiles with three consumer
+    warpgroups and store them through TMA (measured faster over short and
+    long K alike); fprop and dgrad never (their rows are mapped, their
+    weights' scales 128x128)."""
     seen = []
     monkeypatch.setattr(kernel, "run_kernel", lambda cfg, inputs: seen.append(cfg) or [None])
     fp8 = torch.float8_e4m3fn
     a, b = torch.empty(256, 16 * 128, dtype=fp8), torch.empty(384, 16 * 128, dtype=fp8)
     kernel.grouped_gemm(a, b, None, None, torch.zeros(groups, 2, dtype=torch.int32), True,
                         torch.float32)
-    assert seen[-1] is kernel.config(True, fp8, fp8, torch.float32, tma_store=True, tile_n=192)
-    assert seen[-1].as_dict()["tile_n"] == 192 and seen[-1].as_dict()["tma_store"] is True
+    assert seen[-1] is kernel.config(True, fp8, fp8, torch.float32, tma_store=True, tile_m=192)
+    cfg = seen[-1].as_dict()
+    assert (cfg["tile_m"], cfg["tile_n"], cfg["tma_store"]) == (192, 128, True)
+    # the 128 x 192 tiles stay a configuration of their own
+    assert kernel.config(True, fp8, fp8, torch.float32, tma_store=True,
+                         tile_n=192).as_dict()["tile_m"] == 128
     # the options exist for persistent wgrad alone
     assert kernel.config(False, fp8, fp8, torch.float32, tma_store=True).as_dict()[
         "tma_store"] is False
@@ -221,8 +226,12 @@ def test_wgrad_takes_the_wide_tma_store_tiles(monkeypatch, groups):
                          tma_store=True).as_dict()["tma_store"] is False
     with pytest.raises(ValueError, match="TMA-store wgrad only"):
         kernel.config(False, fp8, fp8, torch.float32, tile_n=192)
-    with pytest.raises(TypeError, match="tile_n 128 or 192"):
+    with pytest.raises(ValueError, match="TMA-store wgrad only"):
+        kernel.config(False, fp8, fp8, torch.float32, tile_m=192)
+    with pytest.raises(TypeError, match="128 x 192 or 192 x 128"):
         kernel.config(True, fp8, fp8, torch.float32, tma_store=True, tile_n=256)
+    with pytest.raises(TypeError, match="128 x 192 or 192 x 128"):  # 192 x 192: no registers
+        kernel.config(True, fp8, fp8, torch.float32, tma_store=True, tile_m=192, tile_n=192)
 
 
 def test_compiles_fullgraph_where_the_kernel_cannot_run(monkeypatch):

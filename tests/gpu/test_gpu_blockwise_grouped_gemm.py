@@ -131,8 +131,9 @@ def test_persistent_ctas_equal_one_tile_per_cta(grouped_k, out_dtype):
     times, every output the same: one tile per CTA stages its output in
     the A ring, over the stage that its last K tile (2 or 3 K tiles here)
     was read from.  wgrad's persistent CTAs with the TMA-store epilogue
-    (``tma_store``) too, with 128- and 192-wide tiles (N = 1536 is 8 of
-    those, and 1664 ends in a partial one: its loads and stores clipped)."""
+    (``tma_store``) too, with 128 x 128, 128 x 192 and 192 x 128 tiles (N
+    = 1536 is 8 of 192, and 1664 ends in a partial one; M = 768 is 4 of
+    192, and 640 ends in a partial one: their loads and stores clipped)."""
     gen = torch.Generator("cuda").manual_seed(6)
     if grouped_k:  # 3 groups x 6 x 12 tiles
         a, b = _fp8((768, 5 * T), gen), _fp8((1536, 5 * T), gen)
@@ -142,22 +143,24 @@ def test_persistent_ctas_equal_one_tile_per_cta(grouped_k, out_dtype):
     else:  # 6 row tiles x 40 N tiles, K 3 tiles
         a, b, sa, sb, sched, sources, dest = _row_groups_case(gen, n=40 * T)
         inputs = [a, b, sa, sb, sched, sources, dest]
-    ways = [(False, False, T), (True, False, T)]
+    ways = [(False, False, T, T), (True, False, T, T)]
     if grouped_k:
-        ways += [(True, True, T), (True, True, 192)]
+        ways += [(True, True, T, T), (True, True, T, 192), (True, True, 192, T)]
     cases = [inputs]
     if grouped_k:  # 13 N tiles of 128: 8 of 192 and a partial one
         b2, sb2 = _fp8((1664, 5 * T), gen), _scales((5, 1664), gen).t()
         cases.append([a, b2, sa, sb2, inputs[4]])
+        # 5 M tiles of 128: 3 of 192 and a partial one
+        cases.append([a[:640], b, sa[:640], sb, inputs[4]])
     for case in cases:
         outs = []
-        for persistent, tma_store, tile_n in ways:
+        for persistent, tma_store, tile_m, tile_n in ways:
             cfg = bg.config(grouped_k, a.dtype, b.dtype, out_dtype, persistent=persistent,
-                            tma_store=tma_store, tile_n=tile_n)
+                            tma_store=tma_store, tile_m=tile_m, tile_n=tile_n)
             outs += [run_kernel(cfg, case)[0] for _ in range(20)]
         for i, out in enumerate(outs[1:], 1):
             assert torch.equal(outs[0], out), \
-                f"launch {i % 20} of (persistent, tma_store, tile_n)={ways[i // 20]}"
+                f"launch {i % 20} of (persistent, tma_store, tile_m, tile_n)={ways[i // 20]}"
 
 
 def test_compiled_equals_eager_and_builds_once():

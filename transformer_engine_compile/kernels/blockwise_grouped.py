@@ -41,19 +41,23 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _OUT = (torch.bfloat16, torch.float16, torch.float32)
 # every configuration, made once: a dict lookup is what torch.compile traces
 # (it does not trace the opaque class's constructor)
-_CONFIGS = {(k, a, b, o, p, t, n): KernelConfig.make(KIND, grouped_k=k, a_dtype=str(a),
-                                                     b_dtype=str(b), out_dtype=str(o),
-                                                     persistent=p, tma_store=t, tile_n=n)
+# the TMA-store wgrad's tile shapes (rows, columns); the others' are 128 x 128
+_TMA_STORE_TILES = ((TILE, TILE), (TILE, 192), (192, TILE))
+_CONFIGS = {(k, a, b, o, p, t, m, n): KernelConfig.make(KIND, grouped_k=k, a_dtype=str(a),
+                                                        b_dtype=str(b), out_dtype=str(o),
+                                                        persistent=p, tma_store=t, tile_m=m,
+                                                        tile_n=n)
             for k in (False, True) for a in _FP8 for b in _FP8 for o in _OUT
             for p in (False, True) for t in ((False, True) if k and p else (False,))
-            for n in ((TILE, 192) if t else (TILE,))}
-# wgrad's tiles: 128 x 192, through the TMA-store epilogue (cutedsl/blockwise_grouped_gemm.py)
-WGRAD_TILE_N = 192
+            for m, n in (_TMA_STORE_TILES if t else ((TILE, TILE),))}
+# wgrad's tiles: 192 x 128 with three consumer warpgroups, through the
+# TMA-store epilogue (cutedsl/blockwise_grouped_gemm.py)
+WGRAD_TILE = (192, TILE)
 
 
 def config(grouped_k: bool, a_dtype: torch.dtype, b_dtype: torch.dtype,
            out_dtype: torch.dtype, persistent: bool = True,
-           tma_store: bool = False, tile_n: int = TILE) -> KernelConfig:
+           tma_store: bool = False, tile_n: int = TILE, tile_m: int = TILE) -> KernelConfig:
     """The kernel's configuration.  ``persistent``: one CTA per SM, each
     looping over tiles and loading the next tile's operands while it
     stores this one, rather than one CTA per tile.  Measured on H200 at
@@ -64,23 +68,25 @@ def config(grouped_k: bool, a_dtype: torch.dtype, b_dtype: torch.dtype,
     tests check the persistent one against, bit for bit.
 
     ``tma_store`` (persistent wgrad only): the epilogue sends the tile out
-    with TMA stores that drain while the next tile computes.  ``tile_n``
-    (with ``tma_store``): C's tiles are 128 x ``tile_n``, 128 or 192; a
-    wider tile reads each A tile for more of C, and the TMA loads and
-    stores clip a partial last tile.  On H200 the 128 x 192 TMA-store
-    wgrad ran 1.08-1.20x faster than the default epilogue on the Mixtral,
-    DeepSeek-V3 and Qwen3-MoE expert shapes, and mostly faster than the
-    128 x 128 TMA-store one, bit for bit the same (Qwen3's gate/up with a
-    bf16 output, 0.97x, the exception; docs/benchmarks.md), so
-    :func:`grouped_gemm` runs every wgrad that way (``WGRAD_TILE_N``)."""
+    with TMA stores that drain while the next tile computes.  ``tile_m`` x
+    ``tile_n`` (with ``tma_store``): C's tiles are 128 x 128, 128 x 192 or
+    192 x 128 (three consumer warpgroups); a larger tile reads each operand
+    tile for more of C, and the TMA loads and stores clip a partial last
+    tile.  On H200 the 128 x 192 TMA-store wgrad ran 1.08-1.20x faster than
+    the default epilogue on the Mixtral, DeepSeek-V3 and Qwen3-MoE expert
+    shapes, and the 192 x 128 one 1.00-1.16x faster than that, bit for bit
+    the same (docs/benchmarks.md), so :func:`grouped_gemm` runs every wgrad
+    that way (``WGRAD_TILE``)."""
     tma_store = bool(tma_store and grouped_k and persistent)
-    if tile_n != TILE and not tma_store:
-        raise ValueError(f"tile_n={tile_n} is for the TMA-store wgrad only")
-    key = (bool(grouped_k), a_dtype, b_dtype, out_dtype, bool(persistent), tma_store, tile_n)
+    if (tile_m, tile_n) != (TILE, TILE) and not tma_store:
+        raise ValueError(f"tile_m x tile_n = {tile_m} x {tile_n} is for the TMA-store "
+                         "wgrad only")
+    key = (bool(grouped_k), a_dtype, b_dtype, out_dtype, bool(persistent), tma_store, tile_m,
+           tile_n)
     if key not in _CONFIGS:
         raise TypeError(f"the FP8 blockwise grouped GEMM takes FP8 operands, a "
-                        f"{'/'.join(map(str, _OUT))} output and tile_n 128 or 192, not "
-                        f"{key[1:4]}, tile_n={tile_n}")
+                        f"{'/'.join(map(str, _OUT))} output and tiles of 128 x 128, "
+                        f"128 x 192 or 192 x 128, not {key[1:4]}, {tile_m} x {tile_n}")
     return _CONFIGS[key]
 
 
@@ -88,8 +94,9 @@ def grouped_gemm(a, b, scale_a, scale_b, sched, grouped_k: bool, out_dtype: torc
                  sources=None, dest=None) -> torch.Tensor:
     """The grouped GEMM through ``te_compile::run_kernel`` (shapes: module
     docstring)."""
-    cfg = config(grouped_k, a.dtype, b.dtype, out_dtype, tma_store=grouped_k,
-                 tile_n=WGRAD_TILE_N if grouped_k else TILE)
+    tile_m, tile_n = WGRAD_TILE if grouped_k else (TILE, TILE)
+    cfg = config(grouped_k, a.dtype, b.dtype, out_dtype, tma_store=grouped_k, tile_m=tile_m,
+                 tile_n=tile_n)
     rows = [] if grouped_k else [sources, dest]
     return run_kernel(cfg, [a, b, scale_a, scale_b, sched, *rows])[0]
 

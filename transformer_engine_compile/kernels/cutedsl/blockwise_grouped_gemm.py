@@ -40,11 +40,13 @@ this one, the staging in a buffer of its own.  With ``tma_store``
 epilogue writes the tile in slices of 128 rows x 128 bytes with
 ``stmatrix`` into swizzled buffers and sends each out with a TMA store,
 which drains while the next tile computes; its tiles may be 128 x 192
-(``tile_n``), which read each A tile for half as much C again.  There the
-promotion reads its scales from the stage after the WGMMAs (a scale per
-accumulator element would not fit the registers) and releases the stage
-after it; the TMA loads zero-fill and the stores clip a partial last
-tile.  ``kernels/blockwise_grouped.py`` says what runs when.
+(``tile_n``), which read each A tile for half as much C again, or
+192 x 128 (``tile_m``) with a third consumer warpgroup, which reads each
+B tile for half as much C again and gives each scheduler a third warp to
+issue from.  There the promotion reads its scales from the stage after
+the WGMMAs (a scale per accumulator element would not fit the registers)
+and releases the stage after it; the TMA loads zero-fill and the stores
+clip a partial last tile.  ``kernels/blockwise_grouped.py`` says what runs when.
 
 Imported only when the runner is built (``kernels/blockwise_grouped.py``):
 nothing here runs on a machine without the DSL or a GPU.
@@ -62,12 +64,12 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 TILE_M = 128
 TILE_N = 128
 TILE_K = 128          # one scale block along K per tile
-_WARPGROUPS = 2       # consumers, 64 rows each
-_MMA_THREADS = 128 * _WARPGROUPS
-_THREADS = 128 + _MMA_THREADS   # one producer warpgroup first
-_PRODUCER_REGS = 40
+_WG_ROWS = 64         # each consumer warpgroup's rows of the tile
+# registers per thread (setmaxnreg) of the producer and of the consumer
+# warpgroups, by the number of consumer warpgroups (2: 128-row tiles, 3:
+# 192-row ones, whose 64 x 128 accumulators leave room for no more)
+_REGS = {2: (40, 232), 3: (24, 160)}
 _BAND = 8             # row tiles per rasterization band
-_MMA_REGS = 232
 EPI_ROW_BYTES = 128   # TMA-store epilogue: slices of 128 rows x 128 bytes (the swizzle's width)
 EPI_BUFFERS = 2       # slices in flight
 _EPI_STORE_WARP = 4   # the first consumer warp issues the TMA stores
@@ -82,7 +84,7 @@ class BlockwiseGroupedGemm:
     """The kernel for one configuration (``grouped_k``, C's dtype)."""
 
     def __init__(self, grouped_k: bool, stages: int = 0, persistent: bool = False,
-                 tma_store: bool = False, tile_n: int = TILE_N):
+                 tma_store: bool = False, tile_n: int = TILE_N, tile_m: int = TILE_M):
         self.grouped_k = grouped_k
         # persistent CTAs (at most one per SM) loop over the tiles: the
         # producer loads the next tile while the consumers store this one
@@ -96,8 +98,22 @@ class BlockwiseGroupedGemm:
         # blocks) and whose TMA loads and stores clip a partial last tile
         if tile_n not in (TILE_N, 192) or (tile_n != TILE_N and not self.tma_store):
             raise ValueError(f"tile_n={tile_n}: 128, or 192 for the TMA-store wgrad")
-        self.tile_n = tile_n
-        self.tile_mnk = (TILE_M, tile_n, TILE_K)
+        # taller tiles (192 rows) take a third consumer warpgroup: wgrad
+        # under tma_store with 128 columns only (the registers allow no more)
+        if tile_m not in (TILE_M, 192) or (tile_m != TILE_M and not (
+                self.tma_store and tile_n == TILE_N)):
+            raise ValueError(f"tile_m={tile_m}: 128, or 192 for the TMA-store wgrad's "
+                             "128-wide tiles")
+        self.tile_m, self.tile_n = tile_m, tile_n
+        self.tile_mnk = (tile_m, tile_n, TILE_K)
+        self.warpgroups = tile_m // _WG_ROWS
+        self.mma_threads = 128 * self.warpgroups
+        self.threads = 128 + self.mma_threads  # one producer warpgroup first
+        self.producer_regs, self.mma_regs = _REGS[self.warpgroups]
+        # two warpgroups of 64 x 128 accumulators have the registers for a
+        # scale per element, computed while the WGMMAs run; wider or more
+        # warpgroups read the scales from the stage after the wait
+        self.scales_during_mma = tile_n == TILE_N and self.warpgroups == 2
 
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, scale_a: cute.Tensor,
@@ -107,12 +123,13 @@ class BlockwiseGroupedGemm:
         # bytes: two FP8 tiles and their K block's fp32 scales (A's rows',
         # and under grouped_k B's columns')
         tile_n = self.tile_n
-        per_stage = (TILE_M + tile_n) * TILE_K + 4 * TILE_M + (4 * tile_n if self.grouped_k else 0)
+        tile_m = self.tile_m
+        per_stage = (tile_m + tile_n) * TILE_K + 4 * tile_m + (4 * tile_n if self.grouped_k else 0)
         # the epilogue's own staging buffer (persistent): rows padded by 16
         # bytes, or under tma_store EPI_BUFFERS swizzled slices of 128 rows
         # x 128 bytes, one per store in flight
         c_pad = 128 // c.element_type.width
-        c_elems = TILE_M * (tile_n + c_pad) if self.persistent else 1
+        c_elems = tile_m * (tile_n + c_pad) if self.persistent else 1
         c_layout = utils.LayoutEnum.from_tensor(c)
         epi_smem = cute.make_layout(1)
         if cutlass.const_expr(self.tma_store):
@@ -121,7 +138,7 @@ class BlockwiseGroupedGemm:
                 warpgroup.make_smem_layout_atom(
                     sm90_utils.get_smem_layout_atom(c_layout, c.element_type, epi_n),
                     c.element_type),
-                (TILE_M, epi_n, EPI_BUFFERS), order=(0, 1, 2))
+                (tile_m, epi_n, EPI_BUFFERS), order=(0, 1, 2))
             c_elems = cute.cosize(epi_smem)
         c_bytes = c_elems * c.element_type.width // 8 if self.persistent else 0
         self.stages = self._stages or min(8, (smem - 2048 - c_bytes) // per_stage)
@@ -129,7 +146,7 @@ class BlockwiseGroupedGemm:
         b_major = utils.LayoutEnum.from_tensor(b)
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             a.element_type, b.element_type, a_major.sm90_mma_major_mode(),
-            b_major.sm90_mma_major_mode(), cutlass.Float32, (_WARPGROUPS, 1, 1),
+            b_major.sm90_mma_major_mode(), cutlass.Float32, (self.warpgroups, 1, 1),
             tiler_mn=(64, tile_n))
         a_smem = sm90_utils.make_smem_layout_a(a_major, self.tile_mnk, a.element_type,
                                                self.stages)
@@ -137,16 +154,16 @@ class BlockwiseGroupedGemm:
                                                self.stages)
         tma_a, tma_ta = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), a, cute.slice_(a_smem, (None, None, 0)),
-            (TILE_M, TILE_K))
+            (tile_m, TILE_K))
         tma_b, tma_tb = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), b, cute.slice_(b_smem, (None, None, 0)),
             (tile_n, TILE_K))
         # the 1x128 scales ride the ring with their tiles: 128 fp32 per stage
-        sa_smem = cute.make_layout((TILE_M, 1, self.stages))
+        sa_smem = cute.make_layout((tile_m, 1, self.stages))
         sb_smem = cute.make_layout((tile_n, 1, self.stages if self.grouped_k else 1))
         tma_sa, tma_tsa = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), scale_a, cute.slice_(sa_smem, (None, None, 0)),
-            (TILE_M, 1))
+            (tile_m, 1))
         tma_sb, tma_tsb = tma_sa, tma_tsa  # (unused: a weight's scale is one per block)
         if cutlass.const_expr(self.grouped_k):
             tma_sb, tma_tsb = cpasync.make_tiled_tma_atom(
@@ -170,8 +187,8 @@ class BlockwiseGroupedGemm:
         self.tx_bytes = (cute.size_in_bytes(a.element_type, cute.slice_(a_smem, (None, None, 0)))
                          + cute.size_in_bytes(b.element_type,
                                               cute.slice_(b_smem, (None, None, 0)))
-                         + 4 * TILE_M + (4 * tile_n if self.grouped_k else 0))
-        tiles = ((cute.size(a, mode=[0]) + TILE_M - 1) // TILE_M
+                         + 4 * tile_m + (4 * tile_n if self.grouped_k else 0))
+        tiles = ((cute.size(a, mode=[0]) + tile_m - 1) // tile_m
                  * ((cute.size(c, mode=[1]) + tile_n - 1) // tile_n))
         grid = (tiles, 1, cute.size(c, mode=[2]))
         if cutlass.const_expr(self.persistent):
@@ -185,10 +202,14 @@ class BlockwiseGroupedGemm:
         if cutlass.const_expr(self.tma_store):
             tma_c, tma_tc = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileS2GOp(), c, cute.slice_(epi_smem, (None, None, 0)),
-                (TILE_M, _epi_n(c.element_type)))
+                (tile_m, _epi_n(c.element_type)))
         self.kernel(tma_a, tma_ta, tma_b, tma_tb, c, tma_sa, tma_tsa, tma_sb, tma_tsb, scale_b,
                     sched, rowmap, tiled_mma, a_smem, b_smem, sa_smem, sb_smem, tma_c, tma_tc,
-                    epi_smem).launch(grid=grid, block=[_THREADS, 1, 1], stream=stream)
+                    epi_smem).launch(grid=grid, block=[self.threads, 1, 1], stream=stream,
+                                     # said for 3 consumer warpgroups, so that ptxas
+                                     # knows the registers at entry and keeps their
+                                     # setmaxnreg (else it ignores it, and spills)
+                                     min_blocks_per_mp=1 if self.warpgroups == 3 else 0)
 
     @cute.jit
     def _epilogue(self, acc, tCcC, mC, c_l, tile_m, tile_n, mRowmap, smem_ptr, mma_tidx):
@@ -208,23 +229,23 @@ class BlockwiseGroupedGemm:
         per_row = TILE_N // vec
         out = mC[None, None, c_l]
         reg = cute.make_rmem_tensor((1, vec), dtype)
-        vectors = TILE_M * per_row // _MMA_THREADS
+        vectors = TILE_M * per_row // self.mma_threads
         rows = []
         if cutlass.const_expr(not self.grouped_k):
             # C's rows, all loaded while the tile is staged, before the first
             # store (which could alias them, as far as the compiler knows)
-            rows = [mRowmap[tile_m * TILE_M + (mma_tidx + j * _MMA_THREADS) // per_row]
+            rows = [mRowmap[tile_m * TILE_M + (mma_tidx + j * self.mma_threads) // per_row]
                     for j in range(vectors)]
         if cutlass.const_expr(not self.persistent):
             # staged in the A ring: the other warpgroup's last WGMMAs may
             # still be reading its A rows from the stage this overwrites
-            cute.arch.barrier(barrier_id=1, number_of_threads=_MMA_THREADS)
+            cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
         for i in cutlass.range_constexpr(cute.size(acc)):
             r, n = tCcC[i]
             sC[r, n] = acc[i].to(dtype)
-        cute.arch.barrier(barrier_id=1, number_of_threads=_MMA_THREADS)
+        cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
         for j in cutlass.range_constexpr(vectors):
-            idx = mma_tidx + j * _MMA_THREADS
+            idx = mma_tidx + j * self.mma_threads
             r = idx // per_row
             v = idx % per_row
             row = tile_m * TILE_M + r
@@ -234,7 +255,7 @@ class BlockwiseGroupedGemm:
                 cute.autovec_copy(cute.local_tile(sC, (1, vec), (r, v)), reg)
                 cute.autovec_copy(reg, cute.local_tile(out, (1, vec), (row, tile_n * per_row + v)))
         if cutlass.const_expr(self.persistent):  # read out before the next tile writes it
-            cute.arch.barrier(barrier_id=1, number_of_threads=_MMA_THREADS)
+            cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
 
     @cute.jit
     def _epilogue_tma(self, r2s, tRS_acc, tRS_sC, tRS_c, tRS_out, tma_c, sC, mC_tma, c_l, tile_m,
@@ -245,9 +266,9 @@ class BlockwiseGroupedGemm:
         warp's TMA store sends it out; the stores drain while the next tile
         computes, and a buffer is written again only once its last store
         has read it (``c_stores``, the TMA store pipeline)."""
-        gC = cute.local_tile(mC_tma, (TILE_M, self.tile_n), (tile_m, tile_n, c_l))
+        gC = cute.local_tile(mC_tma, (self.tile_m, self.tile_n), (tile_m, tile_n, c_l))
         epi_n = _epi_n(tRS_out.element_type)
-        gC_epi = cute.zipped_divide(gC, (TILE_M, epi_n))
+        gC_epi = cute.zipped_divide(gC, (self.tile_m, epi_n))
         bSG_sC, bSG_gC = cpasync.tma_partition(tma_c, 0, cute.make_layout(1),
                                                cute.group_modes(sC, 0, 2), gC_epi)
         n = cute.size(tRS_c)
@@ -260,19 +281,19 @@ class BlockwiseGroupedGemm:
             # the generic-proxy smem writes made visible to the TMA unit
             cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared,
                                   space=cute.arch.SharedSpace.shared_cta)
-            cute.arch.barrier(barrier_id=1, number_of_threads=_MMA_THREADS)
+            cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
             if warp == _EPI_STORE_WARP:
                 cute.copy(tma_c, bSG_sC[None, e % buffers], bSG_gC[None, (0, e)])
                 c_stores.producer_commit()
                 c_stores.producer_acquire()
-            cute.arch.barrier(barrier_id=1, number_of_threads=_MMA_THREADS)
+            cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
 
     @cute.jit
     def _raster(self, tile, rows, cols):
         """``(tile_m, tile_n)`` of the CTA's linear index: column-major within
         bands of ``_BAND`` row tiles, so the CTAs that run together share
         their A tiles and few B tiles in L2."""
-        m_tiles = (rows + TILE_M - 1) // TILE_M
+        m_tiles = (rows + self.tile_m - 1) // self.tile_m
         n_tiles = (cols + self.tile_n - 1) // self.tile_n
         per_band = _BAND * n_tiles
         first = (tile // per_band) * _BAND
@@ -318,7 +339,7 @@ class BlockwiseGroupedGemm:
         tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
                                            cute.group_modes(sB, 0, 2),
                                            cute.group_modes(gB, 0, 2))
-        gSA = cute.local_tile(mSA, (TILE_M, 1), (tile_m, None))
+        gSA = cute.local_tile(mSA, (self.tile_m, 1), (tile_m, None))
         tSsSA, tSgSA = cpasync.tma_partition(tma_sa, 0, cute.make_layout(1),
                                              cute.group_modes(sSA, 0, 2),
                                              cute.group_modes(gSA, 0, 2))
@@ -362,7 +383,7 @@ class BlockwiseGroupedGemm:
                           tCrB[None, None, k, reads.index], part)
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
             warpgroup.commit_group()
-            if cutlass.const_expr(self.tile_n == TILE_N):
+            if cutlass.const_expr(self.scales_during_mma):
                 # this K block's scales (the 1x128 ones from the ring's
                 # stage), read while the WGMMAs run
                 sb = cutlass.Float32(1.0)
@@ -404,7 +425,7 @@ class BlockwiseGroupedGemm:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, bidz = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
-        tiles = ((cute.size(mA, mode=[0]) + TILE_M - 1) // TILE_M
+        tiles = ((cute.size(mA, mode=[0]) + self.tile_m - 1) // self.tile_m
                  * ((cute.size(mC, mode=[1]) + self.tile_n - 1) // self.tile_n))
         # one tile per CTA (grid: tiles x batches), or persistent CTAs
         # striding over every tile of every batch
@@ -427,7 +448,8 @@ class BlockwiseGroupedGemm:
         ring = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.barriers.data_ptr(), num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, _MMA_THREADS // 32),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     self.mma_threads // 32),
             tx_count=self.tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
         sA = storage.sa.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         sB = storage.sb.get_tensor(b_smem.outer, swizzle=b_smem.inner)
@@ -445,7 +467,7 @@ class BlockwiseGroupedGemm:
         wg = cute.arch.make_warp_uniform(tidx // 128)
         if wg == 0:
             # the producer warpgroup: warp 0 streams the K tiles through TMA
-            cute.arch.warpgroup_reg_dealloc(_PRODUCER_REGS)
+            cute.arch.warpgroup_reg_dealloc(self.producer_regs)
             if warp == 0:
                 loads = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                      self.stages)
@@ -457,7 +479,7 @@ class BlockwiseGroupedGemm:
                                        k_tiles)
                 ring.producer_tail(loads)
         else:
-            cute.arch.warpgroup_reg_alloc(_MMA_REGS)
+            cute.arch.warpgroup_reg_alloc(self.mma_regs)
             mma_tidx = tidx - 128
             # A/B fragments per warpgroup, C per thread
             thr_mma = tiled_mma.get_slice((wg - 1) * 128)
@@ -467,7 +489,7 @@ class BlockwiseGroupedGemm:
             gC = cute.local_tile(mC, self.tile_mnk, (0, 0, None, 0), proj=(1, 1, None))
             tCgC = thr_c.partition_C(gC)
             # each accumulator element's (row, column) in the tile
-            tCcC = thr_c.partition_C(cute.make_identity_tensor((TILE_M, self.tile_n)))
+            tCcC = thr_c.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
             acc = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
             part = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
             scale = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
@@ -491,7 +513,7 @@ class BlockwiseGroupedGemm:
                 c_stores = pipeline.PipelineTmaStore.create(
                     num_stages=cute.size(tRS_sC, mode=[3]),
                     producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                             _MMA_THREADS))
+                                                             self.mma_threads))
             for work in cutlass.range(first, end, step, unroll=1):
                 tile_m, tile_n, b_l, c_l, k_begin, k_tiles, store = self._work(
                     work, tiles, mA, mC, mSched)
@@ -551,7 +573,8 @@ def build(config, out_shape):
     example = _example(grouped_k, dtype(values["a_dtype"]), dtype(values["b_dtype"]), out_dtype)
     kernel = BlockwiseGroupedGemm(grouped_k, persistent=values.get("persistent", False),
                                   tma_store=values.get("tma_store", False),
-                                  tile_n=values.get("tile_n", TILE_N))
+                                  tile_n=values.get("tile_n", TILE_N),
+                                  tile_m=values.get("tile_m", TILE_M))
     compiled = cute.compile(kernel, *_views(grouped_k, *example), cutlass.Int32(1),
                             current_stream())
     max_ctas = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
