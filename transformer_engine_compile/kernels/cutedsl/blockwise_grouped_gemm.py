@@ -37,7 +37,7 @@ at most one CTA per SM instead of one per tile: each loops over tiles,
 its producer loading the next tile's operands while the consumers store
 this one, the staging in a buffer of its own.  With ``tma_store``
 (``grouped_k`` and persistent: wgrad, whose C has no row map) the
-epilogue writes the tile in slices of 128 rows x 128 bytes with
+epilogue writes the tile in slices of the tile's rows x 128 bytes with
 ``stmatrix`` into swizzled buffers and sends each out with a TMA store,
 which drains while the next tile computes; its tiles may be 128 x 192
 (``tile_n``), which read each A tile for half as much C again, or
@@ -70,7 +70,7 @@ _WG_ROWS = 64         # each consumer warpgroup's rows of the tile
 # 192-row ones, whose 64 x 128 accumulators leave room for no more)
 _REGS = {2: (40, 232), 3: (24, 160)}
 _BAND = 8             # row tiles per rasterization band
-EPI_ROW_BYTES = 128   # TMA-store epilogue: slices of 128 rows x 128 bytes (the swizzle's width)
+EPI_ROW_BYTES = 128   # TMA-store epilogue: slices of the tile's rows x 128 bytes (the swizzle)
 EPI_BUFFERS = 2       # slices in flight
 _EPI_STORE_WARP = 4   # the first consumer warp issues the TMA stores
 
@@ -126,8 +126,8 @@ class BlockwiseGroupedGemm:
         tile_m = self.tile_m
         per_stage = (tile_m + tile_n) * TILE_K + 4 * tile_m + (4 * tile_n if self.grouped_k else 0)
         # the epilogue's own staging buffer (persistent): rows padded by 16
-        # bytes, or under tma_store EPI_BUFFERS swizzled slices of 128 rows
-        # x 128 bytes, one per store in flight
+        # bytes, or under tma_store EPI_BUFFERS swizzled slices of the
+        # tile's rows x 128 bytes, one per store in flight
         c_pad = 128 // c.element_type.width
         c_elems = tile_m * (tile_n + c_pad) if self.persistent else 1
         c_layout = utils.LayoutEnum.from_tensor(c)
@@ -261,7 +261,7 @@ class BlockwiseGroupedGemm:
     def _epilogue_tma(self, r2s, tRS_acc, tRS_sC, tRS_c, tRS_out, tma_c, sC, mC_tma, c_l, tile_m,
                       tile_n, c_stores, warp):
         """The tile from the accumulators to C (``grouped_k``, persistent) in
-        slices of 128 rows x ``EPI_ROW_BYTES``: each converted and written
+        slices of the tile's rows x ``EPI_ROW_BYTES``: each converted and written
         to its swizzled shared-memory buffer with ``stmatrix``, then one
         warp's TMA store sends it out; the stores drain while the next tile
         computes, and a buffer is written again only once its last store
