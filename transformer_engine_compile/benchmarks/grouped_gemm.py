@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-from .moe import CONFIGS, config_with_tokens
+from .moe import CONFIGS, config_with_tokens, token_count
 
 TILE = 128
 
@@ -236,14 +236,12 @@ def main(argv=None) -> int:
     parser.add_argument("--dense", nargs="+", default=None, metavar="LLAMA_CONFIG",
                         help="the dense te.Linear GEMMs of these benchmarks.llama configs "
                              "instead (e.g. hf-llama-a hf-llama-b)")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[None], metavar="N",
+    parser.add_argument("--tokens", type=token_count, nargs="+", default=[None], metavar="N",
                         help="tokens per step instead of each config's own, one run of "
                              "the configs per count (each expert's share a whole number "
                              "of 128-tiles)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    if any(t is not None and t <= 0 for t in args.tokens):
-        parser.error(f"--tokens must be positive, got {args.tokens}")
     if args.dense:
         from .llama import ALL_LLAMA
         unknown = [c for c in args.dense if c not in ALL_LLAMA]

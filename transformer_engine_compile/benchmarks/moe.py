@@ -247,6 +247,14 @@ def config_with_tokens(name: str, tokens=None) -> MoEConfig:
     return dataclasses.replace(cfg, tokens=tokens)
 
 
+def token_count(text: str) -> int:
+    """``--tokens``' argparse type: a positive int."""
+    tokens = int(text)
+    if tokens <= 0:
+        raise argparse.ArgumentTypeError(f"--tokens must be positive, got {tokens}")
+    return tokens
+
+
 def run(configs, recipes, device, steps, compiled, log=print, profiled=False,
         mode="default", microbatches=1, tokens=None) -> list:
     """Each config's block per candidate, side by side.  With more than one
@@ -428,7 +436,7 @@ def main(argv=None) -> int:
                         help="forward + backward this many times per step (gradient "
                              "accumulation, default mode); each recipe also runs with its "
                              "FP8 weights cached across them (is_first_microbatch)")
-    parser.add_argument("--tokens", type=int, default=None,
+    parser.add_argument("--tokens", type=token_count, default=None,
                         help="tokens per step for the block configs instead of each "
                              "config's own (e.g. 32768 for deepseek: 1024 per expert)")
     parser.add_argument("--json", default=None)
@@ -436,8 +444,6 @@ def main(argv=None) -> int:
                         help="after timing, one step of each row under torch.profiler: "
                              "its kernels by time")
     args = parser.parse_args(argv)
-    if args.tokens is not None and args.tokens <= 0:
-        parser.error(f"--tokens must be positive, got {args.tokens}")
     device = torch.device(args.device)
     configs = args.configs or (["mixtral", "qwen3"] if device.type == "cuda" else ["tiny"])
     print(f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
